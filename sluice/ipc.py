@@ -1,0 +1,85 @@
+"""ZMQ sockets between sluice's processes and the one wire format (msgpack via msgspec)."""
+
+from __future__ import annotations
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from sluice.messages import AnyMessage, Message
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(AnyMessage)
+
+
+def encode(message: Message) -> bytes:
+    return _encoder.encode(message)
+
+
+def decode(data: bytes) -> Message:
+    return _decoder.decode(data)
+
+
+def _socket(context: zmq.Context, kind: int, address: str, bind: bool) -> zmq.Socket:
+    sock = context.socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    if kind == zmq.PUSH:
+        sock.setsockopt(zmq.SNDHWM, 0)
+    else:
+        sock.setsockopt(zmq.RCVHWM, 0)
+    if bind:
+        sock.bind(address)
+    else:
+        sock.connect(address)
+    return sock
+
+
+class Receiver:
+    """The PULL end a process binds as its inbox."""
+
+    def __init__(self, context: zmq.Context, address: str):
+        self.sock = _socket(context, zmq.PULL, address, bind=True)
+
+    def recv(self, timeout_ms: int | None = None) -> Message | None:
+        if timeout_ms is not None and not self.sock.poll(timeout_ms):
+            return None
+        return decode(self.sock.recv())
+
+    def recv_nowait(self) -> Message | None:
+        try:
+            return decode(self.sock.recv(zmq.NOBLOCK))
+        except zmq.Again:
+            return None
+
+    def drain(self) -> list[Message]:
+        messages = []
+        while (message := self.recv_nowait()) is not None:
+            messages.append(message)
+        return messages
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class Sender:
+    """A PUSH socket connected to another process's inbox."""
+
+    def __init__(self, context: zmq.Context, address: str):
+        self.sock = _socket(context, zmq.PUSH, address, bind=False)
+
+    def send(self, message: Message) -> None:
+        self.sock.send(encode(message))
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class AsyncReceiver:
+    def __init__(self, context: zmq.asyncio.Context, address: str):
+        self.sock = _socket(context, zmq.PULL, address, bind=True)
+
+    async def recv(self) -> Message:
+        return decode(await self.sock.recv())
+
+    def close(self) -> None:
+        self.sock.close()

@@ -1,0 +1,196 @@
+"""Every message that crosses a process boundary.
+
+Each message is a msgspec Struct tagged with its class name, so one decoder turns bytes
+back into the right type and nothing is ever pickled. A batch message is only a list of
+per-request messages: splitting a result by request needs no hand-written code.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class Message(msgspec.Struct, tag=True, kw_only=True):
+    """Base of every message; the tag is the class name."""
+
+
+# ---------------------------------------------------------------- requests to the scheduler
+
+
+class SamplingParams(msgspec.Struct, kw_only=True):
+    """How to pick tokens and when to stop. Validated by `sluice.sampling.validate_sampling_params`."""
+
+    max_new_tokens: int = 128
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    seed: int | None = None
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+    n: int = 1
+
+
+class TokenizedGenerateReqInput(Message):
+    rid: str
+    input_ids: list[int]
+    sampling_params: SamplingParams
+    stream: bool = False
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    # First prompt position whose logprob is returned; -1 means none of the prompt.
+    logprob_start_len: int = -1
+    input_text: str = ""
+    http_worker_ipc: str | None = None
+
+
+class BatchTokenizedGenerateReqInput(Message):
+    reqs: list[TokenizedGenerateReqInput]
+
+
+class AbortReq(Message):
+    rid: str = ""
+    abort_all: bool = False
+    # Sent by the detokenizer when a stop string ended the request: the text is final,
+    # the scheduler only has to release the request's slots.
+    finished_by_stop_string: bool = False
+
+
+class FlushCacheReq(Message):
+    pass
+
+
+class GetInternalStateReq(Message):
+    pass
+
+
+# ---------------------------------------------------------------- outputs
+
+
+class FinishReason(msgspec.Struct, kw_only=True):
+    type: str  # "stop" | "length" | "abort"
+    matched: int | str | None = None
+    message: str | None = None
+    status_code: int | None = None
+
+    def to_json(self) -> dict:
+        out: dict = {"type": self.type, "matched": self.matched}
+        if self.message is not None:
+            out["message"] = self.message
+        if self.status_code is not None:
+            out["status_code"] = self.status_code
+        return out
+
+
+class TokenLogprob(msgspec.Struct, array_like=True):
+    token_id: int
+    logprob: float
+
+
+class TokenIDOutput(msgspec.Struct, kw_only=True):
+    """New tokens of one request since its last output."""
+
+    rid: str
+    new_token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    # Logprobs of the new tokens (and, in the first output, of the prompt from
+    # logprob_start_len on; the first prompt token has none).
+    output_logprobs: list[float] = []
+    output_top_logprobs: list[list[TokenLogprob]] = []
+    input_token_ids: list[int] = []
+    input_logprobs: list[float | None] = []
+    input_top_logprobs: list[list[TokenLogprob]] = []
+    # Detokenization options, repeated so the detokenizer keeps no copy of the request.
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    stop: list[str] = []
+    no_stop_trim: bool = False
+    stream: bool = False
+    http_worker_ipc: str | None = None
+
+
+class BatchTokenIDOutput(Message):
+    outputs: list[TokenIDOutput]
+
+
+class StrOutput(msgspec.Struct, kw_only=True):
+    """New text of one request since its last output."""
+
+    rid: str
+    text: str
+    new_token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    output_logprobs: list[float] = []
+    output_top_logprobs: list[list[TokenLogprob]] = []
+    input_token_ids: list[int] = []
+    input_logprobs: list[float | None] = []
+    input_top_logprobs: list[list[TokenLogprob]] = []
+    http_worker_ipc: str | None = None
+
+
+class BatchStrOutput(Message):
+    outputs: list[StrOutput]
+
+
+# ---------------------------------------------------------------- control
+
+
+class SchedulerReady(Message):
+    max_req_input_len: int
+    context_len: int
+    max_total_tokens: int
+    eos_token_ids: list[int]
+
+
+class DetokenizerReady(Message):
+    pass
+
+
+class ProcessFailed(Message):
+    process: str
+    error: str
+
+
+class FlushCacheReqOutput(Message):
+    success: bool
+    message: str = ""
+
+
+class InternalState(Message):
+    num_running_reqs: int
+    num_waiting_reqs: int
+    kv_tokens_total: int
+    kv_tokens_free: int
+    kv_tokens_cached: int
+    kv_tokens_in_use: int
+    last_step_ms: float = 0.0
+
+
+AnyMessage = (
+    TokenizedGenerateReqInput
+    | BatchTokenizedGenerateReqInput
+    | AbortReq
+    | FlushCacheReq
+    | GetInternalStateReq
+    | BatchTokenIDOutput
+    | BatchStrOutput
+    | SchedulerReady
+    | DetokenizerReady
+    | ProcessFailed
+    | FlushCacheReqOutput
+    | InternalState
+)
