@@ -1,0 +1,161 @@
+"""Attention over the token-granular KV pool.
+
+Decoding requests are attended as one padded batch; prefilling requests one by one.
+Everything that depends only on the batch layout (gather slots, masks, token ranges) is
+built once per forward in `AttentionMetadata` and reused by every layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.nn.utils.rnn import pad_sequence
+
+from sluice.model.forward_batch import ForwardBatch
+
+PADDING_SLOT = 0  # reserved by the KV pool, never holds a real token
+
+
+@dataclass(slots=True)
+class PrefillSegment:
+    """One request with more than one new token."""
+
+    token_start: int  # its new tokens are rows [token_start, token_end) of the batch
+    token_end: int
+    kv_slots: torch.Tensor | None  # slots of its whole sequence; None when there is no prefix
+    mask: torch.Tensor | None  # bool [extend_len, seq_len], True = may attend; None = plain causal
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    num_tokens: int
+    decode_rows: torch.Tensor | None  # batch rows of the decoding tokens; None when there are none
+    decode_kv_slots: torch.Tensor | None  # int64 [num_decode * max_seq_len], padded with PADDING_SLOT
+    decode_max_seq_len: int
+    decode_mask: torch.Tensor | None  # bool [num_decode, 1, 1, max_seq_len]; None when no padding
+    prefills: list[PrefillSegment]
+
+    @classmethod
+    def build(cls, fb: ForwardBatch) -> AttentionMetadata:
+        decode_rows: list[int] = []
+        decode_kv_indices: list[torch.Tensor] = []
+        decode_seq_lens: list[int] = []
+        prefills: list[PrefillSegment] = []
+        token_start = 0
+        for extend_len, seq_len, kv_indices in zip(fb.extend_lens, fb.seq_lens, fb.kv_indices):
+            if extend_len == 1:
+                decode_rows.append(token_start)
+                decode_kv_indices.append(kv_indices)
+                decode_seq_lens.append(seq_len)
+            else:
+                prefills.append(_prefill_segment(token_start, extend_len, seq_len, kv_indices))
+            token_start += extend_len
+
+        metadata = cls(
+            num_tokens=token_start,
+            decode_rows=None,
+            decode_kv_slots=None,
+            decode_max_seq_len=0,
+            decode_mask=None,
+            prefills=prefills,
+        )
+        if decode_rows:
+            max_seq_len = max(decode_seq_lens)
+            metadata.decode_rows = torch.tensor(decode_rows, dtype=torch.int64)
+            metadata.decode_kv_slots = pad_sequence(
+                decode_kv_indices, batch_first=True, padding_value=PADDING_SLOT
+            ).view(-1)
+            metadata.decode_max_seq_len = max_seq_len
+            if min(decode_seq_lens) != max_seq_len:
+                lengths = torch.tensor(decode_seq_lens, dtype=torch.int64)
+                mask = torch.arange(max_seq_len).unsqueeze(0) < lengths.unsqueeze(1)
+                metadata.decode_mask = mask.view(len(decode_rows), 1, 1, max_seq_len)
+        return metadata
+
+    @property
+    def decode_only(self) -> bool:
+        """Every token decodes, so decode rows are exactly 0..num_tokens-1 in order."""
+        return not self.prefills
+
+
+def _prefill_segment(token_start: int, extend_len: int, seq_len: int, kv_indices: torch.Tensor) -> PrefillSegment:
+    prefix_len = seq_len - extend_len
+    if prefix_len == 0:
+        # K and V come straight from this step's projections: no gather, built-in causal mask.
+        return PrefillSegment(token_start, token_start + extend_len, kv_slots=None, mask=None)
+    query_positions = torch.arange(prefix_len, seq_len).unsqueeze(1)
+    key_positions = torch.arange(seq_len).unsqueeze(0)
+    return PrefillSegment(
+        token_start, token_start + extend_len, kv_slots=kv_indices, mask=key_positions <= query_positions
+    )
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    out_cache_loc: torch.Tensor,
+    metadata: AttentionMetadata,
+) -> torch.Tensor:
+    """Store this step's k/v in the pool, then attend; returns [num_tokens, num_heads * head_dim].
+
+    q is [num_tokens, num_heads, head_dim]; k and v are [num_tokens, num_kv_heads, head_dim].
+    """
+    k_buffer.index_copy_(0, out_cache_loc, k)
+    v_buffer.index_copy_(0, out_cache_loc, v)
+    num_tokens, num_heads, head_dim = q.shape
+
+    if metadata.decode_only:
+        return _decode_attention(q, k_buffer, v_buffer, metadata).view(num_tokens, num_heads * head_dim)
+
+    out = q.new_empty(num_tokens, num_heads, head_dim)
+    if metadata.decode_rows is not None:
+        out[metadata.decode_rows] = _decode_attention(q[metadata.decode_rows], k_buffer, v_buffer, metadata)
+    for segment in metadata.prefills:
+        rows = slice(segment.token_start, segment.token_end)
+        out[rows] = _prefill_attention(q[rows], k[rows], v[rows], k_buffer, v_buffer, segment)
+    return out.view(num_tokens, num_heads * head_dim)
+
+
+def _decode_attention(
+    q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, metadata: AttentionMetadata
+) -> torch.Tensor:
+    num_requests, num_heads, head_dim = q.shape
+    num_kv_heads = k_buffer.shape[1]
+    gathered_shape = (num_requests, metadata.decode_max_seq_len, num_kv_heads, head_dim)
+    keys = k_buffer.index_select(0, metadata.decode_kv_slots).view(gathered_shape).transpose(1, 2)
+    values = v_buffer.index_select(0, metadata.decode_kv_slots).view(gathered_shape).transpose(1, 2)
+    # The query heads sharing a KV head become that head's "query positions": all sit at the
+    # same position, so one mask row serves them, and no KV repeat is needed (SDPA's own
+    # GQA path is several times slower in bf16 on CPU).
+    grouped_q = q.view(num_requests, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    out = F.scaled_dot_product_attention(grouped_q, keys, values, attn_mask=metadata.decode_mask)
+    return out.view(num_requests, num_heads, head_dim)
+
+
+def _prefill_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    segment: PrefillSegment,
+) -> torch.Tensor:
+    if segment.kv_slots is not None:
+        k = k_buffer.index_select(0, segment.kv_slots)
+        v = v_buffer.index_select(0, segment.kv_slots)
+    # [tokens, heads, dim] -> [1, heads, tokens, dim]: with a batch axis SDPA takes its CPU
+    # flash kernel; 3-D inputs fall back to a path ~5x slower on long prompts.
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0),
+        k.transpose(0, 1).unsqueeze(0),
+        v.transpose(0, 1).unsqueeze(0),
+        attn_mask=segment.mask,
+        is_causal=segment.mask is None,
+        enable_gqa=True,
+    )
+    return out[0].transpose(0, 1)

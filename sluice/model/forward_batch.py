@@ -1,0 +1,27 @@
+"""What the Scheduler hands the model for one forward step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class ForwardBatch:
+    """One step over a mix of prefilling and decoding requests, in request order.
+
+    KV lives in a token-granular pool owned by the Scheduler: per layer, `k_buffers[layer]`
+    and `v_buffers[layer]` are [num_slots, num_kv_heads, head_dim] in the model dtype.
+    Slot 0 is reserved for padding and never holds a token.
+    """
+
+    input_ids: torch.Tensor  # int64 [num_tokens]: the new tokens of every request, concatenated
+    positions: torch.Tensor  # int64 [num_tokens]: each new token's position in its sequence
+    out_cache_loc: torch.Tensor  # int64 [num_tokens]: KV slot that receives each new token's K and V
+    extend_lens: list[int]  # new tokens per request (1 for a decoding request)
+    seq_lens: list[int]  # tokens per request after this step (cached prefix + new)
+    kv_indices: list[torch.Tensor]  # per request, int64 [seq_len]: slots of the whole sequence in order
+    logits_indices: torch.Tensor  # int64: rows of the num_tokens axis whose logits to return
+    k_buffers: list[torch.Tensor]
+    v_buffers: list[torch.Tensor]

@@ -1,0 +1,125 @@
+"""The building blocks of a Llama-family decoder: norm, rotary embedding, projections.
+
+Projections are fused (q/k/v into one matrix, gate/up into one) because at small batch a
+decode step costs about one kernel launch per matmul, not FLOPs.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def _frozen(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+    # Filled by LlamaForCausalLM.load_weights; `empty` avoids a useless random init.
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = _frozen(hidden_size, dtype=dtype)
+        self.eps = eps
+        self.normalized_shape = (hidden_size,)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, self.normalized_shape, self.weight, self.eps)
+
+
+class QKVProjection(nn.Module):
+    """q, k and v projections as one matmul; output rows are [q heads | k heads | v heads]."""
+
+    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                 bias: bool, dtype: torch.dtype) -> None:
+        super().__init__()
+        out_features = (num_heads + 2 * num_kv_heads) * head_dim
+        self.weight = _frozen(out_features, hidden_size, dtype=dtype)
+        self.bias = _frozen(out_features, dtype=dtype) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class Linear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = _frozen(out_features, in_features, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class SwiGLUMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)), with gate and up stacked into one weight."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self.gate_up_weight = _frozen(2 * intermediate_size, hidden_size, dtype=dtype)
+        self.down_weight = _frozen(hidden_size, intermediate_size, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = F.linear(x, self.gate_up_weight)
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        return F.linear(F.silu(gate) * up, self.down_weight)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for every position up to context_len, computed once at load time.
+
+    Uses the rotate-half (NeoX) layout of transformers' Llama, so HF checkpoints and
+    un-permuted GGUF weights apply as they are.
+    """
+
+    def __init__(self, head_dim: int, rope_theta: float, rope_scaling: dict[str, Any] | None,
+                 context_len: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        inv_freq = _scaled_inv_freq(head_dim, rope_theta, rope_scaling)
+        positions = torch.arange(context_len, dtype=torch.float32)
+        freqs = torch.outer(positions, inv_freq)
+        # The sign of rotate_half is folded into sin: rotate_half(x) * sin ==
+        # roll(x, half) * [-sin, sin], which saves a negation and a concat per layer.
+        self.register_buffer("cos", torch.cat((freqs, freqs), dim=-1).cos().to(dtype), persistent=False)
+        self.register_buffer("signed_sin", torch.cat((-freqs, freqs), dim=-1).sin().to(dtype), persistent=False)
+        self.half_dim = head_dim // 2
+
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin for each token, shaped [num_tokens, 1, head_dim] to broadcast over heads."""
+        return self.cos[positions].unsqueeze(1), self.signed_sin[positions].unsqueeze(1)
+
+    def apply(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+        """Rotate x of shape [num_tokens, num_heads, head_dim]."""
+        return torch.addcmul(x * cos, torch.roll(x, self.half_dim, dims=-1), signed_sin)
+
+
+def _scaled_inv_freq(head_dim: int, rope_theta: float, rope_scaling: dict[str, Any] | None) -> torch.Tensor:
+    inv_freq = 1.0 / (rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    rope_type = (rope_scaling or {}).get("rope_type", "default")
+    if rope_type == "default":
+        return inv_freq
+    if rope_type == "linear":
+        return inv_freq / rope_scaling["factor"]
+    if rope_type == "llama3":
+        return _llama3_inv_freq(inv_freq, rope_scaling)
+    raise ValueError(f"rope_scaling.rope_type {rope_type!r} is not supported; supported: linear, llama3")
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, rope_scaling: dict[str, Any]) -> torch.Tensor:
+    """Llama 3.1's frequency-dependent scaling, as transformers computes it."""
+    factor = rope_scaling["factor"]
+    low_freq_factor = rope_scaling["low_freq_factor"]
+    high_freq_factor = rope_scaling["high_freq_factor"]
+    original_context_len = rope_scaling["original_max_position_embeddings"]
+    low_freq_wavelen = original_context_len / low_freq_factor
+    high_freq_wavelen = original_context_len / high_freq_factor
+
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (original_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)

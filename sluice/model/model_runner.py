@@ -1,0 +1,36 @@
+"""Owns the loaded model inside the Scheduler process: runs forwards, sizes the KV pool."""
+
+from __future__ import annotations
+
+import torch
+
+from sluice.model.forward_batch import ForwardBatch
+from sluice.model.llama import LlamaForCausalLM
+from sluice.model.model_config import ModelConfig
+from sluice.model.weights import load_weights
+
+
+class ModelRunner:
+    def __init__(self, model_path: str, dtype: torch.dtype) -> None:
+        self.config = ModelConfig.from_path(model_path)
+        self.dtype = dtype
+        self.model = LlamaForCausalLM(self.config, dtype)
+        self.model.load_weights(load_weights(model_path, self.config, dtype))
+        self.model.eval()
+
+    @torch.inference_mode()
+    def forward(self, fb: ForwardBatch) -> torch.Tensor:
+        """float32 logits of shape [len(fb.logits_indices), vocab_size]."""
+        return self.model(fb)
+
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K and V that one cached token takes, over all layers."""
+        config = self.config
+        return 2 * config.num_layers * config.num_kv_heads * config.head_dim * self.dtype.itemsize
+
+    def new_kv_buffers(self, num_slots: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Zeroed per-layer K and V pools of shape [num_slots, num_kv_heads, head_dim]; slot 0 is padding."""
+        shape = (num_slots, self.config.num_kv_heads, self.config.head_dim)
+        k_buffers = [torch.zeros(shape, dtype=self.dtype) for _ in range(self.config.num_layers)]
+        v_buffers = [torch.zeros(shape, dtype=self.dtype) for _ in range(self.config.num_layers)]
+        return k_buffers, v_buffers

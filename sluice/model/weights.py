@@ -1,0 +1,103 @@
+"""Load model weights into a dict keyed by Hugging Face parameter names.
+
+GGUF tensors are dequantized to float and renamed, so the model only ever sees one naming.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from sluice.model.model_config import ModelConfig, is_gguf, open_gguf
+
+# GGUF tensor name (after "blk.{i}.") -> HF parameter name (after "model.layers.{i}.").
+_GGUF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GGUF_TOP_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+
+
+def load_weights(path: str | Path, config: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """All parameters of the model at `path`, in HF naming, as `dtype` tensors.
+
+    A tied model may lack `lm_head.weight`; the model then reuses the embedding.
+    """
+    if is_gguf(path):
+        return _load_gguf(Path(path), config, dtype)
+    return _load_safetensors_folder(Path(path), dtype)
+
+
+def _load_gguf(path: Path, config: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    import gguf
+
+    reader = open_gguf(str(path))
+    # llama.cpp's converter permutes Q/K rows of llama models for its rotary layout; Qwen2
+    # uses the NeoX layout there and is stored unpermuted.
+    unpermute_qk = config.architecture != "Qwen2ForCausalLM"
+    weights: dict[str, torch.Tensor] = {}
+    for tensor in reader.tensors:
+        name = _hf_name(tensor.name)
+        if name is None:
+            continue
+        # dequantize returns the array in row-major HF order ([out, in] for a linear).
+        array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        if unpermute_qk and name.endswith(("q_proj.weight", "q_proj.bias")):
+            array = _undo_rotary_permutation(array, config.num_heads, config.head_dim)
+        elif unpermute_qk and name.endswith(("k_proj.weight", "k_proj.bias")):
+            array = _undo_rotary_permutation(array, config.num_kv_heads, config.head_dim)
+        # Unquantized tensors come back as read-only views of the file: copy those.
+        weights[name] = torch.from_numpy(np.require(array, requirements=["C", "W"])).to(dtype)
+    # Weight loading is the reader's last use; its parsed tokenizer arrays are tens of MB.
+    open_gguf.cache_clear()
+    return weights
+
+
+def _hf_name(gguf_name: str) -> str | None:
+    stem, _, suffix = gguf_name.rpartition(".")  # suffix: "weight" or "bias"
+    if stem.startswith("blk."):
+        _, layer, part = stem.split(".", 2)
+        hf_part = _GGUF_LAYER_NAMES.get(part)
+        return None if hf_part is None else f"model.layers.{layer}.{hf_part}.{suffix}"
+    hf_stem = _GGUF_TOP_NAMES.get(stem)
+    return None if hf_stem is None else f"{hf_stem}.{suffix}"
+
+
+def _undo_rotary_permutation(array: np.ndarray, num_heads: int, head_dim: int) -> np.ndarray:
+    """Inverse of llama.cpp's per-head row interleaving of a Q or K projection."""
+    rows = array.shape[0]
+    rest = array.shape[1:]
+    return array.reshape(num_heads, head_dim // 2, 2, *rest).swapaxes(1, 2).reshape(rows, *rest)
+
+
+def _load_safetensors_folder(folder: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    index_path = folder / "model.safetensors.index.json"
+    if index_path.is_file():
+        shard_names = sorted(set(json.loads(index_path.read_text())["weight_map"].values()))
+    else:
+        shard_names = sorted(file.name for file in folder.glob("*.safetensors"))
+    if not shard_names:
+        raise FileNotFoundError(f"no .safetensors files in {str(folder)!r}")
+
+    weights: dict[str, torch.Tensor] = {}
+    for shard_name in shard_names:
+        for name, tensor in load_file(str(folder / shard_name)).items():
+            if "rotary_emb" not in name:  # precomputed inv_freq buffers of old checkpoints
+                weights[name] = tensor.to(dtype)
+    return weights

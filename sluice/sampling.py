@@ -1,0 +1,85 @@
+"""Client errors, and the check that a request's sampling parameters are in range.
+
+The main process validates every request here before anything is scheduled, so the
+scheduler and the sampler can trust the values they are given.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import ClassVar, Final
+
+from sluice.messages import SamplingParams
+
+MAX_STOP_STRINGS: Final = 16
+MAX_STOP_STRING_CHARS: Final = 256
+MAX_SEED: Final = 2**63  # exclusive
+
+
+class ClientError(ValueError):
+    """A request the client got wrong; the server answers it with `status_code`."""
+
+    status_code: ClassVar[int] = 400
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+def validate_sampling_params(p: SamplingParams, vocab_size: int | None = None) -> None:
+    """Raise ClientError naming the first field that is out of range, and its range."""
+    _check(p.max_new_tokens >= 0, "max_new_tokens", "must be >= 0", p.max_new_tokens)
+    _check(
+        0 <= p.min_new_tokens <= p.max_new_tokens,
+        "min_new_tokens",
+        f"must be in [0, max_new_tokens={p.max_new_tokens}]",
+        p.min_new_tokens,
+    )
+    _check(
+        math.isfinite(p.temperature) and p.temperature >= 0,
+        "temperature",
+        "must be a finite number >= 0",
+        p.temperature,
+    )
+    _check(0 < p.top_p <= 1, "top_p", "must be in (0, 1]", p.top_p)
+    _check(p.top_k >= -1, "top_k", "must be -1 or 0 (disabled) or >= 1", p.top_k)
+    _check(0 <= p.min_p <= 1, "min_p", "must be in [0, 1]", p.min_p)
+    _check(
+        math.isfinite(p.repetition_penalty) and p.repetition_penalty > 0,
+        "repetition_penalty",
+        "must be a finite number > 0",
+        p.repetition_penalty,
+    )
+    _check(-2 <= p.frequency_penalty <= 2, "frequency_penalty", "must be in [-2, 2]", p.frequency_penalty)
+    _check(-2 <= p.presence_penalty <= 2, "presence_penalty", "must be in [-2, 2]", p.presence_penalty)
+    if p.seed is not None:
+        _check(0 <= p.seed < MAX_SEED, "seed", "must be in [0, 2**63)", p.seed)
+    _check(p.n >= 1, "n", "must be >= 1", p.n)
+    _check_stop(p.stop)
+    _check_stop_token_ids(p.stop_token_ids, vocab_size)
+
+
+def _check_stop(stop: list[str]) -> None:
+    _check(len(stop) <= MAX_STOP_STRINGS, "stop", f"must hold at most {MAX_STOP_STRINGS} strings", len(stop))
+    for text in stop:
+        _check(
+            0 < len(text) <= MAX_STOP_STRING_CHARS,
+            "stop",
+            f"must hold non-empty strings of at most {MAX_STOP_STRING_CHARS} characters",
+            f"a string of {len(text)} characters",
+        )
+
+
+def _check_stop_token_ids(stop_token_ids: list[int], vocab_size: int | None) -> None:
+    if vocab_size is None:
+        bound, allowed = None, "must be >= 0"
+    else:
+        bound, allowed = vocab_size, f"must be in [0, {vocab_size})"
+    for token_id in stop_token_ids:
+        _check(token_id >= 0 and (bound is None or token_id < bound), "stop_token_ids", allowed, token_id)
+
+
+def _check(ok: bool, param: str, allowed: str, got: object) -> None:
+    if not ok:
+        raise ClientError(f"{param} {allowed}, got {got}", param=param)

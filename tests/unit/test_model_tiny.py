@@ -1,0 +1,162 @@
+"""sluice's model against transformers on tiny random-weight checkpoints of each family.
+
+Each variant is saved with `save_pretrained` (safetensors) and loaded back by sluice's
+ModelRunner from the folder, so config parsing and weight naming are covered too.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from sluice.model.forward_batch import ForwardBatch
+from sluice.model.model_config import ModelConfig
+from sluice.model.model_runner import ModelRunner
+
+SHAPE = dict(
+    vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+    bos_token_id=None, eos_token_id=None, pad_token_id=None,  # no early stop in generate()
+)
+PROMPT_IDS = [17, 200, 3, 99, 45, 45, 128, 7, 250, 64, 1, 33]
+NUM_GREEDY_TOKENS = 16
+
+
+def llama_llama3_rope_untied():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    rope = {"rope_type": "llama3", "rope_theta": 50000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+    return LlamaForCausalLM(LlamaConfig(**SHAPE, tie_word_embeddings=False, rope_parameters=rope))
+
+
+def llama_linear_rope_tied():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    rope = {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}
+    return LlamaForCausalLM(LlamaConfig(**SHAPE, tie_word_embeddings=True, rope_parameters=rope))
+
+
+def qwen2_with_qkv_bias():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    return Qwen2ForCausalLM(Qwen2Config(**SHAPE, tie_word_embeddings=False))
+
+
+def mistral_wide_heads():
+    from transformers import MistralConfig, MistralForCausalLM
+
+    # head_dim * heads != hidden_size: o_proj maps 128 -> 64.
+    return MistralForCausalLM(MistralConfig(**SHAPE, head_dim=32, sliding_window=None))
+
+
+VARIANTS = [llama_llama3_rope_untied, llama_linear_rope_tied, qwen2_with_qkv_bias, mistral_wide_heads]
+
+
+def save_random_model(build, folder: Path):
+    """Save a model whose every weight is random: HF zeroes biases and sets norms to one,
+    which would hide a bias or norm that sluice dropped."""
+    torch.manual_seed(0)
+    model = build().eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "norm" in name:
+                parameter.uniform_(0.5, 1.5)
+            else:
+                parameter.normal_(0.0, 0.1)
+    model.save_pretrained(folder)
+    return model
+
+
+def make_batch(
+    requests: list[tuple[list[int], torch.Tensor]],
+    kv_buffers: tuple[list[torch.Tensor], list[torch.Tensor]],
+    all_logits: bool = False,
+) -> ForwardBatch:
+    """One step for requests given as (new token ids, KV slots of the whole sequence after the step)."""
+    input_ids, positions, out_cache_loc, logits_indices = [], [], [], []
+    for new_ids, slots in requests:
+        prefix_len = len(slots) - len(new_ids)
+        logits_indices.extend(range(len(input_ids), len(input_ids) + len(new_ids)) if all_logits
+                              else [len(input_ids) + len(new_ids) - 1])
+        input_ids.extend(new_ids)
+        positions.extend(range(prefix_len, len(slots)))
+        out_cache_loc.append(slots[prefix_len:])
+    return ForwardBatch(
+        input_ids=torch.tensor(input_ids, dtype=torch.int64),
+        positions=torch.tensor(positions, dtype=torch.int64),
+        out_cache_loc=torch.cat(out_cache_loc),
+        extend_lens=[len(new_ids) for new_ids, _ in requests],
+        seq_lens=[len(slots) for _, slots in requests],
+        kv_indices=[slots for _, slots in requests],
+        logits_indices=torch.tensor(logits_indices, dtype=torch.int64),
+        k_buffers=kv_buffers[0],
+        v_buffers=kv_buffers[1],
+    )
+
+
+def sluice_greedy(runner: ModelRunner, prompt_ids: list[int], num_tokens: int) -> list[int]:
+    """Prefill the prompt, then decode one token per step through the KV pool (slots reversed,
+    so that nothing relies on a sequence's slots being ascending)."""
+    slots = torch.arange(len(prompt_ids) + num_tokens, 0, -1)
+    kv_buffers = runner.new_kv_buffers(len(slots) + 1)
+    logits = runner.forward(make_batch([(prompt_ids, slots[: len(prompt_ids)])], kv_buffers))
+    generated = [int(logits[-1].argmax())]
+    while len(generated) < num_tokens:
+        seq_len = len(prompt_ids) + len(generated)
+        logits = runner.forward(make_batch([([generated[-1]], slots[:seq_len])], kv_buffers))
+        generated.append(int(logits[-1].argmax()))
+    return generated
+
+
+@pytest.mark.parametrize("build", VARIANTS, ids=lambda build: build.__name__)
+def test_logits_and_greedy_tokens_match_transformers(build, tmp_path: Path):
+    hf_model = save_random_model(build, tmp_path)
+    runner = ModelRunner(str(tmp_path), torch.float32)
+
+    kv_buffers = runner.new_kv_buffers(len(PROMPT_IDS) + 1)
+    logits = runner.forward(make_batch([(PROMPT_IDS, torch.arange(1, len(PROMPT_IDS) + 1))], kv_buffers, all_logits=True))
+    with torch.inference_mode():
+        expected = hf_model(torch.tensor([PROMPT_IDS])).logits[0]
+        generated = hf_model.generate(
+            torch.tensor([PROMPT_IDS]), attention_mask=torch.ones(1, len(PROMPT_IDS), dtype=torch.int64),
+            do_sample=False, max_new_tokens=NUM_GREEDY_TOKENS, min_new_tokens=NUM_GREEDY_TOKENS, pad_token_id=0,
+        )[0, len(PROMPT_IDS):].tolist()
+
+    assert ((logits - expected).abs().max() / expected.abs().max()).item() < 1e-4
+    assert sluice_greedy(runner, PROMPT_IDS, NUM_GREEDY_TOKENS) == generated
+
+
+def test_bfloat16_forward_gives_finite_float32_logits(tmp_path: Path):
+    save_random_model(qwen2_with_qkv_bias, tmp_path)
+    runner = ModelRunner(str(tmp_path), torch.bfloat16)
+    kv_buffers = runner.new_kv_buffers(2 * len(PROMPT_IDS) + 1)
+    assert kv_buffers[0][0].dtype == torch.bfloat16
+
+    prefill = runner.forward(make_batch([(PROMPT_IDS, torch.arange(1, len(PROMPT_IDS) + 1))], kv_buffers))
+    decode = runner.forward(make_batch([([5], torch.arange(1, len(PROMPT_IDS) + 2))], kv_buffers))
+    for logits in (prefill, decode):
+        assert logits.shape == (1, 256)
+        assert logits.dtype == torch.float32
+        assert torch.isfinite(logits).all()
+
+
+def test_config_reads_eos_from_both_files_and_sizes_kv(tmp_path: Path):
+    save_random_model(mistral_wide_heads, tmp_path)
+    config_path = tmp_path / "config.json"
+    config_path.write_text(json.dumps({**json.loads(config_path.read_text()), "eos_token_id": 2}))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 2]}))
+
+    config = ModelConfig.from_path(tmp_path)
+    assert config.architecture == "MistralForCausalLM"
+    assert config.eos_token_ids == [2, 7]
+    assert (config.num_layers, config.num_kv_heads, config.head_dim) == (2, 2, 32)
+
+    runner = ModelRunner(str(tmp_path), torch.bfloat16)
+    assert runner.kv_bytes_per_token() == 2 * 2 * 2 * 32 * 2  # K and V, layers, kv heads, head_dim, bytes
+    k_buffers, v_buffers = runner.new_kv_buffers(10)
+    assert len(k_buffers) == len(v_buffers) == 2
+    assert k_buffers[0].shape == (10, 2, 32)
