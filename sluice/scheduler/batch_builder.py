@@ -1,0 +1,102 @@
+"""Turn the requests chosen for a step into the model's ForwardBatch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from sluice.messages import TokenLogprob
+from sluice.model.forward_batch import ForwardBatch
+from sluice.scheduler.kv_manager import KVManager
+from sluice.scheduler.req import Req
+
+
+@dataclass(slots=True)
+class StepBatch:
+    reqs: list[Req]
+    extend_lens: list[int]
+    starts: list[int]  # kv_len of each request before this step
+    out_cache_loc: torch.Tensor
+    samples: list[bool]  # whether the step completes the request's sequence (a new token is sampled)
+    was_prefill: list[bool]
+    logits_indices: torch.Tensor
+    sample_logit_rows: torch.Tensor  # rows of the logits used for sampling, in request order
+    # (request index, prompt position of the token whose logprob a logits row gives)
+    input_logprob_rows: list[tuple[int, int, int]]
+
+    @classmethod
+    def allocate(cls, reqs: list[Req], extend_lens: list[int], kv: KVManager) -> "StepBatch":
+        out_cache_loc = kv.alloc_tokens(sum(extend_lens))
+        assert out_cache_loc is not None, "the scheduler admitted more tokens than the cache holds"
+        starts = [r.kv_len for r in reqs]
+        samples = [r.kv_len + n == r.seq_len and r.sampling_params.max_new_tokens > 0 for r, n in zip(reqs, extend_lens)]
+        logits_indices: list[int] = []
+        sample_rows: list[int] = []
+        input_rows: list[tuple[int, int, int]] = []
+        offset = 0
+        for i, (req, n) in enumerate(zip(reqs, extend_lens)):
+            if req.wants_input_logprobs:
+                first = max(req.logprob_start_len - 1, req.kv_len)
+                for pos in range(first, min(req.kv_len + n, len(req.prompt_ids) - 1)):
+                    input_rows.append((i, pos + 1, len(logits_indices)))
+                    logits_indices.append(offset + pos - req.kv_len)
+            if samples[i]:
+                sample_rows.append(len(logits_indices))
+                logits_indices.append(offset + n - 1)
+            offset += n
+        return cls(
+            reqs=reqs,
+            extend_lens=extend_lens,
+            starts=starts,
+            out_cache_loc=out_cache_loc,
+            samples=samples,
+            was_prefill=[not r.is_decoding for r in reqs],
+            logits_indices=torch.tensor(logits_indices, dtype=torch.int64),
+            sample_logit_rows=torch.tensor(sample_rows, dtype=torch.int64),
+            input_logprob_rows=input_rows,
+        )
+
+    def record_input_logprobs(self, logits: torch.Tensor) -> None:
+        """Store prompt-token logprobs for requests that asked for them."""
+        if not self.input_logprob_rows:
+            return
+        rows = torch.tensor([row for _, _, row in self.input_logprob_rows])
+        logprobs = torch.log_softmax(logits[rows].float(), dim=-1)
+        for k, (i, pos, _) in enumerate(self.input_logprob_rows):
+            req = self.reqs[i]
+            if not req.input_logprobs and req.logprob_start_len == 0:
+                req.input_logprobs.append(None)  # the first token has nothing to condition on
+                req.input_top_logprobs.append([])
+            token = req.prompt_ids[pos]
+            req.input_logprobs.append(float(logprobs[k, token]))
+            if req.top_logprobs_num:
+                values, ids = logprobs[k].topk(req.top_logprobs_num)
+                req.input_top_logprobs.append([TokenLogprob(int(t), float(v)) for t, v in zip(ids, values)])
+
+
+def build_forward_batch(batch: StepBatch, req_to_token: torch.Tensor, k_buffers, v_buffers) -> ForwardBatch:
+    input_ids: list[int] = []
+    positions: list[int] = []
+    kv_indices: list[torch.Tensor] = []
+    seq_lens: list[int] = []
+    offset = 0
+    for req, n, start in zip(batch.reqs, batch.extend_lens, batch.starts):
+        input_ids.extend(req.fill_ids[start : start + n])
+        positions.extend(range(start, start + n))
+        new_slots = batch.out_cache_loc[offset : offset + n]
+        req_to_token[req.req_pool_idx, start : start + n] = new_slots
+        kv_indices.append(req_to_token[req.req_pool_idx, : start + n])
+        seq_lens.append(start + n)
+        offset += n
+    return ForwardBatch(
+        input_ids=torch.tensor(input_ids, dtype=torch.int64),
+        positions=torch.tensor(positions, dtype=torch.int64),
+        out_cache_loc=batch.out_cache_loc,
+        extend_lens=list(batch.extend_lens),
+        seq_lens=seq_lens,
+        kv_indices=kv_indices,
+        logits_indices=batch.logits_indices,
+        k_buffers=k_buffers,
+        v_buffers=v_buffers,
+    )

@@ -1,0 +1,36 @@
+"""Build the BatchTokenIDOutput entry of one request: what is new since its last output."""
+
+from __future__ import annotations
+
+from sluice.messages import TokenIDOutput
+from sluice.scheduler.req import Req
+
+
+def make_output(req: Req) -> TokenIDOutput:
+    start = req.num_sent_tokens
+    req.num_sent_tokens = len(req.output_ids)
+    params = req.sampling_params
+    out = TokenIDOutput(
+        rid=req.rid,
+        new_token_ids=req.output_ids[start:],
+        finish_reason=req.finish_reason,
+        prompt_tokens=len(req.prompt_ids),
+        completion_tokens=len(req.output_ids),
+        cached_tokens=req.cached_tokens,
+        skip_special_tokens=params.skip_special_tokens,
+        spaces_between_special_tokens=params.spaces_between_special_tokens,
+        stop=params.stop,
+        no_stop_trim=params.no_stop_trim,
+        stream=req.stream,
+        http_worker_ipc=req.http_worker_ipc,
+    )
+    if req.return_logprob:
+        out.output_logprobs = req.output_logprobs[start:]
+        out.output_top_logprobs = req.output_top_logprobs[start:]
+        # Prompt logprobs go out once, with the first output after the prompt's prefill.
+        if req.wants_input_logprobs and (req.output_ids or req.finished):
+            out.input_token_ids = req.prompt_ids[req.logprob_start_len :]
+            out.input_logprobs = req.input_logprobs
+            out.input_top_logprobs = req.input_top_logprobs
+            req.input_logprobs_sent = True
+    return out

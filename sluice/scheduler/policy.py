@@ -1,0 +1,40 @@
+"""Which waiting requests prefill next, under the step's token and memory budgets."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from sluice.scheduler.kv_manager import KVManager
+from sluice.scheduler.req import Req
+
+# Above this many waiting requests, lpm falls back to fcfs: matching every one against
+# the radix tree each step would cost more than it saves.
+LPM_MAX_QUEUE = 128
+# Share of its remaining max_new_tokens a running request is expected to still need when
+# deciding whether a new request fits. Too low and requests get retracted, too high and
+# the cache sits idle; retraction keeps an underestimate safe.
+DECODE_RESERVE_RATIO = 0.3
+
+
+def order_waiting(waiting: list[Req], policy: str, kv: KVManager) -> list[Req]:
+    if policy == "lpm" and len(waiting) <= LPM_MAX_QUEUE:
+        return sorted(waiting, key=lambda r: -kv.match_prefix(r))
+    return waiting
+
+
+def decode_reserve(running: list[Req]) -> int:
+    return int(sum(r.max_new_tokens_left for r in running) * DECODE_RESERVE_RATIO)
+
+
+@dataclass
+class PrefillPlan:
+    """Requests that prefill this step, with how many tokens each computes."""
+
+    reqs: list[Req] = field(default_factory=list)
+    extend_lens: list[int] = field(default_factory=list)
+    tokens: int = 0
+
+    def add(self, req: Req, extend_len: int) -> None:
+        self.reqs.append(req)
+        self.extend_lens.append(extend_len)
+        self.tokens += extend_len

@@ -1,0 +1,128 @@
+"""The Scheduler process: load the model, then loop: drain messages, run one step, send."""
+
+from __future__ import annotations
+
+import logging
+import os
+import traceback
+
+import torch
+import zmq
+
+from sluice.config import PortArgs, ServerArgs
+from sluice.ipc import Receiver, Sender
+from sluice.messages import (
+    AbortReq,
+    BatchTokenIDOutput,
+    BatchTokenizedGenerateReqInput,
+    FlushCacheReq,
+    FlushCacheReqOutput,
+    GetInternalStateReq,
+    Message,
+    ProcessFailed,
+    SchedulerReady,
+    TokenizedGenerateReqInput,
+    TokenIDOutput,
+)
+from sluice.procutil import become_child_process
+
+logger = logging.getLogger(__name__)
+
+IDLE_POLL_MS = 1000
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    if name == "float32":
+        return torch.float32
+    if name == "bfloat16":
+        return torch.bfloat16
+    return torch.bfloat16 if torch.backends.cpu.get_cpu_capability() in ("AVX512", "AVX512_BF16", "AMX") else torch.float32
+
+
+def default_max_total_tokens(args: ServerArgs, kv_bytes_per_token: int, context_len: int) -> int:
+    if args.max_total_tokens:
+        return args.max_total_tokens
+    by_memory = int(args.kv_cache_memory_gb * 1024**3 // kv_bytes_per_token)
+    # More than every running request at full context is never needed.
+    return max(min(by_memory, context_len * args.max_running_requests), 256)
+
+
+def build_scheduler(args: ServerArgs):
+    from sluice.model.model_runner import ModelRunner
+    from sluice.scheduler.scheduler import Scheduler
+
+    runner = ModelRunner(args.resolved_model_path(), resolve_dtype(args.dtype))
+    max_total_tokens = default_max_total_tokens(args, runner.kv_bytes_per_token(), runner.config.context_len)
+    return Scheduler(args, runner, max_total_tokens)
+
+
+class SchedulerLoop:
+    """Owns the sockets; feeds messages to the Scheduler and sends what it produces."""
+
+    def __init__(self, scheduler, port_args: PortArgs):
+        self.scheduler = scheduler
+        self.context = zmq.Context(1)
+        self.inbox = Receiver(self.context, port_args.scheduler_input)
+        self.to_detokenizer = Sender(self.context, port_args.detokenizer_input)
+        self.to_tokenizer = Sender(self.context, port_args.tokenizer_input)
+
+    def run_forever(self) -> None:
+        while True:
+            if self.scheduler.is_idle:
+                if self.scheduler.args.debug_checks:
+                    self.scheduler.check_integrity()
+                first = self.inbox.recv(timeout_ms=IDLE_POLL_MS)
+                messages = ([first] if first is not None else []) + self.inbox.drain()
+            else:
+                messages = self.inbox.drain()
+            outputs: list[TokenIDOutput] = []
+            for message in messages:
+                outputs.extend(self.handle(message))
+            outputs.extend(self.scheduler.step())
+            if outputs:
+                self.to_detokenizer.send(BatchTokenIDOutput(outputs=outputs))
+
+    def handle(self, message: Message) -> list[TokenIDOutput]:
+        s = self.scheduler
+        s.received_by_type[type(message).__name__] += 1
+        match message:
+            case TokenizedGenerateReqInput():
+                out = s.add_request(message)
+                return [out] if out else []
+            case BatchTokenizedGenerateReqInput():
+                return [out for req in message.reqs if (out := s.add_request(req))]
+            case AbortReq():
+                return s.abort(message)
+            case FlushCacheReq():
+                ok = s.flush_cache()
+                self.to_tokenizer.send(FlushCacheReqOutput(success=ok, message="" if ok else "requests are running"))
+            case GetInternalStateReq():
+                self.to_tokenizer.send(s.internal_state())
+            case _:
+                logger.warning("scheduler ignored an unexpected %s", type(message).__name__)
+        return []
+
+
+def run_scheduler_process(server_args_data: bytes, port_args_data: bytes) -> None:
+    args = ServerArgs.decode(server_args_data)
+    port_args = PortArgs.decode(port_args_data)
+    become_child_process("scheduler", args.num_threads or os.cpu_count() or 1, args.log_level)
+    context = zmq.Context(1)
+    to_tokenizer = Sender(context, port_args.tokenizer_input)
+    try:
+        scheduler = build_scheduler(args)
+        loop = SchedulerLoop(scheduler, port_args)
+        to_tokenizer.send(
+            SchedulerReady(
+                max_req_input_len=scheduler.max_req_input_len,
+                context_len=scheduler.config.context_len,
+                max_total_tokens=scheduler.kv.total,
+                eos_token_ids=sorted(scheduler.eos_token_ids),
+            )
+        )
+        loop.run_forever()
+    except Exception:
+        error = traceback.format_exc()
+        logger.error("scheduler failed:\n%s", error)
+        to_tokenizer.send(ProcessFailed(process="scheduler", error=error))
+        raise

@@ -1,0 +1,104 @@
+"""The Scheduler's copy of a request. The TokenizerManager keeps its own; the rid links them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from sluice.messages import FinishReason, SamplingParams, TokenizedGenerateReqInput, TokenLogprob
+
+
+@dataclass(slots=True, eq=False)
+class Req:
+    rid: str
+    prompt_ids: list[int]
+    sampling_params: SamplingParams
+    stream: bool = False
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    logprob_start_len: int = -1
+    http_worker_ipc: str | None = None
+
+    output_ids: list[int] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+
+    # KV state. `kv_len` tokens of `fill_ids` have KV in slots req_to_token[req_pool_idx, :kv_len];
+    # the first `locked_prefix_len` of them belong to the radix cache (locked through
+    # `last_node`), the rest to this request.
+    req_pool_idx: int | None = None
+    kv_len: int = 0
+    locked_prefix_len: int = 0
+    last_node: Any = None
+    cached_tokens: int = 0
+    # Chunked prefill: how many tokens of fill_ids the current prefill covers.
+    extend_len: int = 0
+    times_retracted: int = 0
+
+    # Output bookkeeping.
+    num_sent_tokens: int = 0
+    output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[list[TokenLogprob]] = field(default_factory=list)
+    input_logprobs: list[float | None] = field(default_factory=list)
+    input_top_logprobs: list[list[TokenLogprob]] = field(default_factory=list)
+    input_logprobs_sent: bool = False
+
+    @classmethod
+    def from_message(cls, msg: TokenizedGenerateReqInput) -> "Req":
+        return cls(
+            rid=msg.rid,
+            prompt_ids=list(msg.input_ids),
+            sampling_params=msg.sampling_params,
+            stream=msg.stream,
+            return_logprob=msg.return_logprob,
+            top_logprobs_num=msg.top_logprobs_num,
+            logprob_start_len=msg.logprob_start_len,
+            http_worker_ipc=msg.http_worker_ipc,
+        )
+
+    @property
+    def fill_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def is_decoding(self) -> bool:
+        """KV exists for every token but the last sampled one: the next step is a decode."""
+        return bool(self.output_ids) and self.kv_len == self.seq_len - 1
+
+    @property
+    def remaining_prefill(self) -> int:
+        return self.seq_len - self.kv_len
+
+    @property
+    def max_new_tokens_left(self) -> int:
+        return max(self.sampling_params.max_new_tokens - len(self.output_ids), 0)
+
+    @property
+    def wants_input_logprobs(self) -> bool:
+        return self.return_logprob and 0 <= self.logprob_start_len < len(self.prompt_ids) and not self.input_logprobs_sent
+
+    def kv_slots(self, req_to_token: torch.Tensor) -> torch.Tensor:
+        return req_to_token[self.req_pool_idx, : self.kv_len]
+
+    def check_finished(self, eos_token_ids: frozenset[int]) -> None:
+        """Set finish_reason after a new token was appended."""
+        params = self.sampling_params
+        last = self.output_ids[-1]
+        if len(self.output_ids) >= params.min_new_tokens:
+            if last in params.stop_token_ids:
+                self.finish_reason = FinishReason(type="stop", matched=last)
+                return
+            if not params.ignore_eos and last in eos_token_ids:
+                self.finish_reason = FinishReason(type="stop", matched=last)
+                return
+        if len(self.output_ids) >= params.max_new_tokens:
+            self.finish_reason = FinishReason(type="length", matched=None)

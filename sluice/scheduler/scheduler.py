@@ -1,0 +1,246 @@
+"""The scheduling loop's logic: admit, batch, run the model, sample, emit. No sockets here.
+
+One step = one forward pass over a batch that holds every decoding request (one token
+each) plus the prefill chunks that fit the step's budgets. New requests join running ones
+between steps (continuous batching). When the KV cache runs out, the most recently admitted
+request is retracted to the waiting queue and later resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+
+import torch
+
+from sluice.config import ServerArgs
+from sluice.messages import (
+    AbortReq,
+    FinishReason,
+    InternalState,
+    TokenizedGenerateReqInput,
+    TokenIDOutput,
+)
+from sluice.model.model_runner import ModelRunner
+from sluice.model.sampler import SamplingBatch, sample
+from sluice.scheduler.batch_builder import StepBatch, build_forward_batch
+from sluice.scheduler.kv_manager import KVManager
+from sluice.scheduler.output import make_output
+from sluice.scheduler.policy import PrefillPlan, decode_reserve, order_waiting
+from sluice.scheduler.req import Req
+
+logger = logging.getLogger(__name__)
+
+
+class Scheduler:
+    def __init__(self, args: ServerArgs, runner: ModelRunner, max_total_tokens: int):
+        self.args = args
+        self.runner = runner
+        self.config = runner.config
+        self.kv = KVManager(max_total_tokens, args.max_running_requests, self.config.context_len, args.disable_radix_cache)
+        self.k_buffers, self.v_buffers = runner.new_kv_buffers(max_total_tokens + 1)
+        self.eos_token_ids = frozenset(self.config.eos_token_ids)
+        self.max_req_input_len = min(self.config.context_len, max_total_tokens) - 1
+
+        self.waiting: list[Req] = []
+        self.running: list[Req] = []  # admitted: decoding, or prefilling in chunks
+        self.received_by_type: Counter[str] = Counter()
+        self.last_step_ms = 0.0
+        self.num_retractions = 0
+
+    # ------------------------------------------------------------ inputs
+
+    def add_request(self, msg: TokenizedGenerateReqInput) -> TokenIDOutput | None:
+        """Queue a request; returns an immediate final output if it cannot run."""
+        req = Req.from_message(msg)
+        error = self._check_request(req)
+        if error is not None:
+            req.finish_reason = FinishReason(type="abort", message=error, status_code=400)
+            return make_output(req)
+        self.waiting.append(req)
+        return None
+
+    def _check_request(self, req: Req) -> str | None:
+        if not req.prompt_ids:
+            return "the prompt is empty"
+        if len(req.prompt_ids) > self.max_req_input_len:
+            return f"the input has {len(req.prompt_ids)} tokens, more than max_req_input_len={self.max_req_input_len}"
+        vocab = self.config.vocab_size
+        if any(not 0 <= t < vocab for t in req.prompt_ids):
+            return f"input_ids must be in [0, {vocab})"
+        return None
+
+    def abort(self, msg: AbortReq) -> list[TokenIDOutput]:
+        """Remove a waiting request or free a running one's slots, before the next step."""
+        outputs = []
+        for req in [r for r in self.waiting if msg.abort_all or r.rid == msg.rid]:
+            self.waiting.remove(req)
+            req.finish_reason = FinishReason(type="abort", message="aborted")
+            outputs.append(make_output(req))
+        for req in [r for r in self.running if msg.abort_all or r.rid == msg.rid]:
+            self.running.remove(req)
+            self.kv.release(req, keep_in_cache=True)
+            req.finish_reason = FinishReason(type="abort", message="aborted")
+            outputs.append(make_output(req))
+        return outputs
+
+    def flush_cache(self) -> bool:
+        if self.waiting or self.running:
+            return False
+        return self.kv.flush()
+
+    def internal_state(self) -> InternalState:
+        return InternalState(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            kv_tokens_total=self.kv.total,
+            kv_tokens_free=self.kv.free(),
+            kv_tokens_cached=self.kv.cached(),
+            kv_tokens_in_use=self.kv.in_use(),
+            last_step_ms=self.last_step_ms,
+        )
+
+    @property
+    def is_idle(self) -> bool:
+        return not self.waiting and not self.running
+
+    def check_integrity(self) -> None:
+        owned = sum(r.kv_len - r.locked_prefix_len for r in self.running)
+        self.kv.check_integrity(owned)
+
+    # ------------------------------------------------------------ one step
+
+    def step(self) -> list[TokenIDOutput]:
+        start = time.perf_counter()
+        batch = self._schedule()
+        if batch is None:
+            return []
+        fb = build_forward_batch(batch, self.kv.req_to_token, self.k_buffers, self.v_buffers)
+        logits = self.runner.forward(fb)
+        outputs = self._process_results(batch, logits)
+        self.last_step_ms = (time.perf_counter() - start) * 1000
+        return outputs
+
+    def _schedule(self) -> StepBatch | None:
+        decoding = [r for r in self.running if r.is_decoding]
+        retractions = self.num_retractions
+        decoding = self._reserve_decode_slots(decoding)
+        # Right after a retraction the cache is full: admitting now would only thrash.
+        plan = self._plan_prefill(len(decoding), admit_new=self.num_retractions == retractions)
+        reqs = decoding + plan.reqs
+        if not reqs:
+            return None
+        extend_lens = [1] * len(decoding) + plan.extend_lens
+        return StepBatch.allocate(reqs, extend_lens, self.kv)
+
+    def _reserve_decode_slots(self, decoding: list[Req]) -> list[Req]:
+        """Make room for one new token per decoding request, retracting if the cache is full."""
+        while decoding and self.kv.available() < len(decoding):
+            victim = decoding.pop()
+            self._retract(victim)
+        return decoding
+
+    def _retract(self, req: Req) -> None:
+        logger.info("KV cache full: retracting %s (%d tokens) to the waiting queue", req.rid, req.seq_len)
+        self.running.remove(req)
+        self.kv.release(req, keep_in_cache=True)
+        req.times_retracted += 1
+        self.num_retractions += 1
+        self.waiting.insert(0, req)
+
+    def _plan_prefill(self, num_decoding: int, admit_new: bool) -> PrefillPlan:
+        """Prefill chunks for this step. `committed` counts the slots the step already needs."""
+        plan = PrefillPlan()
+        budget = self.args.max_prefill_tokens
+        committed = num_decoding
+        # A request already admitted and prefilling in chunks goes first.
+        for req in self.running:
+            if not req.is_decoding and budget > 0:
+                extend = min(req.remaining_prefill, self.args.chunked_prefill_size, budget)
+                if self.kv.available() - committed < extend:
+                    continue
+                plan.add(req, extend)
+                budget -= extend
+                committed += extend
+        if not admit_new:
+            return plan
+        reserve = decode_reserve(self.running)
+        for req in list(order_waiting(self.waiting, self.args.schedule_policy, self.kv)):
+            if budget <= 0 or len(self.running) >= self.args.max_running_requests:
+                break
+            prefix = self.kv.match_prefix(req)
+            extend = min(req.seq_len - prefix, self.args.chunked_prefill_size, budget)
+            needed = extend + decode_reserve([req]) + reserve
+            # An idle server admits the first request whatever its estimate: retraction
+            # covers an underestimate, and refusing would stall it forever.
+            if self.kv.available() - committed < needed and (self.running or plan.reqs):
+                break
+            if not self.kv.admit(req):
+                break
+            extend = min(req.remaining_prefill, self.args.chunked_prefill_size, budget)
+            # Admission locked the matched prefix, which may have been counted as evictable.
+            if self.kv.available() - committed < extend:
+                self.kv.release(req, keep_in_cache=False)
+                break
+            self.waiting.remove(req)
+            self.running.append(req)
+            plan.add(req, extend)
+            budget -= extend
+            committed += extend
+            reserve += decode_reserve([req])
+        return plan
+
+    # ------------------------------------------------------------ results
+
+    def _process_results(self, batch: StepBatch, logits: torch.Tensor) -> list[TokenIDOutput]:
+        sampling_rows = [i for i, r in enumerate(batch.reqs) if batch.samples[i]]
+        batch.record_input_logprobs(logits)
+        next_tokens = None
+        if sampling_rows:
+            reqs = [batch.reqs[i] for i in sampling_rows]
+            sampling_batch = SamplingBatch.build(
+                [r.sampling_params for r in reqs],
+                [r.output_ids for r in reqs],
+                [r.prompt_ids for r in reqs],
+                list(self.eos_token_ids),
+                self.config.vocab_size,
+            )
+            next_tokens = sample(logits[batch.sample_logit_rows], sampling_batch, [r.top_logprobs_num if r.return_logprob else 0 for r in reqs])
+
+        outputs: list[TokenIDOutput] = []
+        sample_pos = {row: k for k, row in enumerate(sampling_rows)}
+        for i, req in enumerate(batch.reqs):
+            req.kv_len += batch.extend_lens[i]
+            if i in sample_pos:
+                k = sample_pos[i]
+                self._append_token(req, next_tokens, k)
+            elif req.kv_len == req.seq_len and req.sampling_params.max_new_tokens == 0:
+                # A prefill-only request (parallel sampling's prefix warm-up).
+                req.finish_reason = FinishReason(type="length", matched=None)
+            if req.finished:
+                self.running.remove(req)
+                self.kv.release(req, keep_in_cache=True)
+                outputs.append(make_output(req))
+                continue
+            if batch.was_prefill[i] and req.is_decoding:
+                # The prompt (or a resumed sequence) is fully prefilled: share it.
+                self.kv.cache_prefix(req)
+            if self._should_stream(req):
+                outputs.append(make_output(req))
+        return outputs
+
+    def _append_token(self, req: Req, next_tokens, k: int) -> None:
+        req.output_ids.append(next_tokens.next_token_ids[k])
+        if req.return_logprob:
+            req.output_logprobs.append(next_tokens.logprobs[k])
+            if req.top_logprobs_num:
+                req.output_top_logprobs.append(next_tokens.top_logprobs[k])
+        req.check_finished(self.eos_token_ids)
+        if not req.finished and req.seq_len >= self.config.context_len:
+            req.finish_reason = FinishReason(type="length", matched=None)
+
+    def _should_stream(self, req: Req) -> bool:
+        if not (req.stream or req.sampling_params.stop):
+            return False
+        return len(req.output_ids) - req.num_sent_tokens >= self.args.stream_interval

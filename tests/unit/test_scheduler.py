@@ -1,0 +1,126 @@
+"""The Scheduler in-process on the real default model (fp32): greedy output must not depend
+on batching, prefix caching, chunked prefill or retraction."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from sluice.config import ServerArgs
+from sluice.messages import AbortReq, SamplingParams, TokenizedGenerateReqInput
+from sluice.model.model_runner import ModelRunner
+from sluice.scheduler.scheduler import Scheduler
+from sluice.tokenizer_files import load_tokenizer
+
+NEW_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def runner():
+    torch.set_num_threads(2)
+    args = ServerArgs(dtype="float32")
+    return ModelRunner(args.resolved_model_path(), torch.float32)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    tok = load_tokenizer(ServerArgs().resolved_model_path())
+    topics = ["the sea", "a red fox", "mountains", "the history of Rome", "bread", "a violin", "winter",
+              "robots", "the moon", "coffee", "a library", "trains", "gardens", "chess", "rain", "music"]
+    texts = [f"Write one sentence about {t}." + " Please be brief." * (i % 4) for i, t in enumerate(topics)]
+    return [tok(text).input_ids for text in texts]
+
+
+def make_scheduler(runner, **overrides) -> Scheduler:
+    args = dataclasses.replace(ServerArgs(dtype="float32", debug_checks=True), **overrides)
+    return Scheduler(args, runner, overrides.get("max_total_tokens") or 8192)
+
+
+def run(scheduler: Scheduler, prompts: list[list[int]], max_new_tokens: int = NEW_TOKENS) -> dict[str, list[int]]:
+    for i, ids in enumerate(prompts):
+        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0, ignore_eos=True)
+        out = scheduler.add_request(TokenizedGenerateReqInput(rid=f"r{i}", input_ids=ids, sampling_params=params))
+        assert out is None
+    tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+    cached: dict[str, int] = {}
+    for _ in range(10_000):
+        if scheduler.is_idle:
+            break
+        for out in scheduler.step():
+            tokens[out.rid].extend(out.new_token_ids)
+            cached[out.rid] = out.cached_tokens
+        scheduler.check_integrity()
+    assert scheduler.is_idle
+    scheduler.check_integrity()
+    run.cached = cached
+    return tokens
+
+
+@pytest.fixture(scope="module")
+def alone(runner, prompts):
+    """Each prompt on its own, on a fresh scheduler, without any cache."""
+    results = []
+    for ids in prompts:
+        scheduler = make_scheduler(runner, disable_radix_cache=True)
+        results.append(run(scheduler, [ids])["r0"])
+    return results
+
+
+def test_batch_of_16_matches_alone(runner, prompts, alone):
+    tokens = run(make_scheduler(runner, disable_radix_cache=True), prompts)
+    assert [tokens[f"r{i}"] for i in range(16)] == alone
+
+
+def test_prefix_from_radix_cache_matches(runner, prompts, alone):
+    scheduler = make_scheduler(runner)
+    run(scheduler, [prompts[0]])
+    again = run(scheduler, [prompts[0]])
+    assert run.cached["r0"] >= len(prompts[0]) - 1
+    assert again["r0"] == alone[0]
+    # A prompt that extends a cached sequence reuses its whole prefix.
+    extended = prompts[0] + alone[0][:5]
+    alone_extended = run(make_scheduler(runner, disable_radix_cache=True), [extended])["r0"]
+    assert run(scheduler, [extended])["r0"] == alone_extended
+    assert run.cached["r0"] >= len(prompts[0])
+
+
+def test_chunked_prefill_matches(runner, prompts, alone):
+    scheduler = make_scheduler(runner, chunked_prefill_size=16, disable_radix_cache=True)
+    long_ones = [i for i, ids in enumerate(prompts) if len(ids) > 16][:3]
+    tokens = run(scheduler, [prompts[i] for i in long_ones])
+    assert [tokens[f"r{k}"] for k in range(len(long_ones))] == [alone[i] for i in long_ones]
+
+
+def test_retracted_request_resumes_unchanged(runner, prompts, alone):
+    # Room for every prompt but not for all of their outputs: decoding must retract.
+    budget = sum(len(p) for p in prompts[:6]) + 40
+    scheduler = make_scheduler(runner, max_total_tokens=budget)
+    tokens = run(scheduler, prompts[:6])
+    assert scheduler.num_retractions > 0
+    assert [tokens[f"r{i}"] for i in range(6)] == alone[:6]
+
+
+def test_abort_frees_waiting_and_running(runner, prompts):
+    scheduler = make_scheduler(runner, max_running_requests=2)
+    for i, ids in enumerate(prompts[:4]):
+        params = SamplingParams(max_new_tokens=50, temperature=0, ignore_eos=True)
+        scheduler.add_request(TokenizedGenerateReqInput(rid=f"r{i}", input_ids=ids, sampling_params=params))
+    scheduler.step()
+    assert len(scheduler.running) == 2 and len(scheduler.waiting) == 2
+    outs = scheduler.abort(AbortReq(rid="r0")) + scheduler.abort(AbortReq(rid="r3"))
+    assert {o.rid for o in outs} == {"r0", "r3"}
+    assert all(o.finish_reason.type == "abort" for o in outs)
+    outs = scheduler.abort(AbortReq(abort_all=True))
+    assert {o.rid for o in outs} == {"r1", "r2"}
+    assert scheduler.is_idle
+    scheduler.check_integrity()
+    assert scheduler.internal_state().kv_tokens_in_use == 0
+
+
+def test_bad_request_is_refused_before_scheduling(runner):
+    scheduler = make_scheduler(runner)
+    out = scheduler.add_request(TokenizedGenerateReqInput(rid="x", input_ids=[10**9], sampling_params=SamplingParams()))
+    assert out.finish_reason.type == "abort" and out.finish_reason.status_code == 400
+    assert scheduler.is_idle
