@@ -1,0 +1,259 @@
+"""Incremental detokenization of one request's output, with stop strings.
+
+Text is decoded from a short window of recent tokens (the prefix_offset/read_offset
+technique): the window's text minus the text of its already-shown start is the new
+text. It is held back while it ends in U+FFFD, i.e. while a multi-byte character is
+still split across tokens, so a client never sees a broken character. Then stop
+strings are matched on what is new plus the few characters held back because they
+could start a stop string.
+
+Special tokens and spaces: transformers 5.x fast tokenizers ignore
+`spaces_between_special_tokens` and always join special tokens to the text without
+spaces. Here the option means what it meant for slow tokenizers (and in vLLM/SGLang):
+when True, every added token that is not skipped stands alone and is joined to its
+neighbours with one space ("Hi <|im_end|>"); when False the text is exactly
+`tokenizer.decode` ("Hi<|im_end|>"). With skip_special_tokens=True and no non-special
+added tokens the two agree. `decode_tokens` is the whole-sequence form; the stream
+always adds up to it.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from typing import NamedTuple
+
+_REPLACEMENT_CHAR = "\ufffd"
+
+
+class DetokStep(NamedTuple):
+    text: str  # new text to show, beyond what earlier steps returned
+    stop_matched: str | None  # set on the step whose text ended at a stop string
+    num_tokens: int  # output tokens covered by all text returned so far
+
+
+class _TokenDecoder:
+    """Decodes token ids with the special-token spacing rule described above."""
+
+    def __init__(self, tokenizer, skip_special_tokens: bool, spaces_between_special_tokens: bool):
+        self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
+        added_tokens = tokenizer.added_tokens_decoder
+        self._skipped_ids = frozenset(
+            token_id for token_id, token in added_tokens.items() if skip_special_tokens and token.special
+        )
+        self._standalone: dict[int, str] = {}
+        if spaces_between_special_tokens:
+            self._standalone = {
+                token_id: token.content for token_id, token in added_tokens.items() if token_id not in self._skipped_ids
+            }
+
+    def decode(self, token_ids: Sequence[int], context_len: int = 0) -> str:
+        """The text of token_ids. The first context_len ids are prompt context: no space
+        is put between them and the output, so the output's text does not depend on them
+        being there."""
+        if not self._standalone or not self._standalone.keys() & set(token_ids):
+            return self._tokenizer.decode(token_ids, skip_special_tokens=self._skip_special_tokens)
+        pieces: list[tuple[int, str]] = []  # (index of the piece's first shown token, text)
+        run: list[int] = []
+        run_start: int | None = None
+        for index, token_id in enumerate(token_ids):
+            content = self._standalone.get(token_id)
+            if content is None:
+                run.append(token_id)
+                if run_start is None and token_id not in self._skipped_ids:
+                    run_start = index
+                continue
+            if run_start is not None:
+                pieces.append((run_start, self._decode_run(run)))
+            run, run_start = [], None
+            pieces.append((index, content))
+        if run_start is not None:
+            pieces.append((run_start, self._decode_run(run)))
+        return self._join(pieces, context_len)
+
+    def _decode_run(self, run: list[int]) -> str:
+        return self._tokenizer.decode(run, skip_special_tokens=self._skip_special_tokens)
+
+    @staticmethod
+    def _join(pieces: list[tuple[int, str]], context_len: int) -> str:
+        text: list[str] = []
+        previous_start = -1
+        for start, piece in pieces:
+            if not piece:
+                continue
+            if text and not (previous_start < context_len <= start):
+                text.append(" ")
+            text.append(piece)
+            previous_start = start
+        return "".join(text)
+
+
+def decode_tokens(
+    tokenizer, token_ids: Sequence[int], *, skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True
+) -> str:
+    """The whole text of token_ids, as IncrementalDetokenizer streams it."""
+    return _TokenDecoder(tokenizer, skip_special_tokens, spaces_between_special_tokens).decode(token_ids)
+
+
+class _StopStringFilter:
+    """Finds stop strings in a stream of text chunks and holds back possible starts of one."""
+
+    def __init__(self, stop: Sequence[str], keep_stop: bool):
+        if any(not stop_string for stop_string in stop):
+            raise ValueError("stop strings must not be empty")
+        self.stop = tuple(dict.fromkeys(stop))
+        self._keep_stop = keep_stop
+        self._proper_prefixes = frozenset(s[:length] for s in self.stop for length in range(1, len(s)))
+        self._longest_prefix_len = max(map(len, self._proper_prefixes), default=0)
+        self.held = ""  # the longest suffix of the text so far that may start a stop string
+
+    def push(self, chunk: str) -> tuple[str, str | None]:
+        """Returns the text now safe to show and the stop string that matched, if any."""
+        text = self.held + chunk
+        match = self._first_match(text, len(self.held))
+        if match is not None:
+            start, stop_string = match
+            self.held = ""
+            return text[: start + len(stop_string) if self._keep_stop else start], stop_string
+        hold_len = self._held_suffix_len(text)
+        self.held = text[len(text) - hold_len :]
+        return text[: len(text) - hold_len], None
+
+    def flush(self) -> str:
+        held, self.held = self.held, ""
+        return held
+
+    def _first_match(self, text: str, new_from: int) -> tuple[int, str] | None:
+        # The match that ends first is the one a character-by-character stream would
+        # hit first, so the result does not depend on how tokens were batched; among
+        # those ending together the longest wins. Earlier matches were found earlier.
+        best: tuple[int, int, str] | None = None
+        for stop_string in self.stop:
+            start = text.find(stop_string, max(0, new_from - len(stop_string) + 1))
+            if start < 0:
+                continue
+            candidate = (start + len(stop_string), start, stop_string)
+            if best is None or candidate[:2] < best[:2]:
+                best = candidate
+        return None if best is None else (best[1], best[2])
+
+    def _held_suffix_len(self, text: str) -> int:
+        for length in range(min(len(text), self._longest_prefix_len), 0, -1):
+            if text[-length:] in self._proper_prefixes:
+                return length
+        return 0
+
+
+class IncrementalDetokenizer:
+    """Turns one request's output token ids into text, step by step.
+
+    Each step decodes only a window of recent tokens, so its cost does not grow with the
+    length of the output. After the request has finished (a stop string matched, or
+    `finished=True` was passed) further steps return no text and stop_matched=None.
+    """
+
+    def __init__(
+        self,
+        tokenizer,
+        prompt_ids_tail: list[int] | None = None,
+        *,
+        skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
+        stop: Sequence[str] = (),
+        no_stop_trim: bool = False,
+        stream: bool = True,
+    ):
+        self._decoder = _TokenDecoder(tokenizer, skip_special_tokens, spaces_between_special_tokens)
+        self._stop_filter = _StopStringFilter(stop, keep_stop=no_stop_trim)
+        self._stream = stream
+        # The window: ids from the last shown piece on (the prefix), then the ids not yet
+        # shown from read_offset on. The prompt tail is the first prefix; it only gives
+        # the first output tokens their context (e.g. a SentencePiece leading space).
+        self._window_ids: list[int] = list(prompt_ids_tail or ())
+        self._context_len = len(self._window_ids)
+        self._read_offset = len(self._window_ids)
+        self._prefix_text = self._decode_window(self._read_offset)
+        # Accounting, in characters of decoded output text and in output tokens.
+        self._output_tokens = 0
+        self._decoded_chars = 0
+        self._returned_chars = 0
+        # (decoded_chars, output_tokens) wherever all tokens so far were fully decoded.
+        self._checkpoints: deque[tuple[int, int]] = deque([(0, 0)])
+        self._unreturned: list[str] = []  # text past the stop-string check, not yet returned
+        self._stopped_at_tokens: int | None = None
+        self.finished = False
+
+    def step(self, new_token_ids: list[int], finished: bool) -> DetokStep:
+        if self.finished:
+            return DetokStep("", None, self._num_tokens())
+        stop_matched = None
+        for token_id in new_token_ids:
+            self._output_tokens += 1
+            stop_matched = self._accept(self._decode_next(token_id))
+            if stop_matched is not None:
+                break
+        if stop_matched is None and finished:
+            stop_matched = self._accept(self._flush_window())
+            if stop_matched is None:
+                self._unreturned.append(self._stop_filter.flush())
+        if stop_matched is not None:
+            self._stopped_at_tokens = self._output_tokens
+        self.finished = finished or stop_matched is not None
+        text = ""
+        if self._stream or self.finished:
+            text = "".join(self._unreturned)
+            self._unreturned.clear()
+            self._returned_chars += len(text)
+        return DetokStep(text, stop_matched, self._num_tokens())
+
+    def _decode_next(self, token_id: int) -> str:
+        """The text token_id completes; "" while it ends inside a character."""
+        self._window_ids.append(token_id)
+        window_text = self._decode_window(len(self._window_ids))
+        if window_text.endswith(_REPLACEMENT_CHAR):
+            return ""
+        self._checkpoint(len(window_text) - len(self._prefix_text))
+        if len(window_text) <= len(self._prefix_text):
+            return ""  # e.g. a skipped special token: nothing to show yet, keep the window
+        new_text = window_text[len(self._prefix_text) :]
+        self._advance_window()
+        return new_text
+
+    def _flush_window(self) -> str:
+        """At the end, whatever the window still holds, broken characters included."""
+        window_text = self._decode_window(len(self._window_ids))
+        new_text = window_text[len(self._prefix_text) :]
+        self._checkpoint(len(new_text))
+        return new_text
+
+    def _decode_window(self, end: int) -> str:
+        return self._decoder.decode(self._window_ids[:end], self._context_len)
+
+    def _advance_window(self) -> None:
+        # The ids just shown become the prefix of the next window.
+        del self._window_ids[: self._read_offset]
+        self._context_len = max(0, self._context_len - self._read_offset)
+        self._read_offset = len(self._window_ids)
+        self._prefix_text = self._decode_window(self._read_offset)
+
+    def _checkpoint(self, new_chars: int) -> None:
+        if new_chars > 0:
+            self._decoded_chars += new_chars
+        self._checkpoints.append((self._decoded_chars, self._output_tokens))
+
+    def _accept(self, new_text: str) -> str | None:
+        if not new_text:
+            return None
+        safe_text, stop_matched = self._stop_filter.push(new_text)
+        self._unreturned.append(safe_text)
+        return stop_matched
+
+    def _num_tokens(self) -> int:
+        if self._stopped_at_tokens is not None:
+            return self._stopped_at_tokens
+        # Drop checkpoints that returned text has passed; the first left is the answer.
+        checkpoints = self._checkpoints
+        while len(checkpoints) > 1 and checkpoints[1][0] <= self._returned_chars:
+            checkpoints.popleft()
+        return checkpoints[0][1]

@@ -1,0 +1,121 @@
+"""The DetokenizerManager process: token ids in, text out, stop strings applied.
+
+Stop strings are text, so they are matched here. When one matches, the request's text is
+final: the detokenizer sends the final chunk at once and tells the scheduler to release
+the request (AbortReq with finished_by_stop_string). Outputs the scheduler produced before
+it heard of the stop are dropped, up to and including its own final one.
+"""
+
+from __future__ import annotations
+
+import logging
+import traceback
+
+import zmq
+
+from sluice.config import PortArgs, ServerArgs
+from sluice.detokenizer.incremental import IncrementalDetokenizer
+from sluice.ipc import Receiver, Sender
+from sluice.messages import (
+    AbortReq,
+    BatchStrOutput,
+    BatchTokenIDOutput,
+    DetokenizerReady,
+    FinishReason,
+    ProcessFailed,
+    StrOutput,
+    TokenIDOutput,
+)
+from sluice.procutil import become_child_process
+
+logger = logging.getLogger(__name__)
+
+
+class DetokenizerManager:
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.decoders: dict[str, IncrementalDetokenizer] = {}
+        # Requests finished by a stop string whose final scheduler output has not come yet.
+        self.stopped_rids: set[str] = set()
+
+    def handle(self, batch: BatchTokenIDOutput) -> tuple[list[StrOutput], list[str]]:
+        """Returns the text outputs and the rids the scheduler must release."""
+        outputs: list[StrOutput] = []
+        to_release: list[str] = []
+        for out in batch.outputs:
+            if out.rid in self.stopped_rids:
+                if out.finish_reason is not None:
+                    self.stopped_rids.discard(out.rid)
+                continue
+            text_out = self._detokenize(out)
+            if text_out.finish_reason is not None and out.finish_reason is None:
+                self.stopped_rids.add(out.rid)
+                to_release.append(out.rid)
+            outputs.append(text_out)
+        return outputs, to_release
+
+    def _detokenize(self, out: TokenIDOutput) -> StrOutput:
+        decoder = self.decoders.get(out.rid)
+        if decoder is None:
+            decoder = IncrementalDetokenizer(
+                self.tokenizer,
+                skip_special_tokens=out.skip_special_tokens,
+                spaces_between_special_tokens=out.spaces_between_special_tokens,
+                stop=out.stop,
+                no_stop_trim=out.no_stop_trim,
+                stream=out.stream,
+            )
+            self.decoders[out.rid] = decoder
+        step = decoder.step(out.new_token_ids, out.finish_reason is not None)
+        finish_reason = out.finish_reason
+        completion_tokens = out.completion_tokens
+        if step.stop_matched is not None:
+            finish_reason = FinishReason(type="stop", matched=step.stop_matched)
+            completion_tokens = step.num_tokens
+        if finish_reason is not None:
+            del self.decoders[out.rid]
+        return StrOutput(
+            rid=out.rid,
+            text=step.text,
+            new_token_ids=out.new_token_ids,
+            finish_reason=finish_reason,
+            prompt_tokens=out.prompt_tokens,
+            completion_tokens=completion_tokens,
+            cached_tokens=out.cached_tokens,
+            output_logprobs=out.output_logprobs,
+            output_top_logprobs=out.output_top_logprobs,
+            input_token_ids=out.input_token_ids,
+            input_logprobs=out.input_logprobs,
+            input_top_logprobs=out.input_top_logprobs,
+            http_worker_ipc=out.http_worker_ipc,
+        )
+
+
+def run_detokenizer_process(server_args_data: bytes, port_args_data: bytes) -> None:
+    args = ServerArgs.decode(server_args_data)
+    port_args = PortArgs.decode(port_args_data)
+    become_child_process("detokenizer", 1, args.log_level)
+    context = zmq.Context(1)
+    to_tokenizer = Sender(context, port_args.tokenizer_input)
+    try:
+        from sluice.tokenizer_files import load_tokenizer
+
+        manager = DetokenizerManager(load_tokenizer(args.resolved_model_path()))
+        inbox = Receiver(context, port_args.detokenizer_input)
+        to_scheduler = Sender(context, port_args.scheduler_input)
+        to_tokenizer.send(DetokenizerReady())
+        while True:
+            message = inbox.recv()
+            if not isinstance(message, BatchTokenIDOutput):
+                logger.warning("detokenizer ignored an unexpected %s", type(message).__name__)
+                continue
+            outputs, to_release = manager.handle(message)
+            for rid in to_release:
+                to_scheduler.send(AbortReq(rid=rid, finished_by_stop_string=True))
+            if outputs:
+                to_tokenizer.send(BatchStrOutput(outputs=outputs))
+    except Exception:
+        error = traceback.format_exc()
+        logger.error("detokenizer failed:\n%s", error)
+        to_tokenizer.send(ProcessFailed(process="detokenizer", error=error))
+        raise

@@ -1,0 +1,278 @@
+"""Loading a model's tokenizer and chat template, and rendering chat templates.
+
+Used by the main process (prompts) and the detokenizer process (output text). Both may
+start at once, so the converted-tokenizer cache is written with an atomic rename.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import mmap
+import os
+import shutil
+import struct
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
+
+logger = logging.getLogger(__name__)
+
+_GGUF_CHAT_TEMPLATE_KEY = "tokenizer.chat_template"
+
+
+def default_tokenizer_cache_dir() -> Path:
+    return Path.home() / ".cache" / "sluice" / "tokenizers"
+
+
+def load_tokenizer(model_path: str, cache_dir: str | None = None) -> PreTrainedTokenizerFast:
+    """The fast tokenizer of a `.gguf` file or a HF folder.
+
+    Converting a GGUF vocabulary takes seconds, so the result is saved under `cache_dir`
+    (default ~/.cache/sluice/tokenizers) and later loads read that copy.
+    """
+    from transformers import AutoTokenizer
+
+    path = Path(model_path)
+    if path.is_dir():
+        return AutoTokenizer.from_pretrained(str(path))
+    if path.suffix != ".gguf" or not path.is_file():
+        raise FileNotFoundError(f"model_path must be a .gguf file or a HF folder, got {model_path!r}")
+
+    cache_root = Path(cache_dir) if cache_dir is not None else default_tokenizer_cache_dir()
+    cached = cache_root / _gguf_cache_key(path)
+    if cached.is_dir():
+        started = time.perf_counter()
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(str(cached))
+        except Exception:  # a damaged cache must not stop the server: convert again
+            logger.warning("tokenizer cache %s is unreadable; converting %s again", cached, path, exc_info=True)
+            shutil.rmtree(cached, ignore_errors=True)
+        else:
+            logger.info("loaded tokenizer from cache %s in %.2f s", cached, time.perf_counter() - started)
+            return tokenizer
+
+    started = time.perf_counter()
+    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    logger.info("converted the GGUF tokenizer of %s in %.2f s", path, time.perf_counter() - started)
+    _publish_cache(tokenizer, cached)
+    return tokenizer
+
+
+def _gguf_cache_key(path: Path) -> str:
+    # The transformers version is part of the key because its GGUF converter changes
+    # between releases; a copy made by another version may differ.
+    import transformers
+
+    stat = path.stat()
+    identity = f"{path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}\0{transformers.__version__}"
+    return f"{path.stem}-{hashlib.sha256(identity.encode()).hexdigest()[:16]}"
+
+
+def _publish_cache(tokenizer: PreTrainedTokenizerFast, cached: Path) -> None:
+    """Saves into a private temporary folder, then renames it into place in one step.
+
+    A process that loses the race to another one's rename keeps its own copy in memory
+    and deletes its temporary folder; readers only ever see a complete folder.
+    """
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{cached.name}.", dir=cached.parent))
+    except OSError:
+        logger.warning("cannot write the tokenizer cache in %s", cached.parent, exc_info=True)
+        return
+    try:
+        tokenizer.save_pretrained(str(staging))
+        os.rename(staging, cached)
+    except OSError:
+        if not cached.is_dir():
+            logger.warning("cannot write the tokenizer cache %s", cached, exc_info=True)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def load_chat_template(model_path: str, tokenizer: PreTrainedTokenizerFast | None = None) -> str | None:
+    """The model's Jinja chat template, or None when it has none.
+
+    Looks in the tokenizer, then in the GGUF metadata, then in a HF folder's
+    chat_template.jinja, chat_template.json and tokenizer_config.json.
+    """
+    if tokenizer is not None and (template := _named_default(getattr(tokenizer, "chat_template", None))):
+        return template
+    path = Path(model_path)
+    if path.is_file() and path.suffix == ".gguf":
+        return _gguf_chat_template(path)
+    if path.is_dir():
+        return _folder_chat_template(path)
+    return None
+
+
+def _gguf_chat_template(path: Path) -> str | None:
+    # gguf.GGUFReader takes seconds on a small model: it builds an array for every
+    # tensor and vocabulary entry. Walking the metadata for one key takes milliseconds.
+    with open(path, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        if data[:4] != b"GGUF" or struct.unpack_from("<I", data, 4)[0] not in (2, 3):
+            raise ValueError(f"{path} is not a little-endian GGUF v2/v3 file")
+        (kv_count,) = struct.unpack_from("<Q", data, 16)
+        offset = 24
+        wanted = _GGUF_CHAT_TEMPLATE_KEY.encode()
+        for _ in range(kv_count):
+            key, offset = _gguf_string(data, offset)
+            (value_type,) = struct.unpack_from("<I", data, offset)
+            offset += 4
+            if key == wanted and value_type == _GGUF_STRING:
+                return _gguf_string(data, offset)[0].decode("utf-8") or None
+            offset = _skip_gguf_value(data, offset, value_type)
+    return None
+
+
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+_GGUF_SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+
+
+def _gguf_string(data: mmap.mmap, offset: int) -> tuple[bytes, int]:
+    (length,) = struct.unpack_from("<Q", data, offset)
+    start = offset + 8
+    return data[start : start + length], start + length
+
+
+def _skip_gguf_value(data: mmap.mmap, offset: int, value_type: int) -> int:
+    if value_type == _GGUF_STRING:
+        return offset + 8 + struct.unpack_from("<Q", data, offset)[0]
+    if value_type == _GGUF_ARRAY:
+        item_type, count = struct.unpack_from("<IQ", data, offset)
+        offset += 12
+        if item_type in _GGUF_SCALAR_SIZES:
+            return offset + count * _GGUF_SCALAR_SIZES[item_type]
+        for _ in range(count):
+            offset = _skip_gguf_value(data, offset, item_type)
+        return offset
+    if value_type not in _GGUF_SCALAR_SIZES:
+        raise ValueError(f"unknown GGUF metadata value type {value_type}")
+    return offset + _GGUF_SCALAR_SIZES[value_type]
+
+
+def _folder_chat_template(folder: Path) -> str | None:
+    jinja_file = folder / "chat_template.jinja"
+    if jinja_file.is_file():
+        return jinja_file.read_text(encoding="utf-8") or None
+    for config_name in ("chat_template.json", "tokenizer_config.json"):
+        config_file = folder / config_name
+        if config_file.is_file():
+            config = json.loads(config_file.read_text(encoding="utf-8"))
+            if template := _named_default(config.get("chat_template")):
+                return template
+    return None
+
+
+def _named_default(template: Any) -> str | None:
+    """A template given as a string, or the "default" one of several named templates."""
+    if isinstance(template, str):
+        return template or None
+    if isinstance(template, Mapping):
+        return _named_default(template.get("default"))
+    if isinstance(template, Sequence):  # tokenizer_config.json: [{"name": ..., "template": ...}]
+        by_name = {entry.get("name"): entry.get("template") for entry in template if isinstance(entry, Mapping)}
+        return _named_default(by_name.get("default"))
+    return None
+
+
+class ChatTemplate:
+    """A chat template compiled once and rendered in Jinja's immutable sandbox.
+
+    Templates come with model files, so they are untrusted code: the sandbox keeps them
+    from reaching Python internals or changing the caller's messages. The environment
+    matches the one transformers uses, so the rendered prompt is the one the model was
+    trained on.
+    """
+
+    def __init__(self, source: str, special_tokens: Mapping[str, str] | None = None):
+        try:
+            self._template = _sandbox().from_string(source)
+        except jinja2.TemplateSyntaxError as error:
+            raise ValueError(f"the chat template does not compile (line {error.lineno}): {error.message}") from error
+        self.source = source
+        # Templates may refer to bos_token, eos_token, ... like in transformers.
+        self._special_tokens = dict(special_tokens or {})
+
+    @classmethod
+    def from_model(cls, model_path: str, tokenizer: PreTrainedTokenizerFast) -> ChatTemplate | None:
+        source = load_chat_template(model_path, tokenizer)
+        if source is None:
+            return None
+        special_tokens = {name: str(value) for name, value in tokenizer.special_tokens_map.items() if isinstance(value, str)}
+        return cls(source, special_tokens)
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> str:
+        # Keys set to None are dropped as transformers does: an OpenAI client sends
+        # content=None with tool calls, and templates test for a missing key.
+        if not all(isinstance(message, Mapping) for message in messages):
+            raise ValueError("chat messages must be objects with a role and content")
+        plain_messages = [{key: value for key, value in message.items() if value is not None} for message in messages]
+        context = {
+            **self._special_tokens,
+            "tools": None,
+            "documents": None,
+            **kwargs,
+            "messages": plain_messages,
+            "add_generation_prompt": add_generation_prompt,
+        }
+        try:
+            return self._template.render(context)
+        except jinja2.TemplateError as error:
+            raise ValueError(f"the chat template failed: {error.message or type(error).__name__}") from error
+        except (TypeError, KeyError, IndexError, AttributeError, ValueError) as error:
+            # Raised by template code on messages it does not expect (e.g. a list
+            # where it adds strings): the request's fault, not the server's.
+            raise ValueError(f"the chat template failed on these messages: {type(error).__name__}: {error}") from error
+
+
+class _GenerationBlock(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}` renders its body unchanged.
+
+    transformers uses the tag to mark assistant tokens for training masks; templates
+    that contain it must still compile here.
+    """
+
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> list[jinja2.nodes.Node]:
+        next(parser.stream)
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.TemplateError(message)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys: bool = False) -> str:
+    # Jinja's own tojson escapes HTML characters, which would change the prompt.
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(format: str) -> str:
+    return datetime.now().strftime(format)
+
+
+def _sandbox() -> ImmutableSandboxedEnvironment:
+    environment = ImmutableSandboxedEnvironment(
+        trim_blocks=True,
+        lstrip_blocks=True,
+        extensions=[jinja2.ext.loopcontrols, _GenerationBlock],
+    )
+    environment.filters["tojson"] = _tojson
+    environment.globals["raise_exception"] = _raise_exception
+    environment.globals["strftime_now"] = _strftime_now
+    return environment
