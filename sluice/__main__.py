@@ -1,0 +1,3 @@
+from sluice.cli import main
+
+main()

@@ -1,0 +1,186 @@
+"""Start sluice's processes: the HTTP server (`launch_server`) or in-process (`Engine`)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing as mp
+import os
+import shutil
+import signal
+import threading
+import time
+from contextlib import asynccontextmanager
+from typing import Any
+
+from sluice.config import PortArgs, ServerArgs
+
+logger = logging.getLogger(__name__)
+
+WARMUP_TIMEOUT_S = 120.0
+
+
+class Backend:
+    """The Scheduler and DetokenizerManager processes of one server."""
+
+    def __init__(self, server_args: ServerArgs, port_args: PortArgs):
+        from sluice.detokenizer.manager import run_detokenizer_process
+        from sluice.scheduler.process import run_scheduler_process
+
+        ctx = mp.get_context("spawn")
+        encoded = (server_args.encode(), port_args.encode())
+        self.port_args = port_args
+        self.processes = [
+            ctx.Process(target=run_scheduler_process, args=encoded, name="sluice-scheduler", daemon=True),
+            ctx.Process(target=run_detokenizer_process, args=encoded, name="sluice-detokenizer", daemon=True),
+        ]
+        for process in self.processes:
+            process.start()
+
+    def dead_process(self) -> str | None:
+        for process in self.processes:
+            if not process.is_alive():
+                return process.name
+        return None
+
+    def shutdown(self) -> None:
+        for process in self.processes:
+            if process.is_alive():
+                process.terminate()
+        deadline = time.monotonic() + 5
+        for process in self.processes:
+            process.join(max(deadline - time.monotonic(), 0.1))
+            if process.is_alive():
+                process.kill()
+                process.join(1)
+        shutil.rmtree(self.port_args.ipc_dir, ignore_errors=True)
+
+
+def _load_tokenizer_side(server_args: ServerArgs):
+    from sluice.tokenizer_files import ChatTemplate, load_tokenizer
+
+    model_path = server_args.resolved_model_path()
+    tokenizer = load_tokenizer(model_path)
+    return tokenizer, ChatTemplate.from_model(model_path, tokenizer)
+
+
+async def start_tokenizer_manager(server_args: ServerArgs, backend: Backend):
+    """Build the TokenizerManager, wait for the back end, start handle_loop, warm up."""
+    from sluice.tokenizer.manager import TokenizerManager
+
+    tokenizer, chat_template = await asyncio.to_thread(_load_tokenizer_side, server_args)
+    tm = TokenizerManager(server_args, backend.port_args, tokenizer, chat_template)
+    await tm.wait_for_backend()
+    tm.start_handle_loop()
+    asyncio.get_running_loop().create_task(_watch_backend(tm, backend))
+    if not server_args.skip_warmup:
+        await asyncio.wait_for(_warm_up(tm), WARMUP_TIMEOUT_S)
+    return tm
+
+
+async def _warm_up(tm) -> None:
+    from sluice.tokenizer.io_struct import GenerateReqInput
+
+    obj = GenerateReqInput(text="The capital of France is", sampling_params={"max_new_tokens": 4, "temperature": 0},
+                           rid="WARMUP")
+    async for chunk in tm.generate_request(obj):
+        last = chunk
+    logger.info("warm-up generated %r", last["text"])
+
+
+async def _watch_backend(tm, backend: Backend) -> None:
+    """A child that dies fails in-flight requests and turns the server unhealthy."""
+    while tm.backend_error is None:
+        name = backend.dead_process()
+        if name is not None:
+            logger.error("%s died", name)
+            tm._fail_all(f"{name} died")
+            return
+        await asyncio.sleep(1.0)
+
+
+def launch_server(server_args: ServerArgs) -> None:
+    import uvicorn
+
+    from sluice.server.app import ServerState, create_app
+
+    logging.basicConfig(level=server_args.log_level.upper(), format="%(asctime)s [main] %(levelname)s %(message)s")
+    started = time.perf_counter()
+    backend = Backend(server_args, PortArgs.create())
+    state = ServerState(server_args)
+
+    @asynccontextmanager
+    async def lifespan(app):
+        try:
+            tm = await start_tokenizer_manager(server_args, backend)
+        except BaseException:
+            backend.shutdown()
+            raise
+        state.tm = tm
+        state.ready = True
+        logger.info("ready in %.1f s on http://%s:%d", time.perf_counter() - started, server_args.host, server_args.port)
+        yield
+        backend.shutdown()
+
+    app = create_app(state, lifespan=lifespan)
+    try:
+        uvicorn.run(app, host=server_args.host, port=server_args.port, log_level="warning", timeout_keep_alive=30)
+    finally:
+        backend.shutdown()
+
+
+class Engine:
+    """sluice without HTTP: the same TokenizerManager → Scheduler → Detokenizer path.
+
+    `Engine(model_path=...).generate(prompts, sampling_params)` blocks; `async_generate`
+    is its coroutine twin. The event loop runs on a private thread.
+    """
+
+    def __init__(self, **kwargs: Any):
+        self.server_args = ServerArgs(**kwargs)
+        self.backend = Backend(self.server_args, PortArgs.create())
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="sluice-engine", daemon=True)
+        self._thread.start()
+        try:
+            self.tokenizer_manager = self._run(start_tokenizer_manager(self.server_args, self.backend))
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _run(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    async def _generate(self, prompts, sampling_params):
+        from sluice.tokenizer.io_struct import GenerateReqInput
+
+        single = isinstance(prompts, str) or (prompts and isinstance(prompts[0], int))
+        items = [prompts] if single else list(prompts)
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params or {}] * len(items)
+
+        async def one(item, p):
+            key = "text" if isinstance(item, str) else "input_ids"
+            obj = GenerateReqInput(**{key: item}, sampling_params=dict(p))
+            async for chunk in self.tokenizer_manager.generate_request(obj):
+                last = chunk
+            return last
+
+        results = await asyncio.gather(*(one(item, p) for item, p in zip(items, params)))
+        return results[0] if single else list(results)
+
+    def generate(self, prompts, sampling_params: dict | list[dict] | None = None):
+        return self._run(self._generate(prompts, sampling_params))
+
+    async def async_generate(self, prompts, sampling_params: dict | list[dict] | None = None):
+        future = asyncio.run_coroutine_threadsafe(self._generate(prompts, sampling_params), self._loop)
+        return await asyncio.wrap_future(future)
+
+    def shutdown(self) -> None:
+        self.backend.shutdown()
+        self._loop.call_soon_threadsafe(self._loop.stop)
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()

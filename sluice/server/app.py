@@ -1,0 +1,166 @@
+"""The FastAPI app: native routes, health, admin routes; the OpenAI routes are in openai_api."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import uuid
+from typing import Any
+
+import msgspec
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from sluice.sampling import ClientError
+from sluice.server.errors import error_response, failure_status, install_error_handlers
+from sluice.server.sse import sse_stream
+from sluice.tokenizer.io_struct import GenerateReqInput
+from sluice.tokenizer.manager import BackendError, TokenizerManager
+
+logger = logging.getLogger(__name__)
+
+HEALTH_GENERATE_TIMEOUT_S = 20.0
+OPEN_PATHS = frozenset({"/health"})
+
+
+class ServerState:
+    """What the routes share: the TokenizerManager (once started) and whether warm-up finished."""
+
+    def __init__(self, server_args, tokenizer_manager: TokenizerManager | None = None):
+        self.server_args = server_args
+        self.model_name = server_args.model_name()
+        self.tm = tokenizer_manager
+        self.ready = tokenizer_manager is not None
+
+    def unavailable(self) -> str | None:
+        if not self.ready:
+            return "the server is starting"
+        return self.tm.backend_error
+
+
+def create_app(state: ServerState, lifespan=None) -> FastAPI:
+    app = FastAPI(title="sluice", lifespan=lifespan)
+    app.state.server = state
+    install_error_handlers(app)
+    args = state.server_args
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next):
+        length = request.headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > args.max_request_body_bytes):
+            return error_response(413, f"request body larger than {args.max_request_body_bytes} bytes")
+        if args.api_key and request.url.path not in OPEN_PATHS:
+            supplied = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+            if not hmac.compare_digest(supplied.encode(), args.api_key.encode()):
+                return error_response(401, "invalid or missing API key")
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health():
+        if reason := state.unavailable():
+            return error_response(503, reason)
+        return Response(status_code=200)
+
+    @app.get("/health_generate")
+    async def health_generate():
+        if reason := state.unavailable():
+            return error_response(503, reason)
+        # Its own rid, so the probe's state never mixes with a client's request.
+        obj = GenerateReqInput(input_ids=[0], sampling_params={"max_new_tokens": 1, "temperature": 0},
+                               rid=f"HEALTH_CHECK_{uuid.uuid4().hex}")
+        try:
+            await asyncio.wait_for(_last(state.tm.generate_request(obj)), HEALTH_GENERATE_TIMEOUT_S)
+        except (asyncio.TimeoutError, BackendError) as e:
+            return error_response(503, f"generation failed: {e or 'timed out'}")
+        return Response(status_code=200)
+
+    @app.post("/generate")
+    async def generate(request: Request):
+        obj = await decode_body(request, GenerateReqInput)
+        return await serve_generate(state.tm, obj, request)
+
+    @app.get("/get_model_info")
+    async def get_model_info():
+        tm = state.tm
+        return {"model_path": args.resolved_model_path(), "served_model_name": state.model_name,
+                "is_generation": True, "context_len": tm.context_len, "max_req_input_len": tm.max_req_input_len,
+                "eos_token_ids": tm.scheduler_info.eos_token_ids}
+
+    @app.get("/get_server_info")
+    async def get_server_info():
+        internal = await state.tm.get_internal_state()
+        states = msgspec.to_builtins(internal)
+        states.pop("type", None)
+        states["rid_to_state_size"] = len(state.tm.rid_to_state)
+        return {**args.public_dict(), "internal_states": [states]}
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache():
+        result = await state.tm.flush_cache()
+        if not result.success:
+            return error_response(400, f"cache not flushed: {result.message}")
+        return {"success": True}
+
+    @app.post("/abort_request")
+    async def abort_request(request: Request):
+        body = await request_json(request)
+        rid, abort_all = body.get("rid", ""), body.get("abort_all", False)
+        if not isinstance(rid, str) or not isinstance(abort_all, bool) or not (rid or abort_all):
+            raise ClientError("give 'rid' (a string) or 'abort_all': true", "rid")
+        state.tm.abort_request(rid, abort_all=abort_all)
+        return {"success": True}
+
+    @app.post("/pause_generation")
+    async def pause_generation():
+        await state.tm.pause_generation()
+        return {"success": True}
+
+    @app.post("/continue_generation")
+    async def continue_generation():
+        await state.tm.continue_generation()
+        return {"success": True}
+
+    from sluice.server.openai_api import install_openai_routes
+
+    install_openai_routes(app, state)
+    return app
+
+
+async def request_json(request: Request) -> Any:
+    try:
+        return msgspec.json.decode(await request.body())
+    except msgspec.DecodeError as e:
+        raise ClientError(f"the body is not valid JSON: {e}") from None
+
+
+async def decode_body(request: Request, kind: type):
+    try:
+        return msgspec.json.decode(await request.body(), type=kind)
+    except msgspec.ValidationError as e:
+        raise ClientError(f"invalid request: {e}") from None
+    except msgspec.DecodeError as e:
+        raise ClientError(f"the body is not valid JSON: {e}") from None
+
+
+async def serve_generate(tm: TokenizerManager, obj: GenerateReqInput, request: Request):
+    generator = tm.generate_request(obj, request)
+    if obj.stream:
+        first = await anext(generator)  # errors before the first chunk become a plain 4xx
+        return StreamingResponse(sse_stream(first, generator), media_type="text/event-stream")
+    result = await _last(generator)
+    return finished_response(result)
+
+
+def finished_response(result: dict[str, Any]) -> Response:
+    status_code = failure_status(result)
+    if status_code:
+        return error_response(status_code, result["meta_info"]["finish_reason"]["message"])
+    return JSONResponse(result)
+
+
+async def _last(generator):
+    last = None
+    async for chunk in generator:
+        last = chunk
+    return last

@@ -1,0 +1,66 @@
+"""Every error a client sees, in one shape (the OpenAI envelope) and mapped in one place."""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from sluice.sampling import ClientError
+from sluice.tokenizer.manager import BackendError
+
+logger = logging.getLogger(__name__)
+
+_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowed",
+          413: "RequestTooLarge", 503: "ServiceUnavailableError", 500: "InternalServerError"}
+
+
+def error_response(status_code: int, message: str, param: str | None = None) -> JSONResponse:
+    body = {"error": {"message": message, "type": _TYPES.get(status_code, "Error"), "param": param, "code": status_code}}
+    return JSONResponse(body, status_code=status_code)
+
+
+def failure_status(chunk: dict) -> int | None:
+    """The HTTP status of a request the back end refused or lost (not a client's abort)."""
+    reason = chunk["meta_info"]["finish_reason"] or {}
+    return reason.get("status_code") if reason.get("type") == "abort" else None
+
+
+class NotFoundError(Exception):
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ClientError)
+    async def _client_error(request: Request, exc: ClientError):
+        return error_response(400, exc.message, exc.param)
+
+    @app.exception_handler(NotFoundError)
+    async def _not_found(request: Request, exc: NotFoundError):
+        return error_response(404, exc.message, exc.param)
+
+    @app.exception_handler(BackendError)
+    async def _backend_error(request: Request, exc: BackendError):
+        return error_response(503, str(exc))
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError):
+        first = exc.errors()[0] if exc.errors() else {}
+        loc = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        message = f"{loc}: {first.get('msg', 'invalid request')}" if loc else first.get("msg", "invalid request")
+        return error_response(400, message, loc or None)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        return error_response(exc.status_code, str(exc.detail))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception):
+        logger.exception("unexpected error on %s", request.url.path)
+        return error_response(500, "internal server error")

@@ -1,0 +1,196 @@
+"""The bodies of the OpenAI routes: decoded with msgspec, checked, turned into sampling_params.
+
+Unknown fields are ignored (clients send many we do not use); a wrong type or an
+out-of-range value is a ClientError that names the field.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Final, TypeVar
+
+import msgspec
+
+from sluice.sampling import ClientError
+
+MAX_COMPLETION_LOGPROBS: Final = 5
+MAX_CHAT_TOP_LOGPROBS: Final = 20
+DEFAULT_COMPLETION_MAX_TOKENS: Final = 16  # OpenAI's default for /v1/completions
+
+_PATH_IN_ERROR = re.compile(r"at `\$\.?([^`]*)`")
+
+RequestT = TypeVar("RequestT", bound=msgspec.Struct)
+
+
+def decode_request(body: bytes, kind: type[RequestT]) -> RequestT:
+    try:
+        return msgspec.json.decode(body, type=kind)
+    except msgspec.ValidationError as e:
+        match = _PATH_IN_ERROR.search(str(e))
+        raise ClientError(f"invalid request: {e}", match.group(1) if match else None) from None
+    except msgspec.DecodeError as e:
+        raise ClientError(f"the body is not valid JSON: {e}") from None
+
+
+def _check_range(value: int | None, name: str, low: int, high: int | None = None) -> None:
+    if value is None:
+        return
+    if value < low or (high is not None and value > high):
+        allowed = f"in [{low}, {high}]" if high is not None else f">= {low}"
+        raise ClientError(f"{name} must be {allowed}, got {value}", name)
+
+
+class StreamOptions(msgspec.Struct):
+    include_usage: bool = False
+
+
+class SamplingFields(msgspec.Struct, kw_only=True):
+    """Fields both routes share: the model, streaming, and sampling (OpenAI's and SGLang's/vLLM's extras)."""
+
+    model: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
+    no_stop_trim: bool | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def check_common(self) -> None:
+        # The remaining ranges are checked with the native path's names, which match OpenAI's.
+        _check_range(self.n, "n", 1)
+        if self.n is not None and self.n > 1:
+            raise ClientError("n > 1 is not supported yet", "n")
+
+    def sampling_params(self, max_new_tokens: int) -> dict[str, Any]:
+        """The native sampling_params; fields the client left out keep the native defaults."""
+        params = {
+            "max_new_tokens": max_new_tokens,
+            "min_new_tokens": self.min_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+            "repetition_penalty": self.repetition_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "presence_penalty": self.presence_penalty,
+            "seed": self.seed,
+            "stop": [self.stop] if isinstance(self.stop, str) else self.stop,
+            "stop_token_ids": self.stop_token_ids,
+            "ignore_eos": self.ignore_eos,
+            "skip_special_tokens": self.skip_special_tokens,
+            "spaces_between_special_tokens": self.spaces_between_special_tokens,
+            "no_stop_trim": self.no_stop_trim,
+        }
+        return {key: value for key, value in params.items() if value is not None}
+
+
+class CompletionRequest(SamplingFields, kw_only=True):
+    # A string, token ids, or (later) a batch of either: the shape is checked by hand
+    # because msgspec cannot tell list[int] from list[str] in a union.
+    prompt: str | list[Any]
+    max_tokens: int | None = None
+    logprobs: int | None = None
+    echo: bool = False
+
+    def check(self) -> None:
+        self.check_common()
+        _check_range(self.max_tokens, "max_tokens", 0)
+        _check_range(self.logprobs, "logprobs", 0, MAX_COMPLETION_LOGPROBS)
+
+    @property
+    def max_new_tokens(self) -> int:
+        return DEFAULT_COMPLETION_MAX_TOKENS if self.max_tokens is None else self.max_tokens
+
+    def single_prompt(self) -> str | list[int]:
+        """The one prompt: a string or token ids. A one-element list counts as that element."""
+        prompt = self.prompt
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            return prompt
+        if not prompt:
+            raise ClientError("prompt must not be empty", "prompt")
+        if all(type(token) is int for token in prompt):
+            return prompt
+        if all(isinstance(item, (str, list)) for item in prompt):
+            raise ClientError("batch prompts are not supported yet", "prompt")
+        raise ClientError("prompt must be a string, a list of token ids, or a list of those", "prompt")
+
+
+class ContentPart(msgspec.Struct):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(msgspec.Struct):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+CHAT_ROLES: Final = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+
+class ChatCompletionRequest(SamplingFields, kw_only=True):
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+    def check(self) -> None:
+        self.check_common()
+        _check_range(self.max_tokens, "max_tokens", 0)
+        _check_range(self.max_completion_tokens, "max_completion_tokens", 0)
+        _check_range(self.top_logprobs, "top_logprobs", 0, MAX_CHAT_TOP_LOGPROBS)
+        if not self.messages:
+            raise ClientError("messages must not be empty", "messages")
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def template_messages(self) -> list[dict[str, str]]:
+        """The messages as the chat template takes them: a role and one string of content."""
+        return [_template_message(message, index) for index, message in enumerate(self.messages)]
+
+
+def _template_message(message: ChatMessage, index: int) -> dict[str, str]:
+    where = f"messages[{index}]"
+    role = CHAT_ROLES.get(message.role)
+    if role is None:
+        raise ClientError(f"{where}.role '{message.role}' is not supported; use one of {sorted(CHAT_ROLES)}", f"{where}.role")
+    content = message.content
+    if content is None:
+        if role != "assistant":
+            raise ClientError(f"{where}.content is required for role '{message.role}'", f"{where}.content")
+        content = ""
+    elif isinstance(content, list):
+        content = "".join(_part_text(part, f"{where}.content[{i}]") for i, part in enumerate(content))
+    return {"role": role, "content": content}
+
+
+def _part_text(part: ContentPart, where: str) -> str:
+    if part.type == "text":
+        if part.text is None:
+            raise ClientError(f"{where}.text is required for a text part", f"{where}.text")
+        return part.text
+    if part.type in ("image_url", "image", "input_image"):
+        raise ClientError("this model does not accept images", where)
+    raise ClientError(f"{where}.type '{part.type}' is not supported; only 'text' parts are", f"{where}.type")

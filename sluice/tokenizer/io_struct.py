@@ -1,0 +1,73 @@
+"""What a client asks for (GenerateReqInput) and how it is checked and normalised."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import msgspec
+
+from sluice.messages import SamplingParams
+from sluice.sampling import ClientError
+
+
+class GenerateReqInput(msgspec.Struct, kw_only=True):
+    """The body of native /generate (and what the OpenAI routes translate into)."""
+
+    text: str | list[str] | None = None
+    # list[int] for one prompt, list[list[int]] for a batch (msgspec takes one list type).
+    input_ids: list[int | list[int]] | None = None
+    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
+    rid: str | list[str] | None = None
+    stream: bool = False
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    logprob_start_len: int = -1
+    # Set by the server, not the client: the OpenAI routes' chat template output, etc.
+    return_text_in_logprobs: bool = True
+
+    @property
+    def is_single(self) -> bool:
+        if self.text is not None:
+            return isinstance(self.text, str)
+        return self.input_ids is None or not self.input_ids or isinstance(self.input_ids[0], int)
+
+    def normalize(self) -> None:
+        """Check the shape of the request and fill in a rid."""
+        if (self.text is None) == (self.input_ids is None):
+            raise ClientError("exactly one of 'text' and 'input_ids' must be given", "text")
+        if self.input_ids is not None:
+            kinds = {type(item) for item in self.input_ids}
+            if len(kinds) > 1:
+                raise ClientError("'input_ids' must be a list of token ids or a list of such lists", "input_ids")
+        if self.is_single:
+            if isinstance(self.rid, list):
+                raise ClientError("'rid' must be a string for a single prompt", "rid")
+            if isinstance(self.sampling_params, list):
+                raise ClientError("'sampling_params' must be an object for a single prompt", "sampling_params")
+            if self.rid is None:
+                self.rid = uuid.uuid4().hex
+            elif not self.rid:
+                raise ClientError("'rid' must not be empty", "rid")
+        if self.top_logprobs_num < 0:
+            raise ClientError(f"top_logprobs_num must be >= 0, got {self.top_logprobs_num}", "top_logprobs_num")
+        if self.top_logprobs_num > 20:
+            raise ClientError(f"top_logprobs_num must be <= 20, got {self.top_logprobs_num}", "top_logprobs_num")
+        if self.logprob_start_len < -1:
+            raise ClientError(f"logprob_start_len must be >= -1, got {self.logprob_start_len}", "logprob_start_len")
+
+
+def parse_sampling_params(raw: dict[str, Any] | None) -> SamplingParams:
+    """Build SamplingParams from a client's dict; wrong types are a ClientError."""
+    raw = dict(raw or {})
+    if raw.get("max_new_tokens", 0) is None:
+        raw.pop("max_new_tokens")
+    if isinstance(raw.get("stop"), str):
+        raw["stop"] = [raw["stop"]]
+    for key in ("stop", "stop_token_ids"):
+        if raw.get(key) is None:
+            raw.pop(key, None)
+    try:
+        return msgspec.convert(raw, SamplingParams)
+    except msgspec.ValidationError as e:
+        raise ClientError(f"invalid sampling_params: {e}", "sampling_params") from None

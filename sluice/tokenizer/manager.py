@@ -1,0 +1,299 @@
+"""The TokenizerManager: the request channel between the HTTP layer and the Scheduler.
+
+`generate_request` is an async generator: tokenize, send, then yield one chunk per output
+that `handle_loop` receives. `rid_to_state` holds one ReqState per live rid, created when
+the request enters and deleted exactly once: when its final chunk or abort comes back, or
+when it fails before it was sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import AsyncIterator
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from sluice.config import PortArgs, ServerArgs
+from sluice.ipc import AsyncReceiver, Sender
+from sluice.messages import (
+    AbortReq,
+    BatchStrOutput,
+    DetokenizerReady,
+    FlushCacheReq,
+    FlushCacheReqOutput,
+    GetInternalStateReq,
+    InternalState,
+    Message,
+    ProcessFailed,
+    SamplingParams,
+    SchedulerReady,
+    TokenizedGenerateReqInput,
+)
+from sluice.sampling import ClientError, validate_sampling_params
+from sluice.tokenizer.io_struct import GenerateReqInput, parse_sampling_params
+from sluice.tokenizer.req_state import ReqState
+from sluice.tokenizer.rwlock import RWLock
+from sluice.tokenizer.watchdog import SoftWatchdog
+
+logger = logging.getLogger(__name__)
+
+# How often a non-streaming request checks whether its client is still there.
+DISCONNECT_POLL_S = 1.0
+DEFAULT_MAX_NEW_TOKENS = 128
+
+
+class BackendError(RuntimeError):
+    """The Scheduler or DetokenizerManager is gone or not answering."""
+
+
+class TokenizerManager:
+    def __init__(self, server_args: ServerArgs, port_args: PortArgs, tokenizer, chat_template=None):
+        self.server_args = server_args
+        self.tokenizer = tokenizer
+        self.chat_template = chat_template
+        self.context = zmq.asyncio.Context(1)
+        self.sync_context = zmq.Context(1)
+        self.recv_from_detokenizer = AsyncReceiver(self.context, port_args.tokenizer_input)
+        self.send_to_scheduler = Sender(self.sync_context, port_args.scheduler_input)
+
+        self.rid_to_state: dict[str, ReqState] = {}
+        self.model_update_lock = RWLock()
+        self.is_pause = False
+        self.is_pause_cond = asyncio.Condition()
+        self.backend_error: str | None = None
+        self.scheduler_info: SchedulerReady | None = None
+        self.last_receive_tstamp = time.time()
+        self._control_waiters: dict[type, deque[asyncio.Future]] = {}
+        self._handle_loop_task: asyncio.Task | None = None
+        self.soft_watchdog = SoftWatchdog(
+            server_args.soft_watchdog_timeout, lambda: len(self.rid_to_state), self._describe_state
+        )
+
+    # ------------------------------------------------------------ start-up
+
+    async def wait_for_backend(self, timeout_s: float = 600.0) -> SchedulerReady:
+        """Wait until the Scheduler and DetokenizerManager report ready."""
+        ready: set[str] = set()
+        deadline = time.monotonic() + timeout_s
+        while len(ready) < 2:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise BackendError("the back end did not become ready in time")
+            message = await asyncio.wait_for(self.recv_from_detokenizer.recv(), remaining)
+            if isinstance(message, SchedulerReady):
+                self.scheduler_info = message
+                ready.add("scheduler")
+            elif isinstance(message, DetokenizerReady):
+                ready.add("detokenizer")
+            elif isinstance(message, ProcessFailed):
+                raise BackendError(f"the {message.process} failed to start:\n{message.error}")
+        return self.scheduler_info
+
+    def start_handle_loop(self) -> None:
+        if self._handle_loop_task is None:
+            self._handle_loop_task = asyncio.get_running_loop().create_task(self.handle_loop())
+            self.soft_watchdog.start()
+
+    @property
+    def max_req_input_len(self) -> int:
+        return self.scheduler_info.max_req_input_len
+
+    @property
+    def context_len(self) -> int:
+        return self.scheduler_info.context_len
+
+    # ------------------------------------------------------------ the request path
+
+    async def generate_request(self, obj: GenerateReqInput, request=None) -> AsyncIterator[dict[str, Any]]:
+        if self.backend_error:
+            raise BackendError(self.backend_error)
+        obj.normalize()
+        if not obj.is_single:
+            raise ClientError("a list of prompts is not supported yet", "text")
+        await self._wait_while_paused()
+        async with self.model_update_lock.reader_lock():
+            tokenized = self._tokenize_one_request(obj)
+            state = self._init_req_state(obj)
+            self._send_one_request(tokenized)
+            async for response in self._wait_one_response(state, request):
+                yield response
+
+    def _tokenize_one_request(self, obj: GenerateReqInput) -> TokenizedGenerateReqInput:
+        if obj.rid in self.rid_to_state:
+            raise ClientError(f"a request with rid '{obj.rid}' is already running", "rid")
+        if obj.input_ids is not None:
+            input_ids = list(obj.input_ids)
+        else:
+            input_ids = self.tokenizer(obj.text).input_ids
+        params = parse_sampling_params(obj.sampling_params)
+        self._check_lengths(input_ids, params)
+        validate_sampling_params(params, len(self.tokenizer))
+        if obj.return_logprob and obj.logprob_start_len >= len(input_ids):
+            obj.logprob_start_len = -1
+        return TokenizedGenerateReqInput(
+            rid=obj.rid,
+            input_ids=input_ids,
+            sampling_params=params,
+            stream=obj.stream,
+            return_logprob=obj.return_logprob,
+            top_logprobs_num=obj.top_logprobs_num if obj.return_logprob else 0,
+            logprob_start_len=obj.logprob_start_len if obj.return_logprob else -1,
+            input_text=obj.text if isinstance(obj.text, str) else "",
+        )
+
+    def _check_lengths(self, input_ids: list[int], params: SamplingParams) -> None:
+        num_input = len(input_ids)
+        if num_input == 0:
+            raise ClientError("the prompt is empty", "text")
+        vocab = len(self.tokenizer)
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in input_ids):
+            raise ClientError(f"input_ids must be token ids in [0, {vocab})", "input_ids")
+        if num_input > self.max_req_input_len:
+            raise ClientError(
+                f"The input has {num_input} tokens, more than the maximum input length "
+                f"max_req_input_len={self.max_req_input_len}",
+                "input_ids",
+            )
+        if num_input + params.max_new_tokens > self.context_len:
+            raise ClientError(
+                f"The input has {num_input} tokens and max_new_tokens is {params.max_new_tokens}: "
+                f"together {num_input + params.max_new_tokens}, more than the context length {self.context_len}",
+                "max_new_tokens",
+            )
+
+    def _init_req_state(self, obj: GenerateReqInput, extra_meta: dict | None = None) -> ReqState:
+        if not self.rid_to_state:
+            self.soft_watchdog.feed()  # a busy period starts: idle time never counts
+        state = ReqState(rid=obj.rid, stream=obj.stream, return_logprob=obj.return_logprob, extra_meta=extra_meta or {})
+        self.rid_to_state[obj.rid] = state
+        return state
+
+    def _send_one_request(self, tokenized: TokenizedGenerateReqInput) -> None:
+        self.send_to_scheduler.send(tokenized)
+
+    async def _wait_one_response(self, state: ReqState, request=None) -> AsyncIterator[dict[str, Any]]:
+        finished = False
+        try:
+            while True:
+                try:
+                    await asyncio.wait_for(state.event.wait(), DISCONNECT_POLL_S)
+                except asyncio.TimeoutError:
+                    if request is not None and await request.is_disconnected():
+                        logger.info("client of %s disconnected: aborting", state.rid)
+                        return
+                    if self.backend_error:
+                        raise BackendError(self.backend_error)
+                    continue
+                state.event.clear()
+                chunks, state.pending = state.pending, []
+                for chunk in chunks:
+                    is_last = chunk["meta_info"]["finish_reason"] is not None
+                    if is_last:
+                        finished = True
+                    if state.stream or is_last:
+                        yield chunk
+                    if is_last:
+                        return
+        finally:
+            if not finished:
+                self.abort_request(state.rid)
+
+    # ------------------------------------------------------------ results
+
+    async def handle_loop(self) -> None:
+        """Receive every output and control reply; feed the watchdog after each message."""
+        while True:
+            recv_obj = await self.recv_from_detokenizer.recv()
+            try:
+                self._dispatch(recv_obj)
+            except Exception:
+                logger.exception("handle_loop failed on a %s", type(recv_obj).__name__)
+            self.last_receive_tstamp = time.time()
+            self.soft_watchdog.feed()
+
+    def _dispatch(self, recv_obj: Message) -> None:
+        if isinstance(recv_obj, BatchStrOutput):
+            self._handle_batch_output(recv_obj)
+        elif isinstance(recv_obj, ProcessFailed):
+            self._fail_all(f"the {recv_obj.process} process failed")
+        else:
+            self._result_dispatcher(recv_obj)
+
+    def _handle_batch_output(self, batch: BatchStrOutput) -> None:
+        for out in batch.outputs:
+            state = self.rid_to_state.get(out.rid)
+            if state is None:
+                continue  # aborted earlier and already cleaned up
+            state.pending.append(state.absorb(out))
+            if state.finished:
+                del self.rid_to_state[out.rid]
+            state.event.set()
+
+    def _result_dispatcher(self, recv_obj: Message) -> None:
+        waiters = self._control_waiters.get(type(recv_obj))
+        while waiters:
+            future = waiters.popleft()
+            if not future.done():
+                future.set_result(recv_obj)
+                return
+        logger.warning("no one waits for a %s", type(recv_obj).__name__)
+
+    def _fail_all(self, reason: str) -> None:
+        """The back end died: end every live request with an error, report unhealthy."""
+        from sluice.tokenizer.req_state import abort_chunk
+
+        self.backend_error = reason
+        for rid, state in list(self.rid_to_state.items()):
+            state.pending.append(abort_chunk(state, reason, status_code=503))
+            state.finished = True
+            del self.rid_to_state[rid]
+            state.event.set()
+
+    # ------------------------------------------------------------ control
+
+    def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
+        if abort_all or rid in self.rid_to_state:
+            self.send_to_scheduler.send(AbortReq(rid=rid, abort_all=abort_all))
+
+    async def _control(self, request: Message, reply_type: type, timeout_s: float = 30.0) -> Any:
+        future = asyncio.get_running_loop().create_future()
+        self._control_waiters.setdefault(reply_type, deque()).append(future)
+        self.send_to_scheduler.send(request)
+        try:
+            return await asyncio.wait_for(future, timeout_s)
+        except asyncio.TimeoutError:
+            raise BackendError(f"the scheduler did not answer a {type(request).__name__} in {timeout_s} s") from None
+
+    async def get_internal_state(self) -> InternalState:
+        return await self._control(GetInternalStateReq(), InternalState)
+
+    async def flush_cache(self) -> FlushCacheReqOutput:
+        async with self.model_update_lock.writer_lock():
+            return await self._control(FlushCacheReq(), FlushCacheReqOutput)
+
+    async def pause_generation(self) -> None:
+        async with self.is_pause_cond:
+            self.is_pause = True
+
+    async def continue_generation(self) -> None:
+        async with self.is_pause_cond:
+            self.is_pause = False
+            self.is_pause_cond.notify_all()
+
+    async def _wait_while_paused(self) -> None:
+        async with self.is_pause_cond:
+            await self.is_pause_cond.wait_for(lambda: not self.is_pause)
+
+    def _describe_state(self) -> str:
+        # Runs on the watchdog's thread: copy before reading, the loop may change the dict.
+        rids = list(self.rid_to_state.copy())
+        return (
+            f"in-flight rids (first 20 of {len(rids)}): {rids[:20]}\n"
+            f"last message received at {time.strftime('%H:%M:%S', time.localtime(self.last_receive_tstamp))} "
+            f"({time.time() - self.last_receive_tstamp:.1f} s ago)"
+        )
