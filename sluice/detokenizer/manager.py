@@ -112,8 +112,8 @@ def run_detokenizer_process(server_args_data: bytes, port_args_data: bytes) -> N
             outputs, to_release = manager.handle(message)
             for rid in to_release:
                 to_scheduler.send(AbortReq(rid=rid, finished_by_stop_string=True))
-            if outputs:
-                to_tokenizer.send(BatchStrOutput(outputs=outputs))
+            # An empty batch is the scheduler's heartbeat: pass it on for the watchdog.
+            to_tokenizer.send(BatchStrOutput(outputs=outputs))
     except Exception:
         error = traceback.format_exc()
         logger.error("detokenizer failed:\n%s", error)

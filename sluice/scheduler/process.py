@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 import traceback
 
 import torch
@@ -29,6 +30,10 @@ from sluice.procutil import become_child_process
 logger = logging.getLogger(__name__)
 
 IDLE_POLL_MS = 1000
+# While requests run, something goes to the detokenizer at least this often, so the
+# TokenizerManager's watchdog sees messages flow even when no output is due (a long
+# non-streaming request).
+HEARTBEAT_S = 2.0
 
 
 def resolve_dtype(name: str) -> torch.dtype:
@@ -36,7 +41,9 @@ def resolve_dtype(name: str) -> torch.dtype:
         return torch.float32
     if name == "bfloat16":
         return torch.bfloat16
-    return torch.bfloat16 if torch.backends.cpu.get_cpu_capability() in ("AVX512", "AVX512_BF16", "AMX") else torch.float32
+    # bfloat16 only pays where oneDNN has bf16 kernels (AVX-512 BF16 or AMX); on an
+    # AVX2-only CPU it is emulated and several times slower than float32.
+    return torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
 
 
 def default_max_total_tokens(args: ServerArgs, kv_bytes_per_token: int, context_len: int) -> int:
@@ -67,6 +74,7 @@ class SchedulerLoop:
         self.to_tokenizer = Sender(self.context, port_args.tokenizer_input)
 
     def run_forever(self) -> None:
+        last_send = time.monotonic()
         while True:
             if self.scheduler.is_idle:
                 if self.scheduler.args.debug_checks:
@@ -79,8 +87,10 @@ class SchedulerLoop:
             for message in messages:
                 outputs.extend(self.handle(message))
             outputs.extend(self.scheduler.step())
-            if outputs:
+            now = time.monotonic()
+            if outputs or (not self.scheduler.is_idle and now - last_send > HEARTBEAT_S):
                 self.to_detokenizer.send(BatchTokenIDOutput(outputs=outputs))
+                last_send = now
 
     def handle(self, message: Message) -> list[TokenIDOutput]:
         s = self.scheduler

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import uuid
 from typing import Any
@@ -13,6 +12,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from sluice.sampling import ClientError
+from sluice.server.guard import RequestGuard
 from sluice.server.errors import error_response, failure_status, install_error_handlers
 from sluice.server.sse import sse_stream
 from sluice.tokenizer.io_struct import GenerateReqInput
@@ -21,7 +21,6 @@ from sluice.tokenizer.manager import BackendError, TokenizerManager
 logger = logging.getLogger(__name__)
 
 HEALTH_GENERATE_TIMEOUT_S = 20.0
-OPEN_PATHS = frozenset({"/health"})
 
 
 class ServerState:
@@ -45,16 +44,7 @@ def create_app(state: ServerState, lifespan=None) -> FastAPI:
     install_error_handlers(app)
     args = state.server_args
 
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        length = request.headers.get("content-length")
-        if length is not None and (not length.isdigit() or int(length) > args.max_request_body_bytes):
-            return error_response(413, f"request body larger than {args.max_request_body_bytes} bytes")
-        if args.api_key and request.url.path not in OPEN_PATHS:
-            supplied = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
-            if not hmac.compare_digest(supplied.encode(), args.api_key.encode()):
-                return error_response(401, "invalid or missing API key")
-        return await call_next(request)
+    app.add_middleware(RequestGuard, max_body_bytes=args.max_request_body_bytes, api_key=args.api_key)
 
     @app.get("/health")
     async def health():

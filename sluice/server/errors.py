@@ -37,6 +37,8 @@ class NotFoundError(Exception):
 
 
 def install_error_handlers(app: FastAPI) -> None:
+    from sluice.server.guard import BodyTooLarge
+
     @app.exception_handler(ClientError)
     async def _client_error(request: Request, exc: ClientError):
         return error_response(400, exc.message, exc.param)
@@ -48,6 +50,10 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(BackendError)
     async def _backend_error(request: Request, exc: BackendError):
         return error_response(503, str(exc))
+
+    @app.exception_handler(BodyTooLarge)
+    async def _too_large(request: Request, exc: BodyTooLarge):
+        return error_response(413, str(exc))
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):

@@ -1,0 +1,55 @@
+"""A pure ASGI middleware for the checks every request passes: body size and API key.
+
+Pure ASGI rather than FastAPI's `@app.middleware("http")`: that one wraps `receive`, and
+a non-streaming route could then no longer see its client disconnect.
+"""
+
+from __future__ import annotations
+
+import hmac
+
+from sluice.server.errors import error_response
+
+OPEN_PATHS = frozenset({"/health"})
+
+
+class BodyTooLarge(Exception):
+    pass
+
+
+class RequestGuard:
+    def __init__(self, app, max_body_bytes: int, api_key: str = ""):
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+        self.api_key = api_key.encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        length = headers.get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.max_body_bytes):
+            return await self._reject(scope, receive, send, 413, f"request body larger than {self.max_body_bytes} bytes")
+        if self.api_key and scope["path"] not in OPEN_PATHS:
+            supplied = headers.get(b"authorization", b"").removeprefix(b"Bearer ").strip()
+            if not hmac.compare_digest(supplied, self.api_key):
+                return await self._reject(scope, receive, send, 401, "invalid or missing API key")
+        return await self.app(scope, self._limited(receive), send)
+
+    def _limited(self, receive):
+        """Count a chunked body too, which has no content-length to check up front."""
+        received = 0
+
+        async def limited_receive():
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_body_bytes:
+                    raise BodyTooLarge(f"request body larger than {self.max_body_bytes} bytes")
+            return message
+
+        return limited_receive
+
+    async def _reject(self, scope, receive, send, status_code: int, message: str):
+        await error_response(status_code, message)(scope, receive, send)

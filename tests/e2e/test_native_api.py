@@ -1,0 +1,235 @@
+"""The native API through the real server and the real default model."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import pytest
+
+CHAT_PROMPT = ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+               "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n")
+
+
+def generate(base_url: str, **body) -> httpx.Response:
+    return httpx.post(base_url + "/generate", json=body, timeout=120)
+
+
+def greedy(max_new_tokens: int = 16, **extra) -> dict:
+    return {"max_new_tokens": max_new_tokens, "temperature": 0, **extra}
+
+
+def sse_events(response: httpx.Response) -> list:
+    events = []
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            payload = line[len("data: "):]
+            events.append(payload if payload == "[DONE]" else json.loads(payload))
+    return events
+
+
+def internal_states(base_url: str) -> dict:
+    return httpx.get(base_url + "/get_server_info", timeout=30).json()["internal_states"][0]
+
+
+def wait_until_drained(base_url: str, timeout_s: float = 30) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        states = internal_states(base_url)
+        idle = states["num_running_reqs"] == 0 and states["num_waiting_reqs"] == 0 and states["rid_to_state_size"] == 0
+        if idle or time.monotonic() > deadline:
+            return states
+        time.sleep(0.3)
+
+
+def test_greedy_answer(base_url):
+    r = generate(base_url, text=CHAT_PROMPT, sampling_params=greedy(20))
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert "Paris" in body["text"]
+    meta = body["meta_info"]
+    assert meta["finish_reason"] == {"type": "stop", "matched": 2}
+    assert meta["prompt_tokens"] > 10 and meta["completion_tokens"] == len(body["output_ids"])
+    assert meta["e2e_latency"] > 0 and meta["id"]
+
+
+def test_stream_matches_non_stream(base_url):
+    params = greedy(12, ignore_eos=True)
+    whole = generate(base_url, text="Once upon a time", sampling_params=params).json()
+    with httpx.stream("POST", base_url + "/generate", json={"text": "Once upon a time", "sampling_params": params,
+                                                            "stream": True}, timeout=120) as r:
+        assert r.status_code == 200
+        events = sse_events(r)
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert len(chunks) >= 2
+    assert chunks[-1]["text"] == whole["text"]
+    assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "length"
+    assert all(c["meta_info"]["finish_reason"] is None for c in chunks[:-1])
+
+
+def test_input_ids_and_cached_tokens(base_url):
+    ids = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018, 411, 407, 19712, 8182, 2, 198]
+    first = generate(base_url, input_ids=ids, sampling_params=greedy(4)).json()
+    second = generate(base_url, input_ids=ids, sampling_params=greedy(4)).json()
+    assert second["output_ids"] == first["output_ids"]
+    assert second["meta_info"]["cached_tokens"] >= len(ids) - 1
+
+
+def test_logprobs(base_url):
+    body = generate(base_url, text="The capital of France is", sampling_params=greedy(4), return_logprob=True,
+                    top_logprobs_num=3, logprob_start_len=0).json()
+    meta = body["meta_info"]
+    assert len(meta["output_token_logprobs"]) == 4
+    for (logprob, token_id, _), tops in zip(meta["output_token_logprobs"], meta["output_top_logprobs"]):
+        assert logprob <= 0 and len(tops) == 3
+        assert tops[0][1] == token_id  # greedy picks the most likely token
+    assert meta["input_token_logprobs"][0][0] is None
+    assert len(meta["input_token_logprobs"]) == meta["prompt_tokens"]
+
+
+def test_stop_string_trimmed_and_kept(base_url):
+    params = greedy(40, stop=[" 7"])
+    trimmed = generate(base_url, text="Count: 1, 2, 3,", sampling_params=params).json()
+    assert trimmed["text"].endswith(" 6,") and "7" not in trimmed["text"]
+    assert trimmed["meta_info"]["finish_reason"] == {"type": "stop", "matched": " 7"}
+    kept = generate(base_url, text="Count: 1, 2, 3,", sampling_params={**params, "no_stop_trim": True}).json()
+    assert kept["text"].endswith(" 7")
+
+
+def test_stream_never_shows_partial_stop_string(base_url):
+    body = {"text": "Count: 1, 2, 3,", "sampling_params": greedy(40, stop=[" 7, 8"]), "stream": True}
+    with httpx.stream("POST", base_url + "/generate", json=body, timeout=120) as r:
+        chunks = sse_events(r)[:-1]
+    texts = [c["text"] for c in chunks]
+    assert texts[-1].endswith(" 6,")
+    assert all(" 7" not in t for t in texts)
+
+
+def test_skip_special_tokens(base_url):
+    ids = [1, 4093, 198, 19556, 2, 198, 1, 520, 9531, 198]
+    shown = generate(base_url, input_ids=ids, sampling_params=greedy(30, skip_special_tokens=False)).json()
+    hidden = generate(base_url, input_ids=ids, sampling_params=greedy(30)).json()
+    assert shown["output_ids"][-1] == 2
+    assert "<|im_end|>" in shown["text"] and "<|im_end|>" not in hidden["text"]
+
+
+@pytest.mark.parametrize("body, field", [
+    ({"text": "hi", "sampling_params": {"temperature": -1}}, "temperature"),
+    ({"text": "hi", "sampling_params": {"top_p": 1.5}}, "top_p"),
+    ({"text": "hi", "sampling_params": {"max_new_tokens": "many"}}, "max_new_tokens"),
+    ({"text": "hi", "input_ids": [1, 2]}, "text"),
+    ({}, "text"),
+    ({"input_ids": [99999999]}, "input_ids"),
+    ({"text": ""}, "prompt"),
+    ({"text": 5}, "text"),
+])
+def test_bad_input_is_400(base_url, body, field):
+    r = generate(base_url, **body)
+    assert r.status_code == 400, r.text
+    assert field in r.json()["error"]["message"]
+
+
+def test_too_long_input_names_both_numbers(base_url):
+    info = httpx.get(base_url + "/get_model_info").json()
+    limit, context = info["max_req_input_len"], info["context_len"]
+    r = generate(base_url, input_ids=[100] * (limit + 1))
+    assert r.status_code == 400 and str(limit + 1) in r.text and str(limit) in r.text
+    r = generate(base_url, input_ids=[100] * 100, sampling_params={"max_new_tokens": context})
+    assert r.status_code == 400 and "100" in r.text and str(context) in r.text
+
+
+def test_malformed_bodies(base_url):
+    for raw in (b"{", b"[1, 2]", b"null", b'"text"'):
+        r = httpx.post(base_url + "/generate", content=raw, timeout=30)
+        assert r.status_code == 400, (raw, r.text)
+    big = b'{"text": "' + b"a" * (17 * 1024 * 1024) + b'"}'
+    assert httpx.post(base_url + "/generate", content=big, timeout=60).status_code == 413
+
+
+def test_duplicate_live_rid_is_400(base_url):
+    body = {"text": "Tell me a long story.", "rid": "dup-rid", "sampling_params": greedy(60, ignore_eos=True)}
+    first = {}
+    thread = threading.Thread(target=lambda: first.update(r=generate(base_url, **body)))
+    thread.start()
+    time.sleep(1.5)
+    second = generate(base_url, **body)
+    thread.join()
+    assert first["r"].status_code == 200
+    assert second.status_code == 400 and "dup-rid" in second.json()["error"]["message"]
+
+
+def test_health_and_info_routes(base_url):
+    assert httpx.get(base_url + "/health").status_code == 200
+    assert httpx.get(base_url + "/health_generate", timeout=60).status_code == 200
+    info = httpx.get(base_url + "/get_model_info").json()
+    assert info["context_len"] == 8192 and info["is_generation"]
+    server_info = httpx.get(base_url + "/get_server_info").json()
+    assert "api_key" not in server_info
+    states = server_info["internal_states"][0]
+    for key in ("num_running_reqs", "num_waiting_reqs", "kv_tokens_total", "kv_tokens_free", "kv_tokens_cached",
+                "kv_tokens_in_use", "rid_to_state_size"):
+        assert isinstance(states[key], int)
+    assert states["kv_tokens_total"] == 20000
+
+
+def test_flush_cache(base_url):
+    generate(base_url, text="Remember this prefix please", sampling_params=greedy(2))
+    assert httpx.post(base_url + "/flush_cache", timeout=60).json() == {"success": True}
+    assert internal_states(base_url)["kv_tokens_cached"] == 0
+
+
+def test_abort_request_by_rid(base_url):
+    body = {"text": "Write a very long essay.", "rid": "to-abort", "sampling_params": greedy(300, ignore_eos=True)}
+    result = {}
+    thread = threading.Thread(target=lambda: result.update(r=generate(base_url, **body)))
+    thread.start()
+    time.sleep(2)
+    assert httpx.post(base_url + "/abort_request", json={"rid": "to-abort"}).status_code == 200
+    thread.join(60)
+    meta = result["r"].json()["meta_info"]
+    assert meta["finish_reason"]["type"] == "abort" and meta["completion_tokens"] < 300
+    assert httpx.post(base_url + "/abort_request", json={}).status_code == 400
+
+
+def test_pause_holds_new_requests(base_url):
+    assert httpx.post(base_url + "/pause_generation").status_code == 200
+    result = {}
+    thread = threading.Thread(target=lambda: result.update(r=generate(base_url, text="Hi", sampling_params=greedy(2))))
+    thread.start()
+    time.sleep(1.5)
+    assert "r" not in result  # waiting while paused
+    assert httpx.post(base_url + "/continue_generation").status_code == 200
+    thread.join(60)
+    assert result["r"].status_code == 200
+
+
+def test_disconnected_clients_are_aborted(base_url):
+    """20 clients leave mid-generation: every request is aborted and its KV freed."""
+    def leave_early(i: int, stream: bool):
+        body = {"text": f"Story number {i}:", "sampling_params": greedy(400, ignore_eos=True), "stream": stream}
+        try:
+            with httpx.stream("POST", base_url + "/generate", json=body, timeout=3) as r:
+                for _ in r.iter_lines():
+                    break
+        except httpx.TimeoutException:
+            pass  # a non-streaming client that gave up waiting
+
+    threads = [threading.Thread(target=leave_early, args=(i, i % 2 == 0)) for i in range(20)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    states = wait_until_drained(base_url)
+    assert states["num_running_reqs"] == 0 and states["num_waiting_reqs"] == 0
+    assert states["rid_to_state_size"] == 0
+    assert states["kv_tokens_in_use"] == 0
+
+
+def test_rid_to_state_is_empty_after_every_ending(base_url):
+    generate(base_url, text="Hi", sampling_params=greedy(2))  # final chunk
+    generate(base_url, text="Hi", sampling_params={"top_k": -5})  # error before dispatch
+    generate(base_url, input_ids=[100] * 9000)  # refused by validation
+    assert wait_until_drained(base_url)["rid_to_state_size"] == 0

@@ -1,0 +1,365 @@
+"""The OpenAI-compatible API, through the official client and raw HTTP, on the real server."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import openai
+import pytest
+
+MAX_TOKENS = 16
+PROMPT = "The quick brown fox"
+
+
+@pytest.fixture(scope="module")
+def client(base_url) -> openai.OpenAI:
+    return openai.OpenAI(base_url=base_url + "/v1", api_key="x", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def model(client) -> str:
+    return client.models.list().data[0].id
+
+
+@pytest.fixture(scope="module")
+def http(base_url):
+    with httpx.Client(base_url=base_url, timeout=120) as c:
+        yield c
+
+
+# ------------------------------------------------------------------ models
+
+
+def test_models_lists_the_served_model(client):
+    models = client.models.list().data
+    assert len(models) == 1
+    assert models[0].id and models[0].owned_by == "sluice"
+
+
+# ------------------------------------------------------------------ completions
+
+
+def test_completion_greedy_is_deterministic_and_reports_usage(client, model):
+    first = client.completions.create(model=model, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0)
+    second = client.completions.create(model=model, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0)
+    assert first.object == "text_completion" and first.id.startswith("cmpl-")
+    assert first.choices[0].text and first.choices[0].text == second.choices[0].text
+    usage = first.usage
+    assert usage.completion_tokens <= MAX_TOKENS and usage.prompt_tokens > 0
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    assert usage.prompt_tokens_details.cached_tokens >= 0
+
+
+def test_completion_max_tokens_ends_with_length(client, model):
+    result = client.completions.create(model=model, prompt=PROMPT, max_tokens=3, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    assert result.usage.completion_tokens == 3
+    assert result.choices[0].finish_reason == "length"
+
+
+def test_completion_default_max_tokens_is_16(client, model):
+    result = client.completions.create(model=model, prompt=PROMPT, temperature=0, extra_body={"ignore_eos": True})
+    assert result.usage.completion_tokens == 16
+
+
+def test_completion_token_prompt_matches_text_prompt(client, model, http):
+    native = http.post("/generate", json={"text": PROMPT, "sampling_params": {"max_new_tokens": 1, "temperature": 0},
+                                          "return_logprob": True, "logprob_start_len": 0})
+    assert native.status_code == 200, native.text
+    prompt_ids = [token_id for _, token_id, _ in native.json()["meta_info"]["input_token_logprobs"]]
+    by_text = client.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=0)
+    by_ids = client.completions.create(model=model, prompt=prompt_ids, max_tokens=8, temperature=0, echo=True)
+    assert by_ids.usage.prompt_tokens == by_text.usage.prompt_tokens == len(prompt_ids)
+    assert by_ids.choices[0].text == PROMPT + by_text.choices[0].text
+
+
+def test_completion_stop_string_ends_the_text(client, model):
+    full = client.completions.create(model=model, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0).choices[0].text
+    stop = full.strip().split()[1] if len(full.strip().split()) > 1 else full.strip()[:2]
+    result = client.completions.create(model=model, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0, stop=[stop])
+    choice = result.choices[0]
+    assert choice.finish_reason == "stop"
+    assert stop not in choice.text
+    assert full.startswith(choice.text)
+
+
+def test_completion_seed_reproduces_sampling(client, model):
+    def sample(seed: int) -> str:
+        return client.completions.create(model=model, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=1.0,
+                                         seed=seed).choices[0].text
+
+    assert sample(1234) == sample(1234)
+    assert len({sample(seed) for seed in (1, 2, 3)}) > 1
+
+
+def test_completion_logprobs(client, model):
+    result = client.completions.create(model=model, prompt=PROMPT, max_tokens=5, temperature=0, logprobs=3,
+                                       extra_body={"ignore_eos": True})
+    choice = result.choices[0]
+    logprobs = choice.logprobs
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(logprobs.top_logprobs) == 5
+    assert "".join(logprobs.tokens) == choice.text
+    assert all(choice.text[offset:].startswith(token) for offset, token in zip(logprobs.text_offset, logprobs.tokens))
+    for token, logprob, top in zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs):
+        assert logprob <= 0
+        assert token in top and 3 <= len(top) <= 4
+        # Greedy: the chosen token is the most likely one.
+        assert max(top.values()) == pytest.approx(logprob, abs=1e-4)
+
+
+def test_completion_echo_with_logprobs(client, model):
+    result = client.completions.create(model=model, prompt=PROMPT, max_tokens=2, temperature=0, echo=True, logprobs=1)
+    choice = result.choices[0]
+    assert choice.text.startswith(PROMPT) and len(choice.text) > len(PROMPT)
+    logprobs = choice.logprobs
+    prompt_tokens = result.usage.prompt_tokens
+    assert len(logprobs.tokens) == prompt_tokens + result.usage.completion_tokens
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    assert all(lp is not None and lp <= 0 for lp in logprobs.token_logprobs[1:])
+    assert "".join(logprobs.tokens[:prompt_tokens]) == PROMPT
+
+
+def test_completion_echo_scores_the_prompt_with_max_tokens_0(client, model):
+    result = client.completions.create(model=model, prompt=PROMPT, max_tokens=0, echo=True, logprobs=0)
+    choice = result.choices[0]
+    assert choice.text == PROMPT and result.usage.completion_tokens == 0
+    assert len(choice.logprobs.token_logprobs) == result.usage.prompt_tokens
+    assert all(lp <= 0 for lp in choice.logprobs.token_logprobs[1:])
+
+
+def test_completion_echo_without_logprobs(client, model):
+    plain = client.completions.create(model=model, prompt=PROMPT, max_tokens=4, temperature=0)
+    echoed = client.completions.create(model=model, prompt=PROMPT, max_tokens=4, temperature=0, echo=True)
+    assert echoed.choices[0].text == PROMPT + plain.choices[0].text
+
+
+def test_completion_stream_joins_to_the_full_text_with_usage(client, model):
+    full = client.completions.create(model=model, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0)
+    chunks = list(client.completions.create(model=model, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    text_chunks = [c for c in chunks if c.choices]
+    assert "".join(c.choices[0].text for c in text_chunks) == full.choices[0].text
+    assert text_chunks[-1].choices[0].finish_reason == full.choices[0].finish_reason
+    assert all(c.choices[0].finish_reason is None for c in text_chunks[:-1])
+    assert all(c.object == "text_completion" and c.id == chunks[0].id for c in chunks)
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+
+
+def test_completion_stream_with_logprobs_and_echo(client, model):
+    full = client.completions.create(model=model, prompt=PROMPT, max_tokens=6, temperature=0, echo=True, logprobs=2)
+    chunks = list(client.completions.create(model=model, prompt=PROMPT, max_tokens=6, temperature=0, echo=True,
+                                            logprobs=2, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == full.choices[0].text
+    tokens = [t for c in chunks for t in c.choices[0].logprobs.tokens]
+    offsets = [o for c in chunks for o in c.choices[0].logprobs.text_offset]
+    assert tokens == full.choices[0].logprobs.tokens
+    assert offsets == full.choices[0].logprobs.text_offset
+
+
+# ------------------------------------------------------------------ chat
+
+
+def chat(client, model, content: str, **kwargs):
+    return client.chat.completions.create(model=model, messages=[{"role": "user", "content": content}],
+                                          temperature=0, **kwargs)
+
+
+def test_chat_answers_the_capital_of_france(client, model):
+    result = chat(client, model, "What is the capital of France?", max_tokens=32)
+    assert result.object == "chat.completion" and result.id.startswith("chatcmpl-")
+    message = result.choices[0].message
+    assert message.role == "assistant" and "Paris" in message.content
+    assert result.usage.total_tokens == result.usage.prompt_tokens + result.usage.completion_tokens
+
+
+def test_chat_content_parts_equal_a_string(client, model):
+    as_string = chat(client, model, "Say hello.", max_tokens=8)
+    parts = client.chat.completions.create(
+        model=model, temperature=0, max_tokens=8,
+        messages=[{"role": "user", "content": [{"type": "text", "text": "Say "}, {"type": "text", "text": "hello."}]}],
+    )
+    assert parts.choices[0].message.content == as_string.choices[0].message.content
+
+
+def test_chat_stream_deltas_join_to_the_full_text(client, model):
+    full = chat(client, model, "What is the capital of France?", max_tokens=24)
+    chunks = list(chat(client, model, "What is the capital of France?", max_tokens=24, stream=True,
+                       stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    choice_chunks = [c for c in chunks if c.choices]
+    assert "".join(c.choices[0].delta.content or "" for c in choice_chunks) == full.choices[0].message.content
+    assert choice_chunks[-1].choices[0].finish_reason == full.choices[0].finish_reason
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+
+
+def test_chat_logprobs_with_top_logprobs(client, model):
+    result = chat(client, model, "Name a color.", max_tokens=6, logprobs=True, top_logprobs=3)
+    content = result.choices[0].logprobs.content
+    assert len(content) == result.usage.completion_tokens
+    assert "".join(entry.token for entry in content) == result.choices[0].message.content
+    for entry in content:
+        assert entry.logprob <= 0 and bytes(entry.bytes).decode("utf-8", "replace") == entry.token
+        assert len(entry.top_logprobs) == 3
+        assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob, abs=1e-4)  # greedy
+
+
+def test_chat_stream_logprobs_match(client, model):
+    full = chat(client, model, "Name a color.", max_tokens=6, logprobs=True, top_logprobs=2)
+    chunks = list(chat(client, model, "Name a color.", max_tokens=6, logprobs=True, top_logprobs=2, stream=True))
+    streamed = [e.token for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert streamed == [e.token for e in full.choices[0].logprobs.content]
+
+
+def test_chat_max_completion_tokens(client, model):
+    result = chat(client, model, "Write a long story about a dragon.", max_completion_tokens=5)
+    assert result.usage.completion_tokens == 5 and result.choices[0].finish_reason == "length"
+
+
+def test_chat_system_message_reaches_the_model(client, model):
+    def ask(system: str):
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": "Who are you?"}]
+        return client.chat.completions.create(model=model, messages=messages, temperature=0, max_tokens=12)
+
+    brief = ask("Be brief.")
+    pirate = ask("You are a pirate named Blackbeard. Always speak like a pirate, with many arrrs.")
+    assert pirate.usage.prompt_tokens > brief.usage.prompt_tokens + 5
+    assert pirate.choices[0].message.content != brief.choices[0].message.content
+
+
+def test_chat_multi_turn_with_assistant_message(client, model):
+    result = client.chat.completions.create(
+        model=model, temperature=0, max_tokens=8,
+        messages=[{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"},
+                  {"role": "user", "content": "What is 2+2?"}],
+    )
+    assert result.choices[0].message.content
+
+
+def test_missing_model_is_accepted(http):
+    result = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
+    assert result.status_code == 200, result.text
+    result = http.post("/v1/completions", json={"model": "", "prompt": "Hi", "max_tokens": 2})
+    assert result.status_code == 200, result.text
+
+
+def test_unknown_fields_are_ignored(http):
+    body = {"prompt": "Hi", "max_tokens": 2, "user": "me", "logit_bias": {}, "some_future_field": [1, {"a": None}]}
+    assert http.post("/v1/completions", json=body).status_code == 200
+
+
+# ------------------------------------------------------------------ errors
+
+
+def assert_error(response: httpx.Response, status_code: int, param: str | None = None) -> dict:
+    assert response.status_code == status_code, response.text
+    error = response.json()["error"]
+    assert error["message"] and error["code"] == status_code
+    if param is not None:
+        assert error["param"] == param, error
+        assert param.split(".")[0].split("[")[0] in error["message"], error
+    return error
+
+
+def test_unknown_model_is_404_with_the_envelope(http, client):
+    result = http.post("/v1/completions", json={"model": "gpt-17", "prompt": "Hi", "max_tokens": 2})
+    error = assert_error(result, 404, "model")
+    assert "gpt-17" in error["message"]
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-17", messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
+    ("/v1/completions", {"prompt": "Hi", "max_tokens": "ten"}, "max_tokens"),
+    ("/v1/completions", {"prompt": "Hi", "temperature": "hot"}, "temperature"),
+    ("/v1/completions", {"prompt": 5}, "prompt"),
+    ("/v1/completions", {"prompt": "Hi", "stop": [1, 2]}, "stop[0]"),
+    ("/v1/completions", {"prompt": "Hi", "echo": "yes"}, "echo"),
+    ("/v1/chat/completions", {"messages": "Hi"}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 3}]}, "messages[0].content"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "logprobs": 3}, "logprobs"),
+])
+def test_wrong_types_are_400_naming_the_field(http, path, body, param):
+    assert_error(http.post(path, json=body), 400, param)
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
+    ("/v1/completions", {"prompt": "Hi", "temperature": -0.5}, "temperature"),
+    ("/v1/completions", {"prompt": "Hi", "top_p": 1.5}, "top_p"),
+    ("/v1/completions", {"prompt": "Hi", "max_tokens": -1}, "max_tokens"),
+    ("/v1/completions", {"prompt": "Hi", "max_tokens": 10**9}, "max_tokens"),
+    ("/v1/completions", {"prompt": "Hi", "logprobs": 6}, "logprobs"),
+    ("/v1/completions", {"prompt": "Hi", "n": 2}, "n"),
+    ("/v1/completions", {"prompt": "Hi", "frequency_penalty": 3}, "frequency_penalty"),
+    ("/v1/completions", {"prompt": "Hi", "max_tokens": 2, "min_tokens": 5}, "min_tokens"),
+    ("/v1/completions", {"prompt": ["Hi", "there"]}, "prompt"),
+    ("/v1/completions", {"prompt": ""}, "prompt"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "top_logprobs": 21,
+                              "logprobs": True}, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_completion_tokens": -3},
+     "max_completion_tokens"),
+    ("/v1/chat/completions", {"messages": []}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "Hi"}]}, "messages[0].role"),
+])
+def test_out_of_range_values_are_400_naming_the_field(http, path, body, param):
+    assert_error(http.post(path, json=body), 400, param)
+
+
+def test_batch_prompts_and_images_are_refused_with_a_reason(http):
+    error = assert_error(http.post("/v1/completions", json={"prompt": ["Hi", "there"]}), 400)
+    assert "batch prompts are not supported yet" in error["message"]
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "What is this?"}, image]}]}
+    error = assert_error(http.post("/v1/chat/completions", json=body), 400)
+    assert "this model does not accept images" in error["message"]
+
+
+def test_stream_errors_before_the_first_chunk_are_plain_400(http):
+    result = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}],
+                                                     "temperature": -1, "stream": True})
+    assert_error(result, 400, "temperature")
+
+
+FUZZ_BODIES = [
+    b"", b"null", b"[]", b"[1, 2]", b"42", b'"text"', b"{", b"{}", b'{"prompt": null}', b'{"messages": null}',
+    b'{"prompt": "Hi", "max_tokens": 1e400}', b'{"prompt": "Hi", "max_tokens": 123456789012345678901234567890}',
+    b'{"prompt": "Hi", "temperature": 1e400}', b'{"prompt": "Hi", "seed": -1}', b'{"prompt": "Hi", "seed": 1e30}',
+    b'{"prompt": "Hi", "seed": 99999999999999999999}', b'{"prompt": [99999999999]}', b'{"prompt": [-1]}',
+    b'{"prompt": [[1, 2], "a"]}', b'{"prompt": [true]}', b'{"prompt": [[]]}', b'{"prompt": [{"a": 1}]}',
+    b'{"prompt": {"nested": {"junk": [1, {"x": null}]}}}', b'{"prompt": "Hi", "stop": ""}',
+    b'{"prompt": "Hi", "stop": {"a": 1}}', b'{"prompt": "Hi", "stream_options": "yes"}',
+    b'{"prompt": "Hi", "stop_token_ids": [-5]}', b'{"prompt": "Hi", "top_k": -7}',
+    b'{"prompt": "Hi", "logprobs": -1}', b'{"prompt": "Hi", "model": 7}', b'{"prompt": "\\ud800"}',
+    b'{"messages": [{}]}', b'{"messages": [null]}', b'{"messages": [{"role": "user"}]}',
+    b'{"messages": [{"role": "user", "content": [{"type": "text"}]}]}',
+    b'{"messages": [{"role": "user", "content": [{"type": "audio", "x": 1}]}]}',
+    b'{"messages": [{"role": "user", "content": [null]}]}', b'{"messages": [{"role": 1, "content": "x"}]}',
+    b'{"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 99999999}',
+    b'{"messages": [{"role": "user", "content": "Hi"}], "top_logprobs": -1}',
+    b'{"messages": [{"role": "user", "content": "Hi"}], "n": 0}',
+    b'{"messages": [{"role": "user", "content": "Hi"}], "stream": "true"}',
+    b'{"messages": [{"role": "user", "content": "Hi"}], "top_p": 0}',
+]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_no_input_gives_a_500(http, path):
+    for body in FUZZ_BODIES:
+        result = http.post(path, content=body, headers={"content-type": "application/json"})
+        assert result.status_code < 500, (body, result.status_code, result.text)
+        if result.status_code != 200:
+            assert result.json()["error"]["message"], body
+
+
+def test_stream_disconnect_aborts_the_request(http, model):
+    body = {"model": model, "prompt": PROMPT, "max_tokens": 1000, "temperature": 0, "ignore_eos": True, "stream": True}
+    with http.stream("POST", "/v1/completions", json=body) as response:
+        assert response.status_code == 200
+        next(response.iter_lines())
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        if http.get("/get_server_info").json()["internal_states"][0]["rid_to_state_size"] == 0:
+            return
+        time.sleep(0.2)
+    pytest.fail("the request kept running after its client went away")
