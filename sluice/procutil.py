@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 
+PR_SET_NAME = 15
 PR_SET_PDEATHSIG = 1
 
 
@@ -18,7 +19,10 @@ def become_child_process(name: str, num_threads: int, log_level: str) -> None:
     logging.basicConfig(level=log_level.upper(), format=f"%(asctime)s [{name}] %(levelname)s %(message)s")
     parent_pid = os.getppid()
     try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        # The name `ps` and psutil show (at most 15 bytes), e.g. "sluice-schedule".
+        libc.prctl(PR_SET_NAME, f"sluice-{name}".encode()[:15])
     except OSError:
         pass
     # prctl misses a parent that died before the call; the watcher also covers non-Linux.

@@ -2,46 +2,16 @@
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 
 import httpx
 import pytest
 
+from tests.helpers import generate, greedy, internal_states, sse_events, wait_until_drained
+
 CHAT_PROMPT = ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
                "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n")
-
-
-def generate(base_url: str, **body) -> httpx.Response:
-    return httpx.post(base_url + "/generate", json=body, timeout=120)
-
-
-def greedy(max_new_tokens: int = 16, **extra) -> dict:
-    return {"max_new_tokens": max_new_tokens, "temperature": 0, **extra}
-
-
-def sse_events(response: httpx.Response) -> list:
-    events = []
-    for line in response.iter_lines():
-        if line.startswith("data: "):
-            payload = line[len("data: "):]
-            events.append(payload if payload == "[DONE]" else json.loads(payload))
-    return events
-
-
-def internal_states(base_url: str) -> dict:
-    return httpx.get(base_url + "/get_server_info", timeout=30).json()["internal_states"][0]
-
-
-def wait_until_drained(base_url: str, timeout_s: float = 30) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        states = internal_states(base_url)
-        idle = states["num_running_reqs"] == 0 and states["num_waiting_reqs"] == 0 and states["rid_to_state_size"] == 0
-        if idle or time.monotonic() > deadline:
-            return states
-        time.sleep(0.3)
 
 
 def test_greedy_answer(base_url):

@@ -1,0 +1,97 @@
+"""What the tests share: a real server in a subprocess, and small HTTP helpers."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+
+SERVER_START_TIMEOUT_S = 300
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RunningServer:
+    def __init__(self, *flags: str):
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.log_path = f"/tmp/sluice-test-server-{self.port}.log"
+        self.log = open(self.log_path, "w")
+        cmd = [sys.executable, "-m", "sluice", "serve", "--port", str(self.port), *flags]
+        self.process = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        self._wait_ready()
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + SERVER_START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"server exited with {self.process.returncode}:\n{self.read_log()}")
+            try:
+                if httpx.get(self.base_url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"server not ready in {SERVER_START_TIMEOUT_S} s:\n{self.read_log()}")
+
+    def read_log(self) -> str:
+        self.log.flush()
+        with open(self.log_path) as f:
+            return f.read()
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(20)
+            except subprocess.TimeoutExpired:
+                pass
+        # Whatever is left of its process group goes too: no test leaves a process behind.
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.log.close()
+
+
+
+def generate(base_url: str, **body) -> httpx.Response:
+    return httpx.post(base_url + "/generate", json=body, timeout=120)
+
+
+def greedy(max_new_tokens: int = 16, **extra) -> dict:
+    return {"max_new_tokens": max_new_tokens, "temperature": 0, **extra}
+
+
+def sse_events(response: httpx.Response) -> list:
+    events = []
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            payload = line[len("data: "):]
+            events.append(payload if payload == "[DONE]" else json.loads(payload))
+    return events
+
+
+def internal_states(base_url: str) -> dict:
+    return httpx.get(base_url + "/get_server_info", timeout=30).json()["internal_states"][0]
+
+
+def wait_until_drained(base_url: str, timeout_s: float = 30) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        states = internal_states(base_url)
+        idle = states["num_running_reqs"] == 0 and states["num_waiting_reqs"] == 0 and states["rid_to_state_size"] == 0
+        if idle or time.monotonic() > deadline:
+            return states
+        time.sleep(0.3)
