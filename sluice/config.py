@@ -30,6 +30,8 @@ class ServerArgs:
     max_prefill_tokens: int = field(default=2048, metadata={"help": "Token budget of one prefill step across requests."})
     schedule_policy: str = field(default="fcfs", metadata={"help": "fcfs | lpm (longest prefix match first)."})
     disable_radix_cache: bool = field(default=False, metadata={"help": "Do not reuse KV of shared prefixes."})
+    max_n: int = field(default=16, metadata={"help": "Largest n (parallel samples per prompt)."})
+    max_batch_items: int = field(default=256, metadata={"help": "Most prompts x n in one request."})
     stream_interval: int = field(default=1, metadata={"help": "Send streamed output every N tokens."})
     soft_watchdog_timeout: float = field(default=60.0, metadata={"help": "Seconds without output while requests are in flight before the stuck state is logged."})
     max_request_body_bytes: int = field(default=16 * 1024 * 1024, metadata={"help": "Largest HTTP request body accepted (413 above)."})
@@ -52,6 +54,8 @@ class ServerArgs:
             (self.chunked_prefill_size >= 1, "chunked_prefill_size must be >= 1"),
             (self.max_prefill_tokens >= 1, "max_prefill_tokens must be >= 1"),
             (self.schedule_policy in ("fcfs", "lpm"), "schedule_policy must be fcfs or lpm"),
+            (self.max_n >= 1, "max_n must be >= 1"),
+            (self.max_batch_items >= 1, "max_batch_items must be >= 1"),
             (self.stream_interval >= 1, "stream_interval must be >= 1"),
             (self.soft_watchdog_timeout > 0, "soft_watchdog_timeout must be > 0"),
             (self.max_request_body_bytes >= 1024, "max_request_body_bytes must be >= 1024"),

@@ -178,6 +178,8 @@ class InternalState(Message):
     kv_tokens_cached: int
     kv_tokens_in_use: int
     last_step_ms: float = 0.0
+    # Messages the scheduler received, by type name (a batch counts once).
+    messages_received: dict[str, int] = {}
 
 
 AnyMessage = (

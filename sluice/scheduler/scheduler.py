@@ -99,6 +99,7 @@ class Scheduler:
             kv_tokens_cached=self.kv.cached(),
             kv_tokens_in_use=self.kv.in_use(),
             last_step_ms=self.last_step_ms,
+            messages_received=dict(self.received_by_type),
         )
 
     @property

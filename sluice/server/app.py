@@ -138,8 +138,13 @@ async def serve_generate(tm: TokenizerManager, obj: GenerateReqInput, request: R
     if obj.stream:
         first = await anext(generator)  # errors before the first chunk become a plain 4xx
         return StreamingResponse(sse_stream(first, generator), media_type="text/event-stream")
-    result = await _last(generator)
-    return finished_response(result)
+    if obj.is_single and obj.sample_count() == 1:
+        return finished_response(await _last(generator))
+    results = sorted([chunk async for chunk in generator], key=lambda chunk: chunk["index"])
+    for result in results:
+        if status_code := failure_status(result):
+            return error_response(status_code, f"item {result['index']}: {result['meta_info']['finish_reason']['message']}")
+    return JSONResponse(results)
 
 
 def finished_response(result: dict[str, Any]) -> Response:

@@ -32,6 +32,54 @@ class GenerateReqInput(msgspec.Struct, kw_only=True):
             return isinstance(self.text, str)
         return self.input_ids is None or not self.input_ids or isinstance(self.input_ids[0], int)
 
+    @property
+    def batch_size(self) -> int:
+        return 1 if self.is_single else len(self.text if self.text is not None else self.input_ids)
+
+    def sample_count(self) -> int:
+        """`n` of the request: one value for every item, or a ClientError."""
+        params = self.sampling_params if isinstance(self.sampling_params, list) else [self.sampling_params or {}]
+        counts = {p.get("n", 1) if isinstance(p, dict) else 1 for p in params}
+        if len(counts) > 1:
+            raise ClientError(f"every item must have the same n, got {sorted(counts, key=str)}", "n")
+        n = counts.pop() if counts else 1
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ClientError(f"n must be an integer >= 1, got {n!r}", "n")
+        return n
+
+    def normalize_batch(self, max_items: int) -> None:
+        """Check a list request's shape, cheaply, before any per-item work."""
+        size = self.batch_size
+        if size == 0:
+            raise ClientError("the list of prompts is empty", "text")
+        if size > max_items:
+            raise ClientError(f"the request has {size} items, more than max_batch_items={max_items}", "text")
+        if isinstance(self.sampling_params, list) and len(self.sampling_params) != size:
+            raise ClientError(f"'sampling_params' has {len(self.sampling_params)} entries for {size} prompts", "sampling_params")
+        if isinstance(self.rid, list):
+            if len(self.rid) != size:
+                raise ClientError(f"'rid' has {len(self.rid)} entries for {size} prompts", "rid")
+            if len(set(self.rid)) != size or not all(self.rid):
+                raise ClientError("the rids of a batch must be distinct and non-empty", "rid")
+        elif self.rid is not None:
+            raise ClientError("'rid' must be a list with one rid per prompt", "rid")
+        else:
+            self.rid = [uuid.uuid4().hex for _ in range(size)]
+
+    def item(self, i: int) -> "GenerateReqInput":
+        """Item i of a list request, as a single request."""
+        params = self.sampling_params[i] if isinstance(self.sampling_params, list) else self.sampling_params
+        return GenerateReqInput(
+            text=self.text[i] if self.text is not None else None,
+            input_ids=self.input_ids[i] if self.input_ids is not None else None,
+            sampling_params=params,
+            rid=self.rid[i],
+            stream=self.stream,
+            return_logprob=self.return_logprob,
+            top_logprobs_num=self.top_logprobs_num,
+            logprob_start_len=self.logprob_start_len,
+        )
+
     def normalize(self) -> None:
         """Check the shape of the request and fill in a rid."""
         if (self.text is None) == (self.input_ids is None):
@@ -60,6 +108,7 @@ class GenerateReqInput(msgspec.Struct, kw_only=True):
 def parse_sampling_params(raw: dict[str, Any] | None) -> SamplingParams:
     """Build SamplingParams from a client's dict; wrong types are a ClientError."""
     raw = dict(raw or {})
+    raw.pop("n", None)  # expanded by the TokenizerManager, never sent on
     if raw.get("max_new_tokens", 0) is None:
         raw.pop("max_new_tokens")
     if isinstance(raw.get("stop"), str):

@@ -35,6 +35,7 @@ from sluice.messages import (
     TokenizedGenerateReqInput,
 )
 from sluice.sampling import ClientError, validate_sampling_params
+from sluice.tokenizer.batch_request import handle_batch_request
 from sluice.tokenizer.io_struct import GenerateReqInput, parse_sampling_params
 from sluice.tokenizer.req_state import ReqState
 from sluice.tokenizer.rwlock import RWLock
@@ -62,6 +63,8 @@ class TokenizerManager:
         self.send_to_scheduler = Sender(self.sync_context, port_args.scheduler_input)
 
         self.rid_to_state: dict[str, ReqState] = {}
+        # Parent rid of an n > 1 request -> its children's rids (aborting one aborts all).
+        self.rid_groups: dict[str, list[str]] = {}
         self.model_update_lock = RWLock()
         self.is_pause = False
         self.is_pause_cond = asyncio.Condition()
@@ -113,23 +116,37 @@ class TokenizerManager:
         if self.backend_error:
             raise BackendError(self.backend_error)
         obj.normalize()
-        if not obj.is_single:
-            raise ClientError("a list of prompts is not supported yet", "text")
+        n = self._check_request_size(obj)
         await self._wait_while_paused()
         async with self.model_update_lock.reader_lock():
-            tokenized = self._tokenize_one_request(obj)
-            state = self._init_req_state(obj)
-            self._send_one_request(tokenized)
-            async for response in self._wait_one_response(state, request):
-                yield response
+            if obj.is_single and n == 1:
+                tokenized = self._tokenize_one_request(obj)
+                state = self._init_req_state(obj, {"path": "single"})
+                self._send_one_request(tokenized)
+                async for response in self._wait_one_response(state, request):
+                    yield response
+            else:
+                async for response in handle_batch_request(self, obj, request):
+                    yield response
 
-    def _tokenize_one_request(self, obj: GenerateReqInput) -> TokenizedGenerateReqInput:
+    def _check_request_size(self, obj: GenerateReqInput) -> int:
+        """Refuse an oversized batch or n before any per-item work; returns n."""
+        if not obj.is_single:
+            obj.normalize_batch(self.server_args.max_batch_items)
+        n = obj.sample_count()
+        if n > self.server_args.max_n:
+            raise ClientError(f"n is {n}, more than max_n={self.server_args.max_n}", "n")
+        if obj.batch_size * n > self.server_args.max_batch_items:
+            raise ClientError(
+                f"{obj.batch_size} prompts x n={n} is {obj.batch_size * n} items, "
+                f"more than max_batch_items={self.server_args.max_batch_items}", "n")
+        return n
+
+    def _tokenize_one_request(self, obj: GenerateReqInput, input_ids: list[int] | None = None) -> TokenizedGenerateReqInput:
         if obj.rid in self.rid_to_state:
             raise ClientError(f"a request with rid '{obj.rid}' is already running", "rid")
-        if obj.input_ids is not None:
-            input_ids = list(obj.input_ids)
-        else:
-            input_ids = self.tokenizer(obj.text).input_ids
+        if input_ids is None:
+            input_ids = list(obj.input_ids) if obj.input_ids is not None else self.tokenizer(obj.text).input_ids
         params = parse_sampling_params(obj.sampling_params)
         self._check_lengths(input_ids, params)
         validate_sampling_params(params, len(self.tokenizer))
@@ -257,8 +274,12 @@ class TokenizerManager:
     # ------------------------------------------------------------ control
 
     def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
-        if abort_all or rid in self.rid_to_state:
-            self.send_to_scheduler.send(AbortReq(rid=rid, abort_all=abort_all))
+        if abort_all:
+            self.send_to_scheduler.send(AbortReq(abort_all=True))
+            return
+        for one in self.rid_groups.get(rid, [rid]):
+            if one in self.rid_to_state:
+                self.send_to_scheduler.send(AbortReq(rid=one))
 
     async def _control(self, request: Message, reply_type: type, timeout_s: float = 30.0) -> Any:
         future = asyncio.get_running_loop().create_future()
