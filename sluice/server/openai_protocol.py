@@ -72,14 +72,18 @@ class SamplingFields(msgspec.Struct, kw_only=True):
         return self.stream_options is not None and self.stream_options.include_usage
 
     def check_common(self) -> None:
-        # The remaining ranges are checked with the native path's names, which match OpenAI's.
+        # The remaining ranges, and n's upper limit, are checked with the native path's
+        # names, which match OpenAI's.
         _check_range(self.n, "n", 1)
-        if self.n is not None and self.n > 1:
-            raise ClientError("n > 1 is not supported yet", "n")
+
+    @property
+    def sample_count(self) -> int:
+        return 1 if self.n is None else self.n
 
     def sampling_params(self, max_new_tokens: int) -> dict[str, Any]:
         """The native sampling_params; fields the client left out keep the native defaults."""
         params = {
+            "n": self.n,
             "max_new_tokens": max_new_tokens,
             "min_new_tokens": self.min_tokens,
             "temperature": self.temperature,
@@ -101,8 +105,8 @@ class SamplingFields(msgspec.Struct, kw_only=True):
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
-    # A string, token ids, or (later) a batch of either: the shape is checked by hand
-    # because msgspec cannot tell list[int] from list[str] in a union.
+    # A string, token ids, or a list of either: the shape is checked by hand because
+    # msgspec cannot tell list[int] from list[str] in a union.
     prompt: str | list[Any]
     max_tokens: int | None = None
     logprobs: int | None = None
@@ -117,20 +121,23 @@ class CompletionRequest(SamplingFields, kw_only=True):
     def max_new_tokens(self) -> int:
         return DEFAULT_COMPLETION_MAX_TOKENS if self.max_tokens is None else self.max_tokens
 
-    def single_prompt(self) -> str | list[int]:
-        """The one prompt: a string or token ids. A one-element list counts as that element."""
+    def prompts(self) -> list[str] | list[list[int]]:
+        """Every prompt, each a string or token ids; a single prompt is a list of one."""
         prompt = self.prompt
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]
         if isinstance(prompt, str):
-            return prompt
+            return [prompt]
         if not prompt:
             raise ClientError("prompt must not be empty", "prompt")
-        if all(type(token) is int for token in prompt):
+        if _is_token_ids(prompt):
+            return [prompt]
+        if all(isinstance(item, str) for item in prompt) or all(_is_token_ids(item) for item in prompt):
             return prompt
-        if all(isinstance(item, (str, list)) for item in prompt):
-            raise ClientError("batch prompts are not supported yet", "prompt")
-        raise ClientError("prompt must be a string, a list of token ids, or a list of those", "prompt")
+        raise ClientError("prompt must be a string, a list of token ids, or a list of strings or of token-id "
+                          "lists (not both)", "prompt")
+
+
+def _is_token_ids(value: Any) -> bool:
+    return isinstance(value, list) and all(type(token) is int for token in value)
 
 
 class ContentPart(msgspec.Struct):

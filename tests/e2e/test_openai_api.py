@@ -8,8 +8,11 @@ import httpx
 import openai
 import pytest
 
+from tests.helpers import sse_events
+
 MAX_TOKENS = 16
 PROMPT = "The quick brown fox"
+PROMPTS = ["The quick brown fox", "Once upon a time", "1, 2, 3, 4,"]
 
 
 @pytest.fixture(scope="module")
@@ -157,6 +160,93 @@ def test_completion_stream_with_logprobs_and_echo(client, model):
     assert offsets == full.choices[0].logprobs.text_offset
 
 
+# ------------------------------------------------------------------ lists of prompts and n
+
+
+def greedy_text(client, model, prompt, max_tokens: int = 8) -> str:
+    return client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0).choices[0].text
+
+
+def prompt_ids(http, text: str) -> list[int]:
+    native = http.post("/generate", json={"text": text, "sampling_params": {"max_new_tokens": 1, "temperature": 0},
+                                          "return_logprob": True, "logprob_start_len": 0})
+    assert native.status_code == 200, native.text
+    return [token_id for _, token_id, _ in native.json()["meta_info"]["input_token_logprobs"]]
+
+
+def test_completion_list_of_prompts_matches_each_single_prompt(client, model):
+    result = client.completions.create(model=model, prompt=PROMPTS, max_tokens=8, temperature=0)
+    assert [c.index for c in result.choices] == [0, 1, 2]
+    singles = [client.completions.create(model=model, prompt=p, max_tokens=8, temperature=0) for p in PROMPTS]
+    assert [c.text for c in result.choices] == [s.choices[0].text for s in singles]
+    assert result.usage.prompt_tokens == sum(s.usage.prompt_tokens for s in singles)
+    assert result.usage.completion_tokens == sum(s.usage.completion_tokens for s in singles)
+    assert result.usage.total_tokens == result.usage.prompt_tokens + result.usage.completion_tokens
+
+
+def test_completion_list_of_token_prompts_matches_text_prompts(client, model, http):
+    ids = [prompt_ids(http, p) for p in PROMPTS[:2]]
+    by_ids = client.completions.create(model=model, prompt=ids, max_tokens=8, temperature=0)
+    by_text = client.completions.create(model=model, prompt=PROMPTS[:2], max_tokens=8, temperature=0)
+    assert [c.text for c in by_ids.choices] == [c.text for c in by_text.choices]
+    assert by_ids.usage.prompt_tokens == len(ids[0]) + len(ids[1])
+
+
+def test_completion_list_with_echo_and_logprobs_is_per_choice(client, model):
+    result = client.completions.create(model=model, prompt=PROMPTS[:2], max_tokens=3, temperature=0, echo=True,
+                                       logprobs=1)
+    for prompt, choice in zip(PROMPTS, result.choices):
+        assert choice.text.startswith(prompt) and choice.text == "".join(choice.logprobs.tokens)
+        assert choice.logprobs.token_logprobs[0] is None
+
+
+def test_completion_n_greedy_samples_agree_and_count_the_prompt_once(client, model):
+    single = client.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=0)
+    result = client.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=0, n=3)
+    assert [c.index for c in result.choices] == [0, 1, 2]
+    assert {c.text for c in result.choices} == {single.choices[0].text}
+    assert result.usage.prompt_tokens == single.usage.prompt_tokens
+    assert result.usage.completion_tokens == 3 * single.usage.completion_tokens
+
+
+def test_completion_seeded_samples_differ(client, model):
+    result = client.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=1.0, seed=7, n=3)
+    assert len({c.text for c in result.choices}) > 1
+
+
+def test_completion_list_times_n_indexes_prompt_then_sample(client, model):
+    prompts = PROMPTS[:2]
+    result = client.completions.create(model=model, prompt=prompts, max_tokens=6, temperature=0, n=2)
+    assert [c.index for c in result.choices] == [0, 1, 2, 3]
+    texts = [c.text for c in result.choices]
+    assert texts == [greedy_text(client, model, p, 6) for p in prompts for _ in range(2)]
+    singles = [client.completions.create(model=model, prompt=p, max_tokens=6, temperature=0) for p in prompts]
+    assert result.usage.prompt_tokens == sum(s.usage.prompt_tokens for s in singles)
+
+
+def test_completion_stream_list_times_n(http, client, model):
+    body = {"model": model, "prompt": PROMPTS[:2], "n": 2, "max_tokens": 5, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    with http.stream("POST", "/v1/completions", json=body) as response:
+        assert response.status_code == 200
+        events = sse_events(response)
+    assert events.count("[DONE]") == 1 and events[-1] == "[DONE]"
+    usage_event, choice_events = events[-2], events[:-2]
+    assert usage_event["choices"] == [] and all(e["usage"] is None and len(e["choices"]) == 1 for e in choice_events)
+    texts: dict[int, str] = {}
+    finishes: dict[int, int] = {}
+    for event in choice_events:
+        choice = event["choices"][0]
+        texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
+        if choice["finish_reason"] is not None:
+            finishes[choice["index"]] = finishes.get(choice["index"], 0) + 1
+    assert finishes == {0: 1, 1: 1, 2: 1, 3: 1}
+    full = client.completions.create(model=model, prompt=PROMPTS[:2], n=2, max_tokens=5, temperature=0)
+    assert [texts[i] for i in range(4)] == [c.text for c in full.choices]
+    assert usage_event["usage"]["completion_tokens"] == full.usage.completion_tokens
+    assert usage_event["usage"]["prompt_tokens"] == full.usage.prompt_tokens
+
+
 # ------------------------------------------------------------------ chat
 
 
@@ -210,6 +300,34 @@ def test_chat_stream_logprobs_match(client, model):
     chunks = list(chat(client, model, "Name a color.", max_tokens=6, logprobs=True, top_logprobs=2, stream=True))
     streamed = [e.token for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
     assert streamed == [e.token for e in full.choices[0].logprobs.content]
+
+
+def test_chat_n_greedy_choices_agree(client, model):
+    single = chat(client, model, "Name a fruit.", max_tokens=8)
+    result = chat(client, model, "Name a fruit.", max_tokens=8, n=2)
+    assert [c.index for c in result.choices] == [0, 1]
+    assert all(c.message.role == "assistant" and c.message.content == single.choices[0].message.content
+               for c in result.choices)
+    assert result.usage.prompt_tokens == single.usage.prompt_tokens
+    assert result.usage.completion_tokens == 2 * single.usage.completion_tokens
+
+
+def test_chat_stream_n_has_deltas_per_index(client, model):
+    full = chat(client, model, "Name a fruit.", max_tokens=8, n=2)
+    chunks = list(chat(client, model, "Name a fruit.", max_tokens=8, n=2, stream=True,
+                       stream_options={"include_usage": True}))
+    contents: dict[int, str] = {}
+    first_delta: dict[int, object] = {}
+    finishes: dict[int, int] = {}
+    for chunk in chunks[:-1]:
+        choice = chunk.choices[0]
+        first_delta.setdefault(choice.index, choice.delta)
+        contents[choice.index] = contents.get(choice.index, "") + (choice.delta.content or "")
+        finishes[choice.index] = finishes.get(choice.index, 0) + (choice.finish_reason is not None)
+    assert all(first_delta[i].role == "assistant" for i in (0, 1))
+    assert finishes == {0: 1, 1: 1}
+    assert [contents[0], contents[1]] == [c.message.content for c in full.choices]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
 
 
 def test_chat_max_completion_tokens(client, model):
@@ -290,25 +408,29 @@ def test_wrong_types_are_400_naming_the_field(http, path, body, param):
     ("/v1/completions", {"prompt": "Hi", "max_tokens": -1}, "max_tokens"),
     ("/v1/completions", {"prompt": "Hi", "max_tokens": 10**9}, "max_tokens"),
     ("/v1/completions", {"prompt": "Hi", "logprobs": 6}, "logprobs"),
-    ("/v1/completions", {"prompt": "Hi", "n": 2}, "n"),
+    ("/v1/completions", {"prompt": "Hi", "n": 17}, "n"),
+    ("/v1/completions", {"prompt": "Hi", "n": 0}, "n"),
+    ("/v1/completions", {"prompt": ["Hi"] * 20, "n": 16}, "n"),
+    ("/v1/completions", {"prompt": ["Hi"] * 257}, "prompt"),
+    ("/v1/completions", {"prompt": ["Hi", [1, 2]]}, "prompt"),
+    ("/v1/completions", {"prompt": ["Hi", ""]}, "prompt"),
+    ("/v1/completions", {"prompt": [[1, 2], [99999999999]]}, "prompt"),
     ("/v1/completions", {"prompt": "Hi", "frequency_penalty": 3}, "frequency_penalty"),
     ("/v1/completions", {"prompt": "Hi", "max_tokens": 2, "min_tokens": 5}, "min_tokens"),
-    ("/v1/completions", {"prompt": ["Hi", "there"]}, "prompt"),
     ("/v1/completions", {"prompt": ""}, "prompt"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "top_logprobs": 21,
                               "logprobs": True}, "top_logprobs"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_completion_tokens": -3},
      "max_completion_tokens"),
     ("/v1/chat/completions", {"messages": []}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "n": 17}, "n"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "Hi"}]}, "messages[0].role"),
 ])
 def test_out_of_range_values_are_400_naming_the_field(http, path, body, param):
     assert_error(http.post(path, json=body), 400, param)
 
 
-def test_batch_prompts_and_images_are_refused_with_a_reason(http):
-    error = assert_error(http.post("/v1/completions", json={"prompt": ["Hi", "there"]}), 400)
-    assert "batch prompts are not supported yet" in error["message"]
+def test_images_are_refused_with_a_reason(http):
     image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
     body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "What is this?"}, image]}]}
     error = assert_error(http.post("/v1/chat/completions", json=body), 400)
@@ -352,8 +474,9 @@ def test_no_input_gives_a_500(http, path):
             assert result.json()["error"]["message"], body
 
 
-def test_stream_disconnect_aborts_the_request(http, model):
-    body = {"model": model, "prompt": PROMPT, "max_tokens": 1000, "temperature": 0, "ignore_eos": True, "stream": True}
+@pytest.mark.parametrize("shape", [{"prompt": PROMPT}, {"prompt": PROMPTS, "n": 2}])
+def test_stream_disconnect_aborts_the_request(http, model, shape):
+    body = {"model": model, **shape, "max_tokens": 1000, "temperature": 0, "ignore_eos": True, "stream": True}
     with http.stream("POST", "/v1/completions", json=body) as response:
         assert response.status_code == 200
         next(response.iter_lines())

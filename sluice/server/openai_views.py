@@ -1,0 +1,270 @@
+"""How native chunks become OpenAI's JSON: whole responses, stream deltas, logprobs, usage.
+
+A view belongs to one request. Choice k is the native chunk with index k
+(prompt_index * n + sample_index); each choice has its own stream cursor.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from sluice.server.openai_protocol import ChatCompletionRequest, CompletionRequest
+
+
+def choice_index(chunk: dict[str, Any]) -> int:
+    return chunk.get("index", 0)  # the native single path (one prompt, n = 1) sets none
+
+
+# ------------------------------------------------------------------ logprobs
+
+
+class TokenTexts:
+    """The text of single tokens, cached: logprobs name every token and its top alternatives."""
+
+    def __init__(self):
+        self._tokenizer = None
+        self._texts: dict[int, str] = {}
+
+    def bind(self, tokenizer) -> None:
+        if tokenizer is not self._tokenizer:
+            self._tokenizer, self._texts = tokenizer, {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._texts.get(token_id)
+        if text is None:
+            text = self._texts[token_id] = self._tokenizer.decode([token_id])
+        return text
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self._tokenizer.decode(token_ids)
+
+
+@dataclass(slots=True)
+class LogprobEntry:
+    token_id: int
+    logprob: float | None
+    top: list[tuple[int, float]]
+
+
+def logprob_entries(meta: dict[str, Any], kind: str, start: int = 0) -> list[LogprobEntry]:
+    """kind "output" or "input": meta_info's `{kind}_token_logprobs[start:]` with their top alternatives."""
+    tokens = (meta.get(f"{kind}_token_logprobs") or [])[start:]
+    tops = (meta.get(f"{kind}_top_logprobs") or [])[start:]
+    return [
+        LogprobEntry(token_id, logprob, [(t[1], t[0]) for t in (tops[i] if i < len(tops) else [])])
+        for i, (logprob, token_id, _) in enumerate(tokens)
+    ]
+
+
+def completion_logprobs(entries: list[LogprobEntry], texts: TokenTexts, first_offset: int) -> dict[str, Any]:
+    """OpenAI's completions format; text_offset indexes the choice's text."""
+    tokens, offsets, top_logprobs = [], [], []
+    offset = first_offset
+    for entry in entries:
+        text = texts(entry.token_id)
+        tokens.append(text)
+        offsets.append(offset)
+        offset += len(text)
+        if entry.logprob is None:
+            top_logprobs.append(None)  # the first prompt token: nothing to condition on
+            continue
+        # Like OpenAI, the chosen token is always among its alternatives.
+        top = {texts(token_id): logprob for token_id, logprob in entry.top}
+        top.setdefault(text, entry.logprob)
+        top_logprobs.append(top)
+    return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries], "top_logprobs": top_logprobs,
+            "text_offset": offsets}
+
+
+def chat_logprobs(entries: list[LogprobEntry], texts: TokenTexts, top_count: int) -> list[dict[str, Any]]:
+    def token_info(token_id: int, logprob: float) -> dict[str, Any]:
+        text = texts(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    return [
+        {**token_info(e.token_id, e.logprob), "top_logprobs": [token_info(t, lp) for t, lp in e.top[:top_count]]}
+        for e in entries
+    ]
+
+
+# ------------------------------------------------------------------ responses
+
+
+def finish_reason(meta: dict[str, Any]) -> str | None:
+    reason = meta["finish_reason"]
+    return None if reason is None else reason["type"]  # "stop" | "length" | "abort", as OpenAI names them
+
+
+class StreamCursor:
+    """How much of one choice's cumulative text and tokens the client has been sent."""
+
+    def __init__(self):
+        self.text_len = 0
+        self.tokens_sent = 0
+
+    def new_text(self, chunk: dict[str, Any]) -> str:
+        text = chunk["text"][self.text_len :]
+        self.text_len = max(self.text_len, len(chunk["text"]))
+        return text
+
+    def new_entries(self, chunk: dict[str, Any]) -> list[LogprobEntry]:
+        entries = logprob_entries(chunk["meta_info"], "output", self.tokens_sent)
+        self.tokens_sent += len(entries)
+        return entries
+
+
+class OpenAIView:
+    """Shared by both routes: the response envelope of one request, its choices and usage."""
+
+    object_name: str
+    chunk_object_name: str
+    id_prefix: str
+
+    def __init__(self, model_name: str, request_id: str, texts: TokenTexts, include_usage: bool,
+                 prompt_count: int, n: int):
+        self.model_name = model_name
+        self.id = f"{self.id_prefix}-{request_id}"
+        self.created = int(time.time())
+        self.texts = texts
+        self.include_usage = include_usage
+        self.n = n
+        self.choice_count = prompt_count * n
+        self.cursors = [StreamCursor() for _ in range(self.choice_count)]
+        self.finished_metas: dict[int, dict[str, Any]] = {}
+
+    @property
+    def finished(self) -> bool:
+        return len(self.finished_metas) == self.choice_count
+
+    def envelope(self, object_name: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": self.id, "object": object_name, "created": self.created, "model": self.model_name,
+                "choices": choices}
+
+    def usage(self, metas: dict[int, dict[str, Any]]) -> dict[str, Any]:
+        """Completion tokens of every choice; prompt tokens of every prompt once, as OpenAI counts them."""
+        prompt_metas: dict[int, dict[str, Any]] = {}
+        for index in sorted(metas):
+            prompt_metas.setdefault(index // self.n, metas[index])
+        prompt = sum(meta["prompt_tokens"] for meta in prompt_metas.values())
+        cached = sum(meta.get("cached_tokens", 0) for meta in prompt_metas.values())
+        completion = sum(meta["completion_tokens"] for meta in metas.values())
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": cached}}
+
+    def failure_message(self, chunk: dict[str, Any]) -> str:
+        message = chunk["meta_info"]["finish_reason"]["message"]
+        return message if self.choice_count == 1 else f"choice {choice_index(chunk)}: {message}"
+
+    def response(self, finals: list[dict[str, Any]]) -> dict[str, Any]:
+        """The whole response from each choice's final chunk, in index order."""
+        choices = [self.final_choice(choice_index(chunk), chunk) for chunk in finals]
+        metas = {choice_index(chunk): chunk["meta_info"] for chunk in finals}
+        return {**self.envelope(self.object_name, choices), "usage": self.usage(metas)}
+
+    def stream_start(self) -> list[dict[str, Any]]:
+        return []
+
+    def stream_chunk(self, chunk: dict[str, Any]) -> list[dict[str, Any]]:
+        """The events for one cumulative chunk of one choice; after the last choice's end, the usage."""
+        index, meta = choice_index(chunk), chunk["meta_info"]
+        choice = self.stream_choice(index, chunk, self.cursors[index])
+        events = [] if choice is None else [self.stream_envelope([choice])]
+        if meta["finish_reason"] is not None:
+            self.finished_metas[index] = meta
+            if self.finished and self.include_usage:
+                events.append({**self.envelope(self.chunk_object_name, []), "usage": self.usage(self.finished_metas)})
+        return events
+
+    def stream_envelope(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        event = self.envelope(self.chunk_object_name, choices)
+        if self.include_usage:
+            event["usage"] = None  # OpenAI: every chunk but the last has a null usage
+        return event
+
+    def final_choice(self, index: int, chunk: dict[str, Any]) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def stream_choice(self, index: int, chunk: dict[str, Any], cursor: StreamCursor) -> dict[str, Any] | None:
+        """The delta of one choice, or None when the chunk brings nothing new."""
+        raise NotImplementedError
+
+
+class CompletionView(OpenAIView):
+    object_name = chunk_object_name = "text_completion"
+    id_prefix = "cmpl"
+
+    def __init__(self, model_name, request_id, texts, body: CompletionRequest, prompts: list[str] | list[list[int]]):
+        super().__init__(model_name, request_id, texts, body.include_usage, len(prompts), body.sample_count)
+        self.wants_logprobs = body.logprobs is not None
+        self.echo = body.echo
+        self.prompts = prompts
+        self.prompt_texts: dict[int, str] = {}
+        self.echo_pending = set(range(self.choice_count)) if body.echo else set()
+
+    def prompt_text(self, index: int) -> str:
+        prompt_index = index // self.n
+        if prompt_index not in self.prompt_texts:
+            # Token ids are decoded only now: the TokenizerManager has checked they are in the vocabulary.
+            prompt = self.prompts[prompt_index]
+            self.prompt_texts[prompt_index] = prompt if isinstance(prompt, str) else self.texts.decode(prompt)
+        return self.prompt_texts[prompt_index]
+
+    def choice(self, index: int, text: str, entries: list[LogprobEntry], meta: dict[str, Any], echo: bool,
+               offset: int) -> dict[str, Any]:
+        if echo:
+            text = self.prompt_text(index) + text
+            entries = logprob_entries(meta, "input") + entries
+        logprobs = completion_logprobs(entries, self.texts, offset) if self.wants_logprobs else None
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason(meta)}
+
+    def final_choice(self, index: int, chunk: dict[str, Any]) -> dict[str, Any]:
+        meta = chunk["meta_info"]
+        return self.choice(index, chunk["text"], logprob_entries(meta, "output"), meta, self.echo, 0)
+
+    def stream_choice(self, index: int, chunk: dict[str, Any], cursor: StreamCursor) -> dict[str, Any] | None:
+        meta = chunk["meta_info"]
+        echo = index in self.echo_pending
+        offset = 0 if echo else cursor.text_len + (len(self.prompt_text(index)) if self.echo else 0)
+        text, entries = cursor.new_text(chunk), cursor.new_entries(chunk)
+        if not (text or entries or echo or meta["finish_reason"] is not None):
+            return None
+        self.echo_pending.discard(index)
+        return self.choice(index, text, entries, meta, echo, offset)
+
+
+class ChatView(OpenAIView):
+    object_name = "chat.completion"
+    chunk_object_name = "chat.completion.chunk"
+    id_prefix = "chatcmpl"
+
+    def __init__(self, model_name, request_id, texts, body: ChatCompletionRequest):
+        super().__init__(model_name, request_id, texts, body.include_usage, 1, body.sample_count)
+        self.wants_logprobs = body.logprobs
+        self.top_count = body.top_logprobs or 0
+
+    def logprobs(self, entries: list[LogprobEntry]) -> dict[str, Any] | None:
+        if not self.wants_logprobs:
+            return None
+        return {"content": chat_logprobs(entries, self.texts, self.top_count)}
+
+    def final_choice(self, index: int, chunk: dict[str, Any]) -> dict[str, Any]:
+        meta = chunk["meta_info"]
+        return {"index": index, "message": {"role": "assistant", "content": chunk["text"]},
+                "logprobs": self.logprobs(logprob_entries(meta, "output")), "finish_reason": finish_reason(meta)}
+
+    def stream_start(self) -> list[dict[str, Any]]:
+        return [
+            self.stream_envelope([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                   "finish_reason": None}])
+            for index in range(self.choice_count)
+        ]
+
+    def stream_choice(self, index: int, chunk: dict[str, Any], cursor: StreamCursor) -> dict[str, Any] | None:
+        meta = chunk["meta_info"]
+        text, entries = cursor.new_text(chunk), cursor.new_entries(chunk)
+        if not (text or entries or meta["finish_reason"] is not None):
+            return None
+        return {"index": index, "delta": {"content": text} if text else {},
+                "logprobs": self.logprobs(entries) if entries else None, "finish_reason": finish_reason(meta)}
