@@ -1,0 +1,129 @@
+"""The model engine without HTTP: decode and prefill speed next to transformers and the
+machine's raw limits, all measured in this one run.
+
+    python bench/bench_engine.py                          # full table (takes a while)
+    python bench/bench_engine.py --batch-sizes 1 8 --dtypes float32 --new-tokens 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import random
+import time
+
+import torch
+
+from sluice.config import ServerArgs
+from sluice.messages import SamplingParams, TokenizedGenerateReqInput
+from sluice.model.model_runner import ModelRunner
+from sluice.scheduler.scheduler import Scheduler
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def raw_limits(threads: int) -> dict[str, float]:
+    torch.set_num_threads(threads)
+    out = {}
+    for name, dtype in DTYPES.items():
+        a = torch.randn(1024, 1024, dtype=dtype)
+        b = torch.randn(1024, 1024, dtype=dtype)
+        a @ b
+        reps, start = 5, time.perf_counter()
+        for _ in range(reps):
+            a @ b
+        out[f"matmul_{name}_gflops"] = 2 * 1024**3 * reps / (time.perf_counter() - start) / 1e9
+    big = torch.empty(256 * 1024 * 1024 // 4, dtype=torch.float32).fill_(1.0)
+    big.sum()
+    start = time.perf_counter()
+    for _ in range(5):
+        big.sum()
+    out["memory_read_gbps"] = big.numel() * 4 * 5 / (time.perf_counter() - start) / 1e9
+    return out
+
+
+def random_prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(100, vocab) for _ in range(length)] for _ in range(count)]
+
+
+def sluice_run(runner: ModelRunner, prompts: list[list[int]], new_tokens: int) -> tuple[float, float]:
+    """Returns (prefill tokens/s, decode tokens/s) for one batch."""
+    args = ServerArgs(max_running_requests=max(len(prompts), 1), chunked_prefill_size=8192, max_prefill_tokens=1 << 20)
+    scheduler = Scheduler(args, runner, max_total_tokens=len(prompts) * (len(prompts[0]) + new_tokens) + 64)
+    params = SamplingParams(max_new_tokens=new_tokens, temperature=0, ignore_eos=True)
+    for i, ids in enumerate(prompts):
+        scheduler.add_request(TokenizedGenerateReqInput(rid=str(i), input_ids=ids, sampling_params=params))
+    start = time.perf_counter()
+    scheduler.step()  # the whole batch prefills in one step
+    prefill_s = time.perf_counter() - start
+    start = time.perf_counter()
+    steps = 0
+    while not scheduler.is_idle:
+        scheduler.step()
+        steps += 1
+    decode_s = time.perf_counter() - start
+    prefill_tps = sum(len(p) for p in prompts) / prefill_s
+    decode_tps = steps * len(prompts) / decode_s if steps else 0.0
+    return prefill_tps, decode_tps
+
+
+def transformers_run(model_path: str, dtype: torch.dtype, prompts: list[list[int]], new_tokens: int) -> float:
+    """transformers' generate on the same prompts: generated tokens / wall time (prefill included)."""
+    model = _load_transformers(model_path, dtype)
+    ids = torch.tensor(prompts)
+    with torch.inference_mode():
+        model.generate(ids[:, :8], max_new_tokens=2, do_sample=False)
+        start = time.perf_counter()
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                       do_sample=False, pad_token_id=0)
+    return len(prompts) * new_tokens / (time.perf_counter() - start)
+
+
+_hf_cache: dict = {}
+
+
+def _load_transformers(model_path: str, dtype: torch.dtype):
+    import os
+
+    from transformers import AutoModelForCausalLM
+
+    if dtype not in _hf_cache:
+        if model_path.endswith(".gguf"):
+            model = AutoModelForCausalLM.from_pretrained(os.path.dirname(model_path), gguf_file=os.path.basename(model_path), dtype=dtype)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+        _hf_cache.clear()
+        _hf_cache[dtype] = model.eval()
+    return _hf_cache[dtype]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model-path", default="")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 64])
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=list(DTYPES))
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--skip-transformers", action="store_true")
+    args = parser.parse_args()
+
+    model_path = ServerArgs(model_path=args.model_path).resolved_model_path()
+    limits = raw_limits(args.threads)
+    print("raw limits: " + ", ".join(f"{k} {v:.1f}" for k, v in limits.items()))
+    print(f"{'dtype':9s} {'batch':>5s} {'prefill tok/s':>14s} {'decode tok/s':>13s} {'transformers tok/s':>19s} {'ratio':>6s}")
+    for dtype_name in args.dtypes:
+        torch.set_num_threads(args.threads)
+        runner = ModelRunner(model_path, DTYPES[dtype_name])
+        for batch in args.batch_sizes:
+            prompts = random_prompts(batch, args.prompt_len, runner.config.vocab_size, seed=batch)
+            prefill_tps, decode_tps = sluice_run(runner, prompts, args.new_tokens)
+            hf_tps = float("nan") if args.skip_transformers else transformers_run(model_path, DTYPES[dtype_name], prompts, args.new_tokens)
+            ratio = decode_tps / hf_tps if hf_tps == hf_tps else float("nan")
+            print(f"{dtype_name:9s} {batch:5d} {prefill_tps:14.1f} {decode_tps:13.1f} {hf_tps:19.1f} {ratio:6.2f}", flush=True)
+        del runner
+
+
+if __name__ == "__main__":
+    main()

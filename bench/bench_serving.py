@@ -1,0 +1,157 @@
+"""Drive any OpenAI-compatible server and print throughput, TTFT and ITL.
+
+Each request is a streaming /v1/completions call with temperature 0 and ignore_eos, so
+every request produces exactly --output-len tokens (on servers that honour ignore_eos).
+
+    python bench/bench_serving.py --base-url http://127.0.0.1:30000 --num-prompts 32 --concurrency 32
+    python bench/bench_serving.py --request-rate 2 --num-prompts 64      # Poisson arrivals
+    python bench/bench_serving.py --shared-prefix-words 750 --prompt-words 25 --output-len 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+WORDS = ("time person year way day thing man world life hand part child eye woman place work week case point "
+         "government company number group problem fact water river mountain city house garden music story light "
+         "morning evening window table paper letter voice reason history science market energy forest ocean "
+         "question answer friend family school student teacher doctor garden winter summer spring autumn").split()
+
+
+def make_prompt(rng: random.Random, num_words: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(num_words))
+
+
+@dataclass
+class RequestResult:
+    ok: bool
+    output_tokens: int = 0
+    ttft_s: float = 0.0
+    latency_s: float = 0.0
+    itls_s: list[float] = field(default_factory=list)
+    error: str = ""
+
+
+async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: str, output_len: int) -> RequestResult:
+    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0, "stream": True,
+            "ignore_eos": True, "stream_options": {"include_usage": True}}
+    start = time.perf_counter()
+    last = start
+    result = RequestResult(ok=False)
+    chunks_with_text = 0
+    try:
+        async with client.stream("POST", url, json=body) as response:
+            if response.status_code != 200:
+                result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+                return result
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk.get("usage"):
+                    result.output_tokens = chunk["usage"]["completion_tokens"]
+                if not chunk.get("choices") or not chunk["choices"][0].get("text"):
+                    continue
+                now = time.perf_counter()
+                if chunks_with_text == 0:
+                    result.ttft_s = now - start
+                else:
+                    result.itls_s.append(now - last)
+                last = now
+                chunks_with_text += 1
+    except httpx.HTTPError as e:
+        result.error = repr(e)
+        return result
+    result.latency_s = time.perf_counter() - start
+    result.output_tokens = result.output_tokens or chunks_with_text
+    result.ok = True
+    return result
+
+
+def percentiles(values: list[float]) -> tuple[float, float, float]:
+    if not values:
+        return (0.0, 0.0, 0.0)
+    ordered = sorted(values)
+    p99 = ordered[min(len(ordered) - 1, int(round(0.99 * (len(ordered) - 1))))]
+    return statistics.fmean(ordered), statistics.median(ordered), p99
+
+
+async def run(args) -> dict:
+    rng = random.Random(args.seed)
+    prefix = make_prompt(rng, args.shared_prefix_words) + "\n" if args.shared_prefix_words else ""
+    prompts = [prefix + make_prompt(rng, args.prompt_words) for _ in range(args.num_prompts)]
+    url = args.base_url.rstrip("/") + "/v1/completions"
+    limits = httpx.Limits(max_connections=args.concurrency + 8, max_keepalive_connections=args.concurrency + 8)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(args.timeout_s), limits=limits) as client:
+        model = args.model or (await client.get(args.base_url.rstrip("/") + "/v1/models")).json()["data"][0]["id"]
+        semaphore = asyncio.Semaphore(args.concurrency)
+
+        async def limited(prompt: str) -> RequestResult:
+            async with semaphore:
+                return await one_request(client, url, model, prompt, args.output_len)
+
+        start = time.perf_counter()
+        tasks = []
+        for prompt in prompts:
+            tasks.append(asyncio.create_task(limited(prompt)))
+            if args.request_rate > 0:
+                await asyncio.sleep(rng.expovariate(args.request_rate))
+        results = await asyncio.gather(*tasks)
+        duration_s = time.perf_counter() - start
+
+    ok = [r for r in results if r.ok]
+    ttft = percentiles([r.ttft_s for r in ok])
+    itl = percentiles([x for r in ok for x in r.itls_s])
+    output_tokens = sum(r.output_tokens for r in ok)
+    summary = {
+        "requests_ok": len(ok),
+        "requests_failed": len(results) - len(ok),
+        "duration_s": duration_s,
+        "request_throughput": len(ok) / duration_s,
+        "output_tokens": output_tokens,
+        "output_tokens_per_s": output_tokens / duration_s,
+        "ttft_mean_ms": ttft[0] * 1000, "ttft_p50_ms": ttft[1] * 1000, "ttft_p99_ms": ttft[2] * 1000,
+        "itl_mean_ms": itl[0] * 1000, "itl_p50_ms": itl[1] * 1000, "itl_p99_ms": itl[2] * 1000,
+        # Decode speed as one client sees it: tokens after the first over the time they took.
+        "decode_tokens_per_s_per_stream": statistics.fmean(
+            [(r.output_tokens - 1) / (r.latency_s - r.ttft_s) for r in ok if r.latency_s > r.ttft_s and r.output_tokens > 1]
+        ) if ok else 0.0,
+    }
+    errors = [r.error for r in results if not r.ok]
+    if errors:
+        summary["first_error"] = errors[0]
+    return summary
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--base-url", default="http://127.0.0.1:30000")
+    parser.add_argument("--model", default="", help="model name (default: the first of /v1/models)")
+    parser.add_argument("--num-prompts", type=int, default=32)
+    parser.add_argument("--concurrency", type=int, default=1, help="most requests in flight")
+    parser.add_argument("--request-rate", type=float, default=0.0, help="Poisson arrivals per second (0: all at once)")
+    parser.add_argument("--prompt-words", type=int, default=100, help="about 1.3 tokens per word")
+    parser.add_argument("--shared-prefix-words", type=int, default=0, help="a prefix every prompt shares")
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--timeout-s", type=float, default=1800)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    args = parser.parse_args()
+    summary = asyncio.run(run(args))
+    if args.json:
+        print(json.dumps(summary))
+        return
+    for key, value in summary.items():
+        print(f"{key:34s} {value:.2f}" if isinstance(value, float) else f"{key:34s} {value}")
+
+
+if __name__ == "__main__":
+    main()
