@@ -35,7 +35,10 @@ class ServerArgs:
     stream_interval: int = field(default=1, metadata={"help": "Send streamed output every N tokens."})
     soft_watchdog_timeout: float = field(default=60.0, metadata={"help": "Seconds without output while requests are in flight before the stuck state is logged."})
     max_request_body_bytes: int = field(default=16 * 1024 * 1024, metadata={"help": "Largest HTTP request body accepted (413 above)."})
+    tokenizer_worker_num: int = field(default=1, metadata={"help": "HTTP/tokenizer worker processes sharing the port and the back end (a MultiTokenizerRouter joins them when > 1)."})
+    http_server: str = field(default="uvicorn", metadata={"help": "uvicorn | granian."})
     api_key: str = field(default="", metadata={"help": "Require 'Authorization: Bearer KEY' on every route but /health."})
+    admin_api_key: str = field(default="", metadata={"help": "Require this key (instead of --api-key) on the admin routes: flush_cache, abort_request, pause/continue."})
     skip_warmup: bool = field(default=False, metadata={"help": "Report ready without a warm-up generation."})
     debug_checks: bool = field(default=False, metadata={"help": "Check KV cache integrity whenever the scheduler is idle."})
     log_level: str = field(default="info", metadata={"help": "debug | info | warning | error."})
@@ -56,6 +59,8 @@ class ServerArgs:
             (self.schedule_policy in ("fcfs", "lpm"), "schedule_policy must be fcfs or lpm"),
             (self.max_n >= 1, "max_n must be >= 1"),
             (self.max_batch_items >= 1, "max_batch_items must be >= 1"),
+            (1 <= self.tokenizer_worker_num <= 64, "tokenizer_worker_num must be in 1..64"),
+            (self.http_server in ("uvicorn", "granian"), "http_server must be uvicorn or granian"),
             (self.stream_interval >= 1, "stream_interval must be >= 1"),
             (self.soft_watchdog_timeout > 0, "soft_watchdog_timeout must be > 0"),
             (self.max_request_body_bytes >= 1024, "max_request_body_bytes must be >= 1024"),

@@ -7,7 +7,6 @@ import logging
 import multiprocessing as mp
 import os
 import shutil
-import signal
 import threading
 import time
 from contextlib import asynccontextmanager
@@ -21,21 +20,24 @@ WARMUP_TIMEOUT_S = 120.0
 
 
 class Backend:
-    """The Scheduler and DetokenizerManager processes of one server."""
+    """The child processes of one server: Scheduler, DetokenizerManager (and the router)."""
 
     def __init__(self, server_args: ServerArgs, port_args: PortArgs):
         from sluice.detokenizer.manager import run_detokenizer_process
         from sluice.scheduler.process import run_scheduler_process
 
-        ctx = mp.get_context("spawn")
-        encoded = (server_args.encode(), port_args.encode())
+        self.server_args = server_args
         self.port_args = port_args
-        self.processes = [
-            ctx.Process(target=run_scheduler_process, args=encoded, name="sluice-scheduler", daemon=True),
-            ctx.Process(target=run_detokenizer_process, args=encoded, name="sluice-detokenizer", daemon=True),
-        ]
-        for process in self.processes:
-            process.start()
+        self.processes: list = []
+        self.start(run_scheduler_process, "sluice-scheduler")
+        self.start(run_detokenizer_process, "sluice-detokenizer")
+
+    def start(self, target, name: str) -> None:
+        # Arguments cross as msgspec JSON bytes: no object of ours is pickled.
+        encoded = (self.server_args.encode(), self.port_args.encode())
+        process = mp.get_context("spawn").Process(target=target, args=encoded, name=name, daemon=True)
+        process.start()
+        self.processes.append(process)
 
     def dead_process(self) -> str | None:
         for process in self.processes:
@@ -56,7 +58,7 @@ class Backend:
         shutil.rmtree(self.port_args.ipc_dir, ignore_errors=True)
 
 
-def _load_tokenizer_side(server_args: ServerArgs):
+def load_tokenizer_side(server_args: ServerArgs):
     from sluice.tokenizer_files import ChatTemplate, load_tokenizer
 
     model_path = server_args.resolved_model_path()
@@ -68,21 +70,21 @@ async def start_tokenizer_manager(server_args: ServerArgs, backend: Backend):
     """Build the TokenizerManager, wait for the back end, start handle_loop, warm up."""
     from sluice.tokenizer.manager import TokenizerManager
 
-    tokenizer, chat_template = await asyncio.to_thread(_load_tokenizer_side, server_args)
+    tokenizer, chat_template = await asyncio.to_thread(load_tokenizer_side, server_args)
     tm = TokenizerManager(server_args, backend.port_args, tokenizer, chat_template)
     await tm.wait_for_backend()
     tm.start_handle_loop()
     asyncio.get_running_loop().create_task(_watch_backend(tm, backend))
     if not server_args.skip_warmup:
-        await asyncio.wait_for(_warm_up(tm), WARMUP_TIMEOUT_S)
+        await asyncio.wait_for(warm_up(tm), WARMUP_TIMEOUT_S)
     return tm
 
 
-async def _warm_up(tm) -> None:
+async def warm_up(tm, rid: str = "WARMUP") -> None:
     from sluice.tokenizer.io_struct import GenerateReqInput
 
     obj = GenerateReqInput(text="The capital of France is", sampling_params={"max_new_tokens": 4, "temperature": 0},
-                           rid="WARMUP")
+                           rid=rid)
     async for chunk in tm.generate_request(obj):
         last = chunk
     logger.info("warm-up generated %r", last["text"])
@@ -100,11 +102,17 @@ async def _watch_backend(tm, backend: Backend) -> None:
 
 
 def launch_server(server_args: ServerArgs) -> None:
-    import uvicorn
-
-    from sluice.server.app import ServerState, create_app
-
     logging.basicConfig(level=server_args.log_level.upper(), format="%(asctime)s [main] %(levelname)s %(message)s")
+    if server_args.tokenizer_worker_num > 1 or server_args.http_server == "granian":
+        _launch_worker_processes_server(server_args)
+    else:
+        _launch_single_worker_server(server_args)
+
+
+def _launch_single_worker_server(server_args: ServerArgs) -> None:
+    from sluice.server.app import ServerState, create_app
+    from sluice.server.http import serve_http
+
     started = time.perf_counter()
     backend = Backend(server_args, PortArgs.create())
     state = ServerState(server_args)
@@ -124,9 +132,44 @@ def launch_server(server_args: ServerArgs) -> None:
 
     app = create_app(state, lifespan=lifespan)
     try:
-        uvicorn.run(app, host=server_args.host, port=server_args.port, log_level="warning", timeout_keep_alive=30)
+        serve_http(server_args, app)
     finally:
         backend.shutdown()
+
+
+def _launch_worker_processes_server(server_args: ServerArgs) -> None:
+    """HTTP in worker processes: N on one port with a MultiTokenizerRouter (seed 002), or
+    one under Granian, which always serves from worker processes."""
+    from sluice.server.http import serve_http
+    from sluice.tokenizer.shared_args import remove_shared_args, write_shared_args
+    from sluice.tokenizer.router import run_router_process
+
+    started = time.perf_counter()
+    port_args = PortArgs.create()
+    backend = Backend(server_args, port_args)
+    try:
+        scheduler_info = asyncio.run(_wait_for_backend_ready(server_args, port_args))
+        if server_args.tokenizer_worker_num > 1:
+            # The router takes over the tokenizer inbox the back end reported to.
+            backend.start(run_router_process, "sluice-router")
+        write_shared_args(server_args, port_args, scheduler_info)
+        logger.info("back end ready in %.1f s; starting %d HTTP workers", time.perf_counter() - started,
+                    server_args.tokenizer_worker_num)
+        serve_http(server_args, "sluice.server.worker:create_worker_app", workers=server_args.tokenizer_worker_num)
+    finally:
+        backend.shutdown()
+        remove_shared_args(os.getpid())
+
+
+async def _wait_for_backend_ready(server_args: ServerArgs, port_args: PortArgs):
+    """Receive the back end's ready messages on the tokenizer inbox, then give it up."""
+    from sluice.tokenizer.manager import TokenizerManager
+
+    tm = TokenizerManager(server_args, port_args, tokenizer=None)
+    try:
+        return await tm.wait_for_backend()
+    finally:
+        tm.close()
 
 
 class Engine:

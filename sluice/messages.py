@@ -57,19 +57,22 @@ class BatchTokenizedGenerateReqInput(Message):
 
 
 class AbortReq(Message):
+    """Abort `rid` and its parallel-sampling children (rids `rid::...`), or everything."""
+
     rid: str = ""
     abort_all: bool = False
     # Sent by the detokenizer when a stop string ended the request: the text is final,
     # the scheduler only has to release the request's slots.
     finished_by_stop_string: bool = False
+    http_worker_ipc: str | None = None
 
 
 class FlushCacheReq(Message):
-    pass
+    http_worker_ipc: str | None = None
 
 
 class GetInternalStateReq(Message):
-    pass
+    http_worker_ipc: str | None = None
 
 
 # ---------------------------------------------------------------- outputs
@@ -168,6 +171,7 @@ class ProcessFailed(Message):
 class FlushCacheReqOutput(Message):
     success: bool
     message: str = ""
+    http_worker_ipc: str | None = None
 
 
 class InternalState(Message):
@@ -180,6 +184,41 @@ class InternalState(Message):
     last_step_ms: float = 0.0
     # Messages the scheduler received, by type name (a batch counts once).
     messages_received: dict[str, int] = {}
+    http_worker_ipc: str | None = None
+
+
+# ---------------------------------------------------------------- multi-worker (router) control
+
+
+class RegisterWorker(Message):
+    """A TokenizerWorker announces its inbox to the MultiTokenizerRouter."""
+
+    http_worker_ipc: str
+    pid: int
+
+
+class SetPause(Message):
+    """Pause or continue generation; the router broadcasts it to every worker."""
+
+    paused: bool
+    http_worker_ipc: str | None = None
+
+
+class WorkerStatsReq(Message):
+    """Asks every worker for its state; the answers go back to `http_worker_ipc`."""
+
+    http_worker_ipc: str
+
+
+class WorkerStats(Message):
+    rid_to_state_size: int
+    http_worker_ipc: str  # the worker that asked
+
+
+class WorkerDied(Message):
+    """The router saw a worker process die: every worker reports unhealthy."""
+
+    pid: int
 
 
 AnyMessage = (
@@ -195,4 +234,9 @@ AnyMessage = (
     | ProcessFailed
     | FlushCacheReqOutput
     | InternalState
+    | RegisterWorker
+    | SetPause
+    | WorkerStatsReq
+    | WorkerStats
+    | WorkerDied
 )

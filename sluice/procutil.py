@@ -6,36 +6,50 @@ import ctypes
 import logging
 import os
 import signal
-import sys
 import threading
 import time
+from collections.abc import Callable
 
 PR_SET_NAME = 15
 PR_SET_PDEATHSIG = 1
 
 
-def become_child_process(name: str, num_threads: int, log_level: str) -> None:
-    """Tie this process's life to its parent's and limit its compute threads."""
+def become_child_process(name: str, num_threads: int, log_level: str, on_exit: Callable[[], None] | None = None) -> None:
+    """Tie this process's life to its parent's and limit its compute threads.
+
+    SIGTERM (from the parent, or sent when the parent dies) runs `on_exit` and ends the
+    process at once: a child holds nothing that needs an orderly shutdown.
+    """
     logging.basicConfig(level=log_level.upper(), format=f"%(asctime)s [{name}] %(levelname)s %(message)s")
-    parent_pid = os.getppid()
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-        # The name `ps` and psutil show (at most 15 bytes), e.g. "sluice-schedule".
-        libc.prctl(PR_SET_NAME, f"sluice-{name}".encode()[:15])
-    except OSError:
-        pass
-    # prctl misses a parent that died before the call; the watcher also covers non-Linux.
-    threading.Thread(target=_exit_when_orphaned, args=(parent_pid,), daemon=True).start()
+
+    def exit_now(*_):
+        if on_exit is not None:
+            on_exit()
+        os._exit(0)
+
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when children stop
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    signal.signal(signal.SIGTERM, exit_now)
+    die_with_parent(name, signal.SIGTERM)
     import torch
 
     torch.set_num_threads(max(num_threads, 1))
 
 
-def _exit_when_orphaned(parent_pid: int) -> None:
-    while True:
-        if os.getppid() != parent_pid:
-            os._exit(0)
+def die_with_parent(name: str, death_signal: int = signal.SIGKILL) -> None:
+    """Get `death_signal` when the parent dies, even by SIGKILL; name the process for `ps`."""
+    parent_pid = os.getppid()
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, death_signal)
+        # The name `ps` and psutil show (at most 15 bytes), e.g. "sluice-schedule".
+        libc.prctl(PR_SET_NAME, f"sluice-{name}".encode()[:15])
+    except OSError:
+        pass
+    # prctl misses a parent that died before the call; the watcher also covers non-Linux.
+    threading.Thread(target=_signal_when_orphaned, args=(parent_pid, death_signal), daemon=True).start()
+
+
+def _signal_when_orphaned(parent_pid: int, death_signal: int) -> None:
+    while os.getppid() == parent_pid:
         time.sleep(0.5)
+    os.kill(os.getpid(), death_signal)

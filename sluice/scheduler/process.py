@@ -105,9 +105,12 @@ class SchedulerLoop:
                 return s.abort(message)
             case FlushCacheReq():
                 ok = s.flush_cache()
-                self.to_tokenizer.send(FlushCacheReqOutput(success=ok, message="" if ok else "requests are running"))
+                message_text = "" if ok else "requests are running"
+                self.to_tokenizer.send(FlushCacheReqOutput(success=ok, message=message_text, http_worker_ipc=message.http_worker_ipc))
             case GetInternalStateReq():
-                self.to_tokenizer.send(s.internal_state())
+                state = s.internal_state()
+                state.http_worker_ipc = message.http_worker_ipc
+                self.to_tokenizer.send(state)
             case _:
                 logger.warning("scheduler ignored an unexpected %s", type(message).__name__)
         return []

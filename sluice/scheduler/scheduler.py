@@ -73,12 +73,15 @@ class Scheduler:
 
     def abort(self, msg: AbortReq) -> list[TokenIDOutput]:
         """Remove a waiting request or free a running one's slots, before the next step."""
+        def targeted(req: Req) -> bool:
+            return msg.abort_all or req.rid == msg.rid or req.rid.startswith(msg.rid + "::")
+
         outputs = []
-        for req in [r for r in self.waiting if msg.abort_all or r.rid == msg.rid]:
+        for req in [r for r in self.waiting if targeted(r)]:
             self.waiting.remove(req)
             req.finish_reason = FinishReason(type="abort", message="aborted")
             outputs.append(make_output(req))
-        for req in [r for r in self.running if msg.abort_all or r.rid == msg.rid]:
+        for req in [r for r in self.running if targeted(r)]:
             self.running.remove(req)
             self.kv.release(req, keep_in_cache=True)
             req.finish_reason = FinishReason(type="abort", message="aborted")

@@ -35,7 +35,7 @@ class ServerState:
     def unavailable(self) -> str | None:
         if not self.ready:
             return "the server is starting"
-        return self.tm.backend_error
+        return self.tm.backend_error or self.tm.health_error
 
 
 def create_app(state: ServerState, lifespan=None) -> FastAPI:
@@ -44,7 +44,8 @@ def create_app(state: ServerState, lifespan=None) -> FastAPI:
     install_error_handlers(app)
     args = state.server_args
 
-    app.add_middleware(RequestGuard, max_body_bytes=args.max_request_body_bytes, api_key=args.api_key)
+    app.add_middleware(RequestGuard, max_body_bytes=args.max_request_body_bytes, api_key=args.api_key,
+                       admin_api_key=args.admin_api_key)
 
     @app.get("/health")
     async def health():
@@ -82,7 +83,8 @@ def create_app(state: ServerState, lifespan=None) -> FastAPI:
         internal = await state.tm.get_internal_state()
         states = msgspec.to_builtins(internal)
         states.pop("type", None)
-        states["rid_to_state_size"] = len(state.tm.rid_to_state)
+        states.pop("http_worker_ipc", None)
+        states["rid_to_state_size"] = await state.tm.rid_to_state_size_total()
         return {**args.public_dict(), "internal_states": [states]}
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])

@@ -11,6 +11,7 @@ import hmac
 from sluice.server.errors import error_response
 
 OPEN_PATHS = frozenset({"/health"})
+ADMIN_PATHS = frozenset({"/flush_cache", "/abort_request", "/pause_generation", "/continue_generation"})
 
 
 class BodyTooLarge(Exception):
@@ -18,10 +19,11 @@ class BodyTooLarge(Exception):
 
 
 class RequestGuard:
-    def __init__(self, app, max_body_bytes: int, api_key: str = ""):
+    def __init__(self, app, max_body_bytes: int, api_key: str = "", admin_api_key: str = ""):
         self.app = app
         self.max_body_bytes = max_body_bytes
         self.api_key = api_key.encode()
+        self.admin_api_key = admin_api_key.encode()
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -30,11 +32,22 @@ class RequestGuard:
         length = headers.get(b"content-length")
         if length is not None and (not length.isdigit() or int(length) > self.max_body_bytes):
             return await self._reject(scope, receive, send, 413, f"request body larger than {self.max_body_bytes} bytes")
-        if self.api_key and scope["path"] not in OPEN_PATHS:
+        required = self._required_keys(scope["path"])
+        if required:
             supplied = headers.get(b"authorization", b"").removeprefix(b"Bearer ").strip()
-            if not hmac.compare_digest(supplied, self.api_key):
+            # Compare with every accepted key (constant time each), not stopping early.
+            matches = [hmac.compare_digest(supplied, key) for key in required]
+            if not any(matches):
                 return await self._reject(scope, receive, send, 401, "invalid or missing API key")
         return await self.app(scope, self._limited(receive), send)
+
+    def _required_keys(self, path: str) -> list[bytes]:
+        """The keys that open `path`; empty when it is open to all."""
+        if path in OPEN_PATHS:
+            return []
+        if path in ADMIN_PATHS and self.admin_api_key:
+            return [self.admin_api_key]
+        return [key for key in (self.api_key, self.admin_api_key) if key] if self.api_key else []
 
     def _limited(self, receive):
         """Count a chunked body too, which has no content-length to check up front."""

@@ -8,13 +8,13 @@ item is tokenized and sent on its own ("batch_sequential").
 Parallel sampling (n > 1) tokenizes each prompt once, sends it once with
 max_new_tokens = 0 so its prefix lands in the RadixCache, then sends n children with new
 rids; results carry index = prompt_index * n + sample_index. Aborting a parent rid aborts
-its children.
+its children: their rids are `parent::sample_index`, so the Scheduler aborts them by
+prefix, whichever worker asks.
 """
 
 from __future__ import annotations
 
 import asyncio
-import uuid
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
@@ -36,26 +36,20 @@ async def handle_batch_request(tm: TokenizerManager, obj: GenerateReqInput, requ
     if n == 1:
         path = "batch" if _can_send_as_one_batch(tm, items) else "batch_sequential"
         children = [(i, t) for i, t in enumerate(tokenized)]
-        groups: dict[str, list[str]] = {}
     else:
         await _warm_prefixes(tm, tokenized, request)
         path = "parallel_sample"
-        children, groups = _expand_samples(tokenized, n)
+        children = _expand_samples(tokenized, n)
     states = [tm._init_req_state(_child_obj(obj, t), {"path": path, "index": index}) for index, t in children]
-    tm.rid_groups.update(groups)
-    try:
-        if path == "batch_sequential":
-            for _, t in children:
-                tm._send_one_request(t)
-        else:
-            tm.send_to_scheduler.send(BatchTokenizedGenerateReqInput(reqs=[t for _, t in children]))
-        streams = [tm._wait_one_response(state, request) for state in states]
-        async for chunk in merge_streams(streams):
-            chunk["index"] = chunk["meta_info"]["index"]
-            yield chunk
-    finally:
-        for parent in groups:
-            tm.rid_groups.pop(parent, None)
+    if path == "batch_sequential":
+        for _, t in children:
+            tm._send_one_request(t)
+    else:
+        tm._send_to_scheduler(BatchTokenizedGenerateReqInput(reqs=[t for _, t in children]))
+    streams = [tm._wait_one_response(state, request) for state in states]
+    async for chunk in merge_streams(streams):
+        chunk["index"] = chunk["meta_info"]["index"]
+        yield chunk
 
 
 def _tokenize_all(tm: TokenizerManager, items: list[GenerateReqInput]) -> list[TokenizedGenerateReqInput]:
@@ -88,28 +82,26 @@ async def _warm_prefixes(tm: TokenizerManager, tokenized: list[TokenizedGenerate
     warmups = []
     for t in tokenized:
         params = msgspec.structs.replace(t.sampling_params, max_new_tokens=0, min_new_tokens=0)
-        warm = msgspec.structs.replace(t, rid=f"{t.rid}-prefix-{uuid.uuid4().hex[:8]}", sampling_params=params,
+        warm = msgspec.structs.replace(t, rid=f"{t.rid}::prefix", sampling_params=params,
                                        stream=False, return_logprob=False, top_logprobs_num=0, logprob_start_len=-1)
         state = tm._init_req_state(GenerateReqInput(input_ids=[], rid=warm.rid), {"path": "prefix_warmup"})
         warmups.append((warm, state))
-    tm.send_to_scheduler.send(BatchTokenizedGenerateReqInput(reqs=[w for w, _ in warmups]))
+    tm._send_to_scheduler(BatchTokenizedGenerateReqInput(reqs=[w for w, _ in warmups]))
     for _, state in warmups:
         async for _ in tm._wait_one_response(state, request):
             pass
 
 
-def _expand_samples(tokenized: list[TokenizedGenerateReqInput], n: int):
+def _expand_samples(tokenized: list[TokenizedGenerateReqInput], n: int) -> list[tuple[int, TokenizedGenerateReqInput]]:
     children: list[tuple[int, TokenizedGenerateReqInput]] = []
-    groups: dict[str, list[str]] = {}
     for prompt_index, t in enumerate(tokenized):
         for sample_index in range(n):
             seed = t.sampling_params.seed
             # Distinct seeds, or every sample of a seeded request would be the same.
             params = msgspec.structs.replace(t.sampling_params, seed=None if seed is None else seed + sample_index)
-            child = msgspec.structs.replace(t, rid=f"{t.rid}-{sample_index}-{uuid.uuid4().hex[:8]}", sampling_params=params)
+            child = msgspec.structs.replace(t, rid=f"{t.rid}::{sample_index}", sampling_params=params)
             children.append((prompt_index * n + sample_index, child))
-            groups.setdefault(t.rid, []).append(child.rid)
-    return children, groups
+    return children
 
 
 def _child_obj(obj: GenerateReqInput, t: TokenizedGenerateReqInput) -> GenerateReqInput:

@@ -23,6 +23,7 @@ from sluice.ipc import AsyncReceiver, Sender
 from sluice.messages import (
     AbortReq,
     BatchStrOutput,
+    BatchTokenizedGenerateReqInput,
     DetokenizerReady,
     FlushCacheReq,
     FlushCacheReqOutput,
@@ -32,7 +33,11 @@ from sluice.messages import (
     ProcessFailed,
     SamplingParams,
     SchedulerReady,
+    SetPause,
     TokenizedGenerateReqInput,
+    WorkerDied,
+    WorkerStats,
+    WorkerStatsReq,
 )
 from sluice.sampling import ClientError, validate_sampling_params
 from sluice.tokenizer.batch_request import handle_batch_request
@@ -53,22 +58,30 @@ class BackendError(RuntimeError):
 
 
 class TokenizerManager:
-    def __init__(self, server_args: ServerArgs, port_args: PortArgs, tokenizer, chat_template=None):
+    def __init__(self, server_args: ServerArgs, port_args: PortArgs, tokenizer, chat_template=None,
+                 http_worker_ipc: str | None = None):
         self.server_args = server_args
         self.tokenizer = tokenizer
         self.chat_template = chat_template
         self.context = zmq.asyncio.Context(1)
         self.sync_context = zmq.Context(1)
-        self.recv_from_detokenizer = AsyncReceiver(self.context, port_args.tokenizer_input)
-        self.send_to_scheduler = Sender(self.sync_context, port_args.scheduler_input)
+        # With several HTTP workers this one is a TokenizerWorker: it has its own inbox and
+        # talks to the Scheduler through the MultiTokenizerRouter, which owns the
+        # tokenizer_input address and routes results back by http_worker_ipc.
+        self.http_worker_ipc = http_worker_ipc
+        if http_worker_ipc is None:
+            self.recv_from_detokenizer = AsyncReceiver(self.context, port_args.tokenizer_input)
+            self.send_to_scheduler = Sender(self.sync_context, port_args.scheduler_input)
+        else:
+            self.recv_from_detokenizer = AsyncReceiver(self.context, http_worker_ipc)
+            self.send_to_scheduler = Sender(self.sync_context, port_args.tokenizer_input)
 
         self.rid_to_state: dict[str, ReqState] = {}
-        # Parent rid of an n > 1 request -> its children's rids (aborting one aborts all).
-        self.rid_groups: dict[str, list[str]] = {}
         self.model_update_lock = RWLock()
         self.is_pause = False
         self.is_pause_cond = asyncio.Condition()
-        self.backend_error: str | None = None
+        self.backend_error: str | None = None  # the back end is gone: requests fail
+        self.health_error: str | None = None  # something else is wrong: /health says so
         self.scheduler_info: SchedulerReady | None = None
         self.last_receive_tstamp = time.time()
         self._control_waiters: dict[type, deque[asyncio.Future]] = {}
@@ -96,6 +109,13 @@ class TokenizerManager:
             elif isinstance(message, ProcessFailed):
                 raise BackendError(f"the {message.process} failed to start:\n{message.error}")
         return self.scheduler_info
+
+    def close(self) -> None:
+        self.soft_watchdog.stop()
+        self.recv_from_detokenizer.close()
+        self.send_to_scheduler.close()
+        self.context.term()
+        self.sync_context.term()
 
     def start_handle_loop(self) -> None:
         if self._handle_loop_task is None:
@@ -191,7 +211,21 @@ class TokenizerManager:
         return state
 
     def _send_one_request(self, tokenized: TokenizedGenerateReqInput) -> None:
-        self.send_to_scheduler.send(tokenized)
+        self._send_to_scheduler(tokenized)
+
+    def _send_to_scheduler(self, message: Message) -> None:
+        self._attach_multi_http_worker_info(message)
+        self.send_to_scheduler.send(message)
+
+    def _attach_multi_http_worker_info(self, message: Message) -> None:
+        """Tag a message with the worker that must get its results (a batch: every item)."""
+        if self.http_worker_ipc is None:
+            return
+        if isinstance(message, BatchTokenizedGenerateReqInput):
+            for req in message.reqs:
+                req.http_worker_ipc = self.http_worker_ipc
+        elif hasattr(message, "http_worker_ipc"):
+            message.http_worker_ipc = self.http_worker_ipc
 
     async def _wait_one_response(self, state: ReqState, request=None) -> AsyncIterator[dict[str, Any]]:
         finished = False
@@ -234,12 +268,21 @@ class TokenizerManager:
             self.soft_watchdog.feed()
 
     def _dispatch(self, recv_obj: Message) -> None:
-        if isinstance(recv_obj, BatchStrOutput):
-            self._handle_batch_output(recv_obj)
-        elif isinstance(recv_obj, ProcessFailed):
-            self._fail_all(f"the {recv_obj.process} process failed")
-        else:
-            self._result_dispatcher(recv_obj)
+        match recv_obj:
+            case BatchStrOutput():
+                self._handle_batch_output(recv_obj)
+            case ProcessFailed():
+                self._fail_all(f"the {recv_obj.process} process failed")
+            case WorkerDied():
+                # Requests of the other workers are unharmed; the server reports unhealthy.
+                self.health_error = f"HTTP worker {recv_obj.pid} died"
+            case SetPause():
+                asyncio.get_running_loop().create_task(self._set_pause(recv_obj.paused))
+            case WorkerStatsReq():
+                self.send_to_scheduler.send(WorkerStats(rid_to_state_size=len(self.rid_to_state),
+                                                        http_worker_ipc=recv_obj.http_worker_ipc))
+            case _:
+                self._result_dispatcher(recv_obj)
 
     def _handle_batch_output(self, batch: BatchStrOutput) -> None:
         for out in batch.outputs:
@@ -274,17 +317,14 @@ class TokenizerManager:
     # ------------------------------------------------------------ control
 
     def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
-        if abort_all:
-            self.send_to_scheduler.send(AbortReq(abort_all=True))
-            return
-        for one in self.rid_groups.get(rid, [rid]):
-            if one in self.rid_to_state:
-                self.send_to_scheduler.send(AbortReq(rid=one))
+        # Sent even for a rid this process does not know: it may be a parent of n > 1
+        # children, or (with several workers) belong to another worker.
+        self._send_to_scheduler(AbortReq(rid=rid, abort_all=abort_all))
 
     async def _control(self, request: Message, reply_type: type, timeout_s: float = 30.0) -> Any:
         future = asyncio.get_running_loop().create_future()
         self._control_waiters.setdefault(reply_type, deque()).append(future)
-        self.send_to_scheduler.send(request)
+        self._send_to_scheduler(request)
         try:
             return await asyncio.wait_for(future, timeout_s)
         except asyncio.TimeoutError:
@@ -298,13 +338,32 @@ class TokenizerManager:
             return await self._control(FlushCacheReq(), FlushCacheReqOutput)
 
     async def pause_generation(self) -> None:
-        async with self.is_pause_cond:
-            self.is_pause = True
+        await self._set_pause(True)
+        if self.http_worker_ipc is not None:
+            self._send_to_scheduler(SetPause(paused=True))  # the router tells every worker
 
     async def continue_generation(self) -> None:
+        await self._set_pause(False)
+        if self.http_worker_ipc is not None:
+            self._send_to_scheduler(SetPause(paused=False))
+
+    async def _set_pause(self, paused: bool) -> None:
         async with self.is_pause_cond:
-            self.is_pause = False
+            self.is_pause = paused
             self.is_pause_cond.notify_all()
+
+    async def rid_to_state_size_total(self) -> int:
+        """Live request states in this process, or summed over every HTTP worker."""
+        if self.http_worker_ipc is None:
+            return len(self.rid_to_state)
+        workers = self.server_args.tokenizer_worker_num
+        futures = [asyncio.get_running_loop().create_future() for _ in range(workers)]
+        self._control_waiters.setdefault(WorkerStats, deque()).extend(futures)
+        self._send_to_scheduler(WorkerStatsReq(http_worker_ipc=self.http_worker_ipc))
+        done, pending = await asyncio.wait(futures, timeout=5.0)
+        for future in pending:
+            future.cancel()
+        return sum(f.result().rid_to_state_size for f in done)
 
     async def _wait_while_paused(self) -> None:
         async with self.is_pause_cond:

@@ -1,0 +1,66 @@
+"""HTTP worker processes: `--tokenizer-worker-num N > 1` (seed 002, `init_multi_tokenizer`),
+or Granian's worker.
+
+The main process writes the server arguments, the port arguments and the Scheduler's
+start-up info to a shared-memory block named after its pid (`tokenizer/shared_args.py`).
+Each worker process reads the block, makes its own inbox (`tokenizer_ipc_name`), builds
+its TokenizerWorker and chat template, and registers with the MultiTokenizerRouter.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+import uuid
+from contextlib import asynccontextmanager
+
+from sluice.messages import RegisterWorker
+from sluice.tokenizer.shared_args import read_shared_args, remove_shared_args
+
+logger = logging.getLogger(__name__)
+
+
+def init_multi_tokenizer():
+    """Build this worker's TokenizerWorker from the shared block; returns (tm, args)."""
+    from sluice.launch import load_tokenizer_side
+    from sluice.tokenizer.manager import TokenizerManager
+
+    server_args, port_args, scheduler_info = read_shared_args(os.getppid())
+    tokenizer, chat_template = load_tokenizer_side(server_args)
+    if server_args.tokenizer_worker_num == 1:  # one worker (Granian): no router in between
+        remove_shared_args(os.getppid())  # read by its only reader, and no router to clean up
+        tm = TokenizerManager(server_args, port_args, tokenizer, chat_template)
+    else:
+        tokenizer_ipc_name = f"ipc://{port_args.ipc_dir}/tokenizer-worker-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        tm = TokenizerManager(server_args, port_args, tokenizer, chat_template, http_worker_ipc=tokenizer_ipc_name)
+        tm.send_to_scheduler.send(RegisterWorker(http_worker_ipc=tokenizer_ipc_name, pid=os.getpid()))
+    tm.scheduler_info = scheduler_info
+    return tm, server_args
+
+
+def create_worker_app():
+    """The app factory each HTTP worker process calls (uvicorn `factory=True`)."""
+    from sluice.launch import warm_up
+    from sluice.procutil import die_with_parent
+    from sluice.server.app import ServerState, create_app
+
+    die_with_parent("http-worker")
+    tm, server_args = init_multi_tokenizer()
+    logging.basicConfig(level=server_args.log_level.upper(),
+                        format=f"%(asctime)s [worker {os.getpid()}] %(levelname)s %(message)s")
+    state = ServerState(server_args)
+
+    @asynccontextmanager
+    async def lifespan(app):
+        started = time.perf_counter()
+        tm.start_handle_loop()
+        if not server_args.skip_warmup:
+            await asyncio.wait_for(warm_up(tm, rid=f"WARMUP-{os.getpid()}"), 120)
+        state.tm = tm
+        state.ready = True
+        logger.info("worker ready in %.1f s", time.perf_counter() - started)
+        yield
+
+    return create_app(state, lifespan=lifespan)

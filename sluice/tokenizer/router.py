@@ -1,0 +1,174 @@
+"""The MultiTokenizerRouter (seed 002): one hub between N TokenizerWorkers and one back end.
+
+It owns the `tokenizer_input` address, so the Scheduler and the DetokenizerManager talk to
+it exactly as they talk to a single TokenizerManager. Requests from workers go on to the
+Scheduler (`router_worker_obj`); every result goes back to the worker named by its
+`http_worker_ipc` (`_distribute_result_to_workers`). A batch output is a list of
+per-request outputs, so splitting it is a group-by on that one field: a field added to an
+output message needs no change here.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import traceback
+from collections import defaultdict
+
+import msgspec
+import zmq
+
+from sluice.config import PortArgs, ServerArgs
+from sluice.ipc import Receiver, Sender
+from sluice.messages import (
+    AbortReq,
+    BatchStrOutput,
+    FinishReason,
+    StrOutput,
+    BatchTokenizedGenerateReqInput,
+    FlushCacheReq,
+    GetInternalStateReq,
+    Message,
+    ProcessFailed,
+    RegisterWorker,
+    SetPause,
+    TokenizedGenerateReqInput,
+    WorkerDied,
+    WorkerStats,
+    WorkerStatsReq,
+)
+from sluice.procutil import become_child_process
+
+logger = logging.getLogger(__name__)
+
+TO_SCHEDULER = (TokenizedGenerateReqInput, BatchTokenizedGenerateReqInput, AbortReq, FlushCacheReq, GetInternalStateReq)
+BROADCAST = (SetPause, WorkerStatsReq, WorkerDied, ProcessFailed)
+LIVENESS_CHECK_S = 1.0
+
+
+class MultiTokenizerRouter:
+    def __init__(self, port_args: PortArgs):
+        self.context = zmq.Context(1)
+        self.inbox = Receiver(self.context, port_args.tokenizer_input)
+        self.to_scheduler = Sender(self.context, port_args.scheduler_input)
+        self.workers: dict[str, Sender] = {}  # http_worker_ipc -> socket
+        self.worker_pids: dict[str, int] = {}
+        self.dead_pids: set[int] = set()
+        # Live rids over all workers: a worker only knows its own, so a rid that is live
+        # on another worker is refused here.
+        self.live_rids: set[str] = set()
+
+    def handle_loop(self) -> None:
+        last_check = time.monotonic()
+        while True:
+            message = self.inbox.recv(timeout_ms=int(LIVENESS_CHECK_S * 1000))
+            if message is not None:
+                self.dispatch(message)
+            if time.monotonic() - last_check > LIVENESS_CHECK_S:
+                self.check_workers_alive()
+                last_check = time.monotonic()
+
+    def dispatch(self, message: Message) -> None:
+        if isinstance(message, RegisterWorker):
+            self.register(message)
+        elif isinstance(message, TO_SCHEDULER):
+            self.router_worker_obj(message)
+        elif isinstance(message, BROADCAST):
+            self.broadcast(message)
+        else:
+            self._distribute_result_to_workers(message)
+
+    def register(self, message: RegisterWorker) -> None:
+        if message.http_worker_ipc not in self.workers:
+            self.workers[message.http_worker_ipc] = Sender(self.context, message.http_worker_ipc)
+        self.worker_pids[message.http_worker_ipc] = message.pid
+        logger.info("worker %d registered (%d workers)", message.pid, len(self.workers))
+        for pid in self.dead_pids:  # a replacement worker reports the loss too
+            self.workers[message.http_worker_ipc].send(WorkerDied(pid=pid))
+
+    def router_worker_obj(self, message: Message) -> None:
+        """A worker's request or control message: on to the Scheduler."""
+        reqs = message.reqs if isinstance(message, BatchTokenizedGenerateReqInput) else [message]
+        if isinstance(reqs[0], TokenizedGenerateReqInput):
+            duplicates = [req for req in reqs if req.rid in self.live_rids]
+            if duplicates:
+                self._refuse_duplicates(reqs, {req.rid for req in duplicates})
+                return
+            self.live_rids.update(req.rid for req in reqs)
+        self.to_scheduler.send(message)
+
+    def _refuse_duplicates(self, reqs: list[TokenizedGenerateReqInput], duplicates: set[str]) -> None:
+        """End every item of the refused message at once, with a 400 naming the rid."""
+        message = f"a request with rid '{sorted(duplicates)[0]}' is already running"
+        outputs = [StrOutput(rid=req.rid, text="", new_token_ids=[], http_worker_ipc=req.http_worker_ipc,
+                             finish_reason=FinishReason(type="abort", message=message, status_code=400))
+                   for req in reqs]
+        self._distribute_result_to_workers(BatchStrOutput(outputs=outputs))
+
+    def broadcast(self, message: Message) -> None:
+        for sender in self.workers.values():
+            sender.send(message)
+
+    def _distribute_result_to_workers(self, message: Message) -> None:
+        if isinstance(message, BatchStrOutput):
+            by_worker = defaultdict(list)
+            for out in message.outputs:
+                by_worker[out.http_worker_ipc].append(out)
+                if out.finish_reason is not None:
+                    self.live_rids.discard(out.rid)
+            if not message.outputs:  # the scheduler's heartbeat: every worker's watchdog wants it
+                by_worker = {ipc: [] for ipc in self.workers}
+            for ipc, outputs in by_worker.items():
+                self._send_to(ipc, msgspec.structs.replace(message, outputs=outputs))
+        else:
+            self._send_to(getattr(message, "http_worker_ipc", None), message)
+
+    def _send_to(self, ipc: str | None, message: Message) -> None:
+        sender = self.workers.get(ipc) if ipc else None
+        if sender is None:
+            logger.warning("dropped a %s for unknown worker %r", type(message).__name__, ipc)
+            return
+        sender.send(message)
+
+    def check_workers_alive(self) -> None:
+        for ipc, pid in list(self.worker_pids.items()):
+            if pid in self.dead_pids or _alive(pid):
+                continue
+            self.dead_pids.add(pid)
+            logger.error("HTTP worker %d died; the server reports unhealthy", pid)
+            del self.workers[ipc]
+            self.broadcast(WorkerDied(pid=pid))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie (exited, not yet reaped by its parent) counts as dead
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][0] != "Z"
+    except OSError:
+        return False
+
+
+def run_router_process(server_args_data: bytes, port_args_data: bytes) -> None:
+    args = ServerArgs.decode(server_args_data)
+    port_args = PortArgs.decode(port_args_data)
+    main_pid = os.getppid()
+
+    def remove_shared_args() -> None:
+        # The main process removes the block on a normal exit; killed, it cannot.
+        from sluice.tokenizer.shared_args import remove_shared_args as remove
+
+        remove(main_pid)
+
+    become_child_process("router", 1, args.log_level, on_exit=remove_shared_args)
+    try:
+        MultiTokenizerRouter(port_args).handle_loop()
+    except Exception:
+        logger.error("router failed:\n%s", traceback.format_exc())
+        raise

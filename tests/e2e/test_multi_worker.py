@@ -1,0 +1,128 @@
+"""Several HTTP workers behind the MultiTokenizerRouter (seed 002), on servers of their own."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import psutil
+import pytest
+
+from tests.helpers import RunningServer, generate, greedy
+
+API_KEY, ADMIN_KEY = "test-key-123", "admin-key-456"
+
+
+@pytest.fixture(scope="module")
+def four_workers():
+    server = RunningServer("--max-total-tokens", "20000", "--tokenizer-worker-num", "4",
+                           "--api-key", API_KEY, "--admin-api-key", ADMIN_KEY)
+    yield server
+    server.stop()
+
+
+def authed(key: str = API_KEY) -> dict:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def test_no_cross_talk_over_four_workers(four_workers):
+    url = four_workers.base_url
+    prompts = [f"Repeat after me: {i * 37 % 1000} apples and {i} pears." for i in range(64)]
+
+    def run(prompt: str) -> str:
+        with httpx.Client(headers=authed()) as client:  # a new connection: any worker may take it
+            r = client.post(url + "/generate", json={"text": prompt, "sampling_params": greedy(8)}, timeout=300)
+            r.raise_for_status()
+            return r.json()["text"]
+
+    expected = [run(p) for p in prompts]  # one at a time: what a lone request gets
+    with ThreadPoolExecutor(64) as pool:
+        got = list(pool.map(run, prompts))
+    assert got == expected
+
+
+def test_api_keys_on_every_worker(four_workers):
+    url = four_workers.base_url
+    for _ in range(8):  # fresh connections land on different workers
+        assert httpx.get(url + "/health").status_code == 200
+        assert httpx.post(url + "/generate", json={"text": "hi"}).status_code == 401
+        assert httpx.post(url + "/generate", json={"text": "hi"}, headers=authed("wrong")).status_code == 401
+        assert httpx.get(url + "/v1/models", headers=authed()).status_code == 200
+    assert httpx.post(url + "/flush_cache", headers=authed()).status_code == 401  # admin route
+    assert httpx.post(url + "/flush_cache", headers=authed(ADMIN_KEY)).status_code == 200
+    info = httpx.get(url + "/get_server_info", headers=authed()).json()
+    assert API_KEY not in str(info) and ADMIN_KEY not in str(info)
+    assert API_KEY not in four_workers.read_log()
+
+
+def test_state_summed_over_workers_and_pause_broadcast(four_workers):
+    url = four_workers.base_url
+    states = httpx.get(url + "/get_server_info", headers=authed()).json()["internal_states"][0]
+    assert states["rid_to_state_size"] == 0
+    assert httpx.post(url + "/pause_generation", headers=authed(ADMIN_KEY)).status_code == 200
+    time.sleep(0.5)
+    with ThreadPoolExecutor(8) as pool:
+        futures = [pool.submit(lambda: httpx.post(url + "/generate", json={"text": "Hi", "sampling_params": greedy(2)},
+                                                  headers=authed(), timeout=120)) for _ in range(8)]
+        time.sleep(2)
+        assert not any(f.done() for f in futures)  # held on every worker
+        states = httpx.get(url + "/get_server_info", headers=authed()).json()["internal_states"][0]
+        assert states["num_running_reqs"] == 0
+        assert httpx.post(url + "/continue_generation", headers=authed(ADMIN_KEY)).status_code == 200
+        assert all(f.result().status_code == 200 for f in futures)
+
+
+def test_kill_9_main_process_leaves_nothing_behind():
+    server = RunningServer("--max-total-tokens", "4000", "--tokenizer-worker-num", "2")
+    main = psutil.Process(server.process.pid)
+    children = main.children(recursive=True)
+    assert len(children) >= 5  # scheduler, detokenizer, router, 2 workers
+    shm = f"/dev/shm/sluice_multi_tokenizer_args_{main.pid}"
+    assert os.path.exists(shm)
+    os.kill(main.pid, signal.SIGKILL)
+    time.sleep(10)
+    try:
+        alive = [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+        assert not alive, [c.name() for c in alive]
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(("127.0.0.1", server.port))  # the port is free again
+        assert not os.path.exists(shm)
+    finally:
+        server.stop()
+        for child in children:
+            if child.is_running():
+                child.kill()
+
+
+def test_dead_worker_turns_health_503():
+    server = RunningServer("--max-total-tokens", "4000", "--tokenizer-worker-num", "2")
+    try:
+        workers = [c for c in psutil.Process(server.process.pid).children() if c.name().startswith("sluice-http")]
+        assert len(workers) == 2
+        workers[0].kill()
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and httpx.get(server.base_url + "/health").status_code != 503:
+            time.sleep(0.5)
+        assert httpx.get(server.base_url + "/health").status_code == 503
+        assert "died" in server.read_log()
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_granian_serves_the_same_app(workers):
+    server = RunningServer("--max-total-tokens", "4000", "--http-server", "granian", "--tokenizer-worker-num", workers)
+    try:
+        r = generate(server.base_url, text="The capital of France is", sampling_params=greedy(4))
+        assert r.status_code == 200 and "Paris" in r.json()["text"]
+        stream = httpx.post(server.base_url + "/generate", timeout=60,
+                            json={"text": "Hi", "sampling_params": greedy(3), "stream": True})
+        assert stream.text.rstrip().endswith("data: [DONE]")
+        assert httpx.post(server.base_url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}).status_code == 200
+    finally:
+        server.stop()
