@@ -25,3 +25,7 @@ class ForwardBatch:
     logits_indices: torch.Tensor  # int64: rows of the num_tokens axis whose logits to return
     k_buffers: list[torch.Tensor]
     v_buffers: list[torch.Tensor]
+    # Image positions of a vision-language model: their input ids are placeholders (any
+    # value) and their embeddings come from the vision tower instead of the vocabulary.
+    mm_rows: torch.Tensor | None = None  # int64 [num_image_rows]: rows of the num_tokens axis
+    mm_embeds: torch.Tensor | None = None  # [num_image_rows, hidden] in the model dtype

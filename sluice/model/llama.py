@@ -65,12 +65,21 @@ class LlamaForCausalLM(nn.Module):
         """float32 logits of shape [len(fb.logits_indices), vocab_size]."""
         metadata = AttentionMetadata.build(fb)
         cos, signed_sin = self.rotary.lookup(fb.positions)
-        hidden = F.embedding(fb.input_ids, self.embed_tokens)
+        hidden = self._embed(fb)
         for layer, k_buffer, v_buffer in zip(self.layers, fb.k_buffers, fb.v_buffers):
             hidden = layer(hidden, self.rotary, cos, signed_sin, k_buffer, v_buffer, fb.out_cache_loc, metadata)
         # Norm and LM head only for the rows whose logits are wanted: the rest are never read.
         last_hidden = self.norm(hidden[fb.logits_indices])
         return F.linear(last_hidden, self.lm_head).float()
+
+    def _embed(self, fb: ForwardBatch) -> torch.Tensor:
+        if fb.mm_rows is None:
+            return F.embedding(fb.input_ids, self.embed_tokens)
+        # Image rows hold placeholder ids that may lie outside the vocabulary: look up id 0
+        # there, then overwrite those rows. Other rows keep the out-of-range check.
+        input_ids = fb.input_ids.index_fill(0, fb.mm_rows, 0)
+        hidden = F.embedding(input_ids, self.embed_tokens)
+        return hidden.index_copy_(0, fb.mm_rows, fb.mm_embeds.to(hidden))
 
     @torch.no_grad()
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:

@@ -9,6 +9,8 @@ from pathlib import Path
 from typing import Any
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+# Vision-language architectures: a vision tower and projector in front of one of the above.
+SUPPORTED_VLM_ARCHITECTURES = ("LlavaForConditionalGeneration",)
 
 # GGUF `general.architecture` and HF `model_type` values, mapped to the HF class name.
 _ARCHITECTURE_BY_GGUF_NAME = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
@@ -17,6 +19,48 @@ _ARCHITECTURE_BY_MODEL_TYPE = {
     "qwen2": "Qwen2ForCausalLM",
     "mistral": "MistralForCausalLM",
 }
+
+
+@dataclass(slots=True)
+class VisionConfig:
+    """The vision tower (CLIP or SigLIP ViT) and projector of a LLaVA-style model."""
+
+    tower_type: str  # "clip" (class token, pre-layernorm) or "siglip" (neither; patch conv has a bias)
+    image_size: int
+    patch_size: int
+    num_channels: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    layer_norm_eps: float
+    hidden_act: str
+    projector_hidden_act: str
+    projector_bias: bool
+    # Hidden state(s) fed to the projector, indexed like HF `hidden_states` (0 = embeddings,
+    # i = output of layer i, negative from the end); a list is concatenated on the feature axis.
+    feature_layer: int | list[int]
+    select_strategy: str  # "default" drops the class token, "full" keeps every token
+
+    @property
+    def num_patches(self) -> int:
+        return (self.image_size // self.patch_size) ** 2
+
+    @property
+    def has_class_token(self) -> bool:
+        return self.tower_type == "clip"
+
+    @property
+    def num_image_tokens(self) -> int:
+        """Positions in the prompt that one image fills."""
+        # As in transformers, "default" drops the first token even when it is a patch (SigLIP).
+        return self.num_patches + int(self.has_class_token) - int(self.select_strategy == "default")
+
+    @property
+    def feature_layers(self) -> list[int]:
+        """`feature_layer` as a list of non-negative hidden-state indices."""
+        layers = [self.feature_layer] if isinstance(self.feature_layer, int) else self.feature_layer
+        return [layer % (self.num_layers + 1) for layer in layers]
 
 
 @dataclass(slots=True)
@@ -36,6 +80,14 @@ class ModelConfig:
     attention_bias: bool  # q/k/v projections carry a bias (Qwen2)
     context_len: int  # max_position_embeddings
     eos_token_ids: list[int]
+    # Vision-language models only; the fields above then describe the language model.
+    vision: VisionConfig | None = None
+    image_token_id: int | None = None  # the placeholder token an image stands for in a prompt
+
+    @property
+    def num_image_tokens(self) -> int:
+        """Prompt positions one image fills; 0 for a text-only model."""
+        return 0 if self.vision is None else self.vision.num_image_tokens
 
     @classmethod
     def from_path(cls, path: str | Path) -> ModelConfig:
@@ -115,6 +167,14 @@ def _gguf_rope_scaling(field, arch_name: str) -> dict[str, Any] | None:
 def _from_hf_folder(folder: Path) -> ModelConfig:
     config = json.loads((folder / "config.json").read_text())
     architectures = config.get("architectures") or [_ARCHITECTURE_BY_MODEL_TYPE.get(config.get("model_type"), "")]
+    if architectures[0] in SUPPORTED_VLM_ARCHITECTURES:
+        return _llava_config(folder, config)
+    return ModelConfig(**_text_fields(config), eos_token_ids=_hf_eos_token_ids(folder, [config]))
+
+
+def _text_fields(config: dict[str, Any]) -> dict[str, Any]:
+    """The ModelConfig fields of a causal LM's `config.json` (or a VLM's `text_config`)."""
+    architectures = config.get("architectures") or [_ARCHITECTURE_BY_MODEL_TYPE.get(config.get("model_type"), "")]
     architecture = architectures[0]
     if architecture not in SUPPORTED_ARCHITECTURES:
         raise ValueError(f"architecture {architecture!r} is not supported; supported: {list(SUPPORTED_ARCHITECTURES)}")
@@ -130,7 +190,7 @@ def _from_hf_folder(folder: Path) -> ModelConfig:
 
     hidden_size = config["hidden_size"]
     num_heads = config["num_attention_heads"]
-    return ModelConfig(
+    return dict(
         architecture=architecture,
         vocab_size=config["vocab_size"],
         hidden_size=hidden_size,
@@ -145,13 +205,72 @@ def _from_hf_folder(folder: Path) -> ModelConfig:
         tie_word_embeddings=config.get("tie_word_embeddings", False),
         attention_bias=config.get("attention_bias", architecture == "Qwen2ForCausalLM"),
         context_len=config.get("max_position_embeddings", 2048),
-        eos_token_ids=_hf_eos_token_ids(folder, config),
     )
 
 
-def _hf_eos_token_ids(folder: Path, config: dict[str, Any]) -> list[int]:
-    """Union of the eos ids in config.json and generation_config.json, in that order."""
-    sources = [config]
+# Old llava-hf checkpoints (llava-1.5) store only the fields that differ from these
+# transformers defaults in their sub-configs.
+_LLAMA_TEXT_DEFAULTS = {"model_type": "llama", "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008,
+                       "num_hidden_layers": 32, "num_attention_heads": 32}
+_VISION_DEFAULTS = {
+    "clip_vision_model": {"image_size": 224, "patch_size": 32, "num_channels": 3, "hidden_size": 768,
+                          "intermediate_size": 3072, "num_hidden_layers": 12, "num_attention_heads": 12,
+                          "layer_norm_eps": 1e-5, "hidden_act": "quick_gelu"},
+    "siglip_vision_model": {"image_size": 224, "patch_size": 16, "num_channels": 3, "hidden_size": 768,
+                            "intermediate_size": 3072, "num_hidden_layers": 12, "num_attention_heads": 12,
+                            "layer_norm_eps": 1e-6, "hidden_act": "gelu_pytorch_tanh"},
+}
+
+
+def _llava_config(folder: Path, config: dict[str, Any]) -> ModelConfig:
+    text_config = {**_LLAMA_TEXT_DEFAULTS, **config.get("text_config", {})}
+    text_fields = _text_fields(text_config)
+    # transformers copies a tied text config up to the LLaVA config, and some checkpoints only set it there.
+    text_fields["tie_word_embeddings"] = text_fields["tie_word_embeddings"] or config.get("tie_word_embeddings", False)
+    image_token_id = config.get("image_token_id", config.get("image_token_index"))
+    return ModelConfig(
+        **text_fields,
+        eos_token_ids=_hf_eos_token_ids(folder, [config, text_config]),
+        vision=_vision_config(config),
+        image_token_id=None if image_token_id is None else int(image_token_id),
+    )
+
+
+def _vision_config(config: dict[str, Any]) -> VisionConfig:
+    vision_config = config.get("vision_config") or {}
+    model_type = vision_config.get("model_type", "clip_vision_model")
+    if model_type not in _VISION_DEFAULTS:
+        raise ValueError(f"vision_config.model_type {model_type!r} is not supported; supported: {sorted(_VISION_DEFAULTS)}")
+    vision_config = {**_VISION_DEFAULTS[model_type], **vision_config}
+    select_strategy = config.get("vision_feature_select_strategy", "default")
+    if select_strategy not in ("default", "full"):
+        raise ValueError(f"vision_feature_select_strategy {select_strategy!r} is not supported; supported: default, full")
+    feature_layer = config.get("vision_feature_layer", -2)
+    num_hidden_states = vision_config["num_hidden_layers"] + 1
+    for layer in [feature_layer] if isinstance(feature_layer, int) else feature_layer:
+        if not -num_hidden_states <= layer < num_hidden_states:
+            raise ValueError(f"vision_feature_layer {layer} is out of range for {num_hidden_states} hidden states")
+    return VisionConfig(
+        tower_type=model_type.removesuffix("_vision_model"),
+        image_size=vision_config["image_size"],
+        patch_size=vision_config["patch_size"],
+        num_channels=vision_config["num_channels"],
+        hidden_size=vision_config["hidden_size"],
+        intermediate_size=vision_config["intermediate_size"],
+        num_layers=vision_config["num_hidden_layers"],
+        num_heads=vision_config["num_attention_heads"],
+        layer_norm_eps=vision_config["layer_norm_eps"],
+        hidden_act=vision_config["hidden_act"],
+        projector_hidden_act=config.get("projector_hidden_act", "gelu"),
+        projector_bias=config.get("multimodal_projector_bias", True),
+        feature_layer=feature_layer if isinstance(feature_layer, int) else list(feature_layer),
+        select_strategy=select_strategy,
+    )
+
+
+def _hf_eos_token_ids(folder: Path, configs: list[dict[str, Any]]) -> list[int]:
+    """Union of the eos ids in `configs` (config.json and its sub-configs) and generation_config.json, in that order."""
+    sources = list(configs)
     generation_config_path = folder / "generation_config.json"
     if generation_config_path.is_file():
         sources.append(json.loads(generation_config_path.read_text()))

@@ -6,6 +6,7 @@ import torch
 
 from sluice.model.forward_batch import ForwardBatch
 from sluice.model.llama import LlamaForCausalLM
+from sluice.model.llava import LlavaForConditionalGeneration
 from sluice.model.model_config import ModelConfig
 from sluice.model.weights import load_weights
 
@@ -14,7 +15,8 @@ class ModelRunner:
     def __init__(self, model_path: str, dtype: torch.dtype) -> None:
         self.config = ModelConfig.from_path(model_path)
         self.dtype = dtype
-        self.model = LlamaForCausalLM(self.config, dtype)
+        model_class = LlamaForCausalLM if self.config.vision is None else LlavaForConditionalGeneration
+        self.model = model_class(self.config, dtype)
         self.model.load_weights(load_weights(model_path, self.config, dtype))
         self.model.eval()
 
@@ -22,6 +24,14 @@ class ModelRunner:
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         """float32 logits of shape [len(fb.logits_indices), vocab_size]."""
         return self.model(fb)
+
+    @torch.inference_mode()
+    def encode_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """[N, C, H, W] preprocessed pixels -> [N, config.num_image_tokens, hidden] in the model dtype,
+        ready to be a ForwardBatch's `mm_embeds` (flattened over images)."""
+        if self.config.vision is None:
+            raise ValueError("this model has no vision tower: it takes no images")
+        return self.model.encode_images(pixel_values)
 
     def kv_bytes_per_token(self) -> int:
         """Bytes of K and V that one cached token takes, over all layers."""

@@ -209,6 +209,9 @@ def _distinct_tokens(
     lengths = torch.tensor([len(ids) for ids in id_lists], dtype=torch.long)
     token_ids = torch.tensor(list(itertools.chain.from_iterable(id_lists)), dtype=torch.long)
     row_of_token = torch.repeat_interleave(torch.tensor(rows, dtype=torch.long), lengths)
+    # Image positions hold pad values above the vocabulary: they are no tokens to penalise.
+    in_vocab = token_ids < vocab_size
+    token_ids, row_of_token = token_ids[in_vocab], row_of_token[in_vocab]
     keys, counts = torch.unique(row_of_token * vocab_size + token_ids, return_counts=True)
     return keys // vocab_size, keys % vocab_size, counts.to(torch.float32)
 

@@ -39,7 +39,31 @@ def load_weights(path: str | Path, config: ModelConfig, dtype: torch.dtype) -> d
     """
     if is_gguf(path):
         return _load_gguf(Path(path), config, dtype)
-    return _load_safetensors_folder(Path(path), dtype)
+    weights = _load_safetensors_folder(Path(path), dtype)
+    if config.vision is not None:
+        weights = {_llava_name(name): tensor for name, tensor in weights.items()}
+    return weights
+
+
+# LLaVA checkpoints name parameters in two layouts: the one `save_pretrained` and llava-hf
+# write ("language_model.model.", ...) and transformers 5's module tree ("model.language_model.",
+# ...). Both map to the text model's own names plus "vision_tower." and "multi_modal_projector.".
+_LLAVA_PREFIXES = (
+    ("language_model.model.", "model."),
+    ("language_model.lm_head.", "lm_head."),
+    ("model.language_model.", "model."),
+    ("model.vision_tower.", "vision_tower."),
+    ("model.multi_modal_projector.", "multi_modal_projector."),
+)
+
+
+def _llava_name(name: str) -> str:
+    for old_prefix, new_prefix in _LLAVA_PREFIXES:
+        if name.startswith(old_prefix):
+            name = new_prefix + name.removeprefix(old_prefix)
+            break
+    # Older CLIP/SigLIP checkpoints nest the tower one level deeper.
+    return name.replace("vision_tower.vision_model.", "vision_tower.", 1)
 
 
 def _load_gguf(path: Path, config: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
