@@ -32,6 +32,11 @@ class ServerArgs:
     disable_radix_cache: bool = field(default=False, metadata={"help": "Do not reuse KV of shared prefixes."})
     max_n: int = field(default=16, metadata={"help": "Largest n (parallel samples per prompt)."})
     max_batch_items: int = field(default=256, metadata={"help": "Most prompts x n in one request."})
+    max_images_per_request: int = field(default=8, metadata={"help": "Most images in one prompt."})
+    max_image_bytes: int = field(default=20 * 1024 * 1024, metadata={"help": "Largest encoded image accepted."})
+    max_image_pixels: int = field(default=4096 * 4096, metadata={"help": "Most pixels (width x height) of one image."})
+    allowed_local_media_path: str = field(default="", metadata={"help": "Folder from which image_data may name local files (off when empty)."})
+    allow_remote_media: bool = field(default=False, metadata={"help": "Fetch http(s) image URLs (public addresses only, no redirects)."})
     stream_interval: int = field(default=1, metadata={"help": "Send streamed output every N tokens."})
     soft_watchdog_timeout: float = field(default=60.0, metadata={"help": "Seconds without output while requests are in flight before the stuck state is logged."})
     max_request_body_bytes: int = field(default=16 * 1024 * 1024, metadata={"help": "Largest HTTP request body accepted (413 above)."})
@@ -61,6 +66,9 @@ class ServerArgs:
             (self.max_batch_items >= 1, "max_batch_items must be >= 1"),
             (1 <= self.tokenizer_worker_num <= 64, "tokenizer_worker_num must be in 1..64"),
             (self.http_server in ("uvicorn", "granian"), "http_server must be uvicorn or granian"),
+            (self.max_images_per_request >= 1, "max_images_per_request must be >= 1"),
+            (self.max_image_bytes >= 1024, "max_image_bytes must be >= 1024"),
+            (self.max_image_pixels >= 1, "max_image_pixels must be >= 1"),
             (self.stream_interval >= 1, "stream_interval must be >= 1"),
             (self.soft_watchdog_timeout > 0, "soft_watchdog_timeout must be > 0"),
             (self.max_request_body_bytes >= 1024, "max_request_body_bytes must be >= 1024"),

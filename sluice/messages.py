@@ -39,6 +39,15 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     n: int = 1
 
 
+class ImageInput(msgspec.Struct, kw_only=True):
+    """One preprocessed image: raw pixel bytes with their dtype and shape (never pickled)."""
+
+    pixel_values: bytes
+    dtype: str  # numpy dtype name, e.g. "float32"
+    shape: list[int]  # [channels, height, width]
+    hash: int  # of the image content: equal images share radix-cache prefixes
+
+
 class TokenizedGenerateReqInput(Message):
     rid: str
     input_ids: list[int]
@@ -49,6 +58,8 @@ class TokenizedGenerateReqInput(Message):
     # First prompt position whose logprob is returned; -1 means none of the prompt.
     logprob_start_len: int = -1
     input_text: str = ""
+    # One image token id in input_ids per image, in order; the Scheduler expands each.
+    images: list[ImageInput] = []
     http_worker_ipc: str | None = None
 
 
@@ -107,6 +118,7 @@ class TokenIDOutput(msgspec.Struct, kw_only=True):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    image_tokens: int = 0
     # Logprobs of the new tokens (and, in the first output, of the prompt from
     # logprob_start_len on; the first prompt token has none).
     output_logprobs: list[float] = []
@@ -137,6 +149,7 @@ class StrOutput(msgspec.Struct, kw_only=True):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    image_tokens: int = 0
     output_logprobs: list[float] = []
     output_top_logprobs: list[list[TokenLogprob]] = []
     input_token_ids: list[int] = []
@@ -157,6 +170,10 @@ class SchedulerReady(Message):
     context_len: int
     max_total_tokens: int
     eos_token_ids: list[int]
+    # Set for a vision-language model: the token that stands for one image, and how many
+    # positions one image takes once the Scheduler expands it.
+    image_token_id: int | None = None
+    num_image_tokens: int = 0
 
 
 class DetokenizerReady(Message):

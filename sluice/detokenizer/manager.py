@@ -82,6 +82,7 @@ class DetokenizerManager:
             prompt_tokens=out.prompt_tokens,
             completion_tokens=completion_tokens,
             cached_tokens=out.cached_tokens,
+            image_tokens=out.image_tokens,
             output_logprobs=out.output_logprobs,
             output_top_logprobs=out.output_top_logprobs,
             input_token_ids=out.input_token_ids,

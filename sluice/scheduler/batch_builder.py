@@ -9,6 +9,7 @@ import torch
 from sluice.messages import TokenLogprob
 from sluice.model.forward_batch import ForwardBatch
 from sluice.scheduler.kv_manager import KVManager
+from sluice.scheduler.multimodal import image_rows
 from sluice.scheduler.req import Req
 
 
@@ -75,13 +76,19 @@ class StepBatch:
                 req.input_top_logprobs.append([TokenLogprob(int(t), float(v)) for t, v in zip(ids, values)])
 
 
-def build_forward_batch(batch: StepBatch, req_to_token: torch.Tensor, k_buffers, v_buffers) -> ForwardBatch:
+def build_forward_batch(batch: StepBatch, req_to_token: torch.Tensor, k_buffers, v_buffers, runner=None) -> ForwardBatch:
     input_ids: list[int] = []
     positions: list[int] = []
     kv_indices: list[torch.Tensor] = []
     seq_lens: list[int] = []
+    mm_rows: list[int] = []
+    mm_embeds: list[torch.Tensor] = []
     offset = 0
     for req, n, start in zip(batch.reqs, batch.extend_lens, batch.starts):
+        if req.image_offsets and start < len(req.prompt_ids):
+            rows, embeds = image_rows(req, start, n, runner.encode_images)
+            mm_rows.extend(offset + row for row in rows)
+            mm_embeds.extend(embeds)
         input_ids.extend(req.fill_ids[start : start + n])
         positions.extend(range(start, start + n))
         new_slots = batch.out_cache_loc[offset : offset + n]
@@ -99,4 +106,6 @@ def build_forward_batch(batch: StepBatch, req_to_token: torch.Tensor, k_buffers,
         logits_indices=batch.logits_indices,
         k_buffers=k_buffers,
         v_buffers=v_buffers,
+        mm_rows=torch.tensor(mm_rows, dtype=torch.int64) if mm_rows else None,
+        mm_embeds=torch.cat(mm_embeds) if mm_embeds else None,
     )

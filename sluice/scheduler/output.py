@@ -17,6 +17,7 @@ def make_output(req: Req) -> TokenIDOutput:
         prompt_tokens=len(req.prompt_ids),
         completion_tokens=len(req.output_ids),
         cached_tokens=req.cached_tokens,
+        image_tokens=req.image_tokens,
         skip_special_tokens=params.skip_special_tokens,
         spaces_between_special_tokens=params.spaces_between_special_tokens,
         stop=params.stop,

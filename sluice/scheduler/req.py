@@ -20,6 +20,13 @@ class Req:
     top_logprobs_num: int = 0
     logprob_start_len: int = -1
     http_worker_ipc: str | None = None
+    images: list = field(default_factory=list)  # ImageInput, in prompt order
+
+    # Where each image's positions start in prompt_ids once expanded, and its embedding
+    # once computed (kept until the request ends, so a retraction does not recompute it).
+    image_offsets: list[int] = field(default_factory=list)
+    num_image_tokens: int = 0
+    image_embeds: dict[int, torch.Tensor] = field(default_factory=dict)
 
     output_ids: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
@@ -55,7 +62,12 @@ class Req:
             top_logprobs_num=msg.top_logprobs_num,
             logprob_start_len=msg.logprob_start_len,
             http_worker_ipc=msg.http_worker_ipc,
+            images=list(msg.images),
         )
+
+    @property
+    def image_tokens(self) -> int:
+        return len(self.image_offsets) * self.num_image_tokens
 
     @property
     def fill_ids(self) -> list[int]:

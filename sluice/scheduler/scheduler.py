@@ -26,6 +26,7 @@ from sluice.model.model_runner import ModelRunner
 from sluice.model.sampler import SamplingBatch, sample
 from sluice.scheduler.batch_builder import StepBatch, build_forward_batch
 from sluice.scheduler.kv_manager import KVManager
+from sluice.scheduler.multimodal import expand_image_tokens
 from sluice.scheduler.output import make_output
 from sluice.scheduler.policy import PrefillPlan, decode_reserve, order_waiting
 from sluice.scheduler.req import Req
@@ -54,7 +55,7 @@ class Scheduler:
     def add_request(self, msg: TokenizedGenerateReqInput) -> TokenIDOutput | None:
         """Queue a request; returns an immediate final output if it cannot run."""
         req = Req.from_message(msg)
-        error = self._check_request(req)
+        error = self._check_request(req) or self._expand_images(req)
         if error is not None:
             req.finish_reason = FinishReason(type="abort", message=error, status_code=400)
             return make_output(req)
@@ -70,6 +71,18 @@ class Scheduler:
         if any(not 0 <= t < vocab for t in req.prompt_ids):
             return f"input_ids must be in [0, {vocab})"
         return None
+
+    def _expand_images(self, req: Req) -> str | None:
+        if not req.images:
+            return None
+        vision = self.config.vision
+        if vision is None:
+            return "this model does not accept images"
+        error = expand_image_tokens(req, self.config.image_token_id, self.config.num_image_tokens, self.config.vocab_size)
+        if error is None and len(req.prompt_ids) >= self.max_req_input_len:
+            error = (f"Multimodal prompt is too long after expanding image tokens: "
+                     f"{len(req.prompt_ids)} >= {self.max_req_input_len}")
+        return error
 
     def abort(self, msg: AbortReq) -> list[TokenIDOutput]:
         """Remove a waiting request or free a running one's slots, before the next step."""
@@ -120,7 +133,7 @@ class Scheduler:
         batch = self._schedule()
         if batch is None:
             return []
-        fb = build_forward_batch(batch, self.kv.req_to_token, self.k_buffers, self.v_buffers)
+        fb = build_forward_batch(batch, self.kv.req_to_token, self.k_buffers, self.v_buffers, self.runner)
         logits = self.runner.forward(fb)
         outputs = self._process_results(batch, logits)
         self.last_step_ms = (time.perf_counter() - start) * 1000

@@ -76,7 +76,7 @@ def install_openai_routes(app: FastAPI, state: ServerState) -> None:
         body = decode_request(await request.body(), ChatCompletionRequest)
         body.check()
         tm = checked_tm(body.model)
-        input_ids = chat_prompt_ids(tm, body)
+        input_ids, image_urls = chat_prompt_ids(tm, body, state.model_name)
         max_new_tokens = body.requested_max_tokens
         if max_new_tokens is None:
             max_new_tokens = max(tm.context_len - len(input_ids), 0)
@@ -87,21 +87,26 @@ def install_openai_routes(app: FastAPI, state: ServerState) -> None:
             return_logprob=body.logprobs,
             top_logprobs_num=(body.top_logprobs or 0) if body.logprobs else 0,
             rid=uuid.uuid4().hex,
+            image_data=image_urls or None,
         )
         view = ChatView(state.model_name, obj.rid, token_texts, body)
         return await serve(tm, obj, request, view, "messages")
 
 
-def chat_prompt_ids(tm: TokenizerManager, body: ChatCompletionRequest) -> list[int]:
+def chat_prompt_ids(tm: TokenizerManager, body: ChatCompletionRequest, model_name: str) -> tuple[list[int], list[str]]:
+    """The prompt's token ids (one image token per image) and the image URLs in order."""
     if tm.chat_template is None:
         raise ClientError("this model has no chat template; use /v1/completions", "messages")
-    messages = body.template_messages()
+    image_token = None
+    if tm.mm_processor is not None:
+        image_token = tm.tokenizer.convert_ids_to_tokens(tm.scheduler_info.image_token_id)
+    messages, image_urls = body.template_messages(image_token, model_name)
     try:
         rendered = tm.chat_template.render(messages, add_generation_prompt=True)
     except ValueError as e:
         raise ClientError(str(e), "messages") from None
     # The template already wrote the special tokens (BOS, role markers) it wants.
-    return tm.tokenizer(rendered, add_special_tokens=False).input_ids
+    return tm.tokenizer(rendered, add_special_tokens=False).input_ids, image_urls
 
 
 async def serve(tm: TokenizerManager, obj: GenerateReqInput, request: Request, view: OpenAIView,

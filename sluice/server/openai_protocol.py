@@ -140,9 +140,15 @@ def _is_token_ids(value: Any) -> bool:
     return isinstance(value, list) and all(type(token) is int for token in value)
 
 
+class ImageURL(msgspec.Struct):
+    url: str
+    detail: str | None = None
+
+
 class ContentPart(msgspec.Struct):
     type: str
     text: str | None = None
+    image_url: ImageURL | str | None = None
 
 
 class ChatMessage(msgspec.Struct):
@@ -173,12 +179,17 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
-    def template_messages(self) -> list[dict[str, str]]:
-        """The messages as the chat template takes them: a role and one string of content."""
-        return [_template_message(message, index) for index, message in enumerate(self.messages)]
+    def template_messages(self, image_token: str | None, model_name: str) -> tuple[list[dict[str, str]], list[str]]:
+        """The messages as the chat template takes them (a role and one string of content,
+        each image part replaced by the model's image token), and the image URLs in order."""
+        image_urls: list[str] = []
+        messages = [_template_message(message, index, image_token, model_name, image_urls)
+                    for index, message in enumerate(self.messages)]
+        return messages, image_urls
 
 
-def _template_message(message: ChatMessage, index: int) -> dict[str, str]:
+def _template_message(message: ChatMessage, index: int, image_token: str | None, model_name: str,
+                      image_urls: list[str]) -> dict[str, str]:
     where = f"messages[{index}]"
     role = CHAT_ROLES.get(message.role)
     if role is None:
@@ -189,15 +200,22 @@ def _template_message(message: ChatMessage, index: int) -> dict[str, str]:
             raise ClientError(f"{where}.content is required for role '{message.role}'", f"{where}.content")
         content = ""
     elif isinstance(content, list):
-        content = "".join(_part_text(part, f"{where}.content[{i}]") for i, part in enumerate(content))
+        content = "".join(_part_text(part, f"{where}.content[{i}]", image_token, model_name, image_urls)
+                          for i, part in enumerate(content))
     return {"role": role, "content": content}
 
 
-def _part_text(part: ContentPart, where: str) -> str:
+def _part_text(part: ContentPart, where: str, image_token: str | None, model_name: str, image_urls: list[str]) -> str:
     if part.type == "text":
         if part.text is None:
             raise ClientError(f"{where}.text is required for a text part", f"{where}.text")
         return part.text
-    if part.type in ("image_url", "image", "input_image"):
-        raise ClientError("this model does not accept images", where)
-    raise ClientError(f"{where}.type '{part.type}' is not supported; only 'text' parts are", f"{where}.type")
+    if part.type in ("image_url", "input_image"):
+        if image_token is None:
+            raise ClientError(f"the model {model_name} does not accept images", where)
+        url = part.image_url.url if isinstance(part.image_url, ImageURL) else part.image_url
+        if not url:
+            raise ClientError(f"{where}.image_url.url is required for an image part", f"{where}.image_url")
+        image_urls.append(url)
+        return image_token
+    raise ClientError(f"{where}.type '{part.type}' is not supported; use 'text' or 'image_url'", f"{where}.type")

@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 
 def init_multi_tokenizer():
     """Build this worker's TokenizerWorker from the shared block; returns (tm, args)."""
-    from sluice.launch import load_tokenizer_side
+    from sluice.launch import load_multimodal_processor, load_tokenizer_side
     from sluice.tokenizer.manager import TokenizerManager
 
     server_args, port_args, scheduler_info = read_shared_args(os.getppid())
@@ -37,6 +37,7 @@ def init_multi_tokenizer():
         tm = TokenizerManager(server_args, port_args, tokenizer, chat_template, http_worker_ipc=tokenizer_ipc_name)
         tm.send_to_scheduler.send(RegisterWorker(http_worker_ipc=tokenizer_ipc_name, pid=os.getpid()))
     tm.scheduler_info = scheduler_info
+    tm.mm_processor = load_multimodal_processor(server_args, scheduler_info)
     return tm, server_args
 
 

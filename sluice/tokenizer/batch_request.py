@@ -32,7 +32,8 @@ async def handle_batch_request(tm: TokenizerManager, obj: GenerateReqInput, requ
     """Yields chunks tagged with `index`: all of them when streaming, else each item's last."""
     items = [obj.item(i) for i in range(obj.batch_size)] if not obj.is_single else [obj]
     n = obj.sample_count()
-    tokenized = _tokenize_all(tm, items)
+    images = await asyncio.gather(*(tm._process_images(item) for item in items))
+    tokenized = _tokenize_all(tm, items, images)
     if n == 1:
         path = "batch" if _can_send_as_one_batch(tm, items) else "batch_sequential"
         children = [(i, t) for i, t in enumerate(tokenized)]
@@ -52,9 +53,10 @@ async def handle_batch_request(tm: TokenizerManager, obj: GenerateReqInput, requ
         yield chunk
 
 
-def _tokenize_all(tm: TokenizerManager, items: list[GenerateReqInput]) -> list[TokenizedGenerateReqInput]:
+def _tokenize_all(tm: TokenizerManager, items: list[GenerateReqInput], images: list[list]) -> list[TokenizedGenerateReqInput]:
     """Tokenize and validate every item; the first bad one fails the whole request."""
-    texts = [item.text for item in items if item.input_ids is None]
+    texts = [tm._with_image_placeholders(item, len(imgs)) if imgs else item.text
+             for item, imgs in zip(items, images) if item.input_ids is None]
     # One tokenizer call for all texts: the fast tokenizer encodes a list in parallel Rust.
     encoded = iter(tm.tokenizer(texts).input_ids) if texts else iter(())
     tokenized = []
@@ -65,16 +67,17 @@ def _tokenize_all(tm: TokenizerManager, items: list[GenerateReqInput]) -> list[T
         seen.add(item.rid)
         ids = list(item.input_ids) if item.input_ids is not None else next(encoded)
         try:
-            tokenized.append(tm._tokenize_one_request(item, input_ids=ids))
+            tokenized.append(tm._tokenize_one_request(item, input_ids=ids, images=images[i]))
         except ClientError as e:
             raise ClientError(f"item {i}: {e.message}", e.param) from None
     return tokenized
 
 
 def _can_send_as_one_batch(tm: TokenizerManager, items: list[GenerateReqInput]) -> bool:
-    # Items whose input needs work outside the tokenizer (images) are prepared one by
-    # one; so are those of a slow (Python) tokenizer, where one call saves nothing.
-    return getattr(tm.tokenizer, "is_fast", False)
+    # Items that carry images are sent one by one: each has its own pixel payload and
+    # expansion in the Scheduler, and a mixed batch must not hold text items back behind
+    # image work. A slow (Python) tokenizer gains nothing from one call either.
+    return getattr(tm.tokenizer, "is_fast", False) and not any(item.image_data for item in items)
 
 
 async def _warm_prefixes(tm: TokenizerManager, tokenized: list[TokenizedGenerateReqInput], request) -> None:

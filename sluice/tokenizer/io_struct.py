@@ -18,6 +18,9 @@ class GenerateReqInput(msgspec.Struct, kw_only=True):
     # list[int] for one prompt, list[list[int]] for a batch (msgspec takes one list type).
     input_ids: list[int | list[int]] | None = None
     sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
+    # One image (base64, data URL or local path) or a list per prompt; for a batch, one
+    # entry per prompt.
+    image_data: str | list[str | list[str]] | None = None
     rid: str | list[str] | None = None
     stream: bool = False
     return_logprob: bool = False
@@ -47,11 +50,22 @@ class GenerateReqInput(msgspec.Struct, kw_only=True):
             raise ClientError(f"n must be an integer >= 1, got {n!r}", "n")
         return n
 
+    def image_refs(self) -> list[str]:
+        """The images of a single request, as a list."""
+        if self.image_data is None:
+            return []
+        refs = [self.image_data] if isinstance(self.image_data, str) else self.image_data
+        if not all(isinstance(ref, str) for ref in refs):
+            raise ClientError("'image_data' must be a string or a list of strings for one prompt", "image_data")
+        return refs
+
     def normalize_batch(self, max_items: int) -> None:
         """Check a list request's shape, cheaply, before any per-item work."""
         size = self.batch_size
         if size == 0:
             raise ClientError("the list of prompts is empty", "text")
+        if self.image_data is not None and (not isinstance(self.image_data, list) or len(self.image_data) != size):
+            raise ClientError(f"'image_data' must have one entry per prompt ({size})", "image_data")
         if size > max_items:
             raise ClientError(f"the request has {size} items, more than max_batch_items={max_items}", "text")
         if isinstance(self.sampling_params, list) and len(self.sampling_params) != size:
@@ -73,6 +87,7 @@ class GenerateReqInput(msgspec.Struct, kw_only=True):
             text=self.text[i] if self.text is not None else None,
             input_ids=self.input_ids[i] if self.input_ids is not None else None,
             sampling_params=params,
+            image_data=self.image_data[i] if isinstance(self.image_data, list) else self.image_data,
             rid=self.rid[i],
             stream=self.stream,
             return_logprob=self.return_logprob,

@@ -28,6 +28,7 @@ from sluice.messages import (
     FlushCacheReq,
     FlushCacheReqOutput,
     GetInternalStateReq,
+    ImageInput,
     InternalState,
     Message,
     ProcessFailed,
@@ -77,6 +78,7 @@ class TokenizerManager:
             self.send_to_scheduler = Sender(self.sync_context, port_args.tokenizer_input)
 
         self.rid_to_state: dict[str, ReqState] = {}
+        self.mm_processor = None  # set for a vision-language model (MultimodalProcessor)
         self.model_update_lock = RWLock()
         self.is_pause = False
         self.is_pause_cond = asyncio.Condition()
@@ -140,7 +142,8 @@ class TokenizerManager:
         await self._wait_while_paused()
         async with self.model_update_lock.reader_lock():
             if obj.is_single and n == 1:
-                tokenized = self._tokenize_one_request(obj)
+                images = await self._process_images(obj)
+                tokenized = self._tokenize_one_request(obj, images=images)
                 state = self._init_req_state(obj, {"path": "single"})
                 self._send_one_request(tokenized)
                 async for response in self._wait_one_response(state, request):
@@ -162,11 +165,34 @@ class TokenizerManager:
                 f"more than max_batch_items={self.server_args.max_batch_items}", "n")
         return n
 
-    def _tokenize_one_request(self, obj: GenerateReqInput, input_ids: list[int] | None = None) -> TokenizedGenerateReqInput:
+    async def _process_images(self, obj: GenerateReqInput) -> list[ImageInput]:
+        """Load and preprocess a request's images off the event loop (before tokenization)."""
+        refs = obj.image_refs()
+        if not refs:
+            return []
+        if self.mm_processor is None:
+            raise ClientError(f"the model {self.server_args.model_name()} does not accept images", "image_data")
+        processed = await self.mm_processor.process(refs)
+        return [ImageInput(pixel_values=p.pixel_values, dtype=p.dtype, shape=list(p.shape), hash=p.hash) for p in processed]
+
+    def _with_image_placeholders(self, obj: GenerateReqInput, num_images: int) -> str:
+        """The prompt text with one image token per image: the client's own, or put first."""
+        token = self.tokenizer.convert_ids_to_tokens(self.scheduler_info.image_token_id)
+        if num_images and token not in obj.text:
+            return f"{token}\n" * num_images + obj.text
+        return obj.text
+
+    def _tokenize_one_request(self, obj: GenerateReqInput, input_ids: list[int] | None = None,
+                              images: list[ImageInput] = ()) -> TokenizedGenerateReqInput:
         if obj.rid in self.rid_to_state:
             raise ClientError(f"a request with rid '{obj.rid}' is already running", "rid")
-        if input_ids is None:
-            input_ids = list(obj.input_ids) if obj.input_ids is not None else self.tokenizer(obj.text).input_ids
+        if input_ids is None and obj.input_ids is not None:
+            input_ids = list(obj.input_ids)
+        elif input_ids is None:
+            text = self._with_image_placeholders(obj, len(images)) if images else obj.text
+            input_ids = self.tokenizer(text).input_ids
+        if images:
+            self._check_image_tokens(input_ids, len(images))
         params = parse_sampling_params(obj.sampling_params)
         self._check_lengths(input_ids, params)
         validate_sampling_params(params, len(self.tokenizer))
@@ -181,7 +207,13 @@ class TokenizerManager:
             top_logprobs_num=obj.top_logprobs_num if obj.return_logprob else 0,
             logprob_start_len=obj.logprob_start_len if obj.return_logprob else -1,
             input_text=obj.text if isinstance(obj.text, str) else "",
+            images=list(images),
         )
+
+    def _check_image_tokens(self, input_ids: list[int], num_images: int) -> None:
+        found = input_ids.count(self.scheduler_info.image_token_id)
+        if found != num_images:
+            raise ClientError(f"the prompt has {found} image tokens for {num_images} images", "image_data")
 
     def _check_lengths(self, input_ids: list[int], params: SamplingParams) -> None:
         num_input = len(input_ids)

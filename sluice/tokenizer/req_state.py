@@ -64,6 +64,7 @@ class ReqState:
             "prompt_tokens": out.prompt_tokens,
             "completion_tokens": len(self.output_ids),
             "cached_tokens": out.cached_tokens,
+            "image_tokens": out.image_tokens,
             "e2e_latency": now - self.created_s,
             **self.extra_meta,
         }

@@ -1,0 +1,156 @@
+"""Images through the real server: a tiny random LLaVA (built in a fixture), and the
+default text-only model for the refusals."""
+
+from __future__ import annotations
+
+import base64
+import io
+import statistics
+import threading
+import time
+
+import httpx
+import numpy as np
+import pytest
+from PIL import Image
+
+from tests.helpers import RunningServer, generate, greedy
+from tests.tiny_vlm import build_tiny_llava
+
+MAX_TOTAL_TOKENS = 400
+
+
+def png_bytes(seed: int, size: int = 48) -> bytes:
+    pixels = np.random.default_rng(seed).integers(0, 256, (size, size, 3), dtype=np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def b64(seed: int, size: int = 48) -> str:
+    return base64.b64encode(png_bytes(seed, size)).decode()
+
+
+@pytest.fixture(scope="module")
+def media_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("media")
+    (folder / "cat.png").write_bytes(png_bytes(7))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def vlm(tmp_path_factory, media_dir):
+    folder = build_tiny_llava(tmp_path_factory.mktemp("tiny-llava"))
+    server = RunningServer("--model-path", str(folder), "--max-total-tokens", str(MAX_TOTAL_TOKENS),
+                           "--allowed-local-media-path", str(media_dir), "--max-images-per-request", "3")
+    yield server
+    server.stop()
+
+
+def test_image_request_reports_image_tokens(vlm):
+    r = generate(vlm.base_url, text="Describe the picture.", image_data=b64(1), sampling_params=greedy(6))
+    assert r.status_code == 200, r.text
+    meta = r.json()["meta_info"]
+    info = httpx.get(vlm.base_url + "/get_model_info").json()
+    assert meta["image_tokens"] > 1
+    assert meta["prompt_tokens"] >= meta["image_tokens"]
+    assert info["max_req_input_len"] == MAX_TOTAL_TOKENS - 1
+
+
+def test_same_image_reuses_the_cache_and_different_images_do_not(vlm):
+    first = generate(vlm.base_url, text="What is this?", image_data=b64(2), sampling_params=greedy(2)).json()
+    again = generate(vlm.base_url, text="What is this?", image_data=b64(2), sampling_params=greedy(2)).json()
+    other = generate(vlm.base_url, text="What is this?", image_data=b64(3), sampling_params=greedy(2)).json()
+    image_tokens = first["meta_info"]["image_tokens"]
+    assert again["meta_info"]["cached_tokens"] >= image_tokens
+    assert again["output_ids"] == first["output_ids"]
+    assert other["meta_info"]["cached_tokens"] == 0  # the image comes first: nothing shared
+
+
+def test_data_url_and_local_file(vlm, media_dir):
+    data_url = "data:image/png;base64," + b64(7)
+    by_url = generate(vlm.base_url, text="Hi", image_data=data_url, sampling_params=greedy(3))
+    by_path = generate(vlm.base_url, text="Hi", image_data=str(media_dir / "cat.png"), sampling_params=greedy(3))
+    assert by_url.status_code == 200 and by_path.status_code == 200
+    assert by_url.json()["output_ids"] == by_path.json()["output_ids"]  # same pixels, same answer
+
+
+@pytest.mark.parametrize("image, words", [
+    ("/etc/passwd", "allowed"),
+    ("bm90IGFuIGltYWdl", "decoded"),
+    ("http://127.0.0.1:9/x.png", "remote"),
+])
+def test_bad_images_are_400(vlm, image, words):
+    r = generate(vlm.base_url, text="Hi", image_data=image, sampling_params=greedy(2))
+    assert r.status_code == 400, r.text
+    assert words in r.json()["error"]["message"]
+
+
+def test_too_many_images_is_400(vlm):
+    r = generate(vlm.base_url, text="Hi", image_data=[b64(i) for i in range(4)], sampling_params=greedy(2))
+    assert r.status_code == 400 and "3" in r.json()["error"]["message"]
+
+
+def test_expanded_prompt_too_long_is_aborted_by_the_scheduler(vlm):
+    info = httpx.get(vlm.base_url + "/get_model_info").json()
+    limit = info["max_req_input_len"]
+    # Fits while the image is one token; its expansion pushes it past the limit.
+    r = generate(vlm.base_url, text=" hello" * (limit - 8), image_data=b64(4), sampling_params=greedy(2))
+    assert r.status_code == 400, r.text
+    message = r.json()["error"]["message"]
+    assert message.startswith("Multimodal prompt is too long after expanding image tokens:")
+    assert f">= {limit}" in message
+
+
+def test_openai_chat_with_image_parts(vlm):
+    body = {"model": "", "max_tokens": 4, "temperature": 0, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "What is in the image?"},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64," + b64(5)}}]}]}
+    r = httpx.post(vlm.base_url + "/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 4
+
+
+def test_batch_mixing_text_and_images_takes_the_sequential_path(vlm):
+    r = generate(vlm.base_url, text=["Just text.", "With a picture."], image_data=[[], [b64(6)]],
+                 sampling_params=greedy(3))
+    assert r.status_code == 200, r.text
+    results = r.json()
+    assert [res["meta_info"]["path"] for res in results] == ["batch_sequential"] * 2
+    assert results[0]["meta_info"]["image_tokens"] == 0 and results[1]["meta_info"]["image_tokens"] > 0
+
+
+def test_parallel_sampling_with_an_image_reuses_the_image_prefix(vlm):
+    r = generate(vlm.base_url, text="Tell me about it.", image_data=b64(8),
+                 sampling_params={"n": 3, "max_new_tokens": 3, "temperature": 1.0})
+    assert r.status_code == 200, r.text
+    for res in r.json():
+        assert res["meta_info"]["cached_tokens"] >= res["meta_info"]["prompt_tokens"] - 1
+
+
+def test_health_stays_fast_while_images_are_preprocessed(vlm):
+    big = b64(9, size=768)
+    done = []
+
+    def send():
+        done.append(generate(vlm.base_url, text="Hi", image_data=big, sampling_params=greedy(1)).status_code)
+
+    threads = [threading.Thread(target=send) for _ in range(64)]
+    for t in threads:
+        t.start()
+    latencies = []
+    for _ in range(10):
+        start = time.perf_counter()
+        assert httpx.get(vlm.base_url + "/health", timeout=10).status_code == 200
+        latencies.append(time.perf_counter() - start)
+        time.sleep(0.05)
+    for t in threads:
+        t.join()
+    assert done.count(200) == 64
+    assert statistics.median(latencies) < 0.1
+
+
+def test_text_only_model_refuses_images_naming_it(base_url):
+    r = generate(base_url, text="Hi", image_data=b64(1), sampling_params=greedy(2))
+    assert r.status_code == 400
+    assert "does not accept images" in r.json()["error"]["message"] and "SmolLM2" in r.json()["error"]["message"]
