@@ -111,6 +111,9 @@ async def run(args) -> dict:
     ttft = percentiles([r.ttft_s for r in ok])
     itl = percentiles([x for r in ok for x in r.itls_s])
     output_tokens = sum(r.output_tokens for r in ok)
+    # Decode speed as one client sees it: tokens after the first over the time they took.
+    decode_rates = [(r.output_tokens - 1) / (r.latency_s - r.ttft_s) for r in ok
+                    if r.latency_s > r.ttft_s and r.output_tokens > 1]
     summary = {
         "requests_ok": len(ok),
         "requests_failed": len(results) - len(ok),
@@ -120,10 +123,7 @@ async def run(args) -> dict:
         "output_tokens_per_s": output_tokens / duration_s,
         "ttft_mean_ms": ttft[0] * 1000, "ttft_p50_ms": ttft[1] * 1000, "ttft_p99_ms": ttft[2] * 1000,
         "itl_mean_ms": itl[0] * 1000, "itl_p50_ms": itl[1] * 1000, "itl_p99_ms": itl[2] * 1000,
-        # Decode speed as one client sees it: tokens after the first over the time they took.
-        "decode_tokens_per_s_per_stream": statistics.fmean(
-            [(r.output_tokens - 1) / (r.latency_s - r.ttft_s) for r in ok if r.latency_s > r.ttft_s and r.output_tokens > 1]
-        ) if ok else 0.0,
+        "decode_tokens_per_s_per_stream": statistics.fmean(decode_rates) if decode_rates else 0.0,
     }
     errors = [r.error for r in results if not r.ok]
     if errors:
