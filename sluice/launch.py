@@ -66,12 +66,13 @@ def load_tokenizer_side(server_args: ServerArgs):
     return tokenizer, ChatTemplate.from_model(model_path, tokenizer)
 
 
-def load_multimodal_processor(server_args: ServerArgs, scheduler_info):
+def load_multimodal_processor(server_args: ServerArgs, scheduler_info, tokenizer):
     """The image pipeline of a vision-language model; None for a text-only model."""
     if scheduler_info.image_token_id is None:
         return None
     from sluice.tokenizer.multimodal.media import MediaLimits
     from sluice.tokenizer.multimodal.processor import ImageProcessor, MultimodalProcessor
+    from sluice.tokenizer.multimodal.request_images import RequestImages
 
     image_processor = ImageProcessor.from_model(server_args.resolved_model_path())
     if image_processor is None:
@@ -83,7 +84,7 @@ def load_multimodal_processor(server_args: ServerArgs, scheduler_info):
         allowed_local_media_path=server_args.allowed_local_media_path,
         allow_remote_media=server_args.allow_remote_media,
     )
-    return MultimodalProcessor(image_processor, limits)
+    return RequestImages(MultimodalProcessor(image_processor, limits), tokenizer, scheduler_info.image_token_id)
 
 
 async def start_tokenizer_manager(server_args: ServerArgs, backend: Backend):
@@ -93,7 +94,7 @@ async def start_tokenizer_manager(server_args: ServerArgs, backend: Backend):
     tokenizer, chat_template = await asyncio.to_thread(load_tokenizer_side, server_args)
     tm = TokenizerManager(server_args, backend.port_args, tokenizer, chat_template)
     await tm.wait_for_backend()
-    tm.mm_processor = await asyncio.to_thread(load_multimodal_processor, server_args, tm.scheduler_info)
+    tm.mm_processor = await asyncio.to_thread(load_multimodal_processor, server_args, tm.scheduler_info, tokenizer)
     tm.start_handle_loop()
     asyncio.get_running_loop().create_task(_watch_backend(tm, backend))
     if not server_args.skip_warmup:

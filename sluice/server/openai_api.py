@@ -97,9 +97,7 @@ def chat_prompt_ids(tm: TokenizerManager, body: ChatCompletionRequest, model_nam
     """The prompt's token ids (one image token per image) and the image URLs in order."""
     if tm.chat_template is None:
         raise ClientError("this model has no chat template; use /v1/completions", "messages")
-    image_token = None
-    if tm.mm_processor is not None:
-        image_token = tm.tokenizer.convert_ids_to_tokens(tm.scheduler_info.image_token_id)
+    image_token = tm.mm_processor.image_token if tm.mm_processor is not None else None
     messages, image_urls = body.template_messages(image_token, model_name)
     try:
         rendered = tm.chat_template.render(messages, add_generation_prompt=True)

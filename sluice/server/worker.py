@@ -37,7 +37,7 @@ def init_multi_tokenizer():
         tm = TokenizerManager(server_args, port_args, tokenizer, chat_template, http_worker_ipc=tokenizer_ipc_name)
         tm.send_to_scheduler.send(RegisterWorker(http_worker_ipc=tokenizer_ipc_name, pid=os.getpid()))
     tm.scheduler_info = scheduler_info
-    tm.mm_processor = load_multimodal_processor(server_args, scheduler_info)
+    tm.mm_processor = load_multimodal_processor(server_args, scheduler_info, tokenizer)
     return tm, server_args
 
 

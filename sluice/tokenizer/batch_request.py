@@ -55,7 +55,7 @@ async def handle_batch_request(tm: TokenizerManager, obj: GenerateReqInput, requ
 
 def _tokenize_all(tm: TokenizerManager, items: list[GenerateReqInput], images: list[list]) -> list[TokenizedGenerateReqInput]:
     """Tokenize and validate every item; the first bad one fails the whole request."""
-    texts = [tm._with_image_placeholders(item, len(imgs)) if imgs else item.text
+    texts = [tm.mm_processor.prompt_with_placeholders(item.text, len(imgs)) if imgs else item.text
              for item, imgs in zip(items, images) if item.input_ids is None]
     # One tokenizer call for all texts: the fast tokenizer encodes a list in parallel Rust.
     encoded = iter(tm.tokenizer(texts).input_ids) if texts else iter(())

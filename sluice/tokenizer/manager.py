@@ -78,7 +78,7 @@ class TokenizerManager:
             self.send_to_scheduler = Sender(self.sync_context, port_args.tokenizer_input)
 
         self.rid_to_state: dict[str, ReqState] = {}
-        self.mm_processor = None  # set for a vision-language model (MultimodalProcessor)
+        self.mm_processor = None  # a vision-language model's RequestImages
         self.model_update_lock = RWLock()
         self.is_pause = False
         self.is_pause_cond = asyncio.Condition()
@@ -172,15 +172,7 @@ class TokenizerManager:
             return []
         if self.mm_processor is None:
             raise ClientError(f"the model {self.server_args.model_name()} does not accept images", "image_data")
-        processed = await self.mm_processor.process(refs)
-        return [ImageInput(pixel_values=p.pixel_values, dtype=p.dtype, shape=list(p.shape), hash=p.hash) for p in processed]
-
-    def _with_image_placeholders(self, obj: GenerateReqInput, num_images: int) -> str:
-        """The prompt text with one image token per image: the client's own, or put first."""
-        token = self.tokenizer.convert_ids_to_tokens(self.scheduler_info.image_token_id)
-        if num_images and token not in obj.text:
-            return f"{token}\n" * num_images + obj.text
-        return obj.text
+        return await self.mm_processor.process(refs)
 
     def _tokenize_one_request(self, obj: GenerateReqInput, input_ids: list[int] | None = None,
                               images: list[ImageInput] = ()) -> TokenizedGenerateReqInput:
@@ -189,10 +181,10 @@ class TokenizerManager:
         if input_ids is None and obj.input_ids is not None:
             input_ids = list(obj.input_ids)
         elif input_ids is None:
-            text = self._with_image_placeholders(obj, len(images)) if images else obj.text
+            text = self.mm_processor.prompt_with_placeholders(obj.text, len(images)) if images else obj.text
             input_ids = self.tokenizer(text).input_ids
         if images:
-            self._check_image_tokens(input_ids, len(images))
+            self.mm_processor.check_tokens(input_ids, len(images))
         params = parse_sampling_params(obj.sampling_params)
         self._check_lengths(input_ids, params)
         validate_sampling_params(params, len(self.tokenizer))
@@ -209,11 +201,6 @@ class TokenizerManager:
             input_text=obj.text if isinstance(obj.text, str) else "",
             images=list(images),
         )
-
-    def _check_image_tokens(self, input_ids: list[int], num_images: int) -> None:
-        found = input_ids.count(self.scheduler_info.image_token_id)
-        if found != num_images:
-            raise ClientError(f"the prompt has {found} image tokens for {num_images} images", "image_data")
 
     def _check_lengths(self, input_ids: list[int], params: SamplingParams) -> None:
         num_input = len(input_ids)

@@ -1,0 +1,31 @@
+"""The image side of a request to a vision-language model, before tokenization: the
+TokenizerManager's `mm_processor`."""
+
+from __future__ import annotations
+
+from sluice.messages import ImageInput
+from sluice.sampling import ClientError
+from sluice.tokenizer.multimodal.processor import MultimodalProcessor
+
+
+class RequestImages:
+    def __init__(self, processor: MultimodalProcessor, tokenizer, image_token_id: int):
+        self.processor = processor
+        self.image_token_id = image_token_id
+        self.image_token = tokenizer.convert_ids_to_tokens(image_token_id)
+
+    async def process(self, refs: list[str]) -> list[ImageInput]:
+        """Load and preprocess images off the event loop; pixels travel as raw bytes."""
+        processed = await self.processor.process(refs)
+        return [ImageInput(pixel_values=p.pixel_values, dtype=p.dtype, shape=list(p.shape), hash=p.hash) for p in processed]
+
+    def prompt_with_placeholders(self, text: str, num_images: int) -> str:
+        """The prompt with one image token per image: the client's own, or put first."""
+        if num_images and self.image_token not in text:
+            return f"{self.image_token}\n" * num_images + text
+        return text
+
+    def check_tokens(self, input_ids: list[int], num_images: int) -> None:
+        found = input_ids.count(self.image_token_id)
+        if found != num_images:
+            raise ClientError(f"the prompt has {found} image tokens for {num_images} images", "image_data")
