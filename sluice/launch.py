@@ -29,6 +29,7 @@ class Backend:
         self.server_args = server_args
         self.port_args = port_args
         self.processes: list = []
+        self.stopping = False
         self.start(run_scheduler_process, "sluice-scheduler")
         self.start(run_detokenizer_process, "sluice-detokenizer")
 
@@ -46,6 +47,7 @@ class Backend:
         return None
 
     def shutdown(self) -> None:
+        self.stopping = True
         for process in self.processes:
             if process.is_alive():
                 process.terminate()
@@ -175,12 +177,34 @@ def _launch_worker_processes_server(server_args: ServerArgs) -> None:
             # The router takes over the tokenizer inbox the back end reported to.
             backend.start(run_router_process, "sluice-router")
         write_shared_args(server_args, port_args, scheduler_info)
+        threading.Thread(target=_report_dead_backend, args=(backend,), name="backend-watch", daemon=True).start()
         logger.info("back end ready in %.1f s; starting %d HTTP workers", time.perf_counter() - started,
                     server_args.tokenizer_worker_num)
         serve_http(server_args, "sluice.server.worker:create_worker_app", workers=server_args.tokenizer_worker_num)
     finally:
         backend.shutdown()
         remove_shared_args(os.getpid())
+
+
+def _report_dead_backend(backend: Backend) -> None:
+    """With HTTP in worker processes, the main process watches the back end: a child that
+    dies is reported to the tokenizer inbox (the router passes it to every worker), which
+    fails in-flight requests and turns /health to 503."""
+    import zmq
+
+    from sluice.ipc import Sender
+    from sluice.messages import ProcessFailed
+
+    while (name := backend.dead_process()) is None:
+        time.sleep(1.0)
+    if backend.stopping:
+        return
+    logger.error("%s died", name)
+    sender = Sender(zmq.Context(1), backend.port_args.tokenizer_input)
+    sender.send(ProcessFailed(process=name, error=f"{name} died"))
+    # The socket does not linger: keep it open until the message is surely delivered.
+    while not backend.stopping:
+        time.sleep(1.0)
 
 
 async def _wait_for_backend_ready(server_args: ServerArgs, port_args: PortArgs):

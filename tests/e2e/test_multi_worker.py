@@ -126,3 +126,19 @@ def test_granian_serves_the_same_app(workers):
         assert httpx.post(server.base_url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}).status_code == 200
     finally:
         server.stop()
+
+
+def test_dead_scheduler_with_two_workers_fails_requests_and_health():
+    server = RunningServer("--max-total-tokens", "4000", "--tokenizer-worker-num", "2")
+    try:
+        children = psutil.Process(server.process.pid).children()
+        scheduler = next(c for c in children if c.name().startswith("sluice-schedul"))
+        scheduler.kill()
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and httpx.get(server.base_url + "/health").status_code != 503:
+            time.sleep(0.5)
+        for _ in range(4):  # every worker knows
+            assert httpx.get(server.base_url + "/health").status_code == 503
+            assert generate(server.base_url, text="Hi", sampling_params=greedy(2)).status_code == 503
+    finally:
+        server.stop()
