@@ -47,8 +47,8 @@ def random_prompts(count: int, length: int, vocab: int, seed: int) -> list[list[
     return [[rng.randrange(100, vocab) for _ in range(length)] for _ in range(count)]
 
 
-def sluice_run(runner: ModelRunner, prompts: list[list[int]], new_tokens: int) -> tuple[float, float]:
-    """Returns (prefill tokens/s, decode tokens/s) for one batch."""
+def sluice_run(runner: ModelRunner, prompts: list[list[int]], new_tokens: int) -> tuple[float, float, float]:
+    """Returns (prefill tokens/s, decode tokens/s, end-to-end generated tokens/s) for one batch."""
     args = ServerArgs(max_running_requests=max(len(prompts), 1), chunked_prefill_size=8192, max_prefill_tokens=1 << 20)
     scheduler = Scheduler(args, runner, max_total_tokens=len(prompts) * (len(prompts[0]) + new_tokens) + 64)
     params = SamplingParams(max_new_tokens=new_tokens, temperature=0, ignore_eos=True)
@@ -65,7 +65,9 @@ def sluice_run(runner: ModelRunner, prompts: list[list[int]], new_tokens: int) -
     decode_s = time.perf_counter() - start
     prefill_tps = sum(len(p) for p in prompts) / prefill_s
     decode_tps = steps * len(prompts) / decode_s if steps else 0.0
-    return prefill_tps, decode_tps
+    # Like transformers' figure below: every generated token over the whole time, prefill included.
+    e2e_tps = len(prompts) * new_tokens / (prefill_s + decode_s)
+    return prefill_tps, decode_tps, e2e_tps
 
 
 def transformers_run(model_path: str, dtype: torch.dtype, prompts: list[list[int]], new_tokens: int) -> float:
@@ -112,16 +114,18 @@ def main() -> None:
     model_path = ServerArgs(model_path=args.model_path).resolved_model_path()
     limits = raw_limits(args.threads)
     print("raw limits: " + ", ".join(f"{k} {v:.1f}" for k, v in limits.items()))
-    print(f"{'dtype':9s} {'batch':>5s} {'prefill tok/s':>14s} {'decode tok/s':>13s} {'transformers tok/s':>19s} {'ratio':>6s}")
+    print(f"{'dtype':9s} {'batch':>5s} {'prefill tok/s':>14s} {'decode tok/s':>13s} {'end-to-end tok/s':>17s} "
+          f"{'transformers e2e tok/s':>23s} {'ratio':>6s}")
     for dtype_name in args.dtypes:
         torch.set_num_threads(args.threads)
         runner = ModelRunner(model_path, DTYPES[dtype_name])
         for batch in args.batch_sizes:
             prompts = random_prompts(batch, args.prompt_len, runner.config.vocab_size, seed=batch)
-            prefill_tps, decode_tps = sluice_run(runner, prompts, args.new_tokens)
+            prefill_tps, decode_tps, e2e_tps = sluice_run(runner, prompts, args.new_tokens)
             hf_tps = float("nan") if args.skip_transformers else transformers_run(model_path, DTYPES[dtype_name], prompts, args.new_tokens)
-            ratio = decode_tps / hf_tps if hf_tps == hf_tps else float("nan")
-            print(f"{dtype_name:9s} {batch:5d} {prefill_tps:14.1f} {decode_tps:13.1f} {hf_tps:19.1f} {ratio:6.2f}", flush=True)
+            ratio = e2e_tps / hf_tps if hf_tps == hf_tps else float("nan")
+            print(f"{dtype_name:9s} {batch:5d} {prefill_tps:14.1f} {decode_tps:13.1f} {e2e_tps:17.1f} {hf_tps:23.1f} {ratio:6.2f}",
+                  flush=True)
         del runner
 
 
