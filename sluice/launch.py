@@ -266,7 +266,12 @@ class Engine:
 
     def shutdown(self) -> None:
         self.backend.shutdown()
+        tm = getattr(self, "tokenizer_manager", None)
+        if tm is not None:
+            # Open ZMQ sockets would keep the interpreter from exiting.
+            self._loop.call_soon_threadsafe(tm.close)
         self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)
 
     def __enter__(self) -> "Engine":
         return self

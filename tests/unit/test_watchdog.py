@@ -50,6 +50,13 @@ async def test_tokenizer_manager_reports_a_stalled_detokenizer(caplog):
     clock = FakeClock()
     args = ServerArgs(soft_watchdog_timeout=2.0)
     tm = TokenizerManager(args, PortArgs.create(), tokenizer=None)
+    try:
+        _check_stall_is_reported(tm, clock, caplog)
+    finally:
+        tm.close()  # open ZMQ sockets would keep the interpreter from exiting
+
+
+def _check_stall_is_reported(tm, clock, caplog) -> None:
     tm.soft_watchdog.clock = clock
     tm.soft_watchdog.feed()
     clock.now += 100
