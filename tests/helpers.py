@@ -87,6 +87,14 @@ def internal_states(base_url: str) -> dict:
     return httpx.get(base_url + "/get_server_info", timeout=30).json()["internal_states"][0]
 
 
+def wait_until_running(base_url: str, timeout_s: float = 60) -> None:
+    """Until the scheduler reports a running request (one launched from another thread)."""
+    deadline = time.monotonic() + timeout_s
+    while internal_states(base_url)["num_running_reqs"] == 0:
+        assert time.monotonic() < deadline, "the request never started running"
+        time.sleep(0.05)
+
+
 def wait_until_drained(base_url: str, timeout_s: float = 30) -> dict:
     deadline = time.monotonic() + timeout_s
     while True:

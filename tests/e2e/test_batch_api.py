@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 
 import httpx
 
-from tests.helpers import generate, greedy, internal_states, sse_events, wait_until_drained
+from tests.helpers import generate, greedy, internal_states, sse_events, wait_until_drained, wait_until_running
 
 def requests_received(base_url: str) -> dict[str, int]:
     counts = internal_states(base_url)["messages_received"]
@@ -112,11 +111,11 @@ def test_size_limits_are_checked_first(base_url):
 
 def test_aborting_the_parent_rid_aborts_every_child(base_url):
     body = {"text": "Tell me a long story.", "rid": "parent-1",
-            "sampling_params": {"n": 3, "max_new_tokens": 300, "ignore_eos": True}}
+            "sampling_params": {"n": 3, "max_new_tokens": 4000, "ignore_eos": True}}
     result = {}
     thread = threading.Thread(target=lambda: result.update(r=generate(base_url, **body)))
     thread.start()
-    time.sleep(3)
+    wait_until_running(base_url)
     httpx.post(base_url + "/abort_request", json={"rid": "parent-1"})
     thread.join(60)
     results = result["r"].json()

@@ -11,7 +11,7 @@ import time
 import httpx
 import psutil
 
-from tests.helpers import RunningServer
+from tests.helpers import RunningServer, wait_until_running
 
 
 def test_dead_scheduler_fails_requests_then_sigterm_stops_everything():
@@ -23,10 +23,10 @@ def test_dead_scheduler_fails_requests_then_sigterm_stops_everything():
         assert len(children) >= 2, names
 
         result = {}
-        body = {"text": "Tell me a story.", "sampling_params": {"max_new_tokens": 500, "ignore_eos": True}}
+        body = {"text": "Tell me a story.", "sampling_params": {"max_new_tokens": 4000, "ignore_eos": True}}
         thread = threading.Thread(target=lambda: result.update(r=httpx.post(server.base_url + "/generate", json=body, timeout=60)))
         thread.start()
-        time.sleep(2)
+        wait_until_running(server.base_url)
         scheduler = next(c for c in children if c.name().startswith("sluice-schedul"))
         scheduler.kill()
         thread.join(60)

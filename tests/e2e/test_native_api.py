@@ -8,7 +8,7 @@ import time
 import httpx
 import pytest
 
-from tests.helpers import generate, greedy, internal_states, sse_events, wait_until_drained
+from tests.helpers import generate, greedy, internal_states, sse_events, wait_until_drained, wait_until_running
 
 CHAT_PROMPT = ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
                "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n")
@@ -120,13 +120,14 @@ def test_malformed_bodies(base_url):
 
 
 def test_duplicate_live_rid_is_400(base_url):
-    body = {"text": "Tell me a long story.", "rid": "dup-rid", "sampling_params": greedy(60, ignore_eos=True)}
+    body = {"text": "Tell me a long story.", "rid": "dup-rid", "sampling_params": greedy(4000, ignore_eos=True)}
     first = {}
     thread = threading.Thread(target=lambda: first.update(r=generate(base_url, **body)))
     thread.start()
-    time.sleep(1.5)
+    wait_until_running(base_url)
     second = generate(base_url, **body)
-    thread.join()
+    httpx.post(base_url + "/abort_request", json={"rid": "dup-rid"})
+    thread.join(60)
     assert first["r"].status_code == 200
     assert second.status_code == 400 and "dup-rid" in second.json()["error"]["message"]
 
@@ -152,15 +153,15 @@ def test_flush_cache(base_url):
 
 
 def test_abort_request_by_rid(base_url):
-    body = {"text": "Write a very long essay.", "rid": "to-abort", "sampling_params": greedy(300, ignore_eos=True)}
+    body = {"text": "Write a very long essay.", "rid": "to-abort", "sampling_params": greedy(4000, ignore_eos=True)}
     result = {}
     thread = threading.Thread(target=lambda: result.update(r=generate(base_url, **body)))
     thread.start()
-    time.sleep(2)
+    wait_until_running(base_url)
     assert httpx.post(base_url + "/abort_request", json={"rid": "to-abort"}).status_code == 200
     thread.join(60)
     meta = result["r"].json()["meta_info"]
-    assert meta["finish_reason"]["type"] == "abort" and meta["completion_tokens"] < 300
+    assert meta["finish_reason"]["type"] == "abort" and meta["completion_tokens"] < 4000
     assert httpx.post(base_url + "/abort_request", json={}).status_code == 400
 
 
