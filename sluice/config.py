@@ -22,6 +22,7 @@ class ServerArgs:
     host: str = field(default="127.0.0.1", metadata={"help": "HTTP bind address."})
     port: int = field(default=30000, metadata={"help": "HTTP port."})
     dtype: str = field(default="auto", metadata={"help": "float32 | bfloat16 | auto (bfloat16 where the CPU supports it)."})
+    quantization: str = field(default="auto", metadata={"help": "auto | none | q8_0. Weights small decode batches read through the block-quantized C kernel: auto keeps a GGUF file's own Q4/Q8 blocks (HF folders stay dense); q8_0 quantizes every linear weight; none is the dense reference path."})
     num_threads: int = field(default=0, metadata={"help": "Threads for the forward pass in the scheduler process (0: all cores)."})
     max_total_tokens: int = field(default=0, metadata={"help": "KV cache size in tokens (0: from --kv-cache-memory-gb)."})
     kv_cache_memory_gb: float = field(default=2.0, metadata={"help": "Memory budget for the KV cache when --max-total-tokens is 0."})
@@ -54,6 +55,7 @@ class ServerArgs:
     def validate(self) -> None:
         checks = [
             (self.dtype in ("auto", "float32", "bfloat16"), "dtype must be float32, bfloat16 or auto"),
+            (self.quantization in ("auto", "none", "q8_0"), "quantization must be auto, none or q8_0"),
             (0 < self.port < 65536, "port must be in 1..65535"),
             (self.num_threads >= 0, "num_threads must be >= 0"),
             (self.max_total_tokens >= 0, "max_total_tokens must be >= 0"),

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.utils.rnn import pad_sequence
 
+from sluice.kernels import ops
 from sluice.model.forward_batch import ForwardBatch
 
 PADDING_SLOT = 0  # reserved by the KV pool, never holds a real token
@@ -34,6 +35,7 @@ class AttentionMetadata:
     decode_rows: torch.Tensor | None  # batch rows of the decoding tokens; None when there are none
     decode_kv_slots: torch.Tensor | None  # int64 [num_decode * max_seq_len], padded with PADDING_SLOT
     decode_max_seq_len: int
+    decode_seq_lens: torch.Tensor | None  # int64 [num_decode]
     decode_mask: torch.Tensor | None  # bool [num_decode, 1, 1, max_seq_len]; None when no padding
     prefills: list[PrefillSegment]
 
@@ -58,6 +60,7 @@ class AttentionMetadata:
             decode_rows=None,
             decode_kv_slots=None,
             decode_max_seq_len=0,
+            decode_seq_lens=None,
             decode_mask=None,
             prefills=prefills,
         )
@@ -68,6 +71,7 @@ class AttentionMetadata:
                 decode_kv_indices, batch_first=True, padding_value=PADDING_SLOT
             ).view(-1)
             metadata.decode_max_seq_len = max_seq_len
+            metadata.decode_seq_lens = torch.tensor(decode_seq_lens, dtype=torch.int64)
             if min(decode_seq_lens) != max_seq_len:
                 lengths = torch.tensor(decode_seq_lens, dtype=torch.int64)
                 mask = torch.arange(max_seq_len).unsqueeze(0) < lengths.unsqueeze(1)
@@ -124,6 +128,9 @@ def attention(
 def _decode_attention(
     q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, metadata: AttentionMetadata
 ) -> torch.Tensor:
+    if q.dtype == torch.float32 and ops.kernels_available():
+        return ops.decode_attention(q, k_buffer, v_buffer, metadata.decode_kv_slots, metadata.decode_seq_lens,
+                                    metadata.decode_max_seq_len)
     num_requests, num_heads, head_dim = q.shape
     num_kv_heads = k_buffer.shape[1]
     gathered_shape = (num_requests, metadata.decode_max_seq_len, num_kv_heads, head_dim)

@@ -13,10 +13,29 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sluice.kernels import ops
+from sluice.model.quantized_linear import DENSE_ROUTE, QuantizedLinearWeight, RowRoute
+
 
 def _frozen(*shape: int, dtype: torch.dtype) -> nn.Parameter:
     # Filled by LlamaForCausalLM.load_weights; `empty` avoids a useless random init.
     return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, quantized: QuantizedLinearWeight | None,
+           route: RowRoute = DENSE_ROUTE, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T (+ bias): the rows `route` names go through the block-quantized copy
+    (when the weight has one), the rest through the dense weight."""
+    if quantized is None or not (route.all_quantized or route.split):
+        return F.linear(x, weight, bias)
+    if route.all_quantized:
+        out = quantized.matmul(x).to(x.dtype)
+        return out if bias is None else out.add_(bias)
+    out = x.new_empty(x.shape[0], weight.shape[0])
+    out[route.dense_rows] = F.linear(x[route.dense_rows], weight, bias)
+    quantized_part = quantized.matmul(x[route.quantized_rows]).to(x.dtype)
+    out[route.quantized_rows] = quantized_part if bias is None else quantized_part.add_(bias)
+    return out
 
 
 class RMSNorm(nn.Module):
@@ -27,7 +46,16 @@ class RMSNorm(nn.Module):
         self.normalized_shape = (hidden_size,)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and x.dim() == 2 and ops.kernels_available():
+            return ops.rms_norm(x, self.weight, self.eps)
         return F.rms_norm(x, self.normalized_shape, self.weight, self.eps)
+
+    def add_and_norm(self, hidden: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden + delta, norm(hidden + delta)); the sum may be written into `hidden`."""
+        if hidden.dtype == torch.float32 and hidden.dim() == 2 and hidden.is_contiguous() and ops.kernels_available():
+            return hidden, ops.add_rms_norm(hidden, delta, self.weight, self.eps)
+        hidden = hidden + delta
+        return hidden, self.forward(hidden)
 
 
 class QKVProjection(nn.Module):
@@ -39,18 +67,20 @@ class QKVProjection(nn.Module):
         out_features = (num_heads + 2 * num_kv_heads) * head_dim
         self.weight = _frozen(out_features, hidden_size, dtype=dtype)
         self.bias = _frozen(out_features, dtype=dtype) if bias else None
+        self.quantized: QuantizedLinearWeight | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+    def forward(self, x: torch.Tensor, route: RowRoute = DENSE_ROUTE) -> torch.Tensor:
+        return linear(x, self.weight, self.quantized, route, self.bias)
 
 
 class Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int, dtype: torch.dtype) -> None:
         super().__init__()
         self.weight = _frozen(out_features, in_features, dtype=dtype)
+        self.quantized: QuantizedLinearWeight | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+    def forward(self, x: torch.Tensor, route: RowRoute = DENSE_ROUTE) -> torch.Tensor:
+        return linear(x, self.weight, self.quantized, route)
 
 
 class SwiGLUMLP(nn.Module):
@@ -61,11 +91,13 @@ class SwiGLUMLP(nn.Module):
         self.intermediate_size = intermediate_size
         self.gate_up_weight = _frozen(2 * intermediate_size, hidden_size, dtype=dtype)
         self.down_weight = _frozen(hidden_size, intermediate_size, dtype=dtype)
+        self.gate_up_quantized: QuantizedLinearWeight | None = None
+        self.down_quantized: QuantizedLinearWeight | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = F.linear(x, self.gate_up_weight)
+    def forward(self, x: torch.Tensor, route: RowRoute = DENSE_ROUTE) -> torch.Tensor:
+        gate_up = linear(x, self.gate_up_weight, self.gate_up_quantized, route)
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down_weight)
+        return linear(F.silu(gate) * up, self.down_weight, self.down_quantized, route)
 
 
 class RotaryEmbedding(nn.Module):

@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from sluice.model.attention import AttentionMetadata, attention
 from sluice.model.forward_batch import ForwardBatch
-from sluice.model.layers import Linear, QKVProjection, RMSNorm, RotaryEmbedding, SwiGLUMLP
+from sluice.model.layers import Linear, QKVProjection, RMSNorm, RotaryEmbedding, SwiGLUMLP, linear
 from sluice.model.model_config import ModelConfig
+from sluice.model.quantized_linear import BlockFormat, QuantizedLinearWeight, RowRoute, fused_format
+
+# Source weight names (after "model.layers.{i}.") of each fused projection.
+_QKV_SOURCES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+_GATE_UP_SOURCES = ("mlp.gate_proj", "mlp.up_proj")
 
 
 class DecoderLayer(nn.Module):
@@ -37,17 +44,18 @@ class DecoderLayer(nn.Module):
         v_buffer: torch.Tensor,
         out_cache_loc: torch.Tensor,
         metadata: AttentionMetadata,
+        route: RowRoute,
     ) -> torch.Tensor:
         num_qk_heads = self.num_heads + self.num_kv_heads
-        qkv = self.qkv_proj(self.input_layernorm(hidden)).view(-1, num_qk_heads + self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(self.input_layernorm(hidden), route).view(-1, num_qk_heads + self.num_kv_heads, self.head_dim)
         # q and k are rotated together: one set of ops instead of two.
         qk = rotary.apply(qkv[:, :num_qk_heads], cos, signed_sin)
         attn = attention(
             qk[:, : self.num_heads], qk[:, self.num_heads :], qkv[:, num_qk_heads:],
             k_buffer, v_buffer, out_cache_loc, metadata,
         )
-        hidden = hidden + self.o_proj(attn)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        hidden, normed = self.post_attention_layernorm.add_and_norm(hidden, self.o_proj(attn, route))
+        return hidden + self.mlp(normed, route)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -60,17 +68,20 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, dtype) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.lm_head = self.embed_tokens  # replaced by load_weights when the model is untied
+        self.lm_head_quantized: QuantizedLinearWeight | None = None
 
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         """float32 logits of shape [len(fb.logits_indices), vocab_size]."""
         metadata = AttentionMetadata.build(fb)
         cos, signed_sin = self.rotary.lookup(fb.positions)
         hidden = self._embed(fb)
+        token_route, logits_route = _routes(fb)
         for layer, k_buffer, v_buffer in zip(self.layers, fb.k_buffers, fb.v_buffers):
-            hidden = layer(hidden, self.rotary, cos, signed_sin, k_buffer, v_buffer, fb.out_cache_loc, metadata)
+            hidden = layer(hidden, self.rotary, cos, signed_sin, k_buffer, v_buffer, fb.out_cache_loc, metadata,
+                           token_route)
         # Norm and LM head only for the rows whose logits are wanted: the rest are never read.
         last_hidden = self.norm(hidden[fb.logits_indices])
-        return F.linear(last_hidden, self.lm_head).float()
+        return linear(last_hidden, self.lm_head, self.lm_head_quantized, logits_route).float()
 
     def _embed(self, fb: ForwardBatch) -> torch.Tensor:
         if fb.mm_rows is None:
@@ -92,6 +103,49 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = nn.Parameter(weights["lm_head.weight"].to(self.dtype), requires_grad=False)
         for index, layer in enumerate(self.layers):
             _load_layer(layer, weights, f"model.layers.{index}.")
+
+    @torch.no_grad()
+    def quantize(self, format_of: Callable[[str], BlockFormat | None]) -> None:
+        """Give each projection a block-quantized copy for small batches.
+
+        `format_of` maps a source weight's HF name (as in load_weights) to its block format,
+        or None to keep that weight dense only; a fused projection is quantized only when
+        all its sources are.
+        """
+        def quantized(dense: torch.Tensor, sources: list[str]) -> QuantizedLinearWeight | None:
+            format = fused_format([format_of(name + ".weight") for name in sources])
+            return None if format is None else QuantizedLinearWeight.quantize(dense, format)
+
+        for index, layer in enumerate(self.layers):
+            prefix = f"model.layers.{index}."
+            layer.qkv_proj.quantized = quantized(layer.qkv_proj.weight, [prefix + name for name in _QKV_SOURCES])
+            layer.o_proj.quantized = quantized(layer.o_proj.weight, [prefix + "self_attn.o_proj"])
+            layer.mlp.gate_up_quantized = quantized(layer.mlp.gate_up_weight, [prefix + name for name in _GATE_UP_SOURCES])
+            layer.mlp.down_quantized = quantized(layer.mlp.down_weight, [prefix + "mlp.down_proj"])
+        head_source = "model.embed_tokens" if self.lm_head is self.embed_tokens else "lm_head"
+        self.lm_head_quantized = quantized(self.lm_head, [head_source])
+
+
+def _routes(fb: ForwardBatch) -> tuple[RowRoute, RowRoute]:
+    """Generated tokens take the quantized weights, prompt tokens the dense ones: for the
+    token rows of every layer and for the logits rows. A token's path thus depends only on
+    its own request (not on batching, chunking or prefix caching)."""
+    if fb.prompt_lens is None:
+        generated_counts = [1 if extend_len == 1 else 0 for extend_len in fb.extend_lens]
+    else:
+        generated_counts = [max(0, min(extend_len, seq_len - max(prompt_len, seq_len - extend_len)))
+                            for extend_len, seq_len, prompt_len in zip(fb.extend_lens, fb.seq_lens, fb.prompt_lens)]
+    if generated_counts == fb.extend_lens:
+        route = RowRoute.from_mask([True])
+        return route, route
+    if not any(generated_counts):
+        route = RowRoute.from_mask([False])
+        return route, route
+    is_generated = []
+    for extend_len, generated in zip(fb.extend_lens, generated_counts):
+        is_generated.extend([False] * (extend_len - generated) + [True] * generated)
+    logits_rows = fb.logits_indices.tolist()
+    return RowRoute.from_mask(is_generated), RowRoute.from_mask([is_generated[row] for row in logits_rows])
 
 
 def _load_layer(layer: DecoderLayer, weights: dict[str, torch.Tensor], prefix: str) -> None:

@@ -8,16 +8,21 @@ from sluice.model.forward_batch import ForwardBatch
 from sluice.model.llama import LlamaForCausalLM
 from sluice.model.llava import LlavaForConditionalGeneration
 from sluice.model.model_config import ModelConfig
+from sluice.model.quantization import quantization_plan
 from sluice.model.weights import load_weights
 
 
 class ModelRunner:
-    def __init__(self, model_path: str, dtype: torch.dtype) -> None:
+    def __init__(self, model_path: str, dtype: torch.dtype, quantization: str = "none") -> None:
         self.config = ModelConfig.from_path(model_path)
         self.dtype = dtype
         model_class = LlamaForCausalLM if self.config.vision is None else LlavaForConditionalGeneration
         self.model = model_class(self.config, dtype)
+        plan = quantization_plan(model_path, self.config, quantization)  # before the load drops the GGUF reader
         self.model.load_weights(load_weights(model_path, self.config, dtype))
+        self.quantized = plan is not None
+        if plan is not None:
+            self.model.quantize(plan)
         self.model.eval()
 
     @torch.inference_mode()

@@ -91,6 +91,17 @@ def _load_gguf(path: Path, config: ModelConfig, dtype: torch.dtype) -> dict[str,
     return weights
 
 
+def gguf_tensor_types(path: str | Path) -> dict[str, str]:
+    """HF weight name -> the GGUF storage type of that tensor ("Q4_1", "Q8_0", "F32", ...)."""
+    reader = open_gguf(str(path))
+    types = {}
+    for tensor in reader.tensors:
+        name = _hf_name(tensor.name)
+        if name is not None:
+            types[name] = tensor.tensor_type.name
+    return types
+
+
 def _hf_name(gguf_name: str) -> str | None:
     stem, _, suffix = gguf_name.rpartition(".")  # suffix: "weight" or "bias"
     if stem.startswith("blk."):

@@ -58,7 +58,7 @@ def build_scheduler(args: ServerArgs):
     from sluice.model.model_runner import ModelRunner
     from sluice.scheduler.scheduler import Scheduler
 
-    runner = ModelRunner(args.resolved_model_path(), resolve_dtype(args.dtype))
+    runner = ModelRunner(args.resolved_model_path(), resolve_dtype(args.dtype), args.quantization)
     max_total_tokens = default_max_total_tokens(args, runner.kv_bytes_per_token(), runner.config.context_len)
     return Scheduler(args, runner, max_total_tokens)
 

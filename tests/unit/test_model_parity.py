@@ -165,3 +165,70 @@ def test_mixed_batch_of_decodes_prefill_and_prefix_extend_matches_transformers(r
     assert relative_error(logits[1], code_logits[20]) < 1e-3
     assert relative_error(logits[2], short_logits[-1]) < 1e-3
     assert relative_error(logits[3], chat_logits[-1]) < 1e-3
+
+
+# The quantized path (--quantization auto: the GGUF's own Q4_1/Q8_0 blocks through the C
+# kernel, activations rounded to int8 blocks) against the dense float32 reference.
+CHAT_PROMPTS = [
+    "What is the capital of France?",
+    "Give me three tips for staying healthy.",
+    "Explain what a hash table is in two sentences.",
+    "Write a short poem about autumn leaves.",
+    "How do I reverse a list in Python?",
+]
+QUANTIZED_LOGITS_TOLERANCE = 5e-2  # max |difference| / max |logit|, decode steps
+
+
+@pytest.fixture(scope="module")
+def quantized_runner(model_path: Path) -> ModelRunner:
+    runner = ModelRunner(str(model_path), torch.float32, quantization="auto")
+    if not runner.quantized:
+        pytest.skip("the C kernels are unavailable on this machine")
+    return runner
+
+
+@pytest.fixture(scope="module")
+def chat_prompt_ids(model_path: Path) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path.parent, gguf_file=model_path.name)
+    texts = [tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                           add_generation_prompt=True) for prompt in CHAT_PROMPTS]
+    return [tokenizer(text).input_ids for text in texts]
+
+
+def greedy_choices_along(runner: ModelRunner, prompt_ids: list[int], tokens: list[int]) -> list[int]:
+    """The runner's argmax at each step of decoding `tokens` one by one after the prompt
+    (teacher forcing: every step sees the same prefix, so one near-tie does not derail the rest)."""
+    slots = torch.arange(1, len(prompt_ids) + len(tokens) + 1)
+    kv_buffers = runner.new_kv_buffers(len(slots) + 1)
+    logits = runner.forward(make_batch([(prompt_ids, slots[: len(prompt_ids)])], kv_buffers))
+    choices = [int(logits[-1].argmax())]
+    for index, token in enumerate(tokens[:-1]):
+        seq_len = len(prompt_ids) + index + 1
+        logits = runner.forward(make_batch([([token], slots[:seq_len])], kv_buffers))
+        choices.append(int(logits[-1].argmax()))
+    return choices
+
+
+def test_quantized_greedy_choices_match_the_dense_path_on_90_percent_of_tokens(
+        runner, quantized_runner, chat_prompt_ids):
+    same = total = 0
+    for ids in chat_prompt_ids:
+        dense = sluice_greedy(runner, ids, NUM_GREEDY_TOKENS)
+        quantized = greedy_choices_along(quantized_runner, ids, dense)
+        same += sum(a == b for a, b in zip(dense, quantized))
+        total += len(dense)
+    assert same / total >= 0.9
+
+
+def test_quantized_decode_logits_stay_close_to_the_dense_path(runner, quantized_runner, chat_prompt_ids):
+    for ids in chat_prompt_ids:
+        slots = torch.arange(1, len(ids) + 1)
+        step = [(ids[:-1], slots[:-1])], [(ids[-1:], slots)]
+        logits = []
+        for model in (runner, quantized_runner):
+            kv_buffers = model.new_kv_buffers(len(ids) + 1)
+            model.forward(make_batch(step[0], kv_buffers))  # prefill: dense in both (many rows)
+            logits.append(model.forward(make_batch(step[1], kv_buffers)))  # one row: the kernel
+        assert relative_error(logits[1], logits[0]) < QUANTIZED_LOGITS_TOLERANCE

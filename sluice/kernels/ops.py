@@ -1,0 +1,57 @@
+"""Tensor-level wrappers of the C kernels (float32, contiguous, on the CPU).
+
+Callers check `kernels_available()` and keep a torch path for everything else (bfloat16,
+a CPU without AVX2, no compiler).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+
+from sluice.kernels.loader import KernelUnavailable, load_kernels
+
+logger = logging.getLogger(__name__)
+
+
+@functools.cache
+def kernels_available() -> bool:
+    try:
+        load_kernels()
+    except KernelUnavailable as error:
+        logger.warning("C kernels unavailable, using torch ops instead: %s", error)
+        return False
+    return True
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    load_kernels().sluice_rmsnorm(x.shape[0], x.shape[1], x.data_ptr(), weight.data_ptr(), eps, out.data_ptr())
+    return out
+
+
+def add_rms_norm(hidden: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """hidden += delta in place; returns rms_norm(hidden). hidden must be contiguous."""
+    delta = delta.contiguous()
+    out = torch.empty_like(hidden)
+    load_kernels().sluice_add_rmsnorm(hidden.shape[0], hidden.shape[1], hidden.data_ptr(), delta.data_ptr(),
+                                      weight.data_ptr(), eps, out.data_ptr())
+    return out
+
+
+def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor,
+                     seq_lens: torch.Tensor, max_len: int) -> torch.Tensor:
+    """q [requests, heads, head_dim] over pooled K/V through padded slots [requests * max_len]."""
+    q = q.contiguous()
+    requests, heads, head_dim = q.shape
+    out = torch.empty_like(q)
+    status = load_kernels().sluice_decode_attention(
+        requests, heads, k_pool.shape[1], head_dim, max_len, head_dim ** -0.5, q.data_ptr(), k_pool.data_ptr(),
+        v_pool.data_ptr(), slots.data_ptr(), seq_lens.data_ptr(), out.data_ptr(),
+    )
+    if status != 0:
+        raise MemoryError("decode attention could not allocate its score buffer")
+    return out

@@ -1,0 +1,50 @@
+"""Which weights get a block-quantized copy, from `--quantization` and the model file.
+
+    none  every weight stays dense (the reference path)
+    q8_0  every linear weight gets a q8_0 copy
+    auto  a GGUF file's quantized matrices keep their own precision: Q4_0/Q4_1 as q4_1,
+          other quantized types as q8_0; float tensors and HF folders stay dense
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from sluice.kernels.loader import cpu_supports_kernels
+from sluice.model.model_config import ModelConfig, is_gguf
+from sluice.model.quantized_linear import BlockFormat
+from sluice.model.weights import gguf_tensor_types
+
+QUANTIZATION_MODES = ("auto", "none", "q8_0")
+_FOUR_BIT_GGUF_TYPES = ("Q4_0", "Q4_1")
+_FLOAT_GGUF_TYPES = ("F32", "F16", "BF16", "F64")
+
+FormatPlan = Callable[[str], BlockFormat | None]
+
+
+def quantization_plan(model_path: str | Path, config: ModelConfig, mode: str) -> FormatPlan | None:
+    """Maps a HF weight name to its block format; None when nothing is quantized.
+
+    "auto" quietly stays dense where the kernels cannot run (no AVX2); an explicit mode
+    there is an error, raised when the kernels are first built.
+    """
+    if mode not in QUANTIZATION_MODES:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_MODES)}, not {mode!r}")
+    if mode == "none" or config.vision is not None:
+        return None
+    if mode == "q8_0":
+        return lambda name: BlockFormat.Q8_0
+    if not is_gguf(model_path) or not cpu_supports_kernels():
+        return None
+    types = gguf_tensor_types(model_path)
+    if all(kind in _FLOAT_GGUF_TYPES for kind in types.values()):
+        return None
+
+    def format_of(name: str) -> BlockFormat | None:
+        kind = types.get(name)
+        if kind is None or kind in _FLOAT_GGUF_TYPES:
+            return None
+        return BlockFormat.Q4_1 if kind in _FOUR_BIT_GGUF_TYPES else BlockFormat.Q8_0
+
+    return format_of

@@ -1,0 +1,77 @@
+"""The C kernels against plain torch on random data."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from sluice.kernels import ops
+from sluice.model.quantized_linear import BlockFormat, QuantizedLinearWeight
+
+pytestmark = pytest.mark.skipif(not ops.kernels_available(), reason="C kernels need AVX2 and gcc")
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((actual - expected).abs().max() / expected.abs().max()).item()
+
+
+@pytest.mark.parametrize("format", list(BlockFormat))
+@pytest.mark.parametrize("rows", [1, 3, 4, 7, 8])
+def test_quantized_matmul_matches_dense_matmul_of_the_same_blocks(format, rows):
+    generator = torch.Generator().manual_seed(rows)
+    weight = torch.randn(200, 96, generator=generator) * 0.05
+    x = torch.randn(rows, 96, generator=generator)
+    quantized = QuantizedLinearWeight.quantize(weight, format)
+    # The only error left is x's own rounding to int8 blocks (scale max|x| / 127).
+    assert relative_error(quantized.matmul(x), F.linear(x, quantized.dequantize())) < 1e-2
+
+
+@pytest.mark.parametrize("format", list(BlockFormat))
+def test_quantizing_blocks_is_close_and_idempotent(format):
+    weight = torch.randn(64, 128, generator=torch.Generator().manual_seed(0))
+    once = QuantizedLinearWeight.quantize(weight, format).dequantize()
+    step = 2.0 / 127 if format is BlockFormat.Q8_0 else 1.0 / 15  # half a step of the block's range
+    assert (once - weight).abs().max() <= step * weight.abs().max()
+    # Weights that already are blocks (a dequantized GGUF tensor) come back exactly.
+    twice = QuantizedLinearWeight.quantize(once, format).dequantize()
+    torch.testing.assert_close(twice, once, rtol=0, atol=1e-6)
+
+
+def test_quantize_rejects_a_width_that_is_not_whole_blocks():
+    with pytest.raises(ValueError, match="multiple of 32"):
+        QuantizedLinearWeight.quantize(torch.zeros(4, 40), BlockFormat.Q8_0)
+
+
+def test_rms_norm_and_fused_add_match_torch():
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(5, 576, generator=generator) * 3
+    delta = torch.randn(5, 576, generator=generator)
+    weight = torch.rand(576, generator=generator) + 0.5
+    torch.testing.assert_close(ops.rms_norm(x, weight, 1e-5), F.rms_norm(x, (576,), weight, 1e-5))
+    hidden = x.clone()
+    normed = ops.add_rms_norm(hidden, delta, weight, 1e-5)
+    torch.testing.assert_close(hidden, x + delta)
+    torch.testing.assert_close(normed, F.rms_norm(x + delta, (576,), weight, 1e-5))
+
+
+def test_decode_attention_reads_each_request_slots_in_place():
+    generator = torch.Generator().manual_seed(2)
+    heads, kv_heads, head_dim, num_slots = 6, 2, 64, 100
+    k_pool = torch.randn(num_slots, kv_heads, head_dim, generator=generator)
+    v_pool = torch.randn(num_slots, kv_heads, head_dim, generator=generator)
+    seq_lens = [7, 31, 1]
+    max_len = max(seq_lens)
+    request_slots = [torch.randperm(num_slots - 1, generator=generator)[:n] + 1 for n in seq_lens]
+    padded = torch.zeros(len(seq_lens), max_len, dtype=torch.int64)
+    for row, slots in enumerate(request_slots):
+        padded[row, : len(slots)] = slots
+    q = torch.randn(len(seq_lens), heads, head_dim, generator=generator)
+
+    out = ops.decode_attention(q, k_pool, v_pool, padded.view(-1), torch.tensor(seq_lens), max_len)
+
+    for row, slots in enumerate(request_slots):
+        keys = k_pool[slots].repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)  # [heads, len, dim]
+        values = v_pool[slots].repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)
+        expected = F.scaled_dot_product_attention(q[row].unsqueeze(1), keys, values).squeeze(1)
+        torch.testing.assert_close(out[row], expected, rtol=1e-4, atol=1e-5)
