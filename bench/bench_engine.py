@@ -3,6 +3,11 @@ machine's raw limits, all measured in this one run.
 
     python bench/bench_engine.py                          # full table (takes a while)
     python bench/bench_engine.py --batch-sizes 1 8 --dtypes float32 --new-tokens 32
+    python bench/bench_engine.py --quantization auto none    # sluice's default path and the dense one
+
+`--quantization auto` is the server default: on the default GGUF, decode tokens read the
+file's Q4_1/Q8_0 blocks through the C kernel; transformers runs the dequantized float
+weights (it has no such path), so the `none` rows are the like-for-like comparison.
 """
 
 from __future__ import annotations
@@ -108,25 +113,31 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--quantization", nargs="+", default=["auto", "none"], choices=["auto", "none", "q8_0"])
     parser.add_argument("--skip-transformers", action="store_true")
     args = parser.parse_args()
 
     model_path = ServerArgs(model_path=args.model_path).resolved_model_path()
     limits = raw_limits(args.threads)
     print("raw limits: " + ", ".join(f"{k} {v:.1f}" for k, v in limits.items()))
-    print(f"{'dtype':9s} {'batch':>5s} {'prefill tok/s':>14s} {'decode tok/s':>13s} {'end-to-end tok/s':>17s} "
-          f"{'transformers e2e tok/s':>23s} {'ratio':>6s}")
+    print(f"{'dtype':9s} {'quant':>5s} {'batch':>5s} {'prefill tok/s':>14s} {'decode tok/s':>13s} "
+          f"{'end-to-end tok/s':>17s} {'transformers e2e tok/s':>23s} {'ratio':>6s}")
+    hf_tps: dict[tuple[str, int], float] = {}
     for dtype_name in args.dtypes:
-        torch.set_num_threads(args.threads)
-        runner = ModelRunner(model_path, DTYPES[dtype_name])
-        for batch in args.batch_sizes:
-            prompts = random_prompts(batch, args.prompt_len, runner.config.vocab_size, seed=batch)
-            prefill_tps, decode_tps, e2e_tps = sluice_run(runner, prompts, args.new_tokens)
-            hf_tps = float("nan") if args.skip_transformers else transformers_run(model_path, DTYPES[dtype_name], prompts, args.new_tokens)
-            ratio = e2e_tps / hf_tps if hf_tps == hf_tps else float("nan")
-            print(f"{dtype_name:9s} {batch:5d} {prefill_tps:14.1f} {decode_tps:13.1f} {e2e_tps:17.1f} {hf_tps:23.1f} {ratio:6.2f}",
-                  flush=True)
-        del runner
+        for quantization in args.quantization:
+            torch.set_num_threads(args.threads)
+            runner = ModelRunner(model_path, DTYPES[dtype_name], quantization)
+            for batch in args.batch_sizes:
+                prompts = random_prompts(batch, args.prompt_len, runner.config.vocab_size, seed=batch)
+                prefill_tps, decode_tps, e2e_tps = sluice_run(runner, prompts, args.new_tokens)
+                key = (dtype_name, batch)
+                if key not in hf_tps:
+                    hf_tps[key] = float("nan") if args.skip_transformers else transformers_run(
+                        model_path, DTYPES[dtype_name], prompts, args.new_tokens)
+                ratio = e2e_tps / hf_tps[key] if hf_tps[key] == hf_tps[key] else float("nan")
+                print(f"{dtype_name:9s} {quantization:>5s} {batch:5d} {prefill_tps:14.1f} {decode_tps:13.1f} "
+                      f"{e2e_tps:17.1f} {hf_tps[key]:23.1f} {ratio:6.2f}", flush=True)
+            del runner
 
 
 if __name__ == "__main__":
