@@ -75,16 +75,26 @@ def sluice_run(runner: ModelRunner, prompts: list[list[int]], new_tokens: int) -
     return prefill_tps, decode_tps, e2e_tps
 
 
-def transformers_run(model_path: str, dtype: torch.dtype, prompts: list[list[int]], new_tokens: int) -> float:
-    """transformers' generate on the same prompts: generated tokens / wall time (prefill included)."""
+def transformers_run(model_path: str, dtype: torch.dtype, prompts: list[list[int]], new_tokens: int) -> tuple[float, float, float]:
+    """transformers' generate on the same prompts: (prefill tokens/s, decode tokens/s, end-to-end
+    generated tokens/s). Prefill is timed as a generate of one token; decode is the rest of a
+    full generate, spread over its remaining tokens."""
     model = _load_transformers(model_path, dtype)
     ids = torch.tensor(prompts)
+
+    def generate(count: int) -> float:
+        start = time.perf_counter()
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=count, min_new_tokens=count,
+                       do_sample=False, pad_token_id=0)
+        return time.perf_counter() - start
+
     with torch.inference_mode():
         model.generate(ids[:, :8], max_new_tokens=2, do_sample=False)
-        start = time.perf_counter()
-        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                       do_sample=False, pad_token_id=0)
-    return len(prompts) * new_tokens / (time.perf_counter() - start)
+        prefill_s = generate(1)
+        total_s = generate(new_tokens)
+    batch = len(prompts)
+    decode_s = max(total_s - prefill_s, 1e-9)
+    return batch * len(prompts[0]) / prefill_s, batch * (new_tokens - 1) / decode_s, batch * new_tokens / total_s
 
 
 _hf_cache: dict = {}
@@ -121,8 +131,9 @@ def main() -> None:
     limits = raw_limits(args.threads)
     print("raw limits: " + ", ".join(f"{k} {v:.1f}" for k, v in limits.items()))
     print(f"{'dtype':9s} {'quant':>5s} {'batch':>5s} {'prefill tok/s':>14s} {'decode tok/s':>13s} "
-          f"{'end-to-end tok/s':>17s} {'transformers e2e tok/s':>23s} {'ratio':>6s}")
-    hf_tps: dict[tuple[str, int], float] = {}
+          f"{'end-to-end tok/s':>17s}   transformers prefill / decode / end-to-end   ratios (prefill, decode, e2e)")
+    nan = float("nan")
+    hf_tps: dict[tuple[str, int], tuple[float, float, float]] = {}
     for dtype_name in args.dtypes:
         for quantization in args.quantization:
             torch.set_num_threads(args.threads)
@@ -132,11 +143,13 @@ def main() -> None:
                 prefill_tps, decode_tps, e2e_tps = sluice_run(runner, prompts, args.new_tokens)
                 key = (dtype_name, batch)
                 if key not in hf_tps:
-                    hf_tps[key] = float("nan") if args.skip_transformers else transformers_run(
+                    hf_tps[key] = (nan, nan, nan) if args.skip_transformers else transformers_run(
                         model_path, DTYPES[dtype_name], prompts, args.new_tokens)
-                ratio = e2e_tps / hf_tps[key] if hf_tps[key] == hf_tps[key] else float("nan")
+                hf_prefill, hf_decode, hf_e2e = hf_tps[key]
                 print(f"{dtype_name:9s} {quantization:>5s} {batch:5d} {prefill_tps:14.1f} {decode_tps:13.1f} "
-                      f"{e2e_tps:17.1f} {hf_tps[key]:23.1f} {ratio:6.2f}", flush=True)
+                      f"{e2e_tps:17.1f}   {hf_prefill:9.1f} / {hf_decode:7.1f} / {hf_e2e:7.1f}          "
+                      f"{prefill_tps / hf_prefill:5.2f} {decode_tps / hf_decode:5.2f} {e2e_tps / hf_e2e:5.2f}",
+                      flush=True)
             del runner
 
 

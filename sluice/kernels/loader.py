@@ -75,6 +75,10 @@ _SIGNATURES = {
     "sluice_rmsnorm": (None, [_int, _int, _ptr, _ptr, _float, _ptr]),
     # rows, dim, hidden, delta, w, eps, out
     "sluice_add_rmsnorm": (None, [_int, _int, _ptr, _ptr, _ptr, _float, _ptr]),
+    # tokens, heads, kv_heads, head_dim, qkv, cos, signed_sin, k_pool, v_pool, slots
+    "sluice_rope_store": (None, [_int, _int, _int, _int, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr]),
+    # rows, width, gate_up, out
+    "sluice_silu_mul": (None, [_int, _int, _ptr, _ptr]),
     # requests, heads, kv_heads, head_dim, max_len, scale, q, k_pool, v_pool, slots, seq_lens, out
     "sluice_decode_attention": (_int, [_int, _int, _int, _int, _int, _float, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr]),
 }

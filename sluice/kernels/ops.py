@@ -55,3 +55,20 @@ def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
     if status != 0:
         raise MemoryError("decode attention could not allocate its score buffer")
     return out
+
+
+def rope_and_store(qkv: torch.Tensor, num_heads: int, cos: torch.Tensor, signed_sin: torch.Tensor,
+                   k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor) -> None:
+    """Rotate the q and k heads of contiguous qkv [tokens, heads + 2 * kv_heads, head_dim] in
+    place, then store its k and v rows in the pools at `slots`. cos/signed_sin: [tokens, head_dim]."""
+    tokens, _, head_dim = qkv.shape
+    load_kernels().sluice_rope_store(tokens, num_heads, k_pool.shape[1], head_dim, qkv.data_ptr(), cos.data_ptr(),
+                                     signed_sin.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), slots.data_ptr())
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for contiguous gate_up = [gate | up] of shape [rows, 2 * width]."""
+    rows, double_width = gate_up.shape
+    out = gate_up.new_empty(rows, double_width // 2)
+    load_kernels().sluice_silu_mul(rows, double_width // 2, gate_up.data_ptr(), out.data_ptr())
+    return out

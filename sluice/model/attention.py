@@ -102,15 +102,12 @@ def attention(
     v: torch.Tensor,
     k_buffer: torch.Tensor,
     v_buffer: torch.Tensor,
-    out_cache_loc: torch.Tensor,
     metadata: AttentionMetadata,
 ) -> torch.Tensor:
-    """Store this step's k/v in the pool, then attend; returns [num_tokens, num_heads * head_dim].
+    """Attend over the pool, which already holds this step's k/v; returns [num_tokens, num_heads * head_dim].
 
     q is [num_tokens, num_heads, head_dim]; k and v are [num_tokens, num_kv_heads, head_dim].
     """
-    k_buffer.index_copy_(0, out_cache_loc, k)
-    v_buffer.index_copy_(0, out_cache_loc, v)
     num_tokens, num_heads, head_dim = q.shape
 
     if metadata.decode_only:

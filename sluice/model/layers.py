@@ -96,8 +96,12 @@ class SwiGLUMLP(nn.Module):
 
     def forward(self, x: torch.Tensor, route: RowRoute = DENSE_ROUTE) -> torch.Tensor:
         gate_up = linear(x, self.gate_up_weight, self.gate_up_quantized, route)
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return linear(F.silu(gate) * up, self.down_weight, self.down_quantized, route)
+        if gate_up.dtype == torch.float32 and ops.kernels_available():
+            activated = ops.silu_mul(gate_up)
+        else:
+            gate, up = gate_up.split(self.intermediate_size, dim=-1)
+            activated = F.silu(gate) * up
+        return linear(activated, self.down_weight, self.down_quantized, route)
 
 
 class RotaryEmbedding(nn.Module):
@@ -120,8 +124,8 @@ class RotaryEmbedding(nn.Module):
         self.half_dim = head_dim // 2
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and signed sin for each token, shaped [num_tokens, 1, head_dim] to broadcast over heads."""
-        return self.cos[positions].unsqueeze(1), self.signed_sin[positions].unsqueeze(1)
+        """cos and signed sin for each token, [num_tokens, head_dim] (unsqueeze(1) broadcasts over heads)."""
+        return self.cos[positions], self.signed_sin[positions]
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
         """Rotate x of shape [num_tokens, num_heads, head_dim]."""

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sluice.kernels import ops
 from sluice.model.attention import AttentionMetadata, attention
 from sluice.model.forward_batch import ForwardBatch
 from sluice.model.layers import Linear, QKVProjection, RMSNorm, RotaryEmbedding, SwiGLUMLP, linear
@@ -37,6 +38,7 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         hidden: torch.Tensor,
+        pending: torch.Tensor | None,
         rotary: RotaryEmbedding,
         cos: torch.Tensor,
         signed_sin: torch.Tensor,
@@ -45,17 +47,27 @@ class DecoderLayer(nn.Module):
         out_cache_loc: torch.Tensor,
         metadata: AttentionMetadata,
         route: RowRoute,
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (residual stream, this layer's MLP output): the caller adds the second to the
+        first, fused with the next norm, so `pending` is the previous layer's (None for the first)."""
+        if pending is None:
+            normed = self.input_layernorm(hidden)
+        else:
+            hidden, normed = self.input_layernorm.add_and_norm(hidden, pending)
         num_qk_heads = self.num_heads + self.num_kv_heads
-        qkv = self.qkv_proj(self.input_layernorm(hidden), route).view(-1, num_qk_heads + self.num_kv_heads, self.head_dim)
-        # q and k are rotated together: one set of ops instead of two.
-        qk = rotary.apply(qkv[:, :num_qk_heads], cos, signed_sin)
-        attn = attention(
-            qk[:, : self.num_heads], qk[:, self.num_heads :], qkv[:, num_qk_heads:],
-            k_buffer, v_buffer, out_cache_loc, metadata,
-        )
+        qkv = self.qkv_proj(normed, route).view(-1, num_qk_heads + self.num_kv_heads, self.head_dim)
+        if qkv.dtype == torch.float32 and ops.kernels_available():
+            ops.rope_and_store(qkv, self.num_heads, cos, signed_sin, k_buffer, v_buffer, out_cache_loc)
+            q, k = qkv[:, : self.num_heads], qkv[:, self.num_heads : num_qk_heads]
+        else:
+            # q and k are rotated together: one set of ops instead of two.
+            qk = rotary.apply(qkv[:, :num_qk_heads], cos.unsqueeze(1), signed_sin.unsqueeze(1))
+            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+            k_buffer.index_copy_(0, out_cache_loc, k)
+            v_buffer.index_copy_(0, out_cache_loc, qkv[:, num_qk_heads:])
+        attn = attention(q, k, qkv[:, num_qk_heads:], k_buffer, v_buffer, metadata)
         hidden, normed = self.post_attention_layernorm.add_and_norm(hidden, self.o_proj(attn, route))
-        return hidden + self.mlp(normed, route)
+        return hidden, self.mlp(normed, route)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -76,11 +88,12 @@ class LlamaForCausalLM(nn.Module):
         cos, signed_sin = self.rotary.lookup(fb.positions)
         hidden = self._embed(fb)
         token_route, logits_route = _routes(fb)
+        pending = None
         for layer, k_buffer, v_buffer in zip(self.layers, fb.k_buffers, fb.v_buffers):
-            hidden = layer(hidden, self.rotary, cos, signed_sin, k_buffer, v_buffer, fb.out_cache_loc, metadata,
-                           token_route)
+            hidden, pending = layer(hidden, pending, self.rotary, cos, signed_sin, k_buffer, v_buffer,
+                                    fb.out_cache_loc, metadata, token_route)
         # Norm and LM head only for the rows whose logits are wanted: the rest are never read.
-        last_hidden = self.norm(hidden[fb.logits_indices])
+        last_hidden = self.norm((hidden + pending)[fb.logits_indices])
         return linear(last_hidden, self.lm_head, self.lm_head_quantized, logits_route).float()
 
     def _embed(self, fb: ForwardBatch) -> torch.Tensor:

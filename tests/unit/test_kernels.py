@@ -75,3 +75,30 @@ def test_decode_attention_reads_each_request_slots_in_place():
         values = v_pool[slots].repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)
         expected = F.scaled_dot_product_attention(q[row].unsqueeze(1), keys, values).squeeze(1)
         torch.testing.assert_close(out[row], expected, rtol=1e-4, atol=1e-5)
+
+
+def test_rope_and_store_matches_the_torch_rotation_and_copy():
+    from sluice.model.layers import RotaryEmbedding
+
+    generator = torch.Generator().manual_seed(3)
+    heads, kv_heads, head_dim, tokens = 4, 2, 64, 5
+    rotary = RotaryEmbedding(head_dim, 10000.0, None, context_len=64, dtype=torch.float32)
+    cos, signed_sin = rotary.lookup(torch.tensor([0, 3, 7, 8, 63]))
+    qkv = torch.randn(tokens, heads + 2 * kv_heads, head_dim, generator=generator)
+    slots = torch.tensor([9, 2, 5, 1, 7])
+    k_pool, v_pool = torch.zeros(10, kv_heads, head_dim), torch.zeros(10, kv_heads, head_dim)
+
+    expected_qk = rotary.apply(qkv[:, : heads + kv_heads], cos.unsqueeze(1), signed_sin.unsqueeze(1))
+    expected_v = qkv[:, heads + kv_heads :].clone()
+    ops.rope_and_store(qkv, heads, cos, signed_sin, k_pool, v_pool, slots)
+
+    torch.testing.assert_close(qkv[:, : heads + kv_heads], expected_qk)
+    torch.testing.assert_close(k_pool[slots], expected_qk[:, heads:])
+    torch.testing.assert_close(v_pool[slots], expected_v)
+    assert k_pool[0].abs().sum() == 0  # untouched slots stay as they were
+
+
+def test_silu_mul_matches_torch():
+    gate_up = torch.randn(3, 2 * 40, generator=torch.Generator().manual_seed(4)) * 4
+    gate, up = gate_up.split(40, dim=-1)
+    torch.testing.assert_close(ops.silu_mul(gate_up), F.silu(gate) * up)
