@@ -46,9 +46,10 @@ PORT = 30100
 THREADS = 2
 
 WORKLOADS = {
-    1: dict(num_prompts=4, concurrency=1, prompt_words=100, shared_prefix_words=0, output_len=128),
-    2: dict(num_prompts=128, concurrency=32, prompt_words=100, shared_prefix_words=0, output_len=128),
-    3: dict(num_prompts=64, concurrency=16, prompt_words=25, shared_prefix_words=770, output_len=64),
+    # bench_serving's word list makes about one token per word with SmolLM2's tokenizer.
+    1: dict(num_prompts=4, concurrency=1, prompt_words=128, shared_prefix_words=0, output_len=128),
+    2: dict(num_prompts=128, concurrency=32, prompt_words=128, shared_prefix_words=0, output_len=128),
+    3: dict(num_prompts=64, concurrency=16, prompt_words=32, shared_prefix_words=970, output_len=64),
 }
 # What each workload is judged on (higher is better unless the name says ms).
 HEADLINES = {1: ("decode_tokens_per_s_per_stream", "ttft_p50_ms"), 2: ("output_tokens_per_s", "ttft_p50_ms"),
@@ -94,8 +95,15 @@ def write_hf_model(gguf_path: Path, folder: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.bfloat16)
+    loaded = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.bfloat16)
     tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    # A model loaded from GGUF counts as "quantized" and refuses save_pretrained: copy its
+    # (already dequantized) weights into a plain model of the same config.
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.load_state_dict(loaded.state_dict())
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
 
@@ -113,8 +121,10 @@ def servers(peers_dir: Path, names: list[str]) -> list[Server]:
     available = {
         "sluice": lambda: Server("sluice", [sys.executable, "-m", "sluice", "serve", "--port", str(PORT),
                                            "--num-threads", str(THREADS), "--model-path", model]),
+        # -c is the KV pool; without --kv-unified llama-server splits it evenly over the slots
+        # (8192 / 32 = 256 tokens each, too few for workload 3's ~800-token prompts).
         "llama": lambda: Server("llama", [str(llama_binary(peers_dir)), "-m", model, "-t", str(THREADS),
-                                                 "--parallel", "32", "-c", "8192", "--port", str(PORT)]),
+                                          "--parallel", "32", "-c", "32768", "--kv-unified", "--port", str(PORT)]),
         "vllm": lambda: Server(
             "vllm", [str(paths.vllm_python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(paths.hf_model),
                      "--port", str(PORT), "--dtype", "bfloat16", "--gpu-memory-utilization", "0.4",
@@ -221,7 +231,8 @@ def print_table(rounds: list[dict[str, dict]], workloads: list[int]) -> None:
         line = f"{label:42s}" + "".join(f"{value:14.2f}" for value in values)
         if "sluice" in names:
             ours = values[names.index("sluice")]
-            line += "".join(f"{ours / values[names.index(peer)]:20.2f}" for peer in peers)
+            line += "".join(f"{ours / theirs if (theirs := values[names.index(peer)]) else float('nan'):20.2f}"
+                            for peer in peers)
         print(line)
 
 

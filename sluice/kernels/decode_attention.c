@@ -27,47 +27,103 @@ static inline float dot(const float *a, const float *b, int n) {
     return total;
 }
 
+/* exp of 8 floats: Cody-Waite reduction to r in [-ln2/2, ln2/2], a degree-6 Taylor
+ * polynomial (relative error ~1e-7 there), then scaling by 2^n through the exponent bits.
+ * Inputs here are scores minus their maximum (<= 0); below -87 the result flushes to ~0. */
+static inline __m256 exp256(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    x = _mm256_min_ps(x, _mm256_set1_ps(88.0f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.0f / 720);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    const __m256i exponent = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(exponent));
+}
+
+/* s[0..len) = exp(s - max(s)); returns their sum. */
+static float softmax_numerators(float *s, int len) {
+    float max_score = -INFINITY;
+    for (int t = 0; t < len; t++) max_score = s[t] > max_score ? s[t] : max_score;
+    const __m256 max_vec = _mm256_set1_ps(max_score);
+    __m256 sums = _mm256_setzero_ps();
+    int t = 0;
+    for (; t + 8 <= len; t += 8) {
+        const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + t), max_vec));
+        _mm256_storeu_ps(s + t, e);
+        sums = _mm256_add_ps(sums, e);
+    }
+    float total = 0.0f;
+    for (; t < len; t++) {
+        s[t] = expf(s[t] - max_score);
+        total += s[t];
+    }
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(sums), _mm256_extractf128_ps(sums, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_add_ss(h, _mm_movehdup_ps(h));
+    return total + _mm_cvtss_f32(h);
+}
+
+/* out[0..D) = sum_t p[t] * v_t, with the 8-float slices of the output held in registers
+ * while the rows stream past (D a multiple of 8, at most 128). */
+static void weighted_sum_rows(const float *p, int len, const float *v_pool, const int64_t *req_slots,
+                              size_t slot_stride, size_t offset, int head_dim, float *out) {
+    __m256 acc[16];
+    const int lanes = head_dim / 8;
+    for (int j = 0; j < lanes; j++) acc[j] = _mm256_setzero_ps();
+    for (int t = 0; t < len; t++) {
+        const float *vt = v_pool + req_slots[t] * slot_stride + offset;
+        const __m256 weight = _mm256_set1_ps(p[t]);
+        for (int j = 0; j < lanes; j++) acc[j] = _mm256_fmadd_ps(weight, _mm256_loadu_ps(vt + 8 * j), acc[j]);
+    }
+    for (int j = 0; j < lanes; j++) _mm256_storeu_ps(out + 8 * j, acc[j]);
+}
+
+/* One query head of one request over its len cached tokens. scores: len floats of scratch. */
+static void attend_head(const float *qh, int kvh, int kv_heads, int head_dim, int len, float scale,
+                        const float *k_pool, const float *v_pool, const int64_t *req_slots, float *scores,
+                        float *oh) {
+    const size_t slot_stride = (size_t)kv_heads * head_dim, offset = (size_t)kvh * head_dim;
+    for (int t = 0; t < len; t++) scores[t] = dot(qh, k_pool + req_slots[t] * slot_stride + offset, head_dim) * scale;
+    const float inv_total = 1.0f / softmax_numerators(scores, len);
+    for (int t = 0; t < len; t++) scores[t] *= inv_total;
+    if (head_dim % 8 == 0 && head_dim <= 128) {
+        weighted_sum_rows(scores, len, v_pool, req_slots, slot_stride, offset, head_dim, oh);
+        return;
+    }
+    for (int i = 0; i < head_dim; i++) oh[i] = 0.0f;
+    for (int t = 0; t < len; t++) {
+        const float *vt = v_pool + req_slots[t] * slot_stride + offset;
+        for (int i = 0; i < head_dim; i++) oh[i] += scores[t] * vt[i];
+    }
+}
+
 int sluice_decode_attention(int requests, int heads, int kv_heads, int head_dim, int max_len, float scale,
                             const float *q, const float *k_pool, const float *v_pool,
                             const int64_t *slots, const int64_t *seq_lens, float *out) {
     const int group = heads / kv_heads;
-    const size_t slot_stride = (size_t)kv_heads * head_dim;
     int failed = 0;
-#pragma omp parallel for schedule(dynamic) collapse(2)
-    for (int r = 0; r < requests; r++) {
-        for (int kvh = 0; kvh < kv_heads; kvh++) {
-            const int len = (int)seq_lens[r];
-            const int64_t *req_slots = slots + (size_t)r * max_len;
-            float *scores = malloc(sizeof(float) * (size_t)group * len);
-            if (scores == NULL) {
-                failed = 1;
-                continue;
+#pragma omp parallel
+    {
+        float *scores = malloc(sizeof(float) * (size_t)(max_len > 0 ? max_len : 1));
+        if (scores == NULL) failed = 1;
+#pragma omp for schedule(dynamic) collapse(2)
+        for (int r = 0; r < requests; r++) {
+            for (int h = 0; h < heads; h++) {
+                if (scores == NULL) continue;
+                const size_t row = (size_t)r * heads + h;
+                attend_head(q + row * head_dim, h / group, kv_heads, head_dim, (int)seq_lens[r], scale, k_pool, v_pool,
+                            slots + (size_t)r * max_len, scores, out + row * head_dim);
             }
-            for (int g = 0; g < group; g++) {
-                const int h = kvh * group + g;
-                const float *qh = q + ((size_t)r * heads + h) * head_dim;
-                float *s = scores + (size_t)g * len;
-                float max_score = -INFINITY;
-                for (int t = 0; t < len; t++) {
-                    s[t] = dot(qh, k_pool + req_slots[t] * slot_stride + (size_t)kvh * head_dim, head_dim) * scale;
-                    if (s[t] > max_score) max_score = s[t];
-                }
-                float total = 0.0f;
-                for (int t = 0; t < len; t++) {
-                    s[t] = expf(s[t] - max_score);
-                    total += s[t];
-                }
-                float *oh = out + ((size_t)r * heads + h) * head_dim;
-                for (int i = 0; i < head_dim; i++) oh[i] = 0.0f;
-                const float inv_total = 1.0f / total;
-                for (int t = 0; t < len; t++) {
-                    const float p = s[t] * inv_total;
-                    const float *vt = v_pool + req_slots[t] * slot_stride + (size_t)kvh * head_dim;
-                    for (int i = 0; i < head_dim; i++) oh[i] += p * vt[i];
-                }
-            }
-            free(scores);
         }
+        free(scores);
     }
     return failed ? -1 : 0;
 }

@@ -14,12 +14,26 @@ LPM_MAX_QUEUE = 128
 # deciding whether a new request fits. Too low and requests get retracted, too high and
 # the cache sits idle; retraction keeps an underestimate safe.
 DECODE_RESERVE_RATIO = 0.3
+# A waiting request whose next this-many uncached tokens another request is prefilling right
+# now waits for that prefill to reach the radix cache instead of computing them again (many
+# requests arriving at once with one system prompt would otherwise each prefill all of it).
+IN_BATCH_PREFIX_TOKENS = 32
 
 
 def order_waiting(waiting: list[Req], policy: str, kv: KVManager) -> list[Req]:
     if policy == "lpm" and len(waiting) <= LPM_MAX_QUEUE:
         return sorted(waiting, key=lambda r: -kv.match_prefix(r))
     return waiting
+
+
+def duplicates_a_prefill(req: Req, cached_len: int, prefilling: list[Req]) -> bool:
+    """Whether `req`'s tokens after its cached prefix start like another request's that is
+    being prefilled (and so will be in the radix cache shortly)."""
+    end = cached_len + IN_BATCH_PREFIX_TOKENS
+    if req.seq_len < end:
+        return False
+    head = req.fill_ids[cached_len:end]
+    return any(other.seq_len >= end and other.fill_ids[cached_len:end] == head for other in prefilling)
 
 
 def decode_reserve(running: list[Req]) -> int:

@@ -28,7 +28,7 @@ from sluice.scheduler.batch_builder import StepBatch, build_forward_batch
 from sluice.scheduler.kv_manager import KVManager
 from sluice.scheduler.multimodal import expand_image_tokens
 from sluice.scheduler.output import make_output
-from sluice.scheduler.policy import PrefillPlan, decode_reserve, order_waiting
+from sluice.scheduler.policy import PrefillPlan, decode_reserve, duplicates_a_prefill, order_waiting
 from sluice.scheduler.req import Req
 
 logger = logging.getLogger(__name__)
@@ -183,10 +183,13 @@ class Scheduler:
         if not admit_new:
             return plan
         reserve = decode_reserve(self.running)
+        prefilling = [req for req in self.running if not req.is_decoding]
         for req in list(order_waiting(self.waiting, self.args.schedule_policy, self.kv)):
             if budget <= 0 or len(self.running) >= self.args.max_running_requests:
                 break
             prefix = self.kv.match_prefix(req)
+            if not self.args.disable_radix_cache and duplicates_a_prefill(req, prefix, prefilling):
+                continue
             extend = min(req.seq_len - prefix, self.args.chunked_prefill_size, budget)
             needed = extend + decode_reserve([req]) + reserve
             # An idle server admits the first request whatever its estimate: retraction
@@ -203,6 +206,7 @@ class Scheduler:
             self.waiting.remove(req)
             self.running.append(req)
             plan.add(req, extend)
+            prefilling.append(req)
             budget -= extend
             committed += extend
             reserve += decode_reserve([req])

@@ -86,6 +86,17 @@ def test_prefix_from_radix_cache_matches(runner, prompts, alone):
     assert run.cached["r0"] >= len(prompts[0])
 
 
+def test_requests_arriving_together_with_one_long_prefix_compute_it_once(runner, prompts):
+    shared = [token for ids in prompts[:6] for token in ids]  # ~60 tokens every request shares
+    together = [shared + ids for ids in prompts[6:10]]
+    scheduler = make_scheduler(runner, chunked_prefill_size=32)
+    tokens = run(scheduler, together)
+    # The first computes the shared part; the rest wait for it to reach the radix cache.
+    assert sum(1 for cached in run.cached.values() if cached >= len(shared)) == 3
+    expected = [run(make_scheduler(runner, disable_radix_cache=True), [ids])["r0"] for ids in together]
+    assert [tokens[f"r{i}"] for i in range(4)] == expected
+
+
 def test_chunked_prefill_matches(runner, prompts, alone):
     scheduler = make_scheduler(runner, chunked_prefill_size=16, disable_radix_cache=True)
     long_ones = [i for i, ids in enumerate(prompts) if len(ids) > 16][:3]
