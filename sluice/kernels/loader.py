@@ -18,6 +18,7 @@ from pathlib import Path
 import torch  # noqa: F401  (loads the libgomp that the kernels' OpenMP must share)
 
 _SOURCES = sorted(Path(__file__).parent.glob("*.c"))
+_HEADERS = sorted(Path(__file__).parent.glob("*.h"))
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 
 
@@ -46,7 +47,7 @@ def load_kernels() -> ctypes.CDLL:
     compiler = shutil.which(os.environ.get("CC", "gcc"))
     if compiler is None:
         raise KernelUnavailable("the quantized kernels need a C compiler (gcc) to build once")
-    digest = hashlib.sha256(b"".join(path.read_bytes() for path in _SOURCES) + " ".join(_FLAGS).encode())
+    digest = hashlib.sha256(b"".join(path.read_bytes() for path in [*_SOURCES, *_HEADERS]) + " ".join(_FLAGS).encode())
     library = _cache_dir() / f"sluice-kernels-{digest.hexdigest()[:16]}.so"
     if not library.exists():
         library.parent.mkdir(parents=True, exist_ok=True)

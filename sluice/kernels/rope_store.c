@@ -6,9 +6,12 @@
  *   with signed_sin = [-sin | sin]; pools are [slots, kv_heads, head_dim].
  * sluice_silu_mul: out = silu(gate) * up for gate_up = [gate | up] of [rows, 2 * width].
  */
+#include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+
+#include "vector_math.h"
 
 static void rotate(float *x, const float *cos, const float *signed_sin, int half) {
     for (int i = 0; i < half; i++) {
@@ -38,6 +41,12 @@ void sluice_silu_mul(int rows, int width, const float *gate_up, float *out) {
     for (int r = 0; r < rows; r++) {
         const float *gate = gate_up + (size_t)r * 2 * width, *up = gate + width;
         float *o = out + (size_t)r * width;
-        for (int i = 0; i < width; i++) o[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+        int i = 0;
+        for (; i + 8 <= width; i += 8) {
+            const __m256 g = _mm256_loadu_ps(gate + i);
+            const __m256 sigmoid_denominator = _mm256_add_ps(_mm256_set1_ps(1.0f), exp256(_mm256_sub_ps(_mm256_setzero_ps(), g)));
+            _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_div_ps(g, sigmoid_denominator), _mm256_loadu_ps(up + i)));
+        }
+        for (; i < width; i++) o[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
     }
 }

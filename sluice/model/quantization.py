@@ -11,7 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from sluice.kernels.loader import cpu_supports_kernels
+from sluice.kernels.loader import load_kernels
+from sluice.kernels.ops import kernels_available
 from sluice.model.model_config import ModelConfig, is_gguf
 from sluice.model.quantized_linear import BlockFormat
 from sluice.model.weights import gguf_tensor_types
@@ -26,16 +27,17 @@ FormatPlan = Callable[[str], BlockFormat | None]
 def quantization_plan(model_path: str | Path, config: ModelConfig, mode: str) -> FormatPlan | None:
     """Maps a HF weight name to its block format; None when nothing is quantized.
 
-    "auto" quietly stays dense where the kernels cannot run (no AVX2); an explicit mode
-    there is an error, raised when the kernels are first built.
+    "auto" stays dense (with a logged warning) where the kernels cannot run (no AVX2, no
+    gcc); an explicit "q8_0" there raises KernelUnavailable with the reason.
     """
     if mode not in QUANTIZATION_MODES:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_MODES)}, not {mode!r}")
     if mode == "none" or config.vision is not None:
         return None
     if mode == "q8_0":
+        load_kernels()  # raises KernelUnavailable, saying why
         return lambda name: BlockFormat.Q8_0
-    if not is_gguf(model_path) or not cpu_supports_kernels():
+    if not is_gguf(model_path) or not kernels_available():
         return None
     types = gguf_tensor_types(model_path)
     if all(kind in _FLOAT_GGUF_TYPES for kind in types.values()):
