@@ -12,6 +12,8 @@ import time
 
 import httpx
 
+from sluice.tokenizer.shared_args import remove_shared_args
+
 SERVER_START_TIMEOUT_S = 300
 
 
@@ -62,6 +64,9 @@ class RunningServer:
             os.killpg(self.process.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+        # A server that had to be killed (and its router with it) could not remove its
+        # shared-args block; a normal stop already has.
+        remove_shared_args(self.process.pid)
         self.log.close()
 
 
