@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from sluice.model.forward_batch import ForwardBatch
 from sluice.model.model_config import ModelConfig
 from sluice.model.model_runner import ModelRunner
+from tests.forward_batches import make_batch
 from tests.tiny_vlm import CHAT_TEMPLATE, IMAGE_TOKEN, build_tiny_llava
 
 TEXT_BEFORE = [1, 4093, 198, 1780, 314]  # "<|im_start|>user\nWhat is"
@@ -27,39 +27,6 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 def random_pixels(seed: int, num_images: int = 1) -> torch.Tensor:
     return torch.randn(num_images, 3, 32, 32, generator=torch.Generator().manual_seed(seed))
-
-
-def make_batch(
-    requests: list[tuple[list[int], torch.Tensor, list[int], torch.Tensor | None]],
-    kv_buffers: tuple[list[torch.Tensor], list[torch.Tensor]],
-    all_logits: bool = False,
-) -> ForwardBatch:
-    """One step for requests given as (new token ids, KV slots of the whole sequence after the
-    step, rows of the new tokens that are image positions, their embeddings or None)."""
-    input_ids, positions, out_cache_loc, logits_indices, mm_rows, mm_embeds = [], [], [], [], [], []
-    for new_ids, slots, image_rows, image_embeds in requests:
-        prefix_len = len(slots) - len(new_ids)
-        mm_rows.extend(len(input_ids) + row for row in image_rows)
-        if image_embeds is not None:
-            mm_embeds.append(image_embeds)
-        logits_indices.extend(range(len(input_ids), len(input_ids) + len(new_ids)) if all_logits
-                              else [len(input_ids) + len(new_ids) - 1])
-        input_ids.extend(new_ids)
-        positions.extend(range(prefix_len, len(slots)))
-        out_cache_loc.append(slots[prefix_len:])
-    return ForwardBatch(
-        input_ids=torch.tensor(input_ids, dtype=torch.int64),
-        positions=torch.tensor(positions, dtype=torch.int64),
-        out_cache_loc=torch.cat(out_cache_loc),
-        extend_lens=[len(new_ids) for new_ids, *_ in requests],
-        seq_lens=[len(slots) for _, slots, *_ in requests],
-        kv_indices=[slots for _, slots, *_ in requests],
-        logits_indices=torch.tensor(logits_indices, dtype=torch.int64),
-        k_buffers=kv_buffers[0],
-        v_buffers=kv_buffers[1],
-        mm_rows=torch.tensor(mm_rows, dtype=torch.int64) if mm_rows else None,
-        mm_embeds=torch.cat(mm_embeds) if mm_embeds else None,
-    )
 
 
 class Prompt:

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from sluice.model.forward_batch import ForwardBatch
 from sluice.model.model_runner import ModelRunner
 from sluice.model_files import default_model_path
+from tests.forward_batches import make_batch
 
 PROMPTS = [
     "The capital of France is",
@@ -25,33 +25,6 @@ NUM_GREEDY_TOKENS = 32
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((actual - expected).abs().max() / expected.abs().max()).item()
-
-
-def make_batch(
-    requests: list[tuple[list[int], torch.Tensor]],
-    kv_buffers: tuple[list[torch.Tensor], list[torch.Tensor]],
-    all_logits: bool = False,
-) -> ForwardBatch:
-    """One step for requests given as (new token ids, KV slots of the whole sequence after the step)."""
-    input_ids, positions, out_cache_loc, logits_indices = [], [], [], []
-    for new_ids, slots in requests:
-        prefix_len = len(slots) - len(new_ids)
-        logits_indices.extend(range(len(input_ids), len(input_ids) + len(new_ids)) if all_logits
-                               else [len(input_ids) + len(new_ids) - 1])
-        input_ids.extend(new_ids)
-        positions.extend(range(prefix_len, len(slots)))
-        out_cache_loc.append(slots[prefix_len:])
-    return ForwardBatch(
-        input_ids=torch.tensor(input_ids, dtype=torch.int64),
-        positions=torch.tensor(positions, dtype=torch.int64),
-        out_cache_loc=torch.cat(out_cache_loc),
-        extend_lens=[len(new_ids) for new_ids, _ in requests],
-        seq_lens=[len(slots) for _, slots in requests],
-        kv_indices=[slots for _, slots in requests],
-        logits_indices=torch.tensor(logits_indices, dtype=torch.int64),
-        k_buffers=kv_buffers[0],
-        v_buffers=kv_buffers[1],
-    )
 
 
 def scattered_slots(count: int, generator_seed: int) -> torch.Tensor:

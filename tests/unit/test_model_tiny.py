@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from sluice.model.forward_batch import ForwardBatch
 from sluice.model.model_config import ModelConfig
 from sluice.model.model_runner import ModelRunner
+from tests.forward_batches import make_batch
 
 SHAPE = dict(
     vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -69,33 +69,6 @@ def save_random_model(build, folder: Path):
                 parameter.normal_(0.0, 0.1)
     model.save_pretrained(folder)
     return model
-
-
-def make_batch(
-    requests: list[tuple[list[int], torch.Tensor]],
-    kv_buffers: tuple[list[torch.Tensor], list[torch.Tensor]],
-    all_logits: bool = False,
-) -> ForwardBatch:
-    """One step for requests given as (new token ids, KV slots of the whole sequence after the step)."""
-    input_ids, positions, out_cache_loc, logits_indices = [], [], [], []
-    for new_ids, slots in requests:
-        prefix_len = len(slots) - len(new_ids)
-        logits_indices.extend(range(len(input_ids), len(input_ids) + len(new_ids)) if all_logits
-                              else [len(input_ids) + len(new_ids) - 1])
-        input_ids.extend(new_ids)
-        positions.extend(range(prefix_len, len(slots)))
-        out_cache_loc.append(slots[prefix_len:])
-    return ForwardBatch(
-        input_ids=torch.tensor(input_ids, dtype=torch.int64),
-        positions=torch.tensor(positions, dtype=torch.int64),
-        out_cache_loc=torch.cat(out_cache_loc),
-        extend_lens=[len(new_ids) for new_ids, _ in requests],
-        seq_lens=[len(slots) for _, slots in requests],
-        kv_indices=[slots for _, slots in requests],
-        logits_indices=torch.tensor(logits_indices, dtype=torch.int64),
-        k_buffers=kv_buffers[0],
-        v_buffers=kv_buffers[1],
-    )
 
 
 def sluice_greedy(runner: ModelRunner, prompt_ids: list[int], num_tokens: int) -> list[int]:
