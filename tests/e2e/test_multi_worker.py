@@ -104,6 +104,10 @@ def test_dead_worker_turns_health_503():
     try:
         workers = [c for c in psutil.Process(server.process.pid).children() if c.name().startswith("sluice-http")]
         assert len(workers) == 2
+        # /health answers once one worker is up; the router only watches workers that registered.
+        deadline = time.monotonic() + 60
+        while "registered (2 workers)" not in server.read_log() and time.monotonic() < deadline:
+            time.sleep(0.2)
         workers[0].kill()
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline and httpx.get(server.base_url + "/health").status_code != 503:
