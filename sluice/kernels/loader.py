@@ -70,8 +70,8 @@ def load_kernels() -> ctypes.CDLL:
 _int, _float, _ptr = ctypes.c_int, ctypes.c_float, ctypes.c_void_p
 # Every exported function, as its C declaration has it (pointers passed as data_ptr() ints).
 _SIGNATURES = {
-    # M, N, K, x, weight_type, wq, wd, wm, out, scratch
-    "sluice_qgemm": (_int, [_int, _int, _int, _ptr, _int, _ptr, _ptr, _ptr, _ptr, _ptr]),
+    # M, N, K, x, weight_type, packed, out, scratch
+    "sluice_qgemm": (_int, [_int, _int, _int, _ptr, _int, _ptr, _ptr, _ptr]),
     # rows, dim, x, w, eps, out
     "sluice_rmsnorm": (None, [_int, _int, _ptr, _ptr, _float, _ptr]),
     # rows, dim, hidden, delta, w, eps, out

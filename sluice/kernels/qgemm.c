@@ -1,15 +1,25 @@
-/* Block-quantized matrix multiply for small batches on x86-64 with AVX2 + FMA.
+/* Block-quantized matrix multiply on x86-64 with AVX2 + FMA (F16C for the scales).
  *
  * out[M, N] = x[M, K] @ W[N, K]^T where W is stored in blocks of 32 weights along K:
- *   q8_0: int8 q, one float scale d per block            w = d * q
- *   q4_1: 4-bit q (two per byte), float d and m per block w = d * q + m
- * In a q4_1 row, block b's byte j holds weight 32b + j in its low nibble and 32b + j + 16
- * in its high nibble (GGUF's layout).
+ *   q8_0: int8 q, one scale d per block            w = d * q
+ *   q4_1: 4-bit q, a scale d and a minimum m        w = d * q + m
  *
  * x is quantized on the fly to int8 per block of 32 (scale = max|x| / 127), so each block's
- * dot product is an integer dot of 32 int8 pairs: the weights are read once as bytes, which
- * is what a decode step is bound by. This is the arithmetic of llama.cpp's q8_0 and q4_1
- * dot products; the code is our own.
+ * dot product is an integer dot of 32 pairs: the weights are read once as bytes, which is
+ * what a decode step is bound by. This is the arithmetic of llama.cpp's q8_0 and q4_1 dot
+ * products; the code and the layout below are our own.
+ *
+ * Weights are interleaved by 8 output rows ("a row group"), block after block, so that one
+ * 256-bit register holds 4 consecutive weights of each of the 8 rows. Against the same 4
+ * activation bytes broadcast to every lane, maddubs + madd yield the 8 rows' partial dots in
+ * the 8 lanes: no horizontal sums, and a block's scales for 8 rows are one vector. A row
+ * group's block is (sluice/model/quantized_linear.py writes this layout):
+ *   q4_1: 128 bytes: byte [j][i][t] = q[row i][4j + t] | q[row i][4j + t + 16] << 4
+ *                    (j < 4, t < 4), then 8 float16 d, then 8 float16 m      (160 bytes)
+ *   q8_0: 256 bytes: byte [g][i][t] = q[row i][4g + t] (g < 8), then 8 float16 d (272 bytes)
+ *
+ * Each output is accumulated in block order by one chain of FMAs, whatever M, the tile or
+ * the thread split: a row's result never depends on the other rows in the batch.
  *
  * Compiled at first use by sluice/kernels/loader.py and called through ctypes; the OpenMP
  * runtime is the libgomp that torch has already loaded, so both share one thread pool.
@@ -19,13 +29,6 @@
 #include <stdlib.h>
 
 #define QK 32
-
-static inline float hsum_ps(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
 
 static inline int hsum_epi32(__m256i v) {
     __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
@@ -67,101 +70,76 @@ static void quantize_row(const float *x, int K, int8_t *q, float *d, float *dsum
     }
 }
 
-/* 32 q4_1 weights (16 bytes) as 32 unsigned bytes 0..15, in element order. */
-static inline __m256i unpack_q4(const uint8_t *bytes) {
-    const __m128i raw = _mm_loadu_si128((const __m128i *)bytes);
-    const __m256i both = _mm256_set_m128i(_mm_srli_epi16(raw, 4), raw);
-    return _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
-}
-
-#define TILE 4 /* activation rows sharing each loaded weight block */
+#define GROUP 8 /* output rows interleaved in one row group */
+#define TILE 4  /* activation rows sharing each loaded weight vector */
+#define Q4_1_GROUP_BLOCK_BYTES 160
+#define Q8_0_GROUP_BLOCK_BYTES 272
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
-/* Each row keeps two accumulators (even and odd blocks) so that consecutive FMAs do not
- * wait on each other: with one row, a single chain would be bound by FMA latency. The block
- * loop is unrolled by two so every accumulator index is a constant and stays in a register. */
-
-ALWAYS_INLINE __m256 q8_0_block(__m256i wb, __m256i abs_w, const int8_t *xb_ptr, float scale, __m256 acc) {
-    const __m256i xb = _mm256_loadu_si256((const __m256i *)xb_ptr);
-    /* maddubs wants one unsigned operand: |w| * (x * sign(w)) == w * x. */
-    const __m256i prod = _mm256_maddubs_epi16(abs_w, _mm256_sign_epi8(xb, wb));
-    const __m256 dots = _mm256_cvtepi32_ps(_mm256_madd_epi16(prod, _mm256_set1_epi16(1)));
-    return _mm256_fmadd_ps(dots, _mm256_set1_ps(scale), acc);
+ALWAYS_INLINE __m256i broadcast4(const int8_t *p) {
+    int32_t word;
+    __builtin_memcpy(&word, p, 4);
+    return _mm256_set1_epi32(word);
 }
 
-ALWAYS_INLINE void rows_q8_0(const int rows, int n, int K, const int8_t *xq, const float *xd,
-                             const int8_t *wq, const float *wd, float *out, int ldo) {
-    const int nb = K / QK;
-    const int8_t *w = wq + (size_t)n * K;
-    const float *d = wd + (size_t)n * nb;
-    __m256 even[TILE], odd[TILE];
-    for (int r = 0; r < rows; r++) even[r] = odd[r] = _mm256_setzero_ps();
-    int b = 0;
-    for (; b + 1 < nb; b += 2) {
-        const __m256i w0 = _mm256_loadu_si256((const __m256i *)(w + b * QK));
-        const __m256i w1 = _mm256_loadu_si256((const __m256i *)(w + (b + 1) * QK));
-        const __m256i a0 = _mm256_sign_epi8(w0, w0), a1 = _mm256_sign_epi8(w1, w1);
-        for (int r = 0; r < rows; r++) {
-            const int8_t *x = xq + (size_t)r * K + b * QK;
-            const float *s = xd + (size_t)r * nb + b;
-            even[r] = q8_0_block(w0, a0, x, d[b] * s[0], even[r]);
-            odd[r] = q8_0_block(w1, a1, x + QK, d[b + 1] * s[1], odd[r]);
+ALWAYS_INLINE __m256 load_halves(const uint8_t *p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+}
+
+/* 8 outputs (one row group) for each of `rows` activation rows. */
+ALWAYS_INLINE void group_q4_1(const int rows, int nb, int K, const uint8_t *w, const int8_t *xq,
+                              const float *xd, const float *xdsum, __m256 *acc) {
+    const __m256i nibble = _mm256_set1_epi8(0x0F);
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++, w += Q4_1_GROUP_BLOCK_BYTES) {
+        __m256i sums[TILE];
+        for (int r = 0; r < rows; r++) sums[r] = _mm256_setzero_si256();
+        for (int j = 0; j < 4; j++) {
+            const __m256i raw = _mm256_loadu_si256((const __m256i *)(w + 32 * j));
+            const __m256i low = _mm256_and_si256(raw, nibble);
+            const __m256i high = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
+            for (int r = 0; r < rows; r++) {
+                const int8_t *x = xq + (size_t)r * K + b * QK + 4 * j;
+                /* 8 products of at most 2 * 15 * 127 each: int16 cannot overflow. */
+                sums[r] = _mm256_add_epi16(sums[r], _mm256_maddubs_epi16(low, broadcast4(x)));
+                sums[r] = _mm256_add_epi16(sums[r], _mm256_maddubs_epi16(high, broadcast4(x + 16)));
+            }
         }
-    }
-    if (b < nb) {
-        const __m256i w0 = _mm256_loadu_si256((const __m256i *)(w + b * QK));
-        const __m256i a0 = _mm256_sign_epi8(w0, w0);
-        for (int r = 0; r < rows; r++)
-            even[r] = q8_0_block(w0, a0, xq + (size_t)r * K + b * QK, d[b] * xd[(size_t)r * nb + b], even[r]);
-    }
-    for (int r = 0; r < rows; r++) out[(size_t)r * ldo + n] = hsum_ps(_mm256_add_ps(even[r], odd[r]));
-}
-
-ALWAYS_INLINE __m256 q4_1_block(__m256i wb, const int8_t *xb_ptr, float scale, __m256 acc) {
-    const __m256i xb = _mm256_loadu_si256((const __m256i *)xb_ptr);
-    const __m256i prod = _mm256_maddubs_epi16(wb, xb); /* weights are unsigned 0..15 */
-    const __m256 dots = _mm256_cvtepi32_ps(_mm256_madd_epi16(prod, _mm256_set1_epi16(1)));
-    return _mm256_fmadd_ps(dots, _mm256_set1_ps(scale), acc);
-}
-
-ALWAYS_INLINE void rows_q4_1(const int rows, int n, int K, const int8_t *xq, const float *xd, const float *xdsum,
-                             const uint8_t *wq, const float *wd, const float *wm, float *out, int ldo) {
-    const int nb = K / QK;
-    const uint8_t *w = wq + (size_t)n * (K / 2);
-    const float *d = wd + (size_t)n * nb;
-    const float *m = wm + (size_t)n * nb;
-    __m256 even[TILE], odd[TILE];
-    float min_terms[TILE];
-    for (int r = 0; r < rows; r++) {
-        even[r] = odd[r] = _mm256_setzero_ps();
-        min_terms[r] = 0.0f;
-    }
-    int b = 0;
-    for (; b + 1 < nb; b += 2) {
-        const __m256i w0 = unpack_q4(w + b * (QK / 2));
-        const __m256i w1 = unpack_q4(w + (b + 1) * (QK / 2));
-        for (int r = 0; r < rows; r++) {
-            const int8_t *x = xq + (size_t)r * K + b * QK;
-            const float *s = xd + (size_t)r * nb + b;
-            const float *sums = xdsum + (size_t)r * nb + b;
-            even[r] = q4_1_block(w0, x, d[b] * s[0], even[r]);
-            odd[r] = q4_1_block(w1, x + QK, d[b + 1] * s[1], odd[r]);
-            min_terms[r] += m[b] * sums[0] + m[b + 1] * sums[1];
-        }
-    }
-    if (b < nb) {
-        const __m256i w0 = unpack_q4(w + b * (QK / 2));
+        const __m256 d = load_halves(w + 128), m = load_halves(w + 144);
         for (int r = 0; r < rows; r++) {
             const size_t index = (size_t)r * nb + b;
-            even[r] = q4_1_block(w0, xq + (size_t)r * K + b * QK, d[b] * xd[index], even[r]);
-            min_terms[r] += m[b] * xdsum[index];
+            const __m256 dots = _mm256_cvtepi32_ps(_mm256_madd_epi16(sums[r], ones));
+            acc[r] = _mm256_fmadd_ps(dots, _mm256_mul_ps(d, _mm256_set1_ps(xd[index])), acc[r]);
+            acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(xdsum[index]), acc[r]);
         }
     }
-    for (int r = 0; r < rows; r++)
-        out[(size_t)r * ldo + n] = hsum_ps(_mm256_add_ps(even[r], odd[r])) + min_terms[r];
 }
 
-/* A tile of 1..TILE rows against weight row n, with the row count a compile-time constant. */
+ALWAYS_INLINE void group_q8_0(const int rows, int nb, int K, const uint8_t *w, const int8_t *xq,
+                              const float *xd, __m256 *acc) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++, w += Q8_0_GROUP_BLOCK_BYTES) {
+        __m256i sums[TILE];
+        for (int r = 0; r < rows; r++) sums[r] = _mm256_setzero_si256();
+        for (int g = 0; g < 8; g++) {
+            const __m256i q = _mm256_loadu_si256((const __m256i *)(w + 32 * g));
+            const __m256i abs_q = _mm256_sign_epi8(q, q);
+            for (int r = 0; r < rows; r++) {
+                /* maddubs wants one unsigned operand: |q| * (x * sign(q)) == q * x. */
+                const __m256i x = _mm256_sign_epi8(broadcast4(xq + (size_t)r * K + b * QK + 4 * g), q);
+                sums[r] = _mm256_add_epi32(sums[r], _mm256_madd_epi16(_mm256_maddubs_epi16(abs_q, x), ones));
+            }
+        }
+        const __m256 d = load_halves(w + 256);
+        for (int r = 0; r < rows; r++)
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r]), _mm256_mul_ps(d, _mm256_set1_ps(xd[(size_t)r * nb + b])),
+                                     acc[r]);
+    }
+}
+
+/* A tile of 1..TILE activation rows, with the row count a compile-time constant. */
 #define DISPATCH_ROWS(call_with_rows)                              \
     switch (rows) {                                                \
     case 1: call_with_rows(1); break;                              \
@@ -172,11 +150,14 @@ ALWAYS_INLINE void rows_q4_1(const int rows, int n, int K, const int8_t *xq, con
 
 enum { WEIGHT_Q8_0 = 0, WEIGHT_Q4_1 = 1 };
 
-/* out[M, N] = x[M, K] @ W^T. K must be a multiple of 32. scratch: M * (K + 2 * K / 32 * 4) bytes. */
-int sluice_qgemm(int M, int N, int K, const float *x, int weight_type, const void *wq,
-                 const float *wd, const float *wm, float *out, void *scratch) {
+/* out[M, N] = x[M, K] @ W^T, W in row groups (N rounded up to a multiple of 8 there).
+ * K must be a multiple of 32. scratch: M * (K + 2 * K / 32 * 4) bytes. */
+int sluice_qgemm(int M, int N, int K, const float *x, int weight_type, const uint8_t *packed, float *out,
+                 void *scratch) {
     if (K % QK != 0) return -1;
     const int nb = K / QK;
+    const int groups = (N + GROUP - 1) / GROUP;
+    const size_t group_bytes = (size_t)nb * (weight_type == WEIGHT_Q8_0 ? Q8_0_GROUP_BLOCK_BYTES : Q4_1_GROUP_BLOCK_BYTES);
     int8_t *xq = (int8_t *)scratch;
     float *xd = (float *)(xq + (size_t)M * K);
     float *xdsum = xd + (size_t)M * nb;
@@ -187,19 +168,30 @@ int sluice_qgemm(int M, int N, int K, const float *x, int weight_type, const voi
         for (int r = 0; r < M; r++)
             quantize_row(x + (size_t)r * K, K, xq + (size_t)r * K, xd + (size_t)r * nb, xdsum + (size_t)r * nb);
 #pragma omp for schedule(static)
-        for (int n = 0; n < N; n++) {
+        for (int group = 0; group < groups; group++) {
+            const uint8_t *w = packed + (size_t)group * group_bytes;
+            const int n0 = group * GROUP, width = N - n0 < GROUP ? N - n0 : GROUP;
             for (int r0 = 0; r0 < M; r0 += TILE) {
                 const int rows = M - r0 < TILE ? M - r0 : TILE;
                 const int8_t *xq_tile = xq + (size_t)r0 * K;
-                const float *xd_tile = xd + (size_t)r0 * nb;
-                float *out_tile = out + (size_t)r0 * N;
-                const float *xdsum_tile = xdsum + (size_t)r0 * nb;
-#define Q8_0_ROWS(R) rows_q8_0(R, n, K, xq_tile, xd_tile, (const int8_t *)wq, wd, out_tile, N)
-#define Q4_1_ROWS(R) rows_q4_1(R, n, K, xq_tile, xd_tile, xdsum_tile, (const uint8_t *)wq, wd, wm, out_tile, N)
+                const float *xd_tile = xd + (size_t)r0 * nb, *xdsum_tile = xdsum + (size_t)r0 * nb;
+                __m256 acc[TILE];
+#define Q8_0_ROWS(R) group_q8_0(R, nb, K, w, xq_tile, xd_tile, acc)
+#define Q4_1_ROWS(R) group_q4_1(R, nb, K, w, xq_tile, xd_tile, xdsum_tile, acc)
                 if (weight_type == WEIGHT_Q8_0) {
                     DISPATCH_ROWS(Q8_0_ROWS)
                 } else {
                     DISPATCH_ROWS(Q4_1_ROWS)
+                }
+                for (int r = 0; r < rows; r++) {
+                    float *o = out + (size_t)(r0 + r) * N + n0;
+                    if (width == GROUP) {
+                        _mm256_storeu_ps(o, acc[r]);
+                    } else {
+                        float lanes[GROUP];
+                        _mm256_storeu_ps(lanes, acc[r]);
+                        for (int i = 0; i < width; i++) o[i] = lanes[i];
+                    }
                 }
             }
         }

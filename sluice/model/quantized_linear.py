@@ -61,12 +61,17 @@ def fused_format(formats: list[BlockFormat | None]) -> BlockFormat | None:
 
 @dataclass(slots=True)
 class QuantizedLinearWeight:
+    """A [out, in] weight as blocks of 32, interleaved by row groups for the kernel.
+
+    The layout (see qgemm.c): rows go in groups of 8 (the last group padded with zero rows);
+    a group's blocks follow each other, and each holds the 8 rows' quants, 4 weights of a row
+    next to 4 of the next, then their float16 scales (and q4_1's float16 minimums).
+    """
+
     format: BlockFormat
     out_features: int
     in_features: int
-    q: torch.Tensor  # int8 [out, in] (q8_0) or uint8 [out, in / 2], two weights a byte (q4_1)
-    d: torch.Tensor  # float32 [out, in / 32]
-    m: torch.Tensor  # float32 [out, in / 32]; q8_0 keeps an empty tensor
+    packed: torch.Tensor  # uint8 [row_groups * blocks_per_row * group block bytes]
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, format: BlockFormat) -> QuantizedLinearWeight:
@@ -75,27 +80,30 @@ class QuantizedLinearWeight:
             raise ValueError(f"in_features {in_features} is not a multiple of {BLOCK}")
         blocks = weight.detach().float().reshape(out_features, in_features // BLOCK, BLOCK)
         if format is BlockFormat.Q8_0:
-            d = blocks.abs().amax(dim=-1) / 127
-            q = torch.round(blocks / torch.where(d == 0, 1.0, d).unsqueeze(-1)).clamp_(-127, 127)
-            return cls(format, out_features, in_features, q.to(torch.int8).reshape(out_features, in_features),
-                       d.contiguous(), torch.empty(0))
-        low, high = blocks.amin(dim=-1), blocks.amax(dim=-1)
-        d = (high - low) / 15
-        q = torch.round((blocks - low.unsqueeze(-1)) / torch.where(d == 0, 1.0, d).unsqueeze(-1)).clamp_(0, 15)
-        q = q.to(torch.uint8)
-        # GGUF's byte order: byte j of a block holds weight j (low nibble) and j + 16 (high).
-        packed = q[..., : BLOCK // 2] | (q[..., BLOCK // 2 :] << 4)
-        return cls(format, out_features, in_features, packed.reshape(out_features, in_features // 2).contiguous(),
-                   d.contiguous(), low.contiguous())
+            d = (blocks.abs().amax(dim=-1) / 127).half()
+            q = torch.round(blocks / _nonzero(d).unsqueeze(-1)).clamp_(-127, 127).to(torch.int8)
+            quants, scales = q.view(torch.uint8), [d]
+        else:
+            low, high = blocks.amin(dim=-1).half(), blocks.amax(dim=-1)
+            d = ((high - low.float()) / 15).half()
+            q = torch.round((blocks - low.float().unsqueeze(-1)) / _nonzero(d).unsqueeze(-1)).clamp_(0, 15)
+            q = q.to(torch.uint8)
+            # GGUF's byte order: byte j of a block holds weight j (low nibble) and j + 16 (high).
+            quants, scales = q[..., : BLOCK // 2] | (q[..., BLOCK // 2 :] << 4), [d, low]
+        return cls(format, out_features, in_features, _interleave(quants, scales))
 
     def dequantize(self) -> torch.Tensor:
         """The float32 [out, in] weight these blocks stand for."""
-        shape = (self.out_features, self.in_features // BLOCK, BLOCK)
+        quant_bytes = BLOCK if self.format is BlockFormat.Q8_0 else BLOCK // 2
+        num_scales = 1 if self.format is BlockFormat.Q8_0 else 2
+        quants, scales = _deinterleave(self.packed, self.out_features, self.in_features // BLOCK, quant_bytes,
+                                       num_scales)
+        shape = (self.out_features, self.in_features)
         if self.format is BlockFormat.Q8_0:
-            return (self.q.float().reshape(shape) * self.d.unsqueeze(-1)).reshape(self.out_features, self.in_features)
-        packed = self.q.reshape(self.out_features, self.in_features // BLOCK, BLOCK // 2)
-        q = torch.cat((packed & 0x0F, packed >> 4), dim=-1).float()
-        return (q * self.d.unsqueeze(-1) + self.m.unsqueeze(-1)).reshape(self.out_features, self.in_features)
+            return (quants.view(torch.int8).float() * scales[0].float().unsqueeze(-1)).reshape(shape)
+        q = torch.cat((quants & 0x0F, quants >> 4), dim=-1).float()
+        d, m = (scale.float().unsqueeze(-1) for scale in scales)
+        return (q * d + m).reshape(shape)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [rows, in] @ weight.T -> float32 [rows, out]; x is quantized to int8 blocks on the way."""
@@ -103,8 +111,43 @@ class QuantizedLinearWeight:
         rows = x.shape[0]
         out = torch.empty(rows, self.out_features)
         scratch = torch.empty(rows * (self.in_features + 8 * (self.in_features // BLOCK)), dtype=torch.uint8)
-        load_kernels().sluice_qgemm(
-            rows, self.out_features, self.in_features, x.data_ptr(), int(self.format), self.q.data_ptr(),
-            self.d.data_ptr(), self.m.data_ptr(), out.data_ptr(), scratch.data_ptr(),
-        )
+        load_kernels().sluice_qgemm(rows, self.out_features, self.in_features, x.data_ptr(), int(self.format),
+                                    self.packed.data_ptr(), out.data_ptr(), scratch.data_ptr())
         return out
+
+
+ROW_GROUP = 8  # GROUP in qgemm.c
+
+
+def _nonzero(d: torch.Tensor) -> torch.Tensor:
+    """float32 of the float16 scales, with 0 (an all-equal block) replaced by 1 to divide by."""
+    d = d.float()
+    return torch.where(d == 0, 1.0, d)
+
+
+def _interleave(quants: torch.Tensor, scales: list[torch.Tensor]) -> torch.Tensor:
+    """uint8 [rows, blocks, quant_bytes] and float16 [rows, blocks] scales -> qgemm.c's layout."""
+    rows, blocks, quant_bytes = quants.shape
+    padding = -rows % ROW_GROUP
+    groups = (rows + padding) // ROW_GROUP
+    quants = torch.nn.functional.pad(quants, (0, 0, 0, 0, 0, padding))
+    # [group, row, block, word, byte] -> [group, block, word, row, byte]: 4 bytes of each row in turn.
+    parts = [quants.view(groups, ROW_GROUP, blocks, quant_bytes // 4, 4).permute(0, 2, 3, 1, 4)
+             .reshape(groups, blocks, ROW_GROUP * quant_bytes)]
+    for scale in scales:
+        scale = torch.nn.functional.pad(scale, (0, 0, 0, padding))
+        parts.append(scale.view(groups, ROW_GROUP, blocks).transpose(1, 2).contiguous()
+                     .view(torch.uint8).view(groups, blocks, 2 * ROW_GROUP))
+    return torch.cat(parts, dim=-1).reshape(-1).contiguous()
+
+
+def _deinterleave(packed: torch.Tensor, rows: int, blocks: int, quant_bytes: int,
+                  num_scales: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The inverse of _interleave: (uint8 [rows, blocks, quant_bytes], float16 [rows, blocks] scales)."""
+    groups = -(-rows // ROW_GROUP)
+    parts = packed.view(groups, blocks, -1).split([ROW_GROUP * quant_bytes] + [2 * ROW_GROUP] * num_scales, dim=-1)
+    quants = (parts[0].reshape(groups, blocks, quant_bytes // 4, ROW_GROUP, 4).permute(0, 3, 1, 2, 4)
+              .reshape(groups * ROW_GROUP, blocks, quant_bytes)[:rows])
+    scales = [part.contiguous().view(torch.float16).transpose(1, 2).reshape(groups * ROW_GROUP, blocks)[:rows]
+              for part in parts[1:]]
+    return quants, scales
