@@ -80,6 +80,7 @@ _SIGNATURES = {
     "sluice_rope_store": (None, [_int, _int, _int, _int, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr]),
     # rows, width, gate_up, out
     "sluice_silu_mul": (None, [_int, _int, _ptr, _ptr]),
-    # requests, heads, kv_heads, head_dim, max_len, scale, q, k_pool, v_pool, slots, seq_lens, out
-    "sluice_decode_attention": (_int, [_int, _int, _int, _int, _int, _float, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr]),
+    # requests, heads, kv_heads, head_dim, max_len, scale, q, q_stride, k_pool, v_pool, slots, seq_lens, out
+    "sluice_decode_attention": (_int, [_int, _int, _int, _int, _int, _float, _ptr, ctypes.c_long, _ptr, _ptr, _ptr,
+                                       _ptr, _ptr]),
 }

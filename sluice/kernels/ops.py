@@ -44,13 +44,15 @@ def add_rms_norm(hidden: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor
 
 def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor,
                      seq_lens: torch.Tensor, max_len: int) -> torch.Tensor:
-    """q [requests, heads, head_dim] over pooled K/V through padded slots [requests * max_len]."""
-    q = q.contiguous()
+    """q [requests, heads, head_dim] over pooled K/V through padded slots [requests * max_len].
+    q's rows may be strided (a view into the qkv projection); each row's heads must be contiguous."""
     requests, heads, head_dim = q.shape
-    out = torch.empty_like(q)
+    if q.stride(2) != 1 or q.stride(1) != head_dim:
+        q = q.contiguous()
+    out = q.new_empty(requests, heads, head_dim)
     status = load_kernels().sluice_decode_attention(
-        requests, heads, k_pool.shape[1], head_dim, max_len, head_dim ** -0.5, q.data_ptr(), k_pool.data_ptr(),
-        v_pool.data_ptr(), slots.data_ptr(), seq_lens.data_ptr(), out.data_ptr(),
+        requests, heads, k_pool.shape[1], head_dim, max_len, head_dim ** -0.5, q.data_ptr(), q.stride(0),
+        k_pool.data_ptr(), v_pool.data_ptr(), slots.data_ptr(), seq_lens.data_ptr(), out.data_ptr(),
     )
     if status != 0:
         raise MemoryError("decode attention could not allocate its score buffer")

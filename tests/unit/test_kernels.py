@@ -57,18 +57,21 @@ def test_rms_norm_and_fused_add_match_torch():
     torch.testing.assert_close(normed, F.rms_norm(x + delta, (576,), weight, 1e-5))
 
 
-def test_decode_attention_reads_each_request_slots_in_place():
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(6, 2, 64), (9, 3, 64), (8, 2, 128), (4, 4, 32), (4, 1, 20)])
+def test_decode_attention_reads_each_request_slots_in_place(heads, kv_heads, head_dim):
     generator = torch.Generator().manual_seed(2)
-    heads, kv_heads, head_dim, num_slots = 6, 2, 64, 100
+    num_slots = 100
     k_pool = torch.randn(num_slots, kv_heads, head_dim, generator=generator)
     v_pool = torch.randn(num_slots, kv_heads, head_dim, generator=generator)
-    seq_lens = [7, 31, 1]
+    seq_lens = [7, 31, 1, 16]  # shorter than, not a multiple of, and a multiple of 8 tokens
     max_len = max(seq_lens)
     request_slots = [torch.randperm(num_slots - 1, generator=generator)[:n] + 1 for n in seq_lens]
     padded = torch.zeros(len(seq_lens), max_len, dtype=torch.int64)
     for row, slots in enumerate(request_slots):
         padded[row, : len(slots)] = slots
-    q = torch.randn(len(seq_lens), heads, head_dim, generator=generator)
+    # q as a strided view, the way the model passes the q part of its qkv projection.
+    qkv = torch.randn(len(seq_lens), heads + 2 * kv_heads, head_dim, generator=generator)
+    q = qkv[:, :heads]
 
     out = ops.decode_attention(q, k_pool, v_pool, padded.view(-1), torch.tensor(seq_lens), max_len)
 
