@@ -72,6 +72,7 @@ static void quantize_row(const float *x, int K, int8_t *q, float *d, float *dsum
 
 #define GROUP 8 /* output rows interleaved in one row group */
 #define TILE 4  /* activation rows sharing each loaded weight vector */
+#define M_CHUNK 128
 #define Q4_1_GROUP_BLOCK_BYTES 160
 #define Q8_0_GROUP_BLOCK_BYTES 272
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
@@ -167,12 +168,15 @@ int sluice_qgemm(int M, int N, int K, const float *x, int weight_type, const uin
 #pragma omp for schedule(static)
         for (int r = 0; r < M; r++)
             quantize_row(x + (size_t)r * K, K, xq + (size_t)r * K, xd + (size_t)r * nb, xdsum + (size_t)r * nb);
+        /* Activation rows in chunks that stay in L2 while every row group passes over them. */
+        for (int chunk = 0; chunk < M; chunk += M_CHUNK) {
+            const int chunk_end = M - chunk < M_CHUNK ? M : chunk + M_CHUNK;
 #pragma omp for schedule(static)
         for (int group = 0; group < groups; group++) {
             const uint8_t *w = packed + (size_t)group * group_bytes;
             const int n0 = group * GROUP, width = N - n0 < GROUP ? N - n0 : GROUP;
-            for (int r0 = 0; r0 < M; r0 += TILE) {
-                const int rows = M - r0 < TILE ? M - r0 : TILE;
+            for (int r0 = chunk; r0 < chunk_end; r0 += TILE) {
+                const int rows = chunk_end - r0 < TILE ? chunk_end - r0 : TILE;
                 const int8_t *xq_tile = xq + (size_t)r0 * K;
                 const float *xd_tile = xd + (size_t)r0 * nb, *xdsum_tile = xdsum + (size_t)r0 * nb;
                 __m256 acc[TILE];
@@ -194,6 +198,7 @@ int sluice_qgemm(int M, int N, int K, const float *x, int weight_type, const uin
                     }
                 }
             }
+        }
         }
     }
     return 0;
