@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sluice.kernels import ops
+from sluice.kernels.decode_layers import DecodeLayers, LayerTensors, QuantizedProjection
 from sluice.model.attention import AttentionMetadata, attention
 from sluice.model.forward_batch import ForwardBatch
 from sluice.model.layers import Linear, QKVProjection, RMSNorm, RotaryEmbedding, SwiGLUMLP, linear
@@ -81,6 +82,8 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.lm_head = self.embed_tokens  # replaced by load_weights when the model is untied
         self.lm_head_quantized: QuantizedLinearWeight | None = None
+        # Set by quantize() when every projection has a quantized copy and activations are float32.
+        self.decode_layers: DecodeLayers | None = None
 
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         """float32 logits of shape [len(fb.logits_indices), vocab_size]."""
@@ -88,12 +91,18 @@ class LlamaForCausalLM(nn.Module):
         cos, signed_sin = self.rotary.lookup(fb.positions)
         hidden = self._embed(fb)
         token_route, logits_route = _routes(fb)
-        pending = None
-        for layer, k_buffer, v_buffer in zip(self.layers, fb.k_buffers, fb.v_buffers):
-            hidden, pending = layer(hidden, pending, self.rotary, cos, signed_sin, k_buffer, v_buffer,
-                                    fb.out_cache_loc, metadata, token_route)
+        if self.decode_layers is not None and metadata.decode_only and token_route.all_quantized:
+            hidden = self.decode_layers.run(hidden, cos, signed_sin, fb.out_cache_loc, metadata.decode_kv_slots,
+                                            metadata.decode_seq_lens, metadata.decode_max_seq_len, fb.k_buffers,
+                                            fb.v_buffers)
+        else:
+            pending = None
+            for layer, k_buffer, v_buffer in zip(self.layers, fb.k_buffers, fb.v_buffers):
+                hidden, pending = layer(hidden, pending, self.rotary, cos, signed_sin, k_buffer, v_buffer,
+                                        fb.out_cache_loc, metadata, token_route)
+            hidden = hidden + pending
         # Norm and LM head only for the rows whose logits are wanted: the rest are never read.
-        last_hidden = self.norm((hidden + pending)[fb.logits_indices])
+        last_hidden = self.norm(hidden[fb.logits_indices])
         return linear(last_hidden, self.lm_head, self.lm_head_quantized, logits_route).float()
 
     def _embed(self, fb: ForwardBatch) -> torch.Tensor:
@@ -137,6 +146,24 @@ class LlamaForCausalLM(nn.Module):
             layer.mlp.down_quantized = quantized(layer.mlp.down_weight, [prefix + "mlp.down_proj"])
         head_source = "model.embed_tokens" if self.lm_head is self.embed_tokens else "lm_head"
         self.lm_head_quantized = quantized(self.lm_head, [head_source])
+        self.decode_layers = self._fused_decode_layers()
+
+    def _fused_decode_layers(self) -> DecodeLayers | None:
+        """The one-call decode path, when every layer's four projections are quantized and the
+        activations are float32 (the kernels' only type)."""
+        projections = [(layer.qkv_proj.quantized, layer.o_proj.quantized, layer.mlp.gate_up_quantized,
+                        layer.mlp.down_quantized) for layer in self.layers]
+        if self.dtype != torch.float32 or any(weight is None for layer in projections for weight in layer):
+            return None
+        config = self.config
+        tensors = [
+            LayerTensors(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+                         *(QuantizedProjection(int(weight.format), weight.packed) for weight in weights),
+                         qkv_bias=layer.qkv_proj.bias)
+            for layer, weights in zip(self.layers, projections)
+        ]
+        return DecodeLayers(tensors, config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim,
+                            config.intermediate_size, config.rms_norm_eps)
 
 
 def _routes(fb: ForwardBatch) -> tuple[RowRoute, RowRoute]:

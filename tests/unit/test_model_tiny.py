@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from sluice.kernels.loader import cpu_supports_kernels
 from sluice.model.model_config import ModelConfig
 from sluice.model.model_runner import ModelRunner
 from tests.forward_batches import make_batch
@@ -133,3 +134,30 @@ def test_config_reads_eos_from_both_files_and_sizes_kv(tmp_path: Path):
     k_buffers, v_buffers = runner.new_kv_buffers(10)
     assert len(k_buffers) == len(v_buffers) == 2
     assert k_buffers[0].shape == (10, 2, 32)
+
+
+@pytest.mark.skipif(not cpu_supports_kernels(), reason="the quantized kernels need AVX2 and FMA")
+@pytest.mark.parametrize("build", VARIANTS, ids=lambda build: build.__name__)
+def test_one_call_decode_layers_equal_the_per_op_path(build, tmp_path: Path):
+    """A decode-only step of a quantized model runs all layers in one C call; its logits
+    must be those of the layer-by-layer path, bit for bit."""
+    save_random_model(build, tmp_path)
+    runner = ModelRunner(str(tmp_path), torch.float32, quantization="q8_0")
+    assert runner.model.decode_layers is not None
+    prompts = [PROMPT_IDS, PROMPT_IDS[::-1][:7]]
+    slots = [torch.arange(1, 40), torch.arange(40, 80)]
+
+    def decode(use_one_call: bool) -> list[torch.Tensor]:
+        fused, runner.model.decode_layers = runner.model.decode_layers, None
+        kv_buffers = runner.new_kv_buffers(81)
+        runner.forward(make_batch([(ids, s[: len(ids)]) for ids, s in zip(prompts, slots)], kv_buffers))
+        runner.model.decode_layers = fused if use_one_call else None
+        step_logits = []
+        for step in range(5):
+            new = [([3 + step], s[: len(ids) + step + 1]) for ids, s in zip(prompts, slots)]
+            step_logits.append(runner.forward(make_batch(new, kv_buffers)))
+        runner.model.decode_layers = fused
+        return step_logits
+
+    for one_call, per_op in zip(decode(True), decode(False)):
+        assert torch.equal(one_call, per_op)

@@ -1,0 +1,79 @@
+/* Every decoder layer of a decode step in one call, for a model whose four projections per
+ * layer are all block-quantized (float32 activations).
+ *
+ * At batch 1 a layer is ~10 small kernels of 5-30 us each; called one by one from Python,
+ * the interpreter and ctypes cost about as much as the kernels. Here the same kernels run
+ * back to back, with the same arithmetic as the per-op path, so results are identical.
+ */
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kernels.h"
+
+typedef struct {
+    const float *input_norm, *post_attention_norm;
+    const uint8_t *qkv, *o, *gate_up, *down; /* qgemm.c's row-group layout */
+    int qkv_format, o_format, gate_up_format, down_format;
+    const float *qkv_bias; /* NULL when the model has none */
+} sluice_layer_weights;
+
+typedef struct {
+    int num_layers, hidden, heads, kv_heads, head_dim, intermediate;
+    float eps, attention_scale;
+} sluice_model_dims;
+
+static size_t qkv_width(const sluice_model_dims *d) { return (size_t)(d->heads + 2 * d->kv_heads) * d->head_dim; }
+
+static size_t max_size(size_t a, size_t b) { return a > b ? a : b; }
+
+/* Bytes of scratch sluice_decode_layers needs for M tokens. */
+size_t sluice_decode_layers_scratch_bytes(const sluice_model_dims *d, int M) {
+    const size_t widest_input = max_size((size_t)d->hidden, max_size((size_t)d->heads * d->head_dim, (size_t)d->intermediate));
+    const size_t floats = (size_t)M * (2 * (size_t)d->hidden + qkv_width(d) + (size_t)d->heads * d->head_dim +
+                                       3 * (size_t)d->intermediate);
+    const size_t qgemm_bytes = (size_t)M * (widest_input + 8 * (widest_input / 32));
+    return floats * sizeof(float) + qgemm_bytes;
+}
+
+/* hidden [M, hidden]: the token embeddings in, the residual stream after the last layer out
+ * (before the final norm). k_pools/v_pools: each layer's pool [slots, kv_heads, head_dim].
+ * cos/signed_sin [M, head_dim]; out_slots [M]: where each token's K/V go; attn_slots
+ * [M, max_len] and seq_lens [M] as for sluice_decode_attention. */
+int sluice_decode_layers(const sluice_model_dims *d, const sluice_layer_weights *layers, float *const *k_pools,
+                         float *const *v_pools, int M, float *hidden, const float *cos, const float *signed_sin,
+                         const int64_t *out_slots, const int64_t *attn_slots, const int64_t *seq_lens, int max_len,
+                         void *scratch) {
+    const int D = d->hidden, I = d->intermediate, attn_width = d->heads * d->head_dim;
+    const int qkv_cols = (int)qkv_width(d);
+    float *normed = (float *)scratch;
+    float *pending = normed + (size_t)M * D; /* the last projection's output, not yet added */
+    float *qkv = pending + (size_t)M * D;
+    float *attn = qkv + (size_t)M * qkv_cols;
+    float *gate_up = attn + (size_t)M * attn_width;
+    float *activated = gate_up + (size_t)M * 2 * I;
+    void *qgemm_scratch = activated + (size_t)M * I;
+
+    for (int l = 0; l < d->num_layers; l++) {
+        const sluice_layer_weights *w = &layers[l];
+        if (l == 0)
+            sluice_rmsnorm(M, D, hidden, w->input_norm, d->eps, normed);
+        else
+            sluice_add_rmsnorm(M, D, hidden, pending, w->input_norm, d->eps, normed);
+        int status = sluice_qgemm(M, qkv_cols, D, normed, w->qkv_format, w->qkv, qkv, qgemm_scratch);
+        if (w->qkv_bias != NULL)
+            for (int r = 0; r < M; r++)
+                for (int c = 0; c < qkv_cols; c++) qkv[(size_t)r * qkv_cols + c] += w->qkv_bias[c];
+        sluice_rope_store(M, d->heads, d->kv_heads, d->head_dim, qkv, cos, signed_sin, k_pools[l], v_pools[l],
+                          out_slots);
+        status |= sluice_decode_attention(M, d->heads, d->kv_heads, d->head_dim, max_len, d->attention_scale, qkv, qkv_cols,
+                                          k_pools[l], v_pools[l], attn_slots, seq_lens, attn);
+        status |= sluice_qgemm(M, D, attn_width, attn, w->o_format, w->o, pending, qgemm_scratch);
+        sluice_add_rmsnorm(M, D, hidden, pending, w->post_attention_norm, d->eps, normed);
+        status |= sluice_qgemm(M, 2 * I, D, normed, w->gate_up_format, w->gate_up, gate_up, qgemm_scratch);
+        sluice_silu_mul(M, I, gate_up, activated);
+        status |= sluice_qgemm(M, D, I, activated, w->down_format, w->down, pending, qgemm_scratch);
+        if (status != 0) return -1;
+    }
+    for (size_t i = 0; i < (size_t)M * D; i++) hidden[i] += pending[i];
+    return 0;
+}
