@@ -1,11 +1,16 @@
-/* Attention of one new token per request over its cached K/V, read in place from the
- * token-granular pool through the request's slot list (no gather copy), float32.
+/* Attention of query tokens over their cached K/V, read in place from the token-granular
+ * pool through each request's slot list (no gather copy), float32.
  *
- * q   [requests] rows of q_stride floats, each holding [heads, head_dim] first
- * out [requests, heads, head_dim]
+ * q   [queries] rows of q_stride floats, each holding [heads, head_dim] first
+ * out [queries, heads, head_dim]
  * k/v pool [slots, kv_heads, head_dim]     slots [requests, max_len] (int64, padded)
- * seq_lens [requests]: how many of a request's slots are real.
+ * slot_rows [queries]: the row of `slots` each query reads (NULL: query i reads row i, one
+ * query per request, a decode step); seq_lens [queries]: how many of those slots it sees.
  * Query heads h * group .. h * group + group - 1 share KV head h (grouped-query attention).
+ *
+ * A prompt token at position p is computed exactly as a decode step at p would be: the same
+ * slots in the same order. So a request's results do not depend on how its prompt was split
+ * into chunks, on its cached prefix or on its batch neighbours.
  *
  * A decode step reads all of its requests' cached K/V, so it is bound by memory: the query
  * heads of a group are done together, each K row and V row read once for all of them.
@@ -143,9 +148,9 @@ static void attend_head_scalar(const float *qh, int kvh, int kv_heads, int head_
 #define GROUP_CASE(G) \
     case G: attend_group(G, q_group, kvh, kv_heads, head_dim, len, scale, k_pool, v_pool, req_slots, scores, out_group); break;
 
-int sluice_decode_attention(int requests, int heads, int kv_heads, int head_dim, int max_len, float scale,
+int sluice_decode_attention(int queries, int heads, int kv_heads, int head_dim, int max_len, float scale,
                             const float *q, long q_stride, const float *k_pool, const float *v_pool,
-                            const int64_t *slots, const int64_t *seq_lens, float *out) {
+                            const int64_t *slots, const int64_t *slot_rows, const int64_t *seq_lens, float *out) {
     const int group = heads / kv_heads;
     const int vectorized = head_dim % 8 == 0 && group <= MAX_GROUP;
     int failed = 0;
@@ -153,13 +158,13 @@ int sluice_decode_attention(int requests, int heads, int kv_heads, int head_dim,
     {
         float *scores = malloc(sizeof(float) * (size_t)group * (size_t)(max_len > 0 ? max_len : 1));
         if (scores == NULL) failed = 1;
-        /* One task per (request, KV head): the K/V rows of a group come from memory once. */
+        /* One task per (query, KV head): the K/V rows of a group come from memory once. */
 #pragma omp for schedule(dynamic) collapse(2)
-        for (int r = 0; r < requests; r++) {
+        for (int r = 0; r < queries; r++) {
             for (int kvh = 0; kvh < kv_heads; kvh++) {
                 if (scores == NULL) continue;
                 const int len = (int)seq_lens[r];
-                const int64_t *req_slots = slots + (size_t)r * max_len;
+                const int64_t *req_slots = slots + (size_t)(slot_rows != NULL ? slot_rows[r] : r) * max_len;
                 const float *q_group = q + (size_t)r * q_stride + (size_t)kvh * group * head_dim;
                 float *out_group = out + ((size_t)r * heads + (size_t)kvh * group) * head_dim;
                 if (!vectorized) {

@@ -1,5 +1,6 @@
-/* Every decoder layer of a decode step in one call, for a model whose four projections per
- * layer are all block-quantized (float32 activations).
+/* Every decoder layer of a forward step in one call, for a model whose four projections per
+ * layer are all block-quantized (float32 activations). Every token, prompt or generated,
+ * attends through decode_attention.c at its own position.
  *
  * At batch 1 a layer is ~10 small kernels of 5-30 us each; called one by one from Python,
  * the interpreter and ctypes cost about as much as the kernels. Here the same kernels run
@@ -38,11 +39,11 @@ size_t sluice_decode_layers_scratch_bytes(const sluice_model_dims *d, int M) {
 /* hidden [M, hidden]: the token embeddings in, the residual stream after the last layer out
  * (before the final norm). k_pools/v_pools: each layer's pool [slots, kv_heads, head_dim].
  * cos/signed_sin [M, head_dim]; out_slots [M]: where each token's K/V go; attn_slots
- * [M, max_len] and seq_lens [M] as for sluice_decode_attention. */
+ * [requests, max_len], slot_rows [M] (or NULL) and seq_lens [M] as for sluice_decode_attention. */
 int sluice_decode_layers(const sluice_model_dims *d, const sluice_layer_weights *layers, float *const *k_pools,
                          float *const *v_pools, int M, float *hidden, const float *cos, const float *signed_sin,
-                         const int64_t *out_slots, const int64_t *attn_slots, const int64_t *seq_lens, int max_len,
-                         void *scratch) {
+                         const int64_t *out_slots, const int64_t *attn_slots, const int64_t *slot_rows,
+                         const int64_t *seq_lens, int max_len, void *scratch) {
     const int D = d->hidden, I = d->intermediate, attn_width = d->heads * d->head_dim;
     const int qkv_cols = (int)qkv_width(d);
     float *normed = (float *)scratch;
@@ -66,7 +67,7 @@ int sluice_decode_layers(const sluice_model_dims *d, const sluice_layer_weights 
         sluice_rope_store(M, d->heads, d->kv_heads, d->head_dim, qkv, cos, signed_sin, k_pools[l], v_pools[l],
                           out_slots);
         status |= sluice_decode_attention(M, d->heads, d->kv_heads, d->head_dim, max_len, d->attention_scale, qkv, qkv_cols,
-                                          k_pools[l], v_pools[l], attn_slots, seq_lens, attn);
+                                          k_pools[l], v_pools[l], attn_slots, slot_rows, seq_lens, attn);
         status |= sluice_qgemm(M, D, attn_width, attn, w->o_format, w->o, pending, qgemm_scratch);
         sluice_add_rmsnorm(M, D, hidden, pending, w->post_attention_norm, d->eps, normed);
         status |= sluice_qgemm(M, 2 * I, D, normed, w->gate_up_format, w->gate_up, gate_up, qgemm_scratch);

@@ -1,4 +1,4 @@
-"""All decoder layers of a decode step in one C call (decode_layers.c).
+"""All decoder layers of a forward step in one C call (decode_layers.c).
 
 At batch 1 a Llama layer is about ten kernels of 5-30 us each; driven one by one from
 Python, the interpreter and ctypes cost about as much again. The C loop runs the same
@@ -79,18 +79,18 @@ class DecodeLayers:
         ])
 
     def run(self, hidden: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, out_slots: torch.Tensor,
-            attn_slots: torch.Tensor, seq_lens: torch.Tensor, max_len: int, k_pools: list[torch.Tensor],
-            v_pools: list[torch.Tensor]) -> torch.Tensor:
+            attn_slots: torch.Tensor, slot_rows: torch.Tensor | None, seq_lens: torch.Tensor, max_len: int,
+            k_pools: list[torch.Tensor], v_pools: list[torch.Tensor]) -> torch.Tensor:
         """hidden [tokens, hidden_size] float32 embeddings (overwritten) -> the residual stream
-        after the last layer. One new token per request; the rest as for ops.decode_attention."""
+        after the last layer; attention arguments as for ops.decode_attention."""
         tokens = hidden.shape[0]
         scratch = torch.empty(self._kernels.sluice_decode_layers_scratch_bytes(ctypes.byref(self._dims), tokens),
                               dtype=torch.uint8)
         k_array, v_array = self._pool_arrays(k_pools, v_pools)
         status = self._kernels.sluice_decode_layers(
             ctypes.byref(self._dims), self._layers, k_array, v_array, tokens, hidden.data_ptr(), cos.data_ptr(),
-            signed_sin.data_ptr(), out_slots.data_ptr(), attn_slots.data_ptr(), seq_lens.data_ptr(), max_len,
-            scratch.data_ptr(),
+            signed_sin.data_ptr(), out_slots.data_ptr(), attn_slots.data_ptr(),
+            None if slot_rows is None else slot_rows.data_ptr(), seq_lens.data_ptr(), max_len, scratch.data_ptr(),
         )
         if status != 0:
             raise MemoryError("the decode layers could not allocate their attention scratch")

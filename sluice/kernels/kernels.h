@@ -11,8 +11,8 @@ void sluice_add_rmsnorm(int rows, int dim, float *hidden, const float *delta, co
 void sluice_rope_store(int tokens, int heads, int kv_heads, int head_dim, float *qkv, const float *cos,
                        const float *signed_sin, float *k_pool, float *v_pool, const int64_t *slots);
 void sluice_silu_mul(int rows, int width, const float *gate_up, float *out);
-int sluice_decode_attention(int requests, int heads, int kv_heads, int head_dim, int max_len, float scale,
+int sluice_decode_attention(int queries, int heads, int kv_heads, int head_dim, int max_len, float scale,
                             const float *q, long q_stride, const float *k_pool, const float *v_pool,
-                            const int64_t *slots, const int64_t *seq_lens, float *out);
+                            const int64_t *slots, const int64_t *slot_rows, const int64_t *seq_lens, float *out);
 
 #endif

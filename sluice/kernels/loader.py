@@ -80,11 +80,14 @@ _SIGNATURES = {
     "sluice_rope_store": (None, [_int, _int, _int, _int, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr]),
     # rows, width, gate_up, out
     "sluice_silu_mul": (None, [_int, _int, _ptr, _ptr]),
-    # requests, heads, kv_heads, head_dim, max_len, scale, q, q_stride, k_pool, v_pool, slots, seq_lens, out
-    # dims, layers, k_pools, v_pools, M, hidden, cos, signed_sin, out_slots, attn_slots, seq_lens, max_len, scratch
-    "sluice_decode_layers": (_int, [_ptr, _ptr, _ptr, _ptr, _int, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _int, _ptr]),
+    # queries, heads, kv_heads, head_dim, max_len, scale, q, q_stride, k_pool, v_pool, slots, slot_rows, seq_lens,
+    # out
+    "sluice_decode_attention": (_int, [_int, _int, _int, _int, _int, _float, _ptr, ctypes.c_long, _ptr, _ptr, _ptr,
+                                       _ptr, _ptr, _ptr]),
+    # dims, layers, k_pools, v_pools, M, hidden, cos, signed_sin, out_slots, attn_slots, slot_rows, seq_lens,
+    # max_len, scratch
+    "sluice_decode_layers": (_int, [_ptr, _ptr, _ptr, _ptr, _int, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _int,
+                                    _ptr]),
     # dims, M
     "sluice_decode_layers_scratch_bytes": (ctypes.c_size_t, [_ptr, _int]),
-    "sluice_decode_attention": (_int, [_int, _int, _int, _int, _int, _float, _ptr, ctypes.c_long, _ptr, _ptr, _ptr,
-                                       _ptr, _ptr]),
 }

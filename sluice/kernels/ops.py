@@ -43,16 +43,18 @@ def add_rms_norm(hidden: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor
 
 
 def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor,
-                     seq_lens: torch.Tensor, max_len: int) -> torch.Tensor:
-    """q [requests, heads, head_dim] over pooled K/V through padded slots [requests * max_len].
+                     seq_lens: torch.Tensor, max_len: int, slot_rows: torch.Tensor | None = None) -> torch.Tensor:
+    """q [queries, heads, head_dim] over pooled K/V through padded slots [requests * max_len]:
+    query i sees the first seq_lens[i] slots of row slot_rows[i] (None: row i).
     q's rows may be strided (a view into the qkv projection); each row's heads must be contiguous."""
-    requests, heads, head_dim = q.shape
+    queries, heads, head_dim = q.shape
     if q.stride(2) != 1 or q.stride(1) != head_dim:
         q = q.contiguous()
-    out = q.new_empty(requests, heads, head_dim)
+    out = q.new_empty(queries, heads, head_dim)
     status = load_kernels().sluice_decode_attention(
-        requests, heads, k_pool.shape[1], head_dim, max_len, head_dim ** -0.5, q.data_ptr(), q.stride(0),
-        k_pool.data_ptr(), v_pool.data_ptr(), slots.data_ptr(), seq_lens.data_ptr(), out.data_ptr(),
+        queries, heads, k_pool.shape[1], head_dim, max_len, head_dim ** -0.5, q.data_ptr(), q.stride(0),
+        k_pool.data_ptr(), v_pool.data_ptr(), slots.data_ptr(), None if slot_rows is None else slot_rows.data_ptr(),
+        seq_lens.data_ptr(), out.data_ptr(),
     )
     if status != 0:
         raise MemoryError("decode attention could not allocate its score buffer")

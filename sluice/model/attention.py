@@ -1,6 +1,9 @@
 """Attention over the token-granular KV pool.
 
-Decoding requests are attended as one padded batch; prefilling requests one by one.
+Decoding requests are attended as one padded batch; prefilling requests one by one (SDPA).
+A model on the C kernels instead attends every token like a decode step at its position
+(`AttentionMetadata.build(fb, every_token_decodes=True)`), which makes a token's result
+independent of chunking, prefix caching and batching.
 Everything that depends only on the batch layout (gather slots, masks, token ranges) is
 built once per forward in `AttentionMetadata` and reused by every layer.
 """
@@ -38,9 +41,13 @@ class AttentionMetadata:
     decode_seq_lens: torch.Tensor | None  # int64 [num_decode]
     decode_mask: torch.Tensor | None  # bool [num_decode, 1, 1, max_seq_len]; None when no padding
     prefills: list[PrefillSegment]
+    # Row of decode_kv_slots each decoding token reads; None: token i reads row i.
+    decode_slot_rows: torch.Tensor | None = None
 
     @classmethod
-    def build(cls, fb: ForwardBatch) -> AttentionMetadata:
+    def build(cls, fb: ForwardBatch, every_token_decodes: bool = False) -> AttentionMetadata:
+        if every_token_decodes:
+            return cls._every_token_decodes(fb)
         decode_rows: list[int] = []
         decode_kv_indices: list[torch.Tensor] = []
         decode_seq_lens: list[int] = []
@@ -77,6 +84,23 @@ class AttentionMetadata:
                 mask = torch.arange(max_seq_len).unsqueeze(0) < lengths.unsqueeze(1)
                 metadata.decode_mask = mask.view(len(decode_rows), 1, 1, max_seq_len)
         return metadata
+
+    @classmethod
+    def _every_token_decodes(cls, fb: ForwardBatch) -> AttentionMetadata:
+        """Token i of request r reads the first positions[i] + 1 slots of r's row (C kernel only)."""
+        num_tokens = int(fb.input_ids.shape[0])
+        one_per_request = num_tokens == len(fb.extend_lens)
+        return cls(
+            num_tokens=num_tokens,
+            decode_rows=torch.arange(num_tokens),
+            decode_kv_slots=pad_sequence(fb.kv_indices, batch_first=True, padding_value=PADDING_SLOT).view(-1),
+            decode_max_seq_len=max(fb.seq_lens),
+            decode_seq_lens=fb.positions + 1,
+            decode_mask=None,
+            prefills=[],
+            decode_slot_rows=None if one_per_request else torch.repeat_interleave(
+                torch.arange(len(fb.extend_lens)), torch.tensor(fb.extend_lens)),
+        )
 
     @property
     def decode_only(self) -> bool:
@@ -127,7 +151,7 @@ def _decode_attention(
 ) -> torch.Tensor:
     if q.dtype == torch.float32 and ops.kernels_available():
         return ops.decode_attention(q, k_buffer, v_buffer, metadata.decode_kv_slots, metadata.decode_seq_lens,
-                                    metadata.decode_max_seq_len)
+                                    metadata.decode_max_seq_len, metadata.decode_slot_rows)
     num_requests, num_heads, head_dim = q.shape
     num_kv_heads = k_buffer.shape[1]
     gathered_shape = (num_requests, metadata.decode_max_seq_len, num_kv_heads, head_dim)

@@ -27,9 +27,5 @@ class ForwardBatch:
     v_buffers: list[torch.Tensor]
     # Image positions of a vision-language model: their input ids are placeholders (any
     # value) and their embeddings come from the vision tower instead of the vocabulary.
-    # Per request, its prompt length: tokens at or past it were generated, and those take
-    # the block-quantized weights when the model has them (None: a request's tokens do when
-    # it has exactly one new token).
-    prompt_lens: list[int] | None = None
     mm_rows: torch.Tensor | None = None  # int64 [num_image_rows]: rows of the num_tokens axis
     mm_embeds: torch.Tensor | None = None  # [num_image_rows, hidden] in the model dtype

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sluice.kernels import ops
-from sluice.model.quantized_linear import DENSE_ROUTE, QuantizedLinearWeight, RowRoute
+from sluice.model.quantized_linear import QuantizedLinearWeight
 
 
 def _frozen(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -23,19 +23,12 @@ def _frozen(*shape: int, dtype: torch.dtype) -> nn.Parameter:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, quantized: QuantizedLinearWeight | None,
-           route: RowRoute = DENSE_ROUTE, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T (+ bias): the rows `route` names go through the block-quantized copy
-    (when the weight has one), the rest through the dense weight."""
-    if quantized is None or not (route.all_quantized or route.split):
+           bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T (+ bias), through the block-quantized copy when the weight has one."""
+    if quantized is None:
         return F.linear(x, weight, bias)
-    if route.all_quantized:
-        out = quantized.matmul(x).to(x.dtype)
-        return out if bias is None else out.add_(bias)
-    out = x.new_empty(x.shape[0], weight.shape[0])
-    out[route.dense_rows] = F.linear(x[route.dense_rows], weight, bias)
-    quantized_part = quantized.matmul(x[route.quantized_rows]).to(x.dtype)
-    out[route.quantized_rows] = quantized_part if bias is None else quantized_part.add_(bias)
-    return out
+    out = quantized.matmul(x).to(x.dtype)
+    return out if bias is None else out.add_(bias)
 
 
 class RMSNorm(nn.Module):
@@ -69,8 +62,8 @@ class QKVProjection(nn.Module):
         self.bias = _frozen(out_features, dtype=dtype) if bias else None
         self.quantized: QuantizedLinearWeight | None = None
 
-    def forward(self, x: torch.Tensor, route: RowRoute = DENSE_ROUTE) -> torch.Tensor:
-        return linear(x, self.weight, self.quantized, route, self.bias)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.quantized, self.bias)
 
 
 class Linear(nn.Module):
@@ -79,8 +72,8 @@ class Linear(nn.Module):
         self.weight = _frozen(out_features, in_features, dtype=dtype)
         self.quantized: QuantizedLinearWeight | None = None
 
-    def forward(self, x: torch.Tensor, route: RowRoute = DENSE_ROUTE) -> torch.Tensor:
-        return linear(x, self.weight, self.quantized, route)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.quantized)
 
 
 class SwiGLUMLP(nn.Module):
@@ -94,14 +87,14 @@ class SwiGLUMLP(nn.Module):
         self.gate_up_quantized: QuantizedLinearWeight | None = None
         self.down_quantized: QuantizedLinearWeight | None = None
 
-    def forward(self, x: torch.Tensor, route: RowRoute = DENSE_ROUTE) -> torch.Tensor:
-        gate_up = linear(x, self.gate_up_weight, self.gate_up_quantized, route)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = linear(x, self.gate_up_weight, self.gate_up_quantized)
         if gate_up.dtype == torch.float32 and ops.kernels_available():
             activated = ops.silu_mul(gate_up)
         else:
             gate, up = gate_up.split(self.intermediate_size, dim=-1)
             activated = F.silu(gate) * up
-        return linear(activated, self.down_weight, self.down_quantized, route)
+        return linear(activated, self.down_weight, self.down_quantized)
 
 
 class RotaryEmbedding(nn.Module):

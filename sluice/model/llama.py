@@ -14,7 +14,7 @@ from sluice.model.attention import AttentionMetadata, attention
 from sluice.model.forward_batch import ForwardBatch
 from sluice.model.layers import Linear, QKVProjection, RMSNorm, RotaryEmbedding, SwiGLUMLP, linear
 from sluice.model.model_config import ModelConfig
-from sluice.model.quantized_linear import BlockFormat, QuantizedLinearWeight, RowRoute, fused_format
+from sluice.model.quantized_linear import BlockFormat, QuantizedLinearWeight, fused_format
 
 # Source weight names (after "model.layers.{i}.") of each fused projection.
 _QKV_SOURCES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
@@ -47,7 +47,6 @@ class DecoderLayer(nn.Module):
         v_buffer: torch.Tensor,
         out_cache_loc: torch.Tensor,
         metadata: AttentionMetadata,
-        route: RowRoute,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (residual stream, this layer's MLP output): the caller adds the second to the
         first, fused with the next norm, so `pending` is the previous layer's (None for the first)."""
@@ -56,7 +55,7 @@ class DecoderLayer(nn.Module):
         else:
             hidden, normed = self.input_layernorm.add_and_norm(hidden, pending)
         num_qk_heads = self.num_heads + self.num_kv_heads
-        qkv = self.qkv_proj(normed, route).view(-1, num_qk_heads + self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(normed).view(-1, num_qk_heads + self.num_kv_heads, self.head_dim)
         if qkv.dtype == torch.float32 and ops.kernels_available():
             ops.rope_and_store(qkv, self.num_heads, cos, signed_sin, k_buffer, v_buffer, out_cache_loc)
             q, k = qkv[:, : self.num_heads], qkv[:, self.num_heads : num_qk_heads]
@@ -67,8 +66,8 @@ class DecoderLayer(nn.Module):
             k_buffer.index_copy_(0, out_cache_loc, k)
             v_buffer.index_copy_(0, out_cache_loc, qkv[:, num_qk_heads:])
         attn = attention(q, k, qkv[:, num_qk_heads:], k_buffer, v_buffer, metadata)
-        hidden, normed = self.post_attention_layernorm.add_and_norm(hidden, self.o_proj(attn, route))
-        return hidden, self.mlp(normed, route)
+        hidden, normed = self.post_attention_layernorm.add_and_norm(hidden, self.o_proj(attn))
+        return hidden, self.mlp(normed)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -82,28 +81,30 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.lm_head = self.embed_tokens  # replaced by load_weights when the model is untied
         self.lm_head_quantized: QuantizedLinearWeight | None = None
-        # Set by quantize() when every projection has a quantized copy and activations are float32.
+        # Set by quantize() for float32 activations: every token attends through the C kernel
+        # (as a decode step at its position), and, when every projection is quantized, all
+        # layers run in one C call.
+        self.kernel_attention = False
         self.decode_layers: DecodeLayers | None = None
 
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         """float32 logits of shape [len(fb.logits_indices), vocab_size]."""
-        metadata = AttentionMetadata.build(fb)
+        metadata = AttentionMetadata.build(fb, every_token_decodes=self.kernel_attention)
         cos, signed_sin = self.rotary.lookup(fb.positions)
         hidden = self._embed(fb)
-        token_route, logits_route = _routes(fb)
-        if self.decode_layers is not None and metadata.decode_only and token_route.all_quantized:
+        if self.decode_layers is not None and metadata.decode_only:
             hidden = self.decode_layers.run(hidden, cos, signed_sin, fb.out_cache_loc, metadata.decode_kv_slots,
-                                            metadata.decode_seq_lens, metadata.decode_max_seq_len, fb.k_buffers,
-                                            fb.v_buffers)
+                                            metadata.decode_slot_rows, metadata.decode_seq_lens,
+                                            metadata.decode_max_seq_len, fb.k_buffers, fb.v_buffers)
         else:
             pending = None
             for layer, k_buffer, v_buffer in zip(self.layers, fb.k_buffers, fb.v_buffers):
                 hidden, pending = layer(hidden, pending, self.rotary, cos, signed_sin, k_buffer, v_buffer,
-                                        fb.out_cache_loc, metadata, token_route)
+                                        fb.out_cache_loc, metadata)
             hidden = hidden + pending
         # Norm and LM head only for the rows whose logits are wanted: the rest are never read.
         last_hidden = self.norm(hidden[fb.logits_indices])
-        return linear(last_hidden, self.lm_head, self.lm_head_quantized, logits_route).float()
+        return linear(last_hidden, self.lm_head, self.lm_head_quantized).float()
 
     def _embed(self, fb: ForwardBatch) -> torch.Tensor:
         if fb.mm_rows is None:
@@ -128,28 +129,38 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.no_grad()
     def quantize(self, format_of: Callable[[str], BlockFormat | None]) -> None:
-        """Give each projection a block-quantized copy for small batches.
+        """Replace projection weights by block-quantized ones, which every token then takes.
 
         `format_of` maps a source weight's HF name (as in load_weights) to its block format,
-        or None to keep that weight dense only; a fused projection is quantized only when
-        all its sources are.
+        or None to keep that weight dense; a fused projection is quantized only when all its
+        sources are. The dense copy of a quantized weight is freed (the embedding table stays:
+        token lookup reads it even when the tied LM head is quantized).
         """
-        def quantized(dense: torch.Tensor, sources: list[str]) -> QuantizedLinearWeight | None:
+        def quantize_in_place(module: nn.Module, dense_name: str, sources: list[str]) -> QuantizedLinearWeight | None:
             format = fused_format([format_of(name + ".weight") for name in sources])
-            return None if format is None else QuantizedLinearWeight.quantize(dense, format)
+            if format is None:
+                return None
+            quantized = QuantizedLinearWeight.quantize(getattr(module, dense_name), format)
+            setattr(module, dense_name, nn.Parameter(torch.empty(0, dtype=self.dtype), requires_grad=False))
+            return quantized
 
         for index, layer in enumerate(self.layers):
             prefix = f"model.layers.{index}."
-            layer.qkv_proj.quantized = quantized(layer.qkv_proj.weight, [prefix + name for name in _QKV_SOURCES])
-            layer.o_proj.quantized = quantized(layer.o_proj.weight, [prefix + "self_attn.o_proj"])
-            layer.mlp.gate_up_quantized = quantized(layer.mlp.gate_up_weight, [prefix + name for name in _GATE_UP_SOURCES])
-            layer.mlp.down_quantized = quantized(layer.mlp.down_weight, [prefix + "mlp.down_proj"])
-        head_source = "model.embed_tokens" if self.lm_head is self.embed_tokens else "lm_head"
-        self.lm_head_quantized = quantized(self.lm_head, [head_source])
+            layer.qkv_proj.quantized = quantize_in_place(layer.qkv_proj, "weight", [prefix + name for name in _QKV_SOURCES])
+            layer.o_proj.quantized = quantize_in_place(layer.o_proj, "weight", [prefix + "self_attn.o_proj"])
+            layer.mlp.gate_up_quantized = quantize_in_place(layer.mlp, "gate_up_weight",
+                                                            [prefix + name for name in _GATE_UP_SOURCES])
+            layer.mlp.down_quantized = quantize_in_place(layer.mlp, "down_weight", [prefix + "mlp.down_proj"])
+        if self.lm_head is self.embed_tokens:
+            format = fused_format([format_of("model.embed_tokens.weight")])
+            self.lm_head_quantized = None if format is None else QuantizedLinearWeight.quantize(self.lm_head, format)
+        else:
+            self.lm_head_quantized = quantize_in_place(self, "lm_head", ["lm_head"])
+        self.kernel_attention = self.dtype == torch.float32
         self.decode_layers = self._fused_decode_layers()
 
     def _fused_decode_layers(self) -> DecodeLayers | None:
-        """The one-call decode path, when every layer's four projections are quantized and the
+        """The one-call path, when every layer's four projections are quantized and the
         activations are float32 (the kernels' only type)."""
         projections = [(layer.qkv_proj.quantized, layer.o_proj.quantized, layer.mlp.gate_up_quantized,
                         layer.mlp.down_quantized) for layer in self.layers]
@@ -164,28 +175,6 @@ class LlamaForCausalLM(nn.Module):
         ]
         return DecodeLayers(tensors, config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim,
                             config.intermediate_size, config.rms_norm_eps)
-
-
-def _routes(fb: ForwardBatch) -> tuple[RowRoute, RowRoute]:
-    """Generated tokens take the quantized weights, prompt tokens the dense ones: for the
-    token rows of every layer and for the logits rows. A token's path thus depends only on
-    its own request (not on batching, chunking or prefix caching)."""
-    if fb.prompt_lens is None:
-        generated_counts = [1 if extend_len == 1 else 0 for extend_len in fb.extend_lens]
-    else:
-        generated_counts = [max(0, min(extend_len, seq_len - max(prompt_len, seq_len - extend_len)))
-                            for extend_len, seq_len, prompt_len in zip(fb.extend_lens, fb.seq_lens, fb.prompt_lens)]
-    if generated_counts == fb.extend_lens:
-        route = RowRoute.from_mask([True])
-        return route, route
-    if not any(generated_counts):
-        route = RowRoute.from_mask([False])
-        return route, route
-    is_generated = []
-    for extend_len, generated in zip(fb.extend_lens, generated_counts):
-        is_generated.extend([False] * (extend_len - generated) + [True] * generated)
-    logits_rows = fb.logits_indices.tolist()
-    return RowRoute.from_mask(is_generated), RowRoute.from_mask([is_generated[row] for row in logits_rows])
 
 
 def _load_layer(layer: DecoderLayer, weights: dict[str, torch.Tensor], prefix: str) -> None:

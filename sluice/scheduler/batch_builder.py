@@ -106,7 +106,6 @@ def build_forward_batch(batch: StepBatch, req_to_token: torch.Tensor, k_buffers,
         logits_indices=batch.logits_indices,
         k_buffers=k_buffers,
         v_buffers=v_buffers,
-        prompt_lens=[len(req.prompt_ids) for req in batch.reqs],
         mm_rows=torch.tensor(mm_rows, dtype=torch.int64) if mm_rows else None,
         mm_embeds=torch.cat(mm_embeds) if mm_embeds else None,
     )

@@ -10,8 +10,11 @@ import pytest
 
 from tests.helpers import generate, greedy, internal_states, sse_events, wait_until_drained, wait_until_running
 
+# "What is the capital of France?" is a near-tie for this model ("The" vs "L", 0.1 apart):
+# quantized arithmetic answers "L'Étoile, ...", as llama.cpp does on the same GGUF. This
+# wording has a clear margin (1.4+) in both the quantized and the float paths.
 CHAT_PROMPT = ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
-               "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n")
+               "<|im_start|>user\nName the capital of France.<|im_end|>\n<|im_start|>assistant\n")
 
 
 def test_greedy_answer(base_url):

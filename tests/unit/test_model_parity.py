@@ -202,6 +202,6 @@ def test_quantized_decode_logits_stay_close_to_the_dense_path(runner, quantized_
         logits = []
         for model in (runner, quantized_runner):
             kv_buffers = model.new_kv_buffers(len(ids) + 1)
-            model.forward(make_batch(step[0], kv_buffers))  # prefill: dense in both (many rows)
-            logits.append(model.forward(make_batch(step[1], kv_buffers)))  # one row: the kernel
+            model.forward(make_batch(step[0], kv_buffers))
+            logits.append(model.forward(make_batch(step[1], kv_buffers)))
         assert relative_error(logits[1], logits[0]) < QUANTIZED_LOGITS_TOLERANCE

@@ -138,26 +138,48 @@ def test_config_reads_eos_from_both_files_and_sizes_kv(tmp_path: Path):
 
 @pytest.mark.skipif(not cpu_supports_kernels(), reason="the quantized kernels need AVX2 and FMA")
 @pytest.mark.parametrize("build", VARIANTS, ids=lambda build: build.__name__)
-def test_one_call_decode_layers_equal_the_per_op_path(build, tmp_path: Path):
-    """A decode-only step of a quantized model runs all layers in one C call; its logits
-    must be those of the layer-by-layer path, bit for bit."""
+def test_one_call_layers_equal_the_per_op_path(build, tmp_path: Path):
+    """A quantized float32 model runs all layers of a step in one C call; its logits must be
+    those of the layer-by-layer path, bit for bit, for a prefill and the decode steps after."""
     save_random_model(build, tmp_path)
     runner = ModelRunner(str(tmp_path), torch.float32, quantization="q8_0")
-    assert runner.model.decode_layers is not None
+    fused = runner.model.decode_layers
+    assert fused is not None
     prompts = [PROMPT_IDS, PROMPT_IDS[::-1][:7]]
     slots = [torch.arange(1, 40), torch.arange(40, 80)]
 
-    def decode(use_one_call: bool) -> list[torch.Tensor]:
-        fused, runner.model.decode_layers = runner.model.decode_layers, None
-        kv_buffers = runner.new_kv_buffers(81)
-        runner.forward(make_batch([(ids, s[: len(ids)]) for ids, s in zip(prompts, slots)], kv_buffers))
+    def run(use_one_call: bool) -> list[torch.Tensor]:
         runner.model.decode_layers = fused if use_one_call else None
-        step_logits = []
+        kv_buffers = runner.new_kv_buffers(81)
+        step_logits = [runner.forward(make_batch([(ids, s[: len(ids)]) for ids, s in zip(prompts, slots)], kv_buffers))]
         for step in range(5):
             new = [([3 + step], s[: len(ids) + step + 1]) for ids, s in zip(prompts, slots)]
             step_logits.append(runner.forward(make_batch(new, kv_buffers)))
         runner.model.decode_layers = fused
         return step_logits
 
-    for one_call, per_op in zip(decode(True), decode(False)):
+    for one_call, per_op in zip(run(True), run(False)):
         assert torch.equal(one_call, per_op)
+
+
+@pytest.mark.skipif(not cpu_supports_kernels(), reason="the quantized kernels need AVX2 and FMA")
+def test_quantized_results_do_not_depend_on_chunking_or_batching(tmp_path: Path):
+    """On the kernels every token attends like a decode step at its position and every matmul
+    row is computed alone, so a prompt gives the same logits bit for bit whether it is
+    prefilled at once, in chunks (as with a cached prefix), or beside other requests."""
+    save_random_model(llama_linear_rope_tied, tmp_path)
+    runner = ModelRunner(str(tmp_path), torch.float32, quantization="q8_0")
+    slots = torch.arange(1, len(PROMPT_IDS) + 1)
+
+    kv_buffers = runner.new_kv_buffers(64)
+    whole = runner.forward(make_batch([(PROMPT_IDS, slots)], kv_buffers, all_logits=True))
+
+    kv_buffers = runner.new_kv_buffers(64)
+    first = runner.forward(make_batch([(PROMPT_IDS[:5], slots[:5])], kv_buffers, all_logits=True))
+    rest = runner.forward(make_batch([(PROMPT_IDS[5:], slots)], kv_buffers, all_logits=True))
+    assert torch.equal(torch.cat([first, rest]), whole)
+
+    kv_buffers = runner.new_kv_buffers(64)
+    neighbour = ([9, 8, 7, 6, 5, 4, 3, 2, 1], torch.arange(40, 49))
+    batched = runner.forward(make_batch([neighbour, (PROMPT_IDS, slots)], kv_buffers, all_logits=True))
+    assert torch.equal(batched[len(neighbour[0]):], whole)
