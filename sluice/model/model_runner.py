@@ -44,8 +44,13 @@ class ModelRunner:
         return 2 * config.num_layers * config.num_kv_heads * config.head_dim * self.dtype.itemsize
 
     def new_kv_buffers(self, num_slots: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Zeroed per-layer K and V pools of shape [num_slots, num_kv_heads, head_dim]; slot 0 is padding."""
+        """Per-layer K and V pools of shape [num_slots, num_kv_heads, head_dim]; slot 0 is padding.
+
+        Only slot 0 is zeroed (padded attention reads it, masked): the rest is written before
+        it is read, and untouched pages take no memory until the cache grows into them.
+        """
         shape = (num_slots, self.config.num_kv_heads, self.config.head_dim)
-        k_buffers = [torch.zeros(shape, dtype=self.dtype) for _ in range(self.config.num_layers)]
-        v_buffers = [torch.zeros(shape, dtype=self.dtype) for _ in range(self.config.num_layers)]
-        return k_buffers, v_buffers
+        buffers = [torch.empty(shape, dtype=self.dtype) for _ in range(2 * self.config.num_layers)]
+        for buffer in buffers:
+            buffer[0].zero_()
+        return buffers[: self.config.num_layers], buffers[self.config.num_layers :]
