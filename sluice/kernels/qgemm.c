@@ -87,30 +87,32 @@ ALWAYS_INLINE __m256 load_halves(const uint8_t *p) {
     return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
 }
 
-/* 8 outputs (one row group) for each of `rows` activation rows. */
+/* 8 outputs (one row group) for each of `rows` activation rows. A block's 8 unpacked weight
+ * vectors stay in registers while the rows pass; each row's sum is a balanced tree (written
+ * as one chain, gcc reassociates it and spills the 32 products of a 4-row tile). */
 ALWAYS_INLINE void group_q4_1(const int rows, int nb, int K, const uint8_t *w, const int8_t *xq,
                               const float *xd, const float *xdsum, __m256 *acc) {
     const __m256i nibble = _mm256_set1_epi8(0x0F);
     const __m256i ones = _mm256_set1_epi16(1);
     for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
     for (int b = 0; b < nb; b++, w += Q4_1_GROUP_BLOCK_BYTES) {
-        __m256i sums[TILE];
-        for (int r = 0; r < rows; r++) sums[r] = _mm256_setzero_si256();
+        __m256i q[8]; /* q[g]: weights 4g .. 4g + 3 of each of the 8 rows */
         for (int j = 0; j < 4; j++) {
             const __m256i raw = _mm256_loadu_si256((const __m256i *)(w + 32 * j));
-            const __m256i low = _mm256_and_si256(raw, nibble);
-            const __m256i high = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
-            for (int r = 0; r < rows; r++) {
-                const int8_t *x = xq + (size_t)r * K + b * QK + 4 * j;
-                /* 8 products of at most 2 * 15 * 127 each: int16 cannot overflow. */
-                sums[r] = _mm256_add_epi16(sums[r], _mm256_maddubs_epi16(low, broadcast4(x)));
-                sums[r] = _mm256_add_epi16(sums[r], _mm256_maddubs_epi16(high, broadcast4(x + 16)));
-            }
+            q[j] = _mm256_and_si256(raw, nibble);
+            q[j + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
         }
         const __m256 d = load_halves(w + 128), m = load_halves(w + 144);
         for (int r = 0; r < rows; r++) {
+            const int8_t *x = xq + (size_t)r * K + b * QK;
+            __m256i pairs[4];
+            for (int g = 0; g < 8; g += 2)
+                pairs[g / 2] = _mm256_add_epi16(_mm256_maddubs_epi16(q[g], broadcast4(x + 4 * g)),
+                                                _mm256_maddubs_epi16(q[g + 1], broadcast4(x + 4 * g + 4)));
+            /* 8 products of at most 2 * 15 * 127 each: int16 cannot overflow. */
+            const __m256i sums = _mm256_add_epi16(_mm256_add_epi16(pairs[0], pairs[1]), _mm256_add_epi16(pairs[2], pairs[3]));
             const size_t index = (size_t)r * nb + b;
-            const __m256 dots = _mm256_cvtepi32_ps(_mm256_madd_epi16(sums[r], ones));
+            const __m256 dots = _mm256_cvtepi32_ps(_mm256_madd_epi16(sums, ones));
             acc[r] = _mm256_fmadd_ps(dots, _mm256_mul_ps(d, _mm256_set1_ps(xd[index])), acc[r]);
             acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(xdsum[index]), acc[r]);
         }
@@ -123,14 +125,21 @@ ALWAYS_INLINE void group_q8_0(const int rows, int nb, int K, const uint8_t *w, c
     for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
     for (int b = 0; b < nb; b++, w += Q8_0_GROUP_BLOCK_BYTES) {
         __m256i sums[TILE];
-        for (int r = 0; r < rows; r++) sums[r] = _mm256_setzero_si256();
-        for (int g = 0; g < 8; g++) {
-            const __m256i q = _mm256_loadu_si256((const __m256i *)(w + 32 * g));
-            const __m256i abs_q = _mm256_sign_epi8(q, q);
+        /* Half a block at a time: its 4 weight vectors and their magnitudes stay in registers. */
+        for (int half = 0; half < 2; half++) {
+            __m256i q[4], abs_q[4];
+            for (int g = 0; g < 4; g++) {
+                q[g] = _mm256_loadu_si256((const __m256i *)(w + 32 * (4 * half + g)));
+                abs_q[g] = _mm256_sign_epi8(q[g], q[g]);
+            }
             for (int r = 0; r < rows; r++) {
-                /* maddubs wants one unsigned operand: |q| * (x * sign(q)) == q * x. */
-                const __m256i x = _mm256_sign_epi8(broadcast4(xq + (size_t)r * K + b * QK + 4 * g), q);
-                sums[r] = _mm256_add_epi32(sums[r], _mm256_madd_epi16(_mm256_maddubs_epi16(abs_q, x), ones));
+                const int8_t *x = xq + (size_t)r * K + b * QK + 16 * half;
+                __m256i dots[4];
+                for (int g = 0; g < 4; g++) /* maddubs wants one unsigned operand: |q| * (x * sign(q)) == q * x */
+                    dots[g] = _mm256_madd_epi16(
+                        _mm256_maddubs_epi16(abs_q[g], _mm256_sign_epi8(broadcast4(x + 4 * g), q[g])), ones);
+                const __m256i half_sum = _mm256_add_epi32(_mm256_add_epi32(dots[0], dots[1]), _mm256_add_epi32(dots[2], dots[3]));
+                sums[r] = half == 0 ? half_sum : _mm256_add_epi32(sums[r], half_sum);
             }
         }
         const __m256 d = load_halves(w + 256);
