@@ -113,9 +113,10 @@ class SamplingBatch:
         )
 
 
-def sample(logits: Tensor, batch: SamplingBatch, top_logprobs_nums: list[int]) -> SampleOutput:
-    """logits: float32 [batch_size, vocab_size]; it is left unchanged."""
-    logprobs_all = torch.log_softmax(logits, -1)
+def sample(logits: Tensor, batch: SamplingBatch, top_logprobs_nums: list[int],
+           with_logprobs: bool = True) -> SampleOutput:
+    """logits: float32 [batch_size, vocab_size]; it is left unchanged. Without `with_logprobs`
+    (no row asked for them) the output's logprobs and top_logprobs are empty lists."""
     scores = _penalised(logits, batch)
     if batch.all_greedy:
         next_ids = scores.argmax(-1)
@@ -127,6 +128,9 @@ def sample(logits: Tensor, batch: SamplingBatch, top_logprobs_nums: list[int]) -
             next_ids[group.rows] = _sample_top_k(_scaled(scores, group), group)
         if (group := batch.whole_vocab_rows) is not None:
             next_ids[group.rows] = _sample_whole_vocab(_scaled(scores, group), group)
+    if not with_logprobs:
+        return SampleOutput(next_ids.tolist(), [], [])
+    logprobs_all = torch.log_softmax(logits, -1)
     logprobs = logprobs_all.gather(1, next_ids[:, None]).squeeze(1)
     return SampleOutput(next_ids.tolist(), logprobs.tolist(), _top_logprobs(logprobs_all, top_logprobs_nums))
 

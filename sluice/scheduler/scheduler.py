@@ -227,7 +227,9 @@ class Scheduler:
                 list(self.eos_token_ids),
                 self.config.vocab_size,
             )
-            next_tokens = sample(logits[batch.sample_logit_rows], sampling_batch, [r.top_logprobs_num if r.return_logprob else 0 for r in reqs])
+            next_tokens = sample(logits[batch.sample_logit_rows], sampling_batch,
+                                 [r.top_logprobs_num if r.return_logprob else 0 for r in reqs],
+                                 with_logprobs=any(r.return_logprob for r in reqs))
 
         outputs: list[TokenIDOutput] = []
         sample_pos = {row: k for k, row in enumerate(sampling_rows)}
