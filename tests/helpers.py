@@ -32,6 +32,9 @@ class RunningServer:
         cmd = [sys.executable, "-m", "sluice", "serve", "--port", str(self.port), *flags]
         self.process = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
         self._wait_ready()
+        if "--skip-warmup" not in flags:
+            self._wait_for_warm_ups(int(_flag_value(flags, "--tokenizer-worker-num", "1")),
+                                    _flag_value(flags, "--api-key", ""))
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + SERVER_START_TIMEOUT_S
@@ -46,6 +49,23 @@ class RunningServer:
             time.sleep(0.5)
         self.stop()
         raise RuntimeError(f"server not ready in {SERVER_START_TIMEOUT_S} s:\n{self.read_log()}")
+
+    def _wait_for_warm_ups(self, workers: int, api_key: str) -> None:
+        """/health answers once one HTTP worker is up; every worker sends its own warm-up
+        request. Wait until all of them reached the scheduler and finished, so that tests
+        counting messages or requests see none of them."""
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        deadline = time.monotonic() + SERVER_START_TIMEOUT_S
+        while True:
+            info = httpx.get(self.base_url + "/get_server_info", headers=headers, timeout=30).json()
+            states = info["internal_states"][0]
+            warmed = states["messages_received"].get("TokenizedGenerateReqInput", 0) >= workers
+            if warmed and states["num_running_reqs"] == 0 and states["num_waiting_reqs"] == 0:
+                return
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"the {workers} workers' warm-ups did not finish:\n{self.read_log()}")
+            time.sleep(0.2)
 
     def read_log(self) -> str:
         self.log.flush()
@@ -69,6 +89,10 @@ class RunningServer:
         remove_shared_args(self.process.pid)
         self.log.close()
 
+
+
+def _flag_value(flags: tuple[str, ...], name: str, default: str) -> str:
+    return flags[flags.index(name) + 1] if name in flags else default
 
 
 def generate(base_url: str, **body) -> httpx.Response:
