@@ -32,7 +32,7 @@ size_t sluice_decode_layers_scratch_bytes(const sluice_model_dims *d, int M) {
     const size_t widest_input = max_size((size_t)d->hidden, max_size((size_t)d->heads * d->head_dim, (size_t)d->intermediate));
     const size_t floats = (size_t)M * (2 * (size_t)d->hidden + qkv_width(d) + (size_t)d->heads * d->head_dim +
                                        3 * (size_t)d->intermediate);
-    const size_t qgemm_bytes = (size_t)M * (widest_input + 8 * (widest_input / 32));
+    const size_t qgemm_bytes = sluice_qgemm_scratch_bytes(M, (int)widest_input);
     return floats * sizeof(float) + qgemm_bytes;
 }
 

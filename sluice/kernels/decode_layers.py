@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -36,9 +37,8 @@ class _ModelDims(ctypes.Structure):
     ]
 
 
-@dataclass(slots=True)
-class QuantizedProjection:
-    """What the C loop needs of one block-quantized projection."""
+class QuantizedProjection(Protocol):
+    """What the C loop reads of a block-quantized projection (a QuantizedLinearWeight)."""
 
     format: int  # BlockFormat
     packed: torch.Tensor  # uint8, qgemm.c's row-group layout
@@ -66,6 +66,7 @@ class DecodeLayers:
     def __init__(self, layers: list[LayerTensors], hidden: int, heads: int, kv_heads: int, head_dim: int,
                  intermediate: int, eps: float) -> None:
         self._kernels = load_kernels()
+        self._pools: tuple[list[torch.Tensor], list[torch.Tensor], ctypes.Array, ctypes.Array] | None = None
         self._dims = _ModelDims(len(layers), hidden, heads, kv_heads, head_dim, intermediate, eps, head_dim ** -0.5)
         self._layers = (_LayerWeights * len(layers))(*[
             _LayerWeights(
@@ -96,7 +97,11 @@ class DecodeLayers:
             raise MemoryError("the decode layers could not allocate their attention scratch")
         return hidden
 
-    @staticmethod
-    def _pool_arrays(k_pools: list[torch.Tensor], v_pools: list[torch.Tensor]) -> tuple[ctypes.Array, ctypes.Array]:
-        array_type = ctypes.c_void_p * len(k_pools)
-        return array_type(*[t.data_ptr() for t in k_pools]), array_type(*[t.data_ptr() for t in v_pools])
+    def _pool_arrays(self, k_pools: list[torch.Tensor], v_pools: list[torch.Tensor]) -> tuple[ctypes.Array, ctypes.Array]:
+        # The scheduler passes the same pool lists every step: build their pointer arrays once.
+        # Holding the lists keeps them alive, so a new list can never reuse their identity.
+        if self._pools is None or self._pools[0] is not k_pools or self._pools[1] is not v_pools:
+            array_type = ctypes.c_void_p * len(k_pools)
+            self._pools = (k_pools, v_pools, array_type(*[t.data_ptr() for t in k_pools]),
+                           array_type(*[t.data_ptr() for t in v_pools]))
+        return self._pools[2], self._pools[3]

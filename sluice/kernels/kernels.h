@@ -2,8 +2,10 @@
 #ifndef SLUICE_KERNELS_H
 #define SLUICE_KERNELS_H
 
+#include <stddef.h>
 #include <stdint.h>
 
+size_t sluice_qgemm_scratch_bytes(int M, int K);
 int sluice_qgemm(int M, int N, int K, const float *x, int weight_type, const uint8_t *packed, float *out,
                  void *scratch);
 void sluice_rmsnorm(int rows, int dim, const float *x, const float *w, float eps, float *out);

@@ -72,6 +72,8 @@ _int, _float, _ptr = ctypes.c_int, ctypes.c_float, ctypes.c_void_p
 _SIGNATURES = {
     # M, N, K, x, weight_type, packed, out, scratch
     "sluice_qgemm": (_int, [_int, _int, _int, _ptr, _int, _ptr, _ptr, _ptr]),
+    # M, K
+    "sluice_qgemm_scratch_bytes": (ctypes.c_size_t, [_int, _int]),
     # rows, dim, x, w, eps, out
     "sluice_rmsnorm": (None, [_int, _int, _ptr, _ptr, _float, _ptr]),
     # rows, dim, hidden, delta, w, eps, out

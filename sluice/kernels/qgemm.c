@@ -25,6 +25,7 @@
  * runtime is the libgomp that torch has already loaded, so both share one thread pool.
  */
 #include <immintrin.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -160,8 +161,40 @@ ALWAYS_INLINE void group_q8_0(const int rows, int nb, int K, const uint8_t *w, c
 
 enum { WEIGHT_Q8_0 = 0, WEIGHT_Q4_1 = 1 };
 
+/* Bytes of scratch sluice_qgemm needs: the int8 activations and two floats per block. */
+size_t sluice_qgemm_scratch_bytes(int M, int K) { return (size_t)M * ((size_t)K + 2 * sizeof(float) * (size_t)(K / QK)); }
+
+/* Activation rows [r_begin, r_end) against one row group: out columns n0 .. n0 + width. */
+static void multiply_group(int weight_type, const uint8_t *w, int n0, int width, int N, int K, int r_begin,
+                           int r_end, const int8_t *xq, const float *xd, const float *xdsum, float *out) {
+    const int nb = K / QK;
+    for (int r0 = r_begin; r0 < r_end; r0 += TILE) {
+        const int rows = r_end - r0 < TILE ? r_end - r0 : TILE;
+        const int8_t *xq_tile = xq + (size_t)r0 * K;
+        const float *xd_tile = xd + (size_t)r0 * nb, *xdsum_tile = xdsum + (size_t)r0 * nb;
+        __m256 acc[TILE];
+#define Q8_0_ROWS(R) group_q8_0(R, nb, K, w, xq_tile, xd_tile, acc)
+#define Q4_1_ROWS(R) group_q4_1(R, nb, K, w, xq_tile, xd_tile, xdsum_tile, acc)
+        if (weight_type == WEIGHT_Q8_0) {
+            DISPATCH_ROWS(Q8_0_ROWS)
+        } else {
+            DISPATCH_ROWS(Q4_1_ROWS)
+        }
+        for (int r = 0; r < rows; r++) {
+            float *o = out + (size_t)(r0 + r) * N + n0;
+            if (width == GROUP) {
+                _mm256_storeu_ps(o, acc[r]);
+            } else {
+                float lanes[GROUP];
+                _mm256_storeu_ps(lanes, acc[r]);
+                for (int i = 0; i < width; i++) o[i] = lanes[i];
+            }
+        }
+    }
+}
+
 /* out[M, N] = x[M, K] @ W^T, W in row groups (N rounded up to a multiple of 8 there).
- * K must be a multiple of 32. scratch: M * (K + 2 * K / 32 * 4) bytes. */
+ * K must be a multiple of 32. scratch: sluice_qgemm_scratch_bytes(M, K). */
 int sluice_qgemm(int M, int N, int K, const float *x, int weight_type, const uint8_t *packed, float *out,
                  void *scratch) {
     if (K % QK != 0) return -1;
@@ -181,33 +214,11 @@ int sluice_qgemm(int M, int N, int K, const float *x, int weight_type, const uin
         for (int chunk = 0; chunk < M; chunk += M_CHUNK) {
             const int chunk_end = M - chunk < M_CHUNK ? M : chunk + M_CHUNK;
 #pragma omp for schedule(static)
-        for (int group = 0; group < groups; group++) {
-            const uint8_t *w = packed + (size_t)group * group_bytes;
-            const int n0 = group * GROUP, width = N - n0 < GROUP ? N - n0 : GROUP;
-            for (int r0 = chunk; r0 < chunk_end; r0 += TILE) {
-                const int rows = chunk_end - r0 < TILE ? chunk_end - r0 : TILE;
-                const int8_t *xq_tile = xq + (size_t)r0 * K;
-                const float *xd_tile = xd + (size_t)r0 * nb, *xdsum_tile = xdsum + (size_t)r0 * nb;
-                __m256 acc[TILE];
-#define Q8_0_ROWS(R) group_q8_0(R, nb, K, w, xq_tile, xd_tile, acc)
-#define Q4_1_ROWS(R) group_q4_1(R, nb, K, w, xq_tile, xd_tile, xdsum_tile, acc)
-                if (weight_type == WEIGHT_Q8_0) {
-                    DISPATCH_ROWS(Q8_0_ROWS)
-                } else {
-                    DISPATCH_ROWS(Q4_1_ROWS)
-                }
-                for (int r = 0; r < rows; r++) {
-                    float *o = out + (size_t)(r0 + r) * N + n0;
-                    if (width == GROUP) {
-                        _mm256_storeu_ps(o, acc[r]);
-                    } else {
-                        float lanes[GROUP];
-                        _mm256_storeu_ps(lanes, acc[r]);
-                        for (int i = 0; i < width; i++) o[i] = lanes[i];
-                    }
-                }
+            for (int group = 0; group < groups; group++) {
+                const int n0 = group * GROUP;
+                multiply_group(weight_type, packed + (size_t)group * group_bytes, n0, N - n0 < GROUP ? N - n0 : GROUP,
+                               N, K, chunk, chunk_end, xq, xd, xdsum, out);
             }
-        }
         }
     }
     return 0;

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sluice.kernels import ops
-from sluice.kernels.decode_layers import DecodeLayers, LayerTensors, QuantizedProjection
+from sluice.kernels.decode_layers import DecodeLayers, LayerTensors
 from sluice.model.attention import AttentionMetadata, attention
 from sluice.model.forward_batch import ForwardBatch
 from sluice.model.layers import Linear, QKVProjection, RMSNorm, RotaryEmbedding, SwiGLUMLP, linear
@@ -169,7 +169,7 @@ class LlamaForCausalLM(nn.Module):
         config = self.config
         tensors = [
             LayerTensors(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-                         *(QuantizedProjection(int(weight.format), weight.packed) for weight in weights),
+                         *weights,
                          qkv_bias=layer.qkv_proj.bias)
             for layer, weights in zip(self.layers, projections)
         ]

@@ -85,9 +85,10 @@ class QuantizedLinearWeight:
         x = x.float().contiguous()
         rows = x.shape[0]
         out = torch.empty(rows, self.out_features)
-        scratch = torch.empty(rows * (self.in_features + 8 * (self.in_features // BLOCK)), dtype=torch.uint8)
-        load_kernels().sluice_qgemm(rows, self.out_features, self.in_features, x.data_ptr(), int(self.format),
-                                    self.packed.data_ptr(), out.data_ptr(), scratch.data_ptr())
+        kernels = load_kernels()
+        scratch = torch.empty(kernels.sluice_qgemm_scratch_bytes(rows, self.in_features), dtype=torch.uint8)
+        kernels.sluice_qgemm(rows, self.out_features, self.in_features, x.data_ptr(), int(self.format),
+                             self.packed.data_ptr(), out.data_ptr(), scratch.data_ptr())
         return out
 
 
