@@ -119,7 +119,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-path", default="")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 64])
-    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=list(DTYPES))
+    parser.add_argument("--dtypes", nargs="+", default=["auto"], choices=["auto", *DTYPES],
+                        help="sluice's --dtype (auto: float32 on the C kernels where they run); transformers runs "
+                             "float32 for auto")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
@@ -137,14 +140,17 @@ def main() -> None:
     for dtype_name in args.dtypes:
         for quantization in args.quantization:
             torch.set_num_threads(args.threads)
-            runner = ModelRunner(model_path, DTYPES[dtype_name], quantization)
+            runner = ModelRunner(model_path, dtype_name, quantization, args.kv_cache_dtype)
+            print(f"sluice --dtype {dtype_name} --quantization {quantization}: "
+                  + "; ".join(f"{key} {value}" for key, value in runner.execution_info.items()), flush=True)
+            hf_dtype = DTYPES.get(dtype_name, torch.float32)
             for batch in args.batch_sizes:
                 prompts = random_prompts(batch, args.prompt_len, runner.config.vocab_size, seed=batch)
                 prefill_tps, decode_tps, e2e_tps = sluice_run(runner, prompts, args.new_tokens)
                 key = (dtype_name, batch)
                 if key not in hf_tps:
                     hf_tps[key] = (nan, nan, nan) if args.skip_transformers else transformers_run(
-                        model_path, DTYPES[dtype_name], prompts, args.new_tokens)
+                        model_path, hf_dtype, prompts, args.new_tokens)
                 hf_prefill, hf_decode, hf_e2e = hf_tps[key]
                 print(f"{dtype_name:9s} {quantization:>5s} {batch:5d} {prefill_tps:14.1f} {decode_tps:13.1f} "
                       f"{e2e_tps:17.1f}   {hf_prefill:9.1f} / {hf_decode:7.1f} / {hf_e2e:7.1f}          "

@@ -21,8 +21,9 @@ class ServerArgs:
     served_model_name: str = field(default="", metadata={"help": "Model name in the OpenAI API. Default: the model file or folder name."})
     host: str = field(default="127.0.0.1", metadata={"help": "HTTP bind address."})
     port: int = field(default=30000, metadata={"help": "HTTP port."})
-    dtype: str = field(default="auto", metadata={"help": "float32 | bfloat16 | auto (bfloat16 where the CPU supports it)."})
+    dtype: str = field(default="auto", metadata={"help": "auto | float32 | bfloat16. auto: float32 on sluice's C kernels wherever they run (any x86-64 CPU with AVX2), else bfloat16 torch ops where the CPU has bf16 kernels, else float32 torch ops. bfloat16 always runs torch ops (the kernels take float32)."})
     quantization: str = field(default="auto", metadata={"help": "auto | none | q8_0. Weights small decode batches read through the block-quantized C kernel: auto keeps a GGUF file's own Q4/Q8 blocks (HF folders stay dense); q8_0 quantizes every linear weight; none is the dense reference path."})
+    kv_cache_dtype: str = field(default="auto", metadata={"help": "auto | float32 | float16 | bfloat16: element type of the KV cache. auto: float16 on the C kernels (half the memory and attention bytes), the model dtype on torch ops."})
     num_threads: int = field(default=0, metadata={"help": "Threads for the forward pass in the scheduler process (0: all cores)."})
     max_total_tokens: int = field(default=0, metadata={"help": "KV cache size in tokens (0: from --kv-cache-memory-gb)."})
     kv_cache_memory_gb: float = field(default=2.0, metadata={"help": "Memory budget for the KV cache when --max-total-tokens is 0."})
@@ -56,6 +57,8 @@ class ServerArgs:
         checks = [
             (self.dtype in ("auto", "float32", "bfloat16"), "dtype must be float32, bfloat16 or auto"),
             (self.quantization in ("auto", "none", "q8_0"), "quantization must be auto, none or q8_0"),
+            (self.kv_cache_dtype in ("auto", "float32", "float16", "bfloat16"),
+             "kv_cache_dtype must be auto, float32, float16 or bfloat16"),
             (0 < self.port < 65536, "port must be in 1..65535"),
             (self.num_threads >= 0, "num_threads must be >= 0"),
             (self.max_total_tokens >= 0, "max_total_tokens must be >= 0"),

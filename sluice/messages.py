@@ -174,6 +174,8 @@ class SchedulerReady(Message):
     # positions one image takes once the Scheduler expands it.
     image_token_id: int | None = None
     num_image_tokens: int = 0
+    # How the model runs here (backend, instruction set, dtypes, kernel paths).
+    execution: dict[str, str] = {}
 
 
 class DetokenizerReady(Message):

@@ -11,18 +11,6 @@
 
 #include "kernels.h"
 
-typedef struct {
-    const float *input_norm, *post_attention_norm;
-    const uint8_t *qkv, *o, *gate_up, *down; /* qgemm.c's row-group layout */
-    int qkv_format, o_format, gate_up_format, down_format;
-    const float *qkv_bias; /* NULL when the model has none */
-} sluice_layer_weights;
-
-typedef struct {
-    int num_layers, hidden, heads, kv_heads, head_dim, intermediate;
-    float eps, attention_scale;
-} sluice_model_dims;
-
 static size_t qkv_width(const sluice_model_dims *d) { return (size_t)(d->heads + 2 * d->kv_heads) * d->head_dim; }
 
 static size_t max_size(size_t a, size_t b) { return a > b ? a : b; }
@@ -37,11 +25,11 @@ size_t sluice_decode_layers_scratch_bytes(const sluice_model_dims *d, int M) {
 }
 
 /* hidden [M, hidden]: the token embeddings in, the residual stream after the last layer out
- * (before the final norm). k_pools/v_pools: each layer's pool [slots, kv_heads, head_dim].
+ * (before the final norm). k_pools/v_pools: each layer's pool [slots, kv_heads, head_dim] of dims->kv_dtype.
  * cos/signed_sin [M, head_dim]; out_slots [M]: where each token's K/V go; attn_slots
  * [requests, max_len], slot_rows [M] (or NULL) and seq_lens [M] as for sluice_decode_attention. */
-int sluice_decode_layers(const sluice_model_dims *d, const sluice_layer_weights *layers, float *const *k_pools,
-                         float *const *v_pools, int M, float *hidden, const float *cos, const float *signed_sin,
+int sluice_decode_layers(const sluice_model_dims *d, const sluice_layer_weights *layers, void *const *k_pools,
+                         void *const *v_pools, int M, float *hidden, const float *cos, const float *signed_sin,
                          const int64_t *out_slots, const int64_t *attn_slots, const int64_t *slot_rows,
                          const int64_t *seq_lens, int max_len, void *scratch) {
     const int D = d->hidden, I = d->intermediate, attn_width = d->heads * d->head_dim;
@@ -65,9 +53,9 @@ int sluice_decode_layers(const sluice_model_dims *d, const sluice_layer_weights 
             for (int r = 0; r < M; r++)
                 for (int c = 0; c < qkv_cols; c++) qkv[(size_t)r * qkv_cols + c] += w->qkv_bias[c];
         sluice_rope_store(M, d->heads, d->kv_heads, d->head_dim, qkv, cos, signed_sin, k_pools[l], v_pools[l],
-                          out_slots);
+                          d->kv_dtype, out_slots);
         status |= sluice_decode_attention(M, d->heads, d->kv_heads, d->head_dim, max_len, d->attention_scale, qkv, qkv_cols,
-                                          k_pools[l], v_pools[l], attn_slots, slot_rows, seq_lens, attn);
+                                          k_pools[l], v_pools[l], d->kv_dtype, attn_slots, slot_rows, seq_lens, attn);
         status |= sluice_qgemm(M, D, attn_width, attn, w->o_format, w->o, pending, qgemm_scratch);
         sluice_add_rmsnorm(M, D, hidden, pending, w->post_attention_norm, d->eps, normed);
         status |= sluice_qgemm(M, 2 * I, D, normed, w->gate_up_format, w->gate_up, gate_up, qgemm_scratch);

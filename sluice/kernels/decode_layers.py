@@ -13,28 +13,8 @@ from typing import Protocol
 
 import torch
 
-from sluice.kernels.loader import load_kernels
-
-_float_p = ctypes.POINTER(ctypes.c_float)
-_byte_p = ctypes.POINTER(ctypes.c_uint8)
-
-
-class _LayerWeights(ctypes.Structure):
-    _fields_ = [
-        ("input_norm", _float_p), ("post_attention_norm", _float_p),
-        ("qkv", _byte_p), ("o", _byte_p), ("gate_up", _byte_p), ("down", _byte_p),
-        ("qkv_format", ctypes.c_int), ("o_format", ctypes.c_int),
-        ("gate_up_format", ctypes.c_int), ("down_format", ctypes.c_int),
-        ("qkv_bias", _float_p),
-    ]
-
-
-class _ModelDims(ctypes.Structure):
-    _fields_ = [
-        ("num_layers", ctypes.c_int), ("hidden", ctypes.c_int), ("heads", ctypes.c_int),
-        ("kv_heads", ctypes.c_int), ("head_dim", ctypes.c_int), ("intermediate", ctypes.c_int),
-        ("eps", ctypes.c_float), ("attention_scale", ctypes.c_float),
-    ]
+from sluice.kernels.contract import LayerWeights, ModelDims
+from sluice.kernels.ops import KV_DTYPES, KernelOps
 
 
 class QuantizedProjection(Protocol):
@@ -55,26 +35,40 @@ class LayerTensors:
     qkv_bias: torch.Tensor | None
 
 
+_FLOAT_P = dict(LayerWeights._fields_)["input_norm"]
+_BYTE_P = dict(LayerWeights._fields_)["qkv"]
+
+
 def _pointer(tensor: torch.Tensor | None, pointer_type: type) -> ctypes._Pointer | None:
-    return None if tensor is None else ctypes.cast(tensor.data_ptr(), pointer_type)
+    if tensor is None:
+        return None
+    expected = torch.float32 if pointer_type is _FLOAT_P else torch.uint8
+    if tensor.dtype != expected or not tensor.is_contiguous():
+        raise TypeError(f"a layer tensor of the one-call path must be contiguous {expected}, not {tensor.dtype}")
+    return ctypes.cast(tensor.data_ptr(), pointer_type)
 
 
 class DecodeLayers:
     """Holds pointers into the layers' tensors: the caller keeps those tensors alive (they
     are the model's own parameters)."""
 
-    def __init__(self, layers: list[LayerTensors], hidden: int, heads: int, kv_heads: int, head_dim: int,
-                 intermediate: int, eps: float) -> None:
-        self._kernels = load_kernels()
+    def __init__(self, ops: KernelOps, layers: list[LayerTensors], hidden: int, heads: int, kv_heads: int,
+                 head_dim: int, intermediate: int, eps: float, kv_dtype: torch.dtype) -> None:
+        self._lib = ops.lib
         self._pools: tuple[list[torch.Tensor], list[torch.Tensor], ctypes.Array, ctypes.Array] | None = None
-        self._dims = _ModelDims(len(layers), hidden, heads, kv_heads, head_dim, intermediate, eps, head_dim ** -0.5)
-        self._layers = (_LayerWeights * len(layers))(*[
-            _LayerWeights(
-                _pointer(layer.input_norm, _float_p), _pointer(layer.post_attention_norm, _float_p),
-                _pointer(layer.qkv.packed, _byte_p), _pointer(layer.o.packed, _byte_p),
-                _pointer(layer.gate_up.packed, _byte_p), _pointer(layer.down.packed, _byte_p),
-                layer.qkv.format, layer.o.format, layer.gate_up.format, layer.down.format,
-                _pointer(layer.qkv_bias, _float_p),
+        self._kv_dtype = kv_dtype
+        self._dims = ModelDims(num_layers=len(layers), hidden=hidden, heads=heads, kv_heads=kv_heads,
+                               head_dim=head_dim, intermediate=intermediate, eps=eps,
+                               attention_scale=head_dim ** -0.5, kv_dtype=int(KV_DTYPES[kv_dtype]))
+        self._layers = (LayerWeights * len(layers))(*[
+            LayerWeights(
+                input_norm=_pointer(layer.input_norm, _FLOAT_P),
+                post_attention_norm=_pointer(layer.post_attention_norm, _FLOAT_P),
+                qkv=_pointer(layer.qkv.packed, _BYTE_P), o=_pointer(layer.o.packed, _BYTE_P),
+                gate_up=_pointer(layer.gate_up.packed, _BYTE_P), down=_pointer(layer.down.packed, _BYTE_P),
+                qkv_format=layer.qkv.format, o_format=layer.o.format,
+                gate_up_format=layer.gate_up.format, down_format=layer.down.format,
+                qkv_bias=_pointer(layer.qkv_bias, _FLOAT_P),
             )
             for layer in layers
         ])
@@ -85,10 +79,16 @@ class DecodeLayers:
         """hidden [tokens, hidden_size] float32 embeddings (overwritten) -> the residual stream
         after the last layer; attention arguments as for ops.decode_attention."""
         tokens = hidden.shape[0]
-        scratch = torch.empty(self._kernels.sluice_decode_layers_scratch_bytes(ctypes.byref(self._dims), tokens),
+        if hidden.dtype != torch.float32 or not hidden.is_contiguous() or hidden.shape[1] != self._dims.hidden:
+            raise ValueError(f"hidden must be contiguous float32 [tokens, {self._dims.hidden}]")
+        if any(t.dtype != torch.int64 or not t.is_contiguous() for t in (out_slots, attn_slots, seq_lens)):
+            raise TypeError("slots and lengths must be contiguous int64")
+        if k_pools[0].dtype != self._kv_dtype:
+            raise TypeError(f"KV pools are {k_pools[0].dtype}, these layers were built for {self._kv_dtype}")
+        scratch = torch.empty(self._lib.sluice_decode_layers_scratch_bytes(ctypes.byref(self._dims), tokens),
                               dtype=torch.uint8)
         k_array, v_array = self._pool_arrays(k_pools, v_pools)
-        status = self._kernels.sluice_decode_layers(
+        status = self._lib.sluice_decode_layers(
             ctypes.byref(self._dims), self._layers, k_array, v_array, tokens, hidden.data_ptr(), cos.data_ptr(),
             signed_sin.data_ptr(), out_slots.data_ptr(), attn_slots.data_ptr(),
             None if slot_rows is None else slot_rows.data_ptr(), seq_lens.data_ptr(), max_len, scratch.data_ptr(),

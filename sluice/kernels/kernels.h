@@ -1,20 +1,88 @@
-/* The kernels' exported functions, for the C files that chain them (decode_layers.c). */
+/* The contract between sluice's C kernels and their Python callers, in one place.
+ *
+ * - Every exported function is declared here and nowhere else: the loader
+ *   (sluice/kernels/contract.py) reads the declarations below to bind the functions.
+ * - The shared structs and constants are checked when a library loads: Python asks
+ *   sluice_contract_value() for every size, field offset and constant it relies on and
+ *   refuses a library that answers differently.
+ *
+ * The same sources are compiled once per instruction set (see build.py); a build's row
+ * group (how many output rows qgemm interleaves) follows its vector width.
+ */
 #ifndef SLUICE_KERNELS_H
 #define SLUICE_KERNELS_H
 
 #include <stddef.h>
 #include <stdint.h>
 
+#define SLUICE_BLOCK 32 /* weights per quantized block, along K */
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#define SLUICE_AVX512_VNNI 1
+#define SLUICE_ROW_GROUP 16 /* one 512-bit register: 4 weights of each of 16 rows */
+#define SLUICE_ISA_NAME "avx512_vnni"
+#else
+#define SLUICE_ROW_GROUP 8 /* one 256-bit register: 4 weights of each of 8 rows */
+#define SLUICE_ISA_NAME "avx2"
+#endif
+
+/* Bytes of one row group's block: the quants of every row, then float16 scales (and q4_1's
+ * float16 minimums), one per row. */
+#define SLUICE_Q8_0_GROUP_BLOCK_BYTES (SLUICE_ROW_GROUP * (SLUICE_BLOCK + 2))
+#define SLUICE_Q4_1_GROUP_BLOCK_BYTES (SLUICE_ROW_GROUP * (SLUICE_BLOCK / 2 + 4))
+
+enum sluice_block_format { SLUICE_Q8_0 = 0, SLUICE_Q4_1 = 1 };
+
+/* Element type of the KV pools. */
+enum sluice_kv_dtype { SLUICE_KV_FLOAT32 = 0, SLUICE_KV_FLOAT16 = 1, SLUICE_KV_BFLOAT16 = 2 };
+
+/* One decoder layer's weights for sluice_decode_layers. */
+typedef struct {
+    const float *input_norm, *post_attention_norm;
+    const uint8_t *qkv, *o, *gate_up, *down; /* qgemm's row-group layout */
+    int qkv_format, o_format, gate_up_format, down_format;
+    const float *qkv_bias; /* NULL when the model has none */
+} sluice_layer_weights;
+
+typedef struct {
+    int num_layers, hidden, heads, kv_heads, head_dim, intermediate;
+    float eps, attention_scale;
+    int kv_dtype; /* enum sluice_kv_dtype */
+} sluice_model_dims;
+
+/* What this build is: sizes, field offsets and constants by name ("sizeof sluice_model_dims",
+ * "sluice_model_dims.eps", "SLUICE_ROW_GROUP", ...); LONG_MIN for a name it does not know. */
+long sluice_contract_value(const char *name);
+/* Runs every kernel on small fixed inputs against plain scalar code: 0 when all agree, else
+ * the number of the first check that failed. Run in a child process before a build is
+ * trusted, so that an instruction the CPU refuses kills the child, not the server. */
+int sluice_self_test(void);
+
+/* qgemm.c: out[M, N] = x[M, K] @ W^T with W in row groups. K must be a multiple of 32;
+ * returns 0, or -1 for a K or a format it cannot take. */
 size_t sluice_qgemm_scratch_bytes(int M, int K);
 int sluice_qgemm(int M, int N, int K, const float *x, int weight_type, const uint8_t *packed, float *out,
                  void *scratch);
+
+/* rmsnorm.c */
 void sluice_rmsnorm(int rows, int dim, const float *x, const float *w, float eps, float *out);
 void sluice_add_rmsnorm(int rows, int dim, float *hidden, const float *delta, const float *w, float eps, float *out);
+
+/* rope_store.c: pools hold kv_dtype elements. */
 void sluice_rope_store(int tokens, int heads, int kv_heads, int head_dim, float *qkv, const float *cos,
-                       const float *signed_sin, float *k_pool, float *v_pool, const int64_t *slots);
+                       const float *signed_sin, void *k_pool, void *v_pool, int kv_dtype, const int64_t *slots);
 void sluice_silu_mul(int rows, int width, const float *gate_up, float *out);
+
+/* decode_attention.c: returns 0, or -1 when its score buffers could not be allocated. */
 int sluice_decode_attention(int queries, int heads, int kv_heads, int head_dim, int max_len, float scale,
-                            const float *q, long q_stride, const float *k_pool, const float *v_pool,
+                            const float *q, long q_stride, const void *k_pool, const void *v_pool, int kv_dtype,
                             const int64_t *slots, const int64_t *slot_rows, const int64_t *seq_lens, float *out);
+
+/* decode_layers.c: every decoder layer of a step in one call; returns 0 or -1 as above. */
+size_t sluice_decode_layers_scratch_bytes(const sluice_model_dims *dims, int M);
+int sluice_decode_layers(const sluice_model_dims *dims, const sluice_layer_weights *layers, void *const *k_pools,
+                         void *const *v_pools, int M, float *hidden, const float *cos, const float *signed_sin,
+                         const int64_t *out_slots, const int64_t *attn_slots, const int64_t *slot_rows,
+                         const int64_t *seq_lens, int max_len, void *scratch);
 
 #endif

@@ -1,95 +1,110 @@
-"""Builds the C kernels in this folder once per source version and loads them with ctypes.
+"""Loads the best build of the C kernels this CPU runs correctly.
 
-The build is a single gcc call (about a second); the shared library is cached under
-~/.cache/sluice/kernels, keyed by the source's hash, so later starts only load it.
+For each instruction set the CPU offers (best first, see cpu.py): build it (once, cached),
+run its self-test in a child process (an instruction the CPU or its hypervisor refuses
+kills the child, not the server), load it, bind its functions from kernels.h and check its
+structs and constants. The first that passes all of that is used; why each better one was
+passed over is kept for the start-up log.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import os
-import shutil
+import logging
 import subprocess
-import tempfile
-from pathlib import Path
+import sys
+from dataclasses import dataclass, field
 
 import torch  # noqa: F401  (loads the libgomp that the kernels' OpenMP must share)
 
-_SOURCES = sorted(Path(__file__).parent.glob("*.c"))
-_HEADERS = sorted(Path(__file__).parent.glob("*.h"))
-_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+from sluice.kernels import contract
+from sluice.kernels.build import KernelUnavailable, built_library
+from sluice.kernels.cpu import ISA_NAMES, DISABLE_ENV, Isa, disabled_isas, isa_by_name, supported_isas, usable_isas
+
+logger = logging.getLogger(__name__)
+
+SELF_TEST_TIMEOUT_S = 60
+_SELF_TEST = "import ctypes, sys; sys.exit(ctypes.CDLL(sys.argv[1]).sluice_self_test())"
+
+__all__ = ["Kernels", "KernelUnavailable", "load_kernels", "kernels_available"]
 
 
-class KernelUnavailable(RuntimeError):
-    pass
+@dataclass(frozen=True, slots=True)
+class Kernels:
+    """One loaded build of the kernels."""
+
+    isa: str  # "avx512_vnni" | "avx2"
+    lib: ctypes.CDLL = field(repr=False)
+    row_group: int  # output rows qgemm interleaves (SLUICE_ROW_GROUP of this build)
+    passed_over: tuple[str, ...] = ()  # why better instruction sets were not used
+
+    def describe(self) -> str:
+        return self.isa + "".join(f"; {reason}" for reason in self.passed_over)
 
 
-def cpu_supports_kernels() -> bool:
-    """AVX2 and FMA, read from /proc/cpuinfo (Linux x86-64 only)."""
+def _self_test(library: str, isa: Isa) -> None:
     try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return " avx2" in flags and " fma" in flags
+        result = subprocess.run([sys.executable, "-c", _SELF_TEST, library], capture_output=True, text=True,
+                                timeout=SELF_TEST_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise KernelUnavailable(f"the {isa.name} self-test did not finish in {SELF_TEST_TIMEOUT_S} s") from None
+    if result.returncode < 0:
+        raise KernelUnavailable(f"the {isa.name} self-test was killed by signal {-result.returncode} "
+                                f"(an instruction this CPU refuses?)")
+    if result.returncode != 0:
+        raise KernelUnavailable(f"the {isa.name} self-test failed check {result.returncode} {result.stderr.strip()}")
 
 
-def _cache_dir() -> Path:
-    return Path(os.environ.get("SLUICE_CACHE_DIR", Path.home() / ".cache" / "sluice")) / "kernels"
-
-
-@functools.cache
-def load_kernels() -> ctypes.CDLL:
-    """The compiled kernels; raises KernelUnavailable with the reason when they cannot be had."""
-    if not cpu_supports_kernels():
-        raise KernelUnavailable("the quantized kernels need an x86-64 CPU with AVX2 and FMA")
-    compiler = shutil.which(os.environ.get("CC", "gcc"))
-    if compiler is None:
-        raise KernelUnavailable("the quantized kernels need a C compiler (gcc) to build once")
-    digest = hashlib.sha256(b"".join(path.read_bytes() for path in [*_SOURCES, *_HEADERS]) + " ".join(_FLAGS).encode())
-    library = _cache_dir() / f"sluice-kernels-{digest.hexdigest()[:16]}.so"
-    if not library.exists():
-        library.parent.mkdir(parents=True, exist_ok=True)
-        # Build into a temporary name and rename: concurrent first starts never see half a file.
-        with tempfile.TemporaryDirectory(dir=library.parent) as tmp:
-            built = Path(tmp) / library.name
-            result = subprocess.run([compiler, *_FLAGS, *map(str, _SOURCES), "-o", str(built), "-lm"],
-                                    capture_output=True, text=True)
-            if result.returncode != 0:
-                raise KernelUnavailable(f"building the kernels failed:\n{result.stderr}")
-            os.replace(built, library)
-    lib = ctypes.CDLL(str(library))
-    for name, (restype, argtypes) in _SIGNATURES.items():
-        function = getattr(lib, name)
-        function.restype = restype
-        function.argtypes = argtypes
+def _load(isa: Isa) -> ctypes.CDLL:
+    library = str(built_library(isa))
+    _self_test(library, isa)
+    lib = ctypes.CDLL(library)
+    lib.sluice_contract_value.restype = ctypes.c_long
+    lib.sluice_contract_value.argtypes = [ctypes.c_char_p]
+    contract.check(lib)
+    contract.bind(lib)
     return lib
 
 
-_int, _float, _ptr = ctypes.c_int, ctypes.c_float, ctypes.c_void_p
-# Every exported function, as its C declaration has it (pointers passed as data_ptr() ints).
-_SIGNATURES = {
-    # M, N, K, x, weight_type, packed, out, scratch
-    "sluice_qgemm": (_int, [_int, _int, _int, _ptr, _int, _ptr, _ptr, _ptr]),
-    # M, K
-    "sluice_qgemm_scratch_bytes": (ctypes.c_size_t, [_int, _int]),
-    # rows, dim, x, w, eps, out
-    "sluice_rmsnorm": (None, [_int, _int, _ptr, _ptr, _float, _ptr]),
-    # rows, dim, hidden, delta, w, eps, out
-    "sluice_add_rmsnorm": (None, [_int, _int, _ptr, _ptr, _ptr, _float, _ptr]),
-    # tokens, heads, kv_heads, head_dim, qkv, cos, signed_sin, k_pool, v_pool, slots
-    "sluice_rope_store": (None, [_int, _int, _int, _int, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr]),
-    # rows, width, gate_up, out
-    "sluice_silu_mul": (None, [_int, _int, _ptr, _ptr]),
-    # queries, heads, kv_heads, head_dim, max_len, scale, q, q_stride, k_pool, v_pool, slots, slot_rows, seq_lens,
-    # out
-    "sluice_decode_attention": (_int, [_int, _int, _int, _int, _int, _float, _ptr, ctypes.c_long, _ptr, _ptr, _ptr,
-                                       _ptr, _ptr, _ptr]),
-    # dims, layers, k_pools, v_pools, M, hidden, cos, signed_sin, out_slots, attn_slots, slot_rows, seq_lens,
-    # max_len, scratch
-    "sluice_decode_layers": (_int, [_ptr, _ptr, _ptr, _ptr, _int, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _int,
-                                    _ptr]),
-    # dims, M
-    "sluice_decode_layers_scratch_bytes": (ctypes.c_size_t, [_ptr, _int]),
-}
+@functools.cache
+def load_kernels(isa: str | None = None) -> Kernels:
+    """The kernels built for `isa`, or for the best instruction set that works here (None).
+
+    Raises KernelUnavailable with the reason when none can be had.
+    """
+    if isa is not None:
+        wanted = isa_by_name(isa)
+        if wanted not in supported_isas():
+            raise KernelUnavailable(f"this CPU lacks {isa} ({', '.join(wanted.required_flags)})")
+        candidates = [wanted]
+    else:
+        candidates = usable_isas()
+        if not candidates:
+            disabled = sorted(disabled_isas())
+            reason = f" ({DISABLE_ENV}={','.join(disabled)})" if disabled else ""
+            raise KernelUnavailable(f"the C kernels need an x86-64 CPU with AVX2, FMA and F16C{reason}")
+    passed_over: list[str] = [f"{name} disabled by {DISABLE_ENV}" for name in ISA_NAMES
+                              if name in disabled_isas() and isa is None and isa_by_name(name) in supported_isas()]
+    for candidate in candidates:
+        try:
+            lib = _load(candidate)
+        except (KernelUnavailable, contract.ContractMismatch) as error:
+            if candidate is candidates[-1]:
+                raise KernelUnavailable(str(error)) from None
+            logger.warning("kernels: %s not used: %s", candidate.name, error)
+            passed_over.append(f"{candidate.name} not used: {error}")
+            continue
+        return Kernels(candidate.name, lib, lib.sluice_contract_value(b"SLUICE_ROW_GROUP"), tuple(passed_over))
+    raise AssertionError("unreachable")
+
+
+@functools.cache
+def kernels_available() -> bool:
+    """Whether some build of the kernels works here (logs why not, once)."""
+    try:
+        load_kernels()
+    except KernelUnavailable as error:
+        logger.warning("C kernels unavailable: %s", error)
+        return False
+    return True

@@ -1,78 +1,141 @@
-"""Tensor-level wrappers of the C kernels (float32, contiguous, on the CPU).
+"""Tensor-level calls into one loaded build of the C kernels.
 
-Callers check `kernels_available()` and keep a torch path for everything else (bfloat16,
-a CPU without AVX2, no compiler).
+Every call checks what it hands to C (device, dtype, layout, shape) and every status C
+returns: a wrong tensor is a Python exception here, never memory read out of bounds.
+Activations are float32; KV pools are float32, float16 or bfloat16.
 """
 
 from __future__ import annotations
 
-import functools
-import logging
-
 import torch
 
-from sluice.kernels.loader import KernelUnavailable, load_kernels
+from sluice.kernels.contract import BLOCK, BlockFormat, KvDtype
+from sluice.kernels.loader import Kernels
 
-logger = logging.getLogger(__name__)
+KV_DTYPES = {torch.float32: KvDtype.FLOAT32, torch.float16: KvDtype.FLOAT16, torch.bfloat16: KvDtype.BFLOAT16}
 
 
-@functools.cache
-def kernels_available() -> bool:
+def _pointer(tensor: torch.Tensor, name: str, dtype: torch.dtype, contiguous: bool = True) -> int:
+    if tensor.device.type != "cpu":
+        raise ValueError(f"{name} must be on the CPU, not {tensor.device}")
+    if tensor.dtype != dtype:
+        raise TypeError(f"{name} must be {dtype}, not {tensor.dtype}")
+    if contiguous and not tensor.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+    return tensor.data_ptr()
+
+
+def kv_dtype_code(pool: torch.Tensor) -> KvDtype:
     try:
-        load_kernels()
-    except KernelUnavailable as error:
-        logger.warning("C kernels unavailable, using torch ops instead: %s", error)
-        return False
-    return True
+        return KV_DTYPES[pool.dtype]
+    except KeyError:
+        raise TypeError(f"a KV pool must be float32, float16 or bfloat16, not {pool.dtype}") from None
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    x = x.contiguous()
-    out = torch.empty_like(x)
-    load_kernels().sluice_rmsnorm(x.shape[0], x.shape[1], x.data_ptr(), weight.data_ptr(), eps, out.data_ptr())
-    return out
+def _pool_pointers(k_pool: torch.Tensor, v_pool: torch.Tensor) -> tuple[int, int, KvDtype]:
+    kv_dtype = kv_dtype_code(k_pool)
+    if v_pool.shape != k_pool.shape:
+        raise ValueError(f"K and V pools differ in shape: {tuple(k_pool.shape)} vs {tuple(v_pool.shape)}")
+    return (_pointer(k_pool, "k_pool", k_pool.dtype), _pointer(v_pool, "v_pool", k_pool.dtype), kv_dtype)
 
 
-def add_rms_norm(hidden: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """hidden += delta in place; returns rms_norm(hidden). hidden must be contiguous."""
-    delta = delta.contiguous()
-    out = torch.empty_like(hidden)
-    load_kernels().sluice_add_rmsnorm(hidden.shape[0], hidden.shape[1], hidden.data_ptr(), delta.data_ptr(),
-                                      weight.data_ptr(), eps, out.data_ptr())
-    return out
+class KernelOps:
+    """The kernels of one build (one instruction set), as torch-tensor functions."""
+
+    def __init__(self, kernels: Kernels) -> None:
+        self.kernels = kernels
+        self.lib = kernels.lib
+
+    @property
+    def isa(self) -> str:
+        return self.kernels.isa
+
+    @property
+    def row_group(self) -> int:
+        return self.kernels.row_group
+
+    def qgemm(self, x: torch.Tensor, format: BlockFormat, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+        """x [rows, in] float32 @ W.T -> float32 [rows, out], W packed in this build's row groups."""
+        if x.dim() != 2 or x.shape[1] % BLOCK:
+            raise ValueError(f"qgemm takes [rows, k] with k a multiple of {BLOCK}, not {tuple(x.shape)}")
+        x = x.contiguous()
+        rows, in_features = x.shape
+        out = torch.empty(rows, out_features)
+        scratch = torch.empty(self.lib.sluice_qgemm_scratch_bytes(rows, in_features), dtype=torch.uint8)
+        status = self.lib.sluice_qgemm(rows, out_features, in_features, _pointer(x, "x", torch.float32), int(format),
+                                       _pointer(packed, "packed weights", torch.uint8), out.data_ptr(),
+                                       scratch.data_ptr())
+        if status != 0:
+            raise ValueError(f"qgemm refused in_features={in_features} or format {format!r}")
+        return out
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        x = x.contiguous()
+        rows, dim = x.shape
+        out = torch.empty_like(x)
+        self.lib.sluice_rmsnorm(rows, dim, _pointer(x, "x", torch.float32), _norm_weight(weight, dim), eps,
+                                out.data_ptr())
+        return out
+
+    def add_rms_norm(self, hidden: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """hidden += delta in place; returns rms_norm(hidden). hidden must be contiguous."""
+        rows, dim = hidden.shape
+        if delta.shape != hidden.shape:
+            raise ValueError(f"delta {tuple(delta.shape)} does not match hidden {tuple(hidden.shape)}")
+        delta = delta.contiguous()
+        out = torch.empty_like(hidden)
+        self.lib.sluice_add_rmsnorm(rows, dim, _pointer(hidden, "hidden", torch.float32),
+                                    _pointer(delta, "delta", torch.float32), _norm_weight(weight, dim), eps,
+                                    out.data_ptr())
+        return out
+
+    def decode_attention(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor,
+                         seq_lens: torch.Tensor, max_len: int, slot_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """q [queries, heads, head_dim] over pooled K/V through padded slots [requests * max_len]:
+        query i sees the first seq_lens[i] slots of row slot_rows[i] (None: row i).
+        q's rows may be strided (a view into the qkv projection); each row's heads must be contiguous."""
+        queries, heads, head_dim = q.shape
+        if q.stride(2) != 1 or q.stride(1) != head_dim:
+            q = q.contiguous()
+        k_pointer, v_pointer, kv_dtype = _pool_pointers(k_pool, v_pool)
+        kv_heads = k_pool.shape[1]
+        if k_pool.shape[2] != head_dim or heads % kv_heads:
+            raise ValueError(f"q heads {heads} x {head_dim} do not fit pools of {kv_heads} x {k_pool.shape[2]}")
+        if seq_lens.shape != (queries,) or (slot_rows is not None and slot_rows.shape != (queries,)):
+            raise ValueError("seq_lens (and slot_rows) must hold one entry per query")
+        out = q.new_empty(queries, heads, head_dim)
+        status = self.lib.sluice_decode_attention(
+            queries, heads, kv_heads, head_dim, max_len, head_dim ** -0.5, _pointer(q, "q", torch.float32, False),
+            q.stride(0), k_pointer, v_pointer, int(kv_dtype), _pointer(slots, "slots", torch.int64),
+            None if slot_rows is None else _pointer(slot_rows, "slot_rows", torch.int64),
+            _pointer(seq_lens, "seq_lens", torch.int64), out.data_ptr(),
+        )
+        if status != 0:
+            raise MemoryError("decode attention could not allocate its score buffer")
+        return out
+
+    def rope_and_store(self, qkv: torch.Tensor, num_heads: int, cos: torch.Tensor, signed_sin: torch.Tensor,
+                       k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor) -> None:
+        """Rotate the q and k heads of contiguous qkv [tokens, heads + 2 * kv_heads, head_dim] in
+        place, then store its k and v rows in the pools at `slots`. cos/signed_sin: [tokens, head_dim]."""
+        tokens, _, head_dim = qkv.shape
+        k_pointer, v_pointer, kv_dtype = _pool_pointers(k_pool, v_pool)
+        if cos.shape != (tokens, head_dim) or signed_sin.shape != cos.shape or slots.shape != (tokens,):
+            raise ValueError("cos, signed_sin and slots must hold one row per token")
+        self.lib.sluice_rope_store(tokens, num_heads, k_pool.shape[1], head_dim, _pointer(qkv, "qkv", torch.float32),
+                                   _pointer(cos, "cos", torch.float32), _pointer(signed_sin, "signed_sin", torch.float32),
+                                   k_pointer, v_pointer, int(kv_dtype), _pointer(slots, "slots", torch.int64))
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up for contiguous gate_up = [gate | up] of shape [rows, 2 * width]."""
+        rows, double_width = gate_up.shape
+        out = gate_up.new_empty(rows, double_width // 2)
+        self.lib.sluice_silu_mul(rows, double_width // 2, _pointer(gate_up, "gate_up", torch.float32), out.data_ptr())
+        return out
 
 
-def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor,
-                     seq_lens: torch.Tensor, max_len: int, slot_rows: torch.Tensor | None = None) -> torch.Tensor:
-    """q [queries, heads, head_dim] over pooled K/V through padded slots [requests * max_len]:
-    query i sees the first seq_lens[i] slots of row slot_rows[i] (None: row i).
-    q's rows may be strided (a view into the qkv projection); each row's heads must be contiguous."""
-    queries, heads, head_dim = q.shape
-    if q.stride(2) != 1 or q.stride(1) != head_dim:
-        q = q.contiguous()
-    out = q.new_empty(queries, heads, head_dim)
-    status = load_kernels().sluice_decode_attention(
-        queries, heads, k_pool.shape[1], head_dim, max_len, head_dim ** -0.5, q.data_ptr(), q.stride(0),
-        k_pool.data_ptr(), v_pool.data_ptr(), slots.data_ptr(), None if slot_rows is None else slot_rows.data_ptr(),
-        seq_lens.data_ptr(), out.data_ptr(),
-    )
-    if status != 0:
-        raise MemoryError("decode attention could not allocate its score buffer")
-    return out
+def _norm_weight(weight: torch.Tensor, dim: int) -> int:
+    if weight.shape != (dim,):
+        raise ValueError(f"norm weight {tuple(weight.shape)} does not match width {dim}")
+    return _pointer(weight, "norm weight", torch.float32)
 
-
-def rope_and_store(qkv: torch.Tensor, num_heads: int, cos: torch.Tensor, signed_sin: torch.Tensor,
-                   k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor) -> None:
-    """Rotate the q and k heads of contiguous qkv [tokens, heads + 2 * kv_heads, head_dim] in
-    place, then store its k and v rows in the pools at `slots`. cos/signed_sin: [tokens, head_dim]."""
-    tokens, _, head_dim = qkv.shape
-    load_kernels().sluice_rope_store(tokens, num_heads, k_pool.shape[1], head_dim, qkv.data_ptr(), cos.data_ptr(),
-                                     signed_sin.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), slots.data_ptr())
-
-
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up for contiguous gate_up = [gate | up] of shape [rows, 2 * width]."""
-    rows, double_width = gate_up.shape
-    out = gate_up.new_empty(rows, double_width // 2)
-    load_kernels().sluice_silu_mul(rows, double_width // 2, gate_up.data_ptr(), out.data_ptr())
-    return out

@@ -1,4 +1,5 @@
-/* Block-quantized matrix multiply on x86-64 with AVX2 + FMA (F16C for the scales).
+/* Block-quantized matrix multiply on x86-64: AVX2 + FMA (F16C for the scales), or
+ * AVX-512 with VNNI when this file is built for it.
  *
  * out[M, N] = x[M, K] @ W[N, K]^T where W is stored in blocks of 32 weights along K:
  *   q8_0: int8 q, one scale d per block            w = d * q
@@ -9,27 +10,33 @@
  * what a decode step is bound by. This is the arithmetic of llama.cpp's q8_0 and q4_1 dot
  * products; the code and the layout below are our own.
  *
- * Weights are interleaved by 8 output rows ("a row group"), block after block, so that one
- * 256-bit register holds 4 consecutive weights of each of the 8 rows. Against the same 4
- * activation bytes broadcast to every lane, maddubs + madd yield the 8 rows' partial dots in
- * the 8 lanes: no horizontal sums, and a block's scales for 8 rows are one vector. A row
- * group's block is (sluice/model/quantized_linear.py writes this layout):
- *   q4_1: 128 bytes: byte [j][i][t] = q[row i][4j + t] | q[row i][4j + t + 16] << 4
- *                    (j < 4, t < 4), then 8 float16 d, then 8 float16 m      (160 bytes)
- *   q8_0: 256 bytes: byte [g][i][t] = q[row i][4g + t] (g < 8), then 8 float16 d (272 bytes)
+ * Weights are interleaved by G output rows ("a row group", G = SLUICE_ROW_GROUP: 8 for
+ * 256-bit registers, 16 for 512-bit ones), block after block, so that one register holds 4
+ * consecutive weights of each of the G rows. Against the same 4 activation bytes broadcast
+ * to every lane, the integer dot instructions yield the G rows' partial dots in the G lanes:
+ * no horizontal sums, and a block's scales for G rows are one vector. A row group's block is
+ * (sluice/model/quantized_linear.py writes this layout):
+ *   q4_1: 16 G bytes: byte [j][i][t] = q[row i][4j + t] | q[row i][4j + t + 16] << 4
+ *                     (j < 4, i < G, t < 4), then G float16 d, then G float16 m
+ *   q8_0: 32 G bytes: byte [j][i][t] = q[row i][4j + t] (j < 8), then G float16 d
  *
- * Each output is accumulated in block order by one chain of FMAs, whatever M, the tile or
- * the thread split: a row's result never depends on the other rows in the batch.
- *
- * Compiled at first use by sluice/kernels/loader.py and called through ctypes; the OpenMP
- * runtime is the libgomp that torch has already loaded, so both share one thread pool.
+ * Each block's integer dot is exact on either instruction set (no intermediate can
+ * saturate), and each output is accumulated in block order by one chain of FMAs, whatever
+ * M, the tile or the thread split. So a row's result never depends on the other rows in the
+ * batch, and the AVX2 and AVX-512 builds give the same bits.
  */
 #include <immintrin.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
 
-#define QK 32
+#include "kernels.h"
+
+#define QK SLUICE_BLOCK
+#define GROUP SLUICE_ROW_GROUP
+#define TILE 4 /* activation rows sharing each loaded weight vector */
+#define M_CHUNK 128
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
 
 static inline int hsum_epi32(__m256i v) {
     __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
@@ -38,8 +45,9 @@ static inline int hsum_epi32(__m256i v) {
     return _mm_cvtsi128_si32(s);
 }
 
-/* One row of K floats -> K int8, with per block: d (scale) and d * sum(q) (for q4_1's m). */
-static void quantize_row(const float *x, int K, int8_t *q, float *d, float *dsum) {
+/* One row of K floats -> K int8, with per block: d (scale), the sum of its quants, and
+ * d * that sum (for q4_1's m). */
+static void quantize_row(const float *x, int K, int8_t *q, float *d, int32_t *qsum, float *dsum) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
     const __m256i perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     const __m256i ones8 = _mm256_set1_epi8(1);
@@ -67,22 +75,85 @@ static void quantize_row(const float *x, int K, int8_t *q, float *d, float *dsum
         _mm256_storeu_si256((__m256i *)(q + b * QK), packed);
         const int sum = hsum_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(ones8, packed), ones16));
         d[b] = scale;
+        qsum[b] = sum;
         dsum[b] = scale * (float)sum;
     }
 }
 
-#define GROUP 8 /* output rows interleaved in one row group */
-#define TILE 4  /* activation rows sharing each loaded weight vector */
-#define M_CHUNK 128
-#define Q4_1_GROUP_BLOCK_BYTES 160
-#define Q8_0_GROUP_BLOCK_BYTES 272
-#define ALWAYS_INLINE static inline __attribute__((always_inline))
-
-ALWAYS_INLINE __m256i broadcast4(const int8_t *p) {
+ALWAYS_INLINE int32_t load_word(const int8_t *p) {
     int32_t word;
     __builtin_memcpy(&word, p, 4);
-    return _mm256_set1_epi32(word);
+    return word;
 }
+
+#ifdef SLUICE_AVX512_VNNI
+/* ------------------------------------------------------------ AVX-512 VNNI: 16 rows a register */
+typedef __m512 group_acc;
+
+ALWAYS_INLINE __m512 load_halves(const uint8_t *p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+}
+
+/* The exact integer dots of one activation block (32 int8 at x) with a block's 8 weight
+ * vectors, unsigned, lanes = rows. Two chains, so consecutive vpdpbusd do not wait on each other. */
+ALWAYS_INLINE __m512i block_dots(const __m512i *q, const int8_t *x) {
+    __m512i even = _mm512_setzero_si512(), odd = _mm512_setzero_si512();
+    for (int g = 0; g < 8; g += 2) {
+        even = _mm512_dpbusd_epi32(even, q[g], _mm512_set1_epi32(load_word(x + 4 * g)));
+        odd = _mm512_dpbusd_epi32(odd, q[g + 1], _mm512_set1_epi32(load_word(x + 4 * g + 4)));
+    }
+    return _mm512_add_epi32(even, odd);
+}
+
+ALWAYS_INLINE void group_q4_1(const int rows, int nb, int K, const uint8_t *w, const int8_t *xq,
+                              const float *xd, const int32_t *xqsum, const float *xdsum, __m512 *acc) {
+    (void)xqsum;
+    const __m512i nibble = _mm512_set1_epi8(0x0F);
+    for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
+    for (int b = 0; b < nb; b++, w += SLUICE_Q4_1_GROUP_BLOCK_BYTES) {
+        __m512i q[8]; /* q[g]: weights 4g .. 4g + 3 of each of the 16 rows (g >= 4: the high nibbles) */
+        for (int j = 0; j < 4; j++) {
+            const __m512i raw = _mm512_loadu_si512((const void *)(w + 64 * j));
+            q[j] = _mm512_and_si512(raw, nibble);
+            q[j + 4] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble);
+        }
+        const __m512 d = load_halves(w + 16 * GROUP), m = load_halves(w + 18 * GROUP);
+        for (int r = 0; r < rows; r++) {
+            const size_t index = (size_t)r * nb + b;
+            const __m512 dots = _mm512_cvtepi32_ps(block_dots(q, xq + (size_t)r * K + b * QK));
+            acc[r] = _mm512_fmadd_ps(dots, _mm512_mul_ps(d, _mm512_set1_ps(xd[index])), acc[r]);
+            acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xdsum[index]), acc[r]);
+        }
+    }
+}
+
+ALWAYS_INLINE void group_q8_0(const int rows, int nb, int K, const uint8_t *w, const int8_t *xq,
+                              const float *xd, const int32_t *xqsum, __m512 *acc) {
+    /* vpdpbusd wants one unsigned operand: q + 128 (q xor 0x80), and 128 * sum(x) comes off after. */
+    const __m512i bias = _mm512_set1_epi8((char)0x80);
+    for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
+    for (int b = 0; b < nb; b++, w += SLUICE_Q8_0_GROUP_BLOCK_BYTES) {
+        __m512i q[8];
+        for (int g = 0; g < 8; g++) q[g] = _mm512_xor_si512(_mm512_loadu_si512((const void *)(w + 64 * g)), bias);
+        const __m512 d = load_halves(w + 32 * GROUP);
+        for (int r = 0; r < rows; r++) {
+            const size_t index = (size_t)r * nb + b;
+            const __m512i biased = block_dots(q, xq + (size_t)r * K + b * QK);
+            const __m512i dots = _mm512_sub_epi32(biased, _mm512_set1_epi32(128 * xqsum[index]));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots), _mm512_mul_ps(d, _mm512_set1_ps(xd[index])), acc[r]);
+        }
+    }
+}
+
+ALWAYS_INLINE void store_group(float *o, int width, __m512 acc) {
+    _mm512_mask_storeu_ps(o, (__mmask16)((1u << width) - 1), acc);
+}
+
+#else
+/* ------------------------------------------------------------ AVX2: 8 rows a register */
+typedef __m256 group_acc;
+
+ALWAYS_INLINE __m256i broadcast4(const int8_t *p) { return _mm256_set1_epi32(load_word(p)); }
 
 ALWAYS_INLINE __m256 load_halves(const uint8_t *p) {
     return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
@@ -92,18 +163,19 @@ ALWAYS_INLINE __m256 load_halves(const uint8_t *p) {
  * vectors stay in registers while the rows pass; each row's sum is a balanced tree (written
  * as one chain, gcc reassociates it and spills the 32 products of a 4-row tile). */
 ALWAYS_INLINE void group_q4_1(const int rows, int nb, int K, const uint8_t *w, const int8_t *xq,
-                              const float *xd, const float *xdsum, __m256 *acc) {
+                              const float *xd, const int32_t *xqsum, const float *xdsum, __m256 *acc) {
+    (void)xqsum;
     const __m256i nibble = _mm256_set1_epi8(0x0F);
     const __m256i ones = _mm256_set1_epi16(1);
     for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
-    for (int b = 0; b < nb; b++, w += Q4_1_GROUP_BLOCK_BYTES) {
+    for (int b = 0; b < nb; b++, w += SLUICE_Q4_1_GROUP_BLOCK_BYTES) {
         __m256i q[8]; /* q[g]: weights 4g .. 4g + 3 of each of the 8 rows */
         for (int j = 0; j < 4; j++) {
             const __m256i raw = _mm256_loadu_si256((const __m256i *)(w + 32 * j));
             q[j] = _mm256_and_si256(raw, nibble);
             q[j + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
         }
-        const __m256 d = load_halves(w + 128), m = load_halves(w + 144);
+        const __m256 d = load_halves(w + 16 * GROUP), m = load_halves(w + 18 * GROUP);
         for (int r = 0; r < rows; r++) {
             const int8_t *x = xq + (size_t)r * K + b * QK;
             __m256i pairs[4];
@@ -121,10 +193,11 @@ ALWAYS_INLINE void group_q4_1(const int rows, int nb, int K, const uint8_t *w, c
 }
 
 ALWAYS_INLINE void group_q8_0(const int rows, int nb, int K, const uint8_t *w, const int8_t *xq,
-                              const float *xd, __m256 *acc) {
+                              const float *xd, const int32_t *xqsum, __m256 *acc) {
+    (void)xqsum;
     const __m256i ones = _mm256_set1_epi16(1);
     for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
-    for (int b = 0; b < nb; b++, w += Q8_0_GROUP_BLOCK_BYTES) {
+    for (int b = 0; b < nb; b++, w += SLUICE_Q8_0_GROUP_BLOCK_BYTES) {
         __m256i sums[TILE];
         /* Half a block at a time: its 4 weight vectors and their magnitudes stay in registers. */
         for (int half = 0; half < 2; half++) {
@@ -143,12 +216,23 @@ ALWAYS_INLINE void group_q8_0(const int rows, int nb, int K, const uint8_t *w, c
                 sums[r] = half == 0 ? half_sum : _mm256_add_epi32(sums[r], half_sum);
             }
         }
-        const __m256 d = load_halves(w + 256);
+        const __m256 d = load_halves(w + 32 * GROUP);
         for (int r = 0; r < rows; r++)
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r]), _mm256_mul_ps(d, _mm256_set1_ps(xd[(size_t)r * nb + b])),
                                      acc[r]);
     }
 }
+
+ALWAYS_INLINE void store_group(float *o, int width, __m256 acc) {
+    if (width == GROUP) {
+        _mm256_storeu_ps(o, acc);
+        return;
+    }
+    float lanes[GROUP];
+    _mm256_storeu_ps(lanes, acc);
+    for (int i = 0; i < width; i++) o[i] = lanes[i];
+}
+#endif
 
 /* A tile of 1..TILE activation rows, with the row count a compile-time constant. */
 #define DISPATCH_ROWS(call_with_rows)                              \
@@ -159,57 +243,68 @@ ALWAYS_INLINE void group_q8_0(const int rows, int nb, int K, const uint8_t *w, c
     default: call_with_rows(4); break;                             \
     }
 
-enum { WEIGHT_Q8_0 = 0, WEIGHT_Q4_1 = 1 };
+/* The quantized activations in the scratch buffer. */
+typedef struct {
+    int8_t *q;      /* [M, K] */
+    float *d;       /* [M, K / 32] scales */
+    int32_t *qsum;  /* [M, K / 32] sums of each block's quants */
+    float *dsum;    /* [M, K / 32] d * qsum */
+} quantized_rows;
 
-/* Bytes of scratch sluice_qgemm needs: the int8 activations and two floats per block. */
-size_t sluice_qgemm_scratch_bytes(int M, int K) { return (size_t)M * ((size_t)K + 2 * sizeof(float) * (size_t)(K / QK)); }
+static quantized_rows scratch_rows(void *scratch, int M, int K) {
+    const size_t blocks = (size_t)M * (K / QK);
+    quantized_rows rows;
+    rows.q = (int8_t *)scratch;
+    rows.d = (float *)(rows.q + (size_t)M * K);
+    rows.qsum = (int32_t *)(rows.d + blocks);
+    rows.dsum = (float *)(rows.qsum + blocks);
+    return rows;
+}
+
+/* Bytes of scratch sluice_qgemm needs: the int8 activations and three 4-byte values per block. */
+size_t sluice_qgemm_scratch_bytes(int M, int K) { return (size_t)M * ((size_t)K + 3 * 4 * (size_t)(K / QK)); }
 
 /* Activation rows [r_begin, r_end) against one row group: out columns n0 .. n0 + width. */
 static void multiply_group(int weight_type, const uint8_t *w, int n0, int width, int N, int K, int r_begin,
-                           int r_end, const int8_t *xq, const float *xd, const float *xdsum, float *out) {
+                           int r_end, const quantized_rows *x, float *out) {
     const int nb = K / QK;
     for (int r0 = r_begin; r0 < r_end; r0 += TILE) {
         const int rows = r_end - r0 < TILE ? r_end - r0 : TILE;
-        const int8_t *xq_tile = xq + (size_t)r0 * K;
-        const float *xd_tile = xd + (size_t)r0 * nb, *xdsum_tile = xdsum + (size_t)r0 * nb;
-        __m256 acc[TILE];
-#define Q8_0_ROWS(R) group_q8_0(R, nb, K, w, xq_tile, xd_tile, acc)
-#define Q4_1_ROWS(R) group_q4_1(R, nb, K, w, xq_tile, xd_tile, xdsum_tile, acc)
-        if (weight_type == WEIGHT_Q8_0) {
+        const int8_t *xq_tile = x->q + (size_t)r0 * K;
+        const size_t first_block = (size_t)r0 * nb;
+        const float *xd = x->d + first_block, *xdsum = x->dsum + first_block;
+        const int32_t *xqsum = x->qsum + first_block;
+        group_acc acc[TILE];
+#define Q8_0_ROWS(R) group_q8_0(R, nb, K, w, xq_tile, xd, xqsum, acc)
+#define Q4_1_ROWS(R) group_q4_1(R, nb, K, w, xq_tile, xd, xqsum, xdsum, acc)
+        if (weight_type == SLUICE_Q8_0) {
             DISPATCH_ROWS(Q8_0_ROWS)
         } else {
             DISPATCH_ROWS(Q4_1_ROWS)
         }
-        for (int r = 0; r < rows; r++) {
-            float *o = out + (size_t)(r0 + r) * N + n0;
-            if (width == GROUP) {
-                _mm256_storeu_ps(o, acc[r]);
-            } else {
-                float lanes[GROUP];
-                _mm256_storeu_ps(lanes, acc[r]);
-                for (int i = 0; i < width; i++) o[i] = lanes[i];
-            }
-        }
+        for (int r = 0; r < rows; r++) store_group(out + (size_t)(r0 + r) * N + n0, width, acc[r]);
     }
 }
 
-/* out[M, N] = x[M, K] @ W^T, W in row groups (N rounded up to a multiple of 8 there).
- * K must be a multiple of 32. scratch: sluice_qgemm_scratch_bytes(M, K). */
+/* out[M, N] = x[M, K] @ W^T, W in row groups (N rounded up to a multiple of GROUP there).
+ * scratch: sluice_qgemm_scratch_bytes(M, K). */
 int sluice_qgemm(int M, int N, int K, const float *x, int weight_type, const uint8_t *packed, float *out,
                  void *scratch) {
-    if (K % QK != 0) return -1;
+    if (K % QK != 0 || K <= 0 || (weight_type != SLUICE_Q8_0 && weight_type != SLUICE_Q4_1)) return -1;
     const int nb = K / QK;
     const int groups = (N + GROUP - 1) / GROUP;
-    const size_t group_bytes = (size_t)nb * (weight_type == WEIGHT_Q8_0 ? Q8_0_GROUP_BLOCK_BYTES : Q4_1_GROUP_BLOCK_BYTES);
-    int8_t *xq = (int8_t *)scratch;
-    float *xd = (float *)(xq + (size_t)M * K);
-    float *xdsum = xd + (size_t)M * nb;
+    const size_t group_bytes =
+        (size_t)nb * (weight_type == SLUICE_Q8_0 ? SLUICE_Q8_0_GROUP_BLOCK_BYTES : SLUICE_Q4_1_GROUP_BLOCK_BYTES);
+    const quantized_rows rows = scratch_rows(scratch, M, K);
 
 #pragma omp parallel
     {
 #pragma omp for schedule(static)
-        for (int r = 0; r < M; r++)
-            quantize_row(x + (size_t)r * K, K, xq + (size_t)r * K, xd + (size_t)r * nb, xdsum + (size_t)r * nb);
+        for (int r = 0; r < M; r++) {
+            const size_t first_block = (size_t)r * nb;
+            quantize_row(x + (size_t)r * K, K, rows.q + (size_t)r * K, rows.d + first_block, rows.qsum + first_block,
+                         rows.dsum + first_block);
+        }
         /* Activation rows in chunks that stay in L2 while every row group passes over them. */
         for (int chunk = 0; chunk < M; chunk += M_CHUNK) {
             const int chunk_end = M - chunk < M_CHUNK ? M : chunk + M_CHUNK;
@@ -217,7 +312,7 @@ int sluice_qgemm(int M, int N, int K, const float *x, int weight_type, const uin
             for (int group = 0; group < groups; group++) {
                 const int n0 = group * GROUP;
                 multiply_group(weight_type, packed + (size_t)group * group_bytes, n0, N - n0 < GROUP ? N - n0 : GROUP,
-                               N, K, chunk, chunk_end, xq, xd, xdsum, out);
+                               N, K, chunk, chunk_end, &rows, out);
             }
         }
     }

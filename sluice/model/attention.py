@@ -1,11 +1,12 @@
-"""Attention over the token-granular KV pool.
+"""Attention over the token-granular KV pool: the metadata of a step, and the torch path.
 
-Decoding requests are attended as one padded batch; prefilling requests one by one (SDPA).
-A model on the C kernels instead attends every token like a decode step at its position
-(`AttentionMetadata.build(fb, every_token_decodes=True)`), which makes a token's result
-independent of chunking, prefix caching and batching.
+On the torch path decoding requests are attended as one padded batch, prefilling requests
+one by one (SDPA). A model on the C kernels instead attends every token like a decode step
+at its position (`AttentionMetadata.build(fb, every_token_decodes=True)`), which makes a
+token's result independent of chunking, prefix caching and batching (see backend.py).
 Everything that depends only on the batch layout (gather slots, masks, token ranges) is
-built once per forward in `AttentionMetadata` and reused by every layer.
+built once per forward in `AttentionMetadata` and reused by every layer. The pool may hold
+a narrower dtype than the activations (a 16-bit KV cache): gathered K/V are widened.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import torch
 import torch.nn.functional as F
 from torch.nn.utils.rnn import pad_sequence
 
-from sluice.kernels import ops
 from sluice.model.forward_batch import ForwardBatch
 
 PADDING_SLOT = 0  # reserved by the KV pool, never holds a real token
@@ -120,7 +120,7 @@ def _prefill_segment(token_start: int, extend_len: int, seq_len: int, kv_indices
     )
 
 
-def attention(
+def torch_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -149,14 +149,11 @@ def attention(
 def _decode_attention(
     q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, metadata: AttentionMetadata
 ) -> torch.Tensor:
-    if q.dtype == torch.float32 and ops.kernels_available():
-        return ops.decode_attention(q, k_buffer, v_buffer, metadata.decode_kv_slots, metadata.decode_seq_lens,
-                                    metadata.decode_max_seq_len, metadata.decode_slot_rows)
     num_requests, num_heads, head_dim = q.shape
     num_kv_heads = k_buffer.shape[1]
     gathered_shape = (num_requests, metadata.decode_max_seq_len, num_kv_heads, head_dim)
-    keys = k_buffer.index_select(0, metadata.decode_kv_slots).view(gathered_shape).transpose(1, 2)
-    values = v_buffer.index_select(0, metadata.decode_kv_slots).view(gathered_shape).transpose(1, 2)
+    keys = k_buffer.index_select(0, metadata.decode_kv_slots).to(q.dtype).view(gathered_shape).transpose(1, 2)
+    values = v_buffer.index_select(0, metadata.decode_kv_slots).to(q.dtype).view(gathered_shape).transpose(1, 2)
     # The query heads sharing a KV head become that head's "query positions": all sit at the
     # same position, so one mask row serves them, and no KV repeat is needed (SDPA's own
     # GQA path is several times slower in bf16 on CPU).
@@ -174,8 +171,8 @@ def _prefill_attention(
     segment: PrefillSegment,
 ) -> torch.Tensor:
     if segment.kv_slots is not None:
-        k = k_buffer.index_select(0, segment.kv_slots)
-        v = v_buffer.index_select(0, segment.kv_slots)
+        k = k_buffer.index_select(0, segment.kv_slots).to(q.dtype)
+        v = v_buffer.index_select(0, segment.kv_slots).to(q.dtype)
     # [tokens, heads, dim] -> [1, heads, tokens, dim]: with a batch axis SDPA takes its CPU
     # flash kernel; 3-D inputs fall back to a path ~5x slower on long prompts.
     out = F.scaled_dot_product_attention(

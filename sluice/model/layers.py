@@ -1,7 +1,8 @@
 """The building blocks of a Llama-family decoder: norm, rotary embedding, projections.
 
 Projections are fused (q/k/v into one matrix, gate/up into one) because at small batch a
-decode step costs about one kernel launch per matmul, not FLOPs.
+decode step costs about one kernel launch per matmul, not FLOPs. Each module holds the
+model's backend (backend.py), which decides how its ops run.
 """
 
 from __future__ import annotations
@@ -10,10 +11,9 @@ import math
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from sluice.kernels import ops
+from sluice.model.backend import Backend
 from sluice.model.quantized_linear import QuantizedLinearWeight
 
 
@@ -22,79 +22,64 @@ def _frozen(*shape: int, dtype: torch.dtype) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, quantized: QuantizedLinearWeight | None,
-           bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T (+ bias), through the block-quantized copy when the weight has one."""
-    if quantized is None:
-        return F.linear(x, weight, bias)
-    out = quantized.matmul(x).to(x.dtype)
-    return out if bias is None else out.add_(bias)
-
-
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype) -> None:
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype, backend: Backend) -> None:
         super().__init__()
         self.weight = _frozen(hidden_size, dtype=dtype)
         self.eps = eps
-        self.normalized_shape = (hidden_size,)
+        self.backend = backend
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32 and x.dim() == 2 and ops.kernels_available():
-            return ops.rms_norm(x, self.weight, self.eps)
-        return F.rms_norm(x, self.normalized_shape, self.weight, self.eps)
+        """x [tokens, hidden]."""
+        return self.backend.rms_norm(x, self.weight, self.eps)
 
     def add_and_norm(self, hidden: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(hidden + delta, norm(hidden + delta)); the sum may be written into `hidden`."""
-        if hidden.dtype == torch.float32 and hidden.dim() == 2 and hidden.is_contiguous() and ops.kernels_available():
-            return hidden, ops.add_rms_norm(hidden, delta, self.weight, self.eps)
-        hidden = hidden + delta
-        return hidden, self.forward(hidden)
+        return self.backend.add_rms_norm(hidden, delta, self.weight, self.eps)
 
 
 class QKVProjection(nn.Module):
     """q, k and v projections as one matmul; output rows are [q heads | k heads | v heads]."""
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
-                 bias: bool, dtype: torch.dtype) -> None:
+                 bias: bool, dtype: torch.dtype, backend: Backend) -> None:
         super().__init__()
         out_features = (num_heads + 2 * num_kv_heads) * head_dim
         self.weight = _frozen(out_features, hidden_size, dtype=dtype)
         self.bias = _frozen(out_features, dtype=dtype) if bias else None
         self.quantized: QuantizedLinearWeight | None = None
+        self.backend = backend
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.quantized, self.bias)
+        return self.backend.linear(x, self.weight, self.quantized, self.bias)
 
 
 class Linear(nn.Module):
-    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype) -> None:
+    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype, backend: Backend) -> None:
         super().__init__()
         self.weight = _frozen(out_features, in_features, dtype=dtype)
         self.quantized: QuantizedLinearWeight | None = None
+        self.backend = backend
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.quantized)
+        return self.backend.linear(x, self.weight, self.quantized)
 
 
 class SwiGLUMLP(nn.Module):
     """down(silu(gate(x)) * up(x)), with gate and up stacked into one weight."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype, backend: Backend) -> None:
         super().__init__()
-        self.intermediate_size = intermediate_size
         self.gate_up_weight = _frozen(2 * intermediate_size, hidden_size, dtype=dtype)
         self.down_weight = _frozen(hidden_size, intermediate_size, dtype=dtype)
         self.gate_up_quantized: QuantizedLinearWeight | None = None
         self.down_quantized: QuantizedLinearWeight | None = None
+        self.backend = backend
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = linear(x, self.gate_up_weight, self.gate_up_quantized)
-        if gate_up.dtype == torch.float32 and ops.kernels_available():
-            activated = ops.silu_mul(gate_up)
-        else:
-            gate, up = gate_up.split(self.intermediate_size, dim=-1)
-            activated = F.silu(gate) * up
-        return linear(activated, self.down_weight, self.down_quantized)
+        gate_up = self.backend.linear(x, self.gate_up_weight, self.gate_up_quantized)
+        activated = self.backend.silu_mul(gate_up)
+        return self.backend.linear(activated, self.down_weight, self.down_quantized)
 
 
 class RotaryEmbedding(nn.Module):

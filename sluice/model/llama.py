@@ -8,11 +8,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sluice.kernels import ops
 from sluice.kernels.decode_layers import DecodeLayers, LayerTensors
-from sluice.model.attention import AttentionMetadata, attention
+from sluice.model.attention import AttentionMetadata
+from sluice.model.backend import Backend, KernelBackend, TorchBackend
 from sluice.model.forward_batch import ForwardBatch
-from sluice.model.layers import Linear, QKVProjection, RMSNorm, RotaryEmbedding, SwiGLUMLP, linear
+from sluice.model.layers import Linear, QKVProjection, RMSNorm, RotaryEmbedding, SwiGLUMLP
 from sluice.model.model_config import ModelConfig
 from sluice.model.quantized_linear import BlockFormat, QuantizedLinearWeight, fused_format
 
@@ -22,19 +22,20 @@ _GATE_UP_SOURCES = ("mlp.gate_proj", "mlp.up_proj")
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, backend: Backend) -> None:
         super().__init__()
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.backend = backend
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, backend)
         self.qkv_proj = QKVProjection(
             config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim,
-            bias=config.attention_bias, dtype=dtype,
+            bias=config.attention_bias, dtype=dtype, backend=backend,
         )
-        self.o_proj = Linear(config.num_heads * config.head_dim, config.hidden_size, dtype)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size, dtype)
+        self.o_proj = Linear(config.num_heads * config.head_dim, config.hidden_size, dtype, backend)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, backend)
+        self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size, dtype, backend)
 
     def forward(
         self,
@@ -56,40 +57,35 @@ class DecoderLayer(nn.Module):
             hidden, normed = self.input_layernorm.add_and_norm(hidden, pending)
         num_qk_heads = self.num_heads + self.num_kv_heads
         qkv = self.qkv_proj(normed).view(-1, num_qk_heads + self.num_kv_heads, self.head_dim)
-        if qkv.dtype == torch.float32 and ops.kernels_available():
-            ops.rope_and_store(qkv, self.num_heads, cos, signed_sin, k_buffer, v_buffer, out_cache_loc)
-            q, k = qkv[:, : self.num_heads], qkv[:, self.num_heads : num_qk_heads]
-        else:
-            # q and k are rotated together: one set of ops instead of two.
-            qk = rotary.apply(qkv[:, :num_qk_heads], cos.unsqueeze(1), signed_sin.unsqueeze(1))
-            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-            k_buffer.index_copy_(0, out_cache_loc, k)
-            v_buffer.index_copy_(0, out_cache_loc, qkv[:, num_qk_heads:])
-        attn = attention(q, k, qkv[:, num_qk_heads:], k_buffer, v_buffer, metadata)
+        q, k = self.backend.rotate_and_store(qkv, self.num_heads, self.num_kv_heads, rotary, cos, signed_sin,
+                                             k_buffer, v_buffer, out_cache_loc)
+        attn = self.backend.attention(q, k, qkv[:, num_qk_heads:], k_buffer, v_buffer, metadata)
         hidden, normed = self.post_attention_layernorm.add_and_norm(hidden, self.o_proj(attn))
         return hidden, self.mlp(normed)
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32, backend: Backend | None = None,
+                 kv_dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.config = config
         self.dtype = dtype
+        self.backend = TorchBackend() if backend is None else backend
+        if isinstance(self.backend, KernelBackend) and dtype != torch.float32:
+            raise ValueError(f"the C kernels take float32 activations, not {dtype}")
+        self.kv_dtype = dtype if kv_dtype is None else kv_dtype
         self.embed_tokens = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size, dtype=dtype), requires_grad=False)
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling, config.context_len, dtype)
-        self.layers = nn.ModuleList(DecoderLayer(config, dtype) for _ in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.layers = nn.ModuleList(DecoderLayer(config, dtype, self.backend) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, self.backend)
         self.lm_head = self.embed_tokens  # replaced by load_weights when the model is untied
         self.lm_head_quantized: QuantizedLinearWeight | None = None
-        # Set by quantize() for float32 activations: every token attends through the C kernel
-        # (as a decode step at its position), and, when every projection is quantized, all
-        # layers run in one C call.
-        self.kernel_attention = False
+        # Set by quantize() when every projection is quantized: all layers run in one C call.
         self.decode_layers: DecodeLayers | None = None
 
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         """float32 logits of shape [len(fb.logits_indices), vocab_size]."""
-        metadata = AttentionMetadata.build(fb, every_token_decodes=self.kernel_attention)
+        metadata = AttentionMetadata.build(fb, every_token_decodes=self.backend.every_token_decodes)
         cos, signed_sin = self.rotary.lookup(fb.positions)
         hidden = self._embed(fb)
         if self.decode_layers is not None and metadata.decode_only:
@@ -104,7 +100,7 @@ class LlamaForCausalLM(nn.Module):
             hidden = hidden + pending
         # Norm and LM head only for the rows whose logits are wanted: the rest are never read.
         last_hidden = self.norm(hidden[fb.logits_indices])
-        return linear(last_hidden, self.lm_head, self.lm_head_quantized).float()
+        return self.backend.linear(last_hidden, self.lm_head, self.lm_head_quantized).float()
 
     def _embed(self, fb: ForwardBatch) -> torch.Tensor:
         if fb.mm_rows is None:
@@ -136,11 +132,15 @@ class LlamaForCausalLM(nn.Module):
         sources are. The dense copy of a quantized weight is freed (the embedding table stays:
         token lookup reads it even when the tied LM head is quantized).
         """
+        if not isinstance(self.backend, KernelBackend):
+            raise ValueError("block-quantized weights need the C kernels (KernelBackend)")
+        ops = self.backend.ops
+
         def quantize_in_place(module: nn.Module, dense_name: str, sources: list[str]) -> QuantizedLinearWeight | None:
             format = fused_format([format_of(name + ".weight") for name in sources])
             if format is None:
                 return None
-            quantized = QuantizedLinearWeight.quantize(getattr(module, dense_name), format)
+            quantized = QuantizedLinearWeight.quantize(getattr(module, dense_name), format, ops)
             setattr(module, dense_name, nn.Parameter(torch.empty(0, dtype=self.dtype), requires_grad=False))
             return quantized
 
@@ -153,18 +153,24 @@ class LlamaForCausalLM(nn.Module):
             layer.mlp.down_quantized = quantize_in_place(layer.mlp, "down_weight", [prefix + "mlp.down_proj"])
         if self.lm_head is self.embed_tokens:
             format = fused_format([format_of("model.embed_tokens.weight")])
-            self.lm_head_quantized = None if format is None else QuantizedLinearWeight.quantize(self.lm_head, format)
+            self.lm_head_quantized = (None if format is None
+                                      else QuantizedLinearWeight.quantize(self.lm_head, format, ops))
         else:
             self.lm_head_quantized = quantize_in_place(self, "lm_head", ["lm_head"])
-        self.kernel_attention = self.dtype == torch.float32
-        self.decode_layers = self._fused_decode_layers()
+        self.decode_layers = self._fused_decode_layers(self.backend)
 
-    def _fused_decode_layers(self) -> DecodeLayers | None:
-        """The one-call path, when every layer's four projections are quantized and the
-        activations are float32 (the kernels' only type)."""
+    def quantized_weights(self) -> list[QuantizedLinearWeight]:
+        weights = [self.lm_head_quantized]
+        for layer in self.layers:
+            weights += [layer.qkv_proj.quantized, layer.o_proj.quantized, layer.mlp.gate_up_quantized,
+                        layer.mlp.down_quantized]
+        return [weight for weight in weights if weight is not None]
+
+    def _fused_decode_layers(self, backend: KernelBackend) -> DecodeLayers | None:
+        """The one-call path, when every layer's four projections are quantized."""
         projections = [(layer.qkv_proj.quantized, layer.o_proj.quantized, layer.mlp.gate_up_quantized,
                         layer.mlp.down_quantized) for layer in self.layers]
-        if self.dtype != torch.float32 or any(weight is None for layer in projections for weight in layer):
+        if any(weight is None for layer in projections for weight in layer):
             return None
         config = self.config
         tensors = [
@@ -173,8 +179,8 @@ class LlamaForCausalLM(nn.Module):
                          qkv_bias=layer.qkv_proj.bias)
             for layer, weights in zip(self.layers, projections)
         ]
-        return DecodeLayers(tensors, config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim,
-                            config.intermediate_size, config.rms_norm_eps)
+        return DecodeLayers(backend.ops, tensors, config.hidden_size, config.num_heads, config.num_kv_heads,
+                            config.head_dim, config.intermediate_size, config.rms_norm_eps, self.kv_dtype)
 
 
 def _load_layer(layer: DecoderLayer, weights: dict[str, torch.Tensor], prefix: str) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from sluice.model.backend import Backend
 from sluice.model.forward_batch import ForwardBatch
 from sluice.model.llama import LlamaForCausalLM
 from sluice.model.model_config import ModelConfig
@@ -13,7 +14,8 @@ from sluice.model.vision import MultiModalProjector, VisionTower
 
 
 class LlavaForConditionalGeneration(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32, backend: Backend | None = None,
+                 kv_dtype: torch.dtype | None = None) -> None:
         super().__init__()
         if config.vision is None:
             raise ValueError("LlavaForConditionalGeneration needs a config with a vision tower (config.vision)")
@@ -21,7 +23,7 @@ class LlavaForConditionalGeneration(nn.Module):
         self.dtype = dtype
         self.vision_tower = VisionTower(config.vision, dtype)
         self.multi_modal_projector = MultiModalProjector(config.vision, config.hidden_size, dtype)
-        self.language_model = LlamaForCausalLM(config, dtype)
+        self.language_model = LlamaForCausalLM(config, dtype, backend, kv_dtype)
 
     def encode_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """[N, 3, H, W] pixels -> [N, num_image_tokens, text hidden] embeddings in the model dtype."""

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
+from sluice.model.execution import choose_execution, describe
 from sluice.model.forward_batch import ForwardBatch
 from sluice.model.llama import LlamaForCausalLM
 from sluice.model.llava import LlavaForConditionalGeneration
@@ -12,18 +15,36 @@ from sluice.model.quantization import quantization_plan
 from sluice.model.weights import load_weights
 
 
+logger = logging.getLogger(__name__)
+
+
 class ModelRunner:
-    def __init__(self, model_path: str, dtype: torch.dtype, quantization: str = "none") -> None:
+    def __init__(self, model_path: str, dtype: str | torch.dtype = "auto", quantization: str = "none",
+                 kv_cache_dtype: str = "auto") -> None:
+        """dtype / kv_cache_dtype: as --dtype / --kv-cache-dtype ("auto" picks for this CPU,
+        see execution.py); a torch dtype is taken as the explicit choice."""
         self.config = ModelConfig.from_path(model_path)
-        self.dtype = dtype
-        model_class = LlamaForCausalLM if self.config.vision is None else LlavaForConditionalGeneration
-        self.model = model_class(self.config, dtype)
-        plan = quantization_plan(model_path, self.config, quantization)  # before the load drops the GGUF reader
-        self.model.load_weights(load_weights(model_path, self.config, dtype))
+        self.execution = choose_execution(dtype, kv_cache_dtype)
+        self.dtype = self.execution.dtype
+        self.kv_dtype = self.execution.kv_dtype
+        if self.config.vision is None:
+            self.model = LlamaForCausalLM(self.config, self.dtype, self.execution.backend, self.kv_dtype)
+        else:
+            self.model = LlavaForConditionalGeneration(self.config, self.dtype, self.execution.backend, self.kv_dtype)
+        # Planned before the weights load: the load drops the GGUF reader.
+        plan = quantization_plan(model_path, self.config, quantization, self.execution.backend)
+        self.model.load_weights(load_weights(model_path, self.config, self.dtype))
         self.quantized = plan is not None
         if plan is not None:
             self.model.quantize(plan)
         self.model.eval()
+        self.execution_info = describe(self.execution, self._weight_formats())
+        logger.info("execution: %s", "; ".join(f"{key}: {value}" for key, value in self.execution_info.items()))
+
+    def _weight_formats(self) -> list[str]:
+        language_model = getattr(self.model, "language_model", self.model)
+        formats = {weight.format.name.lower() for weight in language_model.quantized_weights()}
+        return sorted(formats)
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
@@ -41,7 +62,7 @@ class ModelRunner:
     def kv_bytes_per_token(self) -> int:
         """Bytes of K and V that one cached token takes, over all layers."""
         config = self.config
-        return 2 * config.num_layers * config.num_kv_heads * config.head_dim * self.dtype.itemsize
+        return 2 * config.num_layers * config.num_kv_heads * config.head_dim * self.kv_dtype.itemsize
 
     def new_kv_buffers(self, num_slots: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Per-layer K and V pools of shape [num_slots, num_kv_heads, head_dim]; slot 0 is padding.
@@ -50,7 +71,7 @@ class ModelRunner:
         it is read, and untouched pages take no memory until the cache grows into them.
         """
         shape = (num_slots, self.config.num_kv_heads, self.config.head_dim)
-        buffers = [torch.empty(shape, dtype=self.dtype) for _ in range(2 * self.config.num_layers)]
+        buffers = [torch.empty(shape, dtype=self.kv_dtype) for _ in range(2 * self.config.num_layers)]
         for buffer in buffers:
             buffer[0].zero_()
         return buffers[: self.config.num_layers], buffers[self.config.num_layers :]

@@ -4,6 +4,9 @@
     q8_0  every linear weight gets a q8_0 copy
     auto  a GGUF file's quantized matrices keep their own precision: Q4_0/Q4_1 as q4_1,
           other quantized types as q8_0; float tensors and HF folders stay dense
+
+Blocks run only on the C kernels (float32 activations): on the torch backend `auto` keeps
+every weight dense and `q8_0` is refused.
 """
 
 from __future__ import annotations
@@ -11,8 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from sluice.kernels.loader import load_kernels
-from sluice.kernels.ops import kernels_available
+from sluice.model.backend import Backend, KernelBackend
 from sluice.model.model_config import ModelConfig, is_gguf
 from sluice.model.quantized_linear import BlockFormat
 from sluice.model.weights import gguf_tensor_types
@@ -24,20 +26,23 @@ _FLOAT_GGUF_TYPES = ("F32", "F16", "BF16", "F64")
 FormatPlan = Callable[[str], BlockFormat | None]
 
 
-def quantization_plan(model_path: str | Path, config: ModelConfig, mode: str) -> FormatPlan | None:
+def quantization_plan(model_path: str | Path, config: ModelConfig, mode: str, backend: Backend) -> FormatPlan | None:
     """Maps a HF weight name to its block format; None when nothing is quantized.
 
-    "auto" stays dense (with a logged warning) where the kernels cannot run (no AVX2, no
-    gcc); an explicit "q8_0" there raises KernelUnavailable with the reason.
+    "auto" stays dense on the torch backend; an explicit "q8_0" there raises ValueError.
     """
     if mode not in QUANTIZATION_MODES:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_MODES)}, not {mode!r}")
     if mode == "none" or config.vision is not None:
         return None
+    if not isinstance(backend, KernelBackend):
+        if mode == "q8_0":
+            raise ValueError("--quantization q8_0 needs the C kernels and float32 activations "
+                             f"(this model runs on the {backend.name} backend)")
+        return None
     if mode == "q8_0":
-        load_kernels()  # raises KernelUnavailable, saying why
         return lambda name: BlockFormat.Q8_0
-    if not is_gguf(model_path) or not kernels_available():
+    if not is_gguf(model_path):
         return None
     types = gguf_tensor_types(model_path)
     if all(kind in _FLOAT_GGUF_TYPES for kind in types.values()):

@@ -9,21 +9,14 @@ through the kernel, and the model keeps no dense copy of a quantized weight.
 
 from __future__ import annotations
 
-import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from sluice.kernels.loader import load_kernels
+from sluice.kernels.contract import BLOCK, BlockFormat
+from sluice.kernels.ops import KernelOps
 
-BLOCK = 32
-
-
-class BlockFormat(enum.IntEnum):
-    """The weight_type codes of sluice_qgemm in qgemm.c."""
-
-    Q8_0 = 0  # w = d * q, q int8, one scale per block
-    Q4_1 = 1  # w = d * q + m, q 4-bit unsigned, scale and minimum per block
+__all__ = ["BLOCK", "BlockFormat", "QuantizedLinearWeight", "fused_format"]
 
 
 def fused_format(formats: list[BlockFormat | None]) -> BlockFormat | None:
@@ -36,20 +29,22 @@ def fused_format(formats: list[BlockFormat | None]) -> BlockFormat | None:
 
 @dataclass(slots=True)
 class QuantizedLinearWeight:
-    """A [out, in] weight as blocks of 32, interleaved by row groups for the kernel.
+    """A [out, in] weight as blocks of 32, interleaved by row groups for one build of the kernels.
 
-    The layout (see qgemm.c): rows go in groups of 8 (the last group padded with zero rows);
-    a group's blocks follow each other, and each holds the 8 rows' quants, 4 weights of a row
-    next to 4 of the next, then their float16 scales (and q4_1's float16 minimums).
+    The layout (see qgemm.c): rows go in groups of `ops.row_group` (8 for AVX2, 16 for
+    AVX-512; the last group padded with zero rows); a group's blocks follow each other, and
+    each holds the group's quants, 4 weights of a row next to 4 of the next, then their
+    float16 scales (and q4_1's float16 minimums).
     """
 
     format: BlockFormat
     out_features: int
     in_features: int
     packed: torch.Tensor  # uint8 [row_groups * blocks_per_row * group block bytes]
+    ops: KernelOps = field(repr=False)  # the build whose layout `packed` is in
 
     @classmethod
-    def quantize(cls, weight: torch.Tensor, format: BlockFormat) -> QuantizedLinearWeight:
+    def quantize(cls, weight: torch.Tensor, format: BlockFormat, ops: KernelOps) -> QuantizedLinearWeight:
         out_features, in_features = weight.shape
         if in_features % BLOCK:
             raise ValueError(f"in_features {in_features} is not a multiple of {BLOCK}")
@@ -65,14 +60,14 @@ class QuantizedLinearWeight:
             q = q.to(torch.uint8)
             # GGUF's byte order: byte j of a block holds weight j (low nibble) and j + 16 (high).
             quants, scales = q[..., : BLOCK // 2] | (q[..., BLOCK // 2 :] << 4), [d, low]
-        return cls(format, out_features, in_features, _interleave(quants, scales))
+        return cls(format, out_features, in_features, _interleave(quants, scales, ops.row_group), ops)
 
     def dequantize(self) -> torch.Tensor:
         """The float32 [out, in] weight these blocks stand for."""
         quant_bytes = BLOCK if self.format is BlockFormat.Q8_0 else BLOCK // 2
         num_scales = 1 if self.format is BlockFormat.Q8_0 else 2
         quants, scales = _deinterleave(self.packed, self.out_features, self.in_features // BLOCK, quant_bytes,
-                                       num_scales)
+                                       num_scales, self.ops.row_group)
         shape = (self.out_features, self.in_features)
         if self.format is BlockFormat.Q8_0:
             return (quants.view(torch.int8).float() * scales[0].float().unsqueeze(-1)).reshape(shape)
@@ -82,17 +77,9 @@ class QuantizedLinearWeight:
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [rows, in] @ weight.T -> float32 [rows, out]; x is quantized to int8 blocks on the way."""
-        x = x.float().contiguous()
-        rows = x.shape[0]
-        out = torch.empty(rows, self.out_features)
-        kernels = load_kernels()
-        scratch = torch.empty(kernels.sluice_qgemm_scratch_bytes(rows, self.in_features), dtype=torch.uint8)
-        kernels.sluice_qgemm(rows, self.out_features, self.in_features, x.data_ptr(), int(self.format),
-                             self.packed.data_ptr(), out.data_ptr(), scratch.data_ptr())
-        return out
-
-
-ROW_GROUP = 8  # GROUP in qgemm.c
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"x has {x.shape[-1]} features, the weight takes {self.in_features}")
+        return self.ops.qgemm(x, self.format, self.packed, self.out_features)
 
 
 def _nonzero(d: torch.Tensor) -> torch.Tensor:
@@ -101,29 +88,29 @@ def _nonzero(d: torch.Tensor) -> torch.Tensor:
     return torch.where(d == 0, 1.0, d)
 
 
-def _interleave(quants: torch.Tensor, scales: list[torch.Tensor]) -> torch.Tensor:
+def _interleave(quants: torch.Tensor, scales: list[torch.Tensor], row_group: int) -> torch.Tensor:
     """uint8 [rows, blocks, quant_bytes] and float16 [rows, blocks] scales -> qgemm.c's layout."""
     rows, blocks, quant_bytes = quants.shape
-    padding = -rows % ROW_GROUP
-    groups = (rows + padding) // ROW_GROUP
+    padding = -rows % row_group
+    groups = (rows + padding) // row_group
     quants = torch.nn.functional.pad(quants, (0, 0, 0, 0, 0, padding))
     # [group, row, block, word, byte] -> [group, block, word, row, byte]: 4 bytes of each row in turn.
-    parts = [quants.view(groups, ROW_GROUP, blocks, quant_bytes // 4, 4).permute(0, 2, 3, 1, 4)
-             .reshape(groups, blocks, ROW_GROUP * quant_bytes)]
+    parts = [quants.view(groups, row_group, blocks, quant_bytes // 4, 4).permute(0, 2, 3, 1, 4)
+             .reshape(groups, blocks, row_group * quant_bytes)]
     for scale in scales:
         scale = torch.nn.functional.pad(scale, (0, 0, 0, padding))
-        parts.append(scale.view(groups, ROW_GROUP, blocks).transpose(1, 2).contiguous()
-                     .view(torch.uint8).view(groups, blocks, 2 * ROW_GROUP))
+        parts.append(scale.view(groups, row_group, blocks).transpose(1, 2).contiguous()
+                     .view(torch.uint8).view(groups, blocks, 2 * row_group))
     return torch.cat(parts, dim=-1).reshape(-1).contiguous()
 
 
 def _deinterleave(packed: torch.Tensor, rows: int, blocks: int, quant_bytes: int,
-                  num_scales: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+                  num_scales: int, row_group: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """The inverse of _interleave: (uint8 [rows, blocks, quant_bytes], float16 [rows, blocks] scales)."""
-    groups = -(-rows // ROW_GROUP)
-    parts = packed.view(groups, blocks, -1).split([ROW_GROUP * quant_bytes] + [2 * ROW_GROUP] * num_scales, dim=-1)
-    quants = (parts[0].reshape(groups, blocks, quant_bytes // 4, ROW_GROUP, 4).permute(0, 3, 1, 2, 4)
-              .reshape(groups * ROW_GROUP, blocks, quant_bytes)[:rows])
-    scales = [part.contiguous().view(torch.float16).transpose(1, 2).reshape(groups * ROW_GROUP, blocks)[:rows]
+    groups = -(-rows // row_group)
+    parts = packed.view(groups, blocks, -1).split([row_group * quant_bytes] + [2 * row_group] * num_scales, dim=-1)
+    quants = (parts[0].reshape(groups, blocks, quant_bytes // 4, row_group, 4).permute(0, 3, 1, 2, 4)
+              .reshape(groups * row_group, blocks, quant_bytes)[:rows])
+    scales = [part.contiguous().view(torch.float16).transpose(1, 2).reshape(groups * row_group, blocks)[:rows]
               for part in parts[1:]]
     return quants, scales

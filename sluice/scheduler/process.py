@@ -36,16 +36,6 @@ IDLE_POLL_MS = 1000
 HEARTBEAT_S = 2.0
 
 
-def resolve_dtype(name: str) -> torch.dtype:
-    if name == "float32":
-        return torch.float32
-    if name == "bfloat16":
-        return torch.bfloat16
-    # bfloat16 only pays where oneDNN has bf16 kernels (AVX-512 BF16 or AMX); on an
-    # AVX2-only CPU it is emulated and several times slower than float32.
-    return torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
-
-
 def default_max_total_tokens(args: ServerArgs, kv_bytes_per_token: int, context_len: int) -> int:
     if args.max_total_tokens:
         return args.max_total_tokens
@@ -58,7 +48,7 @@ def build_scheduler(args: ServerArgs):
     from sluice.model.model_runner import ModelRunner
     from sluice.scheduler.scheduler import Scheduler
 
-    runner = ModelRunner(args.resolved_model_path(), resolve_dtype(args.dtype), args.quantization)
+    runner = ModelRunner(args.resolved_model_path(), args.dtype, args.quantization, args.kv_cache_dtype)
     max_total_tokens = default_max_total_tokens(args, runner.kv_bytes_per_token(), runner.config.context_len)
     return Scheduler(args, runner, max_total_tokens)
 
@@ -133,6 +123,7 @@ def run_scheduler_process(server_args_data: bytes, port_args_data: bytes) -> Non
                 eos_token_ids=sorted(scheduler.eos_token_ids),
                 image_token_id=scheduler.config.image_token_id if scheduler.config.vision else None,
                 num_image_tokens=scheduler.config.num_image_tokens if scheduler.config.vision else 0,
+                execution=scheduler.runner.execution_info,
             )
         )
         loop.run_forever()

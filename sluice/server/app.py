@@ -85,7 +85,7 @@ def create_app(state: ServerState, lifespan=None) -> FastAPI:
         states.pop("type", None)
         states.pop("http_worker_ipc", None)
         states["rid_to_state_size"] = await state.tm.rid_to_state_size_total()
-        return {**args.public_dict(), "internal_states": [states]}
+        return {**args.public_dict(), "execution": state.tm.scheduler_info.execution, "internal_states": [states]}
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache():

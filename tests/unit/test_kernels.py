@@ -1,17 +1,33 @@
-"""The C kernels against plain torch on random data."""
+"""The C kernels against plain torch on random data, for every instruction set this CPU has
+(AVX2 always where the kernels run; AVX-512 VNNI where the CPU has it)."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from sluice.kernels import ops
-from sluice.kernels.loader import cpu_supports_kernels
+from sluice.kernels import contract
+from sluice.kernels.cpu import DISABLE_ENV, ISA_NAMES, supported_isas
+from sluice.kernels.loader import load_kernels
+from sluice.kernels.ops import KernelOps
+from sluice.model.layers import RotaryEmbedding
 from sluice.model.quantized_linear import BlockFormat, QuantizedLinearWeight
 
-# Where the CPU has AVX2 the kernels must build (gcc is part of the set-up): a failed build fails here.
-pytestmark = pytest.mark.skipif(not cpu_supports_kernels(), reason="the C kernels need AVX2 and FMA")
+SUPPORTED = [isa.name for isa in supported_isas()]
+# Where the CPU has an instruction set, its build must work (gcc is part of the set-up): a
+# failed build or self-test fails here instead of being skipped.
+ISA_PARAMS = [pytest.param(name, marks=pytest.mark.skipif(name not in SUPPORTED, reason=f"this CPU lacks {name}"))
+              for name in ISA_NAMES]
+
+
+@pytest.fixture(params=ISA_PARAMS)
+def ops(request) -> KernelOps:
+    return KernelOps(load_kernels(request.param))
 
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -19,33 +35,74 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("format", list(BlockFormat))
-@pytest.mark.parametrize("rows", [1, 3, 4, 7, 8])
-def test_quantized_matmul_matches_dense_matmul_of_the_same_blocks(format, rows):
+@pytest.mark.parametrize("rows", [1, 3, 4, 7, 17, 64, 300])
+def test_quantized_matmul_matches_dense_matmul_of_the_same_blocks(ops, format, rows):
     generator = torch.Generator().manual_seed(rows)
-    weight = torch.randn(200, 96, generator=generator) * 0.05
+    weight = torch.randn(203, 96, generator=generator) * 0.05  # 203: the last row group is partial
     x = torch.randn(rows, 96, generator=generator)
-    quantized = QuantizedLinearWeight.quantize(weight, format)
+    quantized = QuantizedLinearWeight.quantize(weight, format, ops)
     # The only error left is x's own rounding to int8 blocks (scale max|x| / 127).
     assert relative_error(quantized.matmul(x), F.linear(x, quantized.dequantize())) < 1e-2
 
 
 @pytest.mark.parametrize("format", list(BlockFormat))
-def test_quantizing_blocks_is_close_and_idempotent(format):
+def test_a_row_gives_the_same_bits_alone_and_in_any_batch(ops, format):
+    generator = torch.Generator().manual_seed(5)
+    quantized = QuantizedLinearWeight.quantize(torch.randn(100, 64, generator=generator), format, ops)
+    x = torch.randn(300, 64, generator=generator)
+    batched = quantized.matmul(x)
+    for row in (0, 3, 150, 299):
+        assert torch.equal(quantized.matmul(x[row : row + 1])[0], batched[row])
+    assert torch.equal(quantized.matmul(x[5:22]), batched[5:22])
+
+
+@pytest.mark.skipif(len(SUPPORTED) < 2, reason="needs a CPU with AVX-512 VNNI to compare against AVX2")
+@pytest.mark.parametrize("format", list(BlockFormat))
+def test_avx512_and_avx2_builds_give_the_same_bits(format):
+    """Each block's integer dot is exact on both, and the float operations are the same in the
+    same order: the instruction set never changes an answer."""
+    generator = torch.Generator().manual_seed(6)
+    weight, x = torch.randn(77, 160, generator=generator), torch.randn(37, 160, generator=generator)
+    results = []
+    for name in ("avx2", "avx512_vnni"):
+        ops = KernelOps(load_kernels(name))
+        quantized = QuantizedLinearWeight.quantize(weight, format, ops)
+        assert quantized.packed.numel() > 0
+        results.append(quantized.matmul(x))
+    assert torch.equal(results[0], results[1])
+
+
+@pytest.mark.parametrize("format", list(BlockFormat))
+def test_quantizing_blocks_is_close_and_idempotent(ops, format):
     weight = torch.randn(64, 128, generator=torch.Generator().manual_seed(0))
-    once = QuantizedLinearWeight.quantize(weight, format).dequantize()
+    once = QuantizedLinearWeight.quantize(weight, format, ops).dequantize()
     step = 2.0 / 127 if format is BlockFormat.Q8_0 else 1.0 / 15  # half a step of the block's range
     assert (once - weight).abs().max() <= step * weight.abs().max()
     # Weights that already are blocks (a dequantized GGUF tensor) come back exactly.
-    twice = QuantizedLinearWeight.quantize(once, format).dequantize()
+    twice = QuantizedLinearWeight.quantize(once, format, ops).dequantize()
     torch.testing.assert_close(twice, once, rtol=0, atol=1e-6)
 
 
-def test_quantize_rejects_a_width_that_is_not_whole_blocks():
+def test_quantize_rejects_a_width_that_is_not_whole_blocks(ops):
     with pytest.raises(ValueError, match="multiple of 32"):
-        QuantizedLinearWeight.quantize(torch.zeros(4, 40), BlockFormat.Q8_0)
+        QuantizedLinearWeight.quantize(torch.zeros(4, 40), BlockFormat.Q8_0, ops)
 
 
-def test_rms_norm_and_fused_add_match_torch():
+def test_wrappers_refuse_wrong_tensors_instead_of_reading_memory(ops):
+    quantized = QuantizedLinearWeight.quantize(torch.randn(16, 64), BlockFormat.Q8_0, ops)
+    with pytest.raises(TypeError, match="float32"):
+        quantized.matmul(torch.randn(2, 64, dtype=torch.float64))
+    with pytest.raises(ValueError, match="features"):
+        quantized.matmul(torch.randn(2, 96))
+    with pytest.raises(ValueError, match="norm weight"):
+        ops.rms_norm(torch.randn(2, 64), torch.ones(32), 1e-5)
+    with pytest.raises(TypeError, match="KV pool"):
+        ops.decode_attention(torch.randn(1, 2, 8), torch.zeros(4, 1, 8, dtype=torch.int32),
+                             torch.zeros(4, 1, 8, dtype=torch.int32), torch.zeros(1, dtype=torch.int64),
+                             torch.ones(1, dtype=torch.int64), 1)
+
+
+def test_rms_norm_and_fused_add_match_torch(ops):
     generator = torch.Generator().manual_seed(1)
     x = torch.randn(5, 576, generator=generator) * 3
     delta = torch.randn(5, 576, generator=generator)
@@ -57,12 +114,13 @@ def test_rms_norm_and_fused_add_match_torch():
     torch.testing.assert_close(normed, F.rms_norm(x + delta, (576,), weight, 1e-5))
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("heads, kv_heads, head_dim", [(6, 2, 64), (9, 3, 64), (8, 2, 128), (4, 4, 32), (4, 1, 20)])
-def test_decode_attention_reads_each_request_slots_in_place(heads, kv_heads, head_dim):
+def test_decode_attention_reads_each_request_slots_in_place(ops, heads, kv_heads, head_dim, kv_dtype):
     generator = torch.Generator().manual_seed(2)
     num_slots = 100
-    k_pool = torch.randn(num_slots, kv_heads, head_dim, generator=generator)
-    v_pool = torch.randn(num_slots, kv_heads, head_dim, generator=generator)
+    k_pool = torch.randn(num_slots, kv_heads, head_dim, generator=generator).to(kv_dtype)
+    v_pool = torch.randn(num_slots, kv_heads, head_dim, generator=generator).to(kv_dtype)
     seq_lens = [7, 31, 1, 16]  # shorter than, not a multiple of, and a multiple of 8 tokens
     max_len = max(seq_lens)
     request_slots = [torch.randperm(num_slots - 1, generator=generator)[:n] + 1 for n in seq_lens]
@@ -76,34 +134,88 @@ def test_decode_attention_reads_each_request_slots_in_place(heads, kv_heads, hea
     out = ops.decode_attention(q, k_pool, v_pool, padded.view(-1), torch.tensor(seq_lens), max_len)
 
     for row, slots in enumerate(request_slots):
-        keys = k_pool[slots].repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)  # [heads, len, dim]
-        values = v_pool[slots].repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)
+        # The reference reads the same (rounded) pool values, widened to float32.
+        keys = k_pool[slots].float().repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)  # [heads, len, dim]
+        values = v_pool[slots].float().repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)
         expected = F.scaled_dot_product_attention(q[row].unsqueeze(1), keys, values).squeeze(1)
         torch.testing.assert_close(out[row], expected, rtol=1e-4, atol=1e-5)
 
 
-def test_rope_and_store_matches_the_torch_rotation_and_copy():
-    from sluice.model.layers import RotaryEmbedding
-
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_rope_and_store_matches_the_torch_rotation_and_copy(ops, kv_dtype):
     generator = torch.Generator().manual_seed(3)
     heads, kv_heads, head_dim, tokens = 4, 2, 64, 5
     rotary = RotaryEmbedding(head_dim, 10000.0, None, context_len=64, dtype=torch.float32)
     cos, signed_sin = rotary.lookup(torch.tensor([0, 3, 7, 8, 63]))
     qkv = torch.randn(tokens, heads + 2 * kv_heads, head_dim, generator=generator)
     slots = torch.tensor([9, 2, 5, 1, 7])
-    k_pool, v_pool = torch.zeros(10, kv_heads, head_dim), torch.zeros(10, kv_heads, head_dim)
+    k_pool, v_pool = (torch.zeros(10, kv_heads, head_dim, dtype=kv_dtype) for _ in range(2))
 
     expected_qk = rotary.apply(qkv[:, : heads + kv_heads], cos.unsqueeze(1), signed_sin.unsqueeze(1))
     expected_v = qkv[:, heads + kv_heads :].clone()
     ops.rope_and_store(qkv, heads, cos, signed_sin, k_pool, v_pool, slots)
 
     torch.testing.assert_close(qkv[:, : heads + kv_heads], expected_qk)
-    torch.testing.assert_close(k_pool[slots], expected_qk[:, heads:])
-    torch.testing.assert_close(v_pool[slots], expected_v)
+    # 16-bit pools round to nearest even, exactly as torch's .to() does.
+    assert torch.equal(k_pool[slots], qkv[:, heads : heads + kv_heads].to(kv_dtype))
+    assert torch.equal(v_pool[slots], expected_v.to(kv_dtype))
     assert k_pool[0].abs().sum() == 0  # untouched slots stay as they were
 
 
-def test_silu_mul_matches_torch():
+def test_silu_mul_matches_torch(ops):
     gate_up = torch.randn(3, 2 * 40, generator=torch.Generator().manual_seed(4)) * 4
     gate, up = gate_up.split(40, dim=-1)
     torch.testing.assert_close(ops.silu_mul(gate_up), F.silu(gate) * up)
+
+
+# ---------------------------------------------------------------- the contract and the choice of build
+
+
+def test_every_declared_function_is_bound_with_the_header_types(ops):
+    signatures = contract.declared_signatures()
+    assert {"sluice_qgemm", "sluice_decode_attention", "sluice_decode_layers", "sluice_self_test"} <= set(signatures)
+    restype, argtypes = signatures["sluice_decode_attention"]
+    assert restype is not None and len(argtypes) == 15
+    assert ops.lib.sluice_decode_attention.argtypes == argtypes
+    assert ops.lib.sluice_self_test() == 0
+
+
+def test_a_library_that_disagrees_with_the_python_side_is_refused(ops, monkeypatch):
+    contract.check(ops.lib)
+    monkeypatch.setitem(contract.CONSTANTS, "SLUICE_Q4_1", 7)
+    with pytest.raises(contract.ContractMismatch, match="SLUICE_Q4_1 is 1 in C, 7 in Python"):
+        contract.check(ops.lib)
+    monkeypatch.undo()
+
+    fields = dict(contract.ModelDims._fields_)
+    swapped = [("hidden", fields["hidden"]), ("num_layers", fields["num_layers"]),
+               *[(name, kind) for name, kind in contract.ModelDims._fields_ if name not in ("hidden", "num_layers")]]
+    SwappedDims = type("SwappedDims", (contract.ctypes.Structure,), {"_c_name_": "sluice_model_dims", "_fields_": swapped})
+    monkeypatch.setattr(contract, "STRUCTS", (contract.LayerWeights, SwappedDims))
+    with pytest.raises(contract.ContractMismatch, match="sluice_model_dims.hidden at offset 4 in C, 0 in Python"):
+        contract.check(ops.lib)
+    monkeypatch.setattr(SwappedDims, "_c_name_", "sluice_no_such_struct")
+    with pytest.raises(contract.ContractMismatch, match="does not report"):
+        contract.check(ops.lib)
+
+
+def test_header_parsing_follows_a_changed_declaration():
+    header = "/* x */\n#define A 1\nlong sluice_f(const float *x, int n,\n    float eps);\nvoid sluice_g(void);\n"
+    signatures = contract.declared_signatures(header)
+    assert signatures["sluice_f"][1][1:] == [contract.ctypes.c_int, contract.ctypes.c_float]
+    assert signatures["sluice_g"] == (None, [])
+
+
+def _chosen_isa(disabled: str) -> str:
+    env = {**os.environ, DISABLE_ENV: disabled}
+    result = subprocess.run([sys.executable, "-c", "from sluice.kernels.loader import load_kernels; "
+                             "print(load_kernels().describe())"], env=env, capture_output=True, text=True)
+    return result.stdout.strip() or result.stderr
+
+
+def test_the_best_instruction_set_is_chosen_and_can_be_switched_off():
+    assert _chosen_isa("").startswith(SUPPORTED[0])
+    if "avx512_vnni" in SUPPORTED:
+        chosen = _chosen_isa("avx512")
+        assert chosen.startswith("avx2") and "avx512_vnni disabled" in chosen
+    assert "AVX2" in _chosen_isa("avx512,avx2")  # none left: KernelUnavailable says what is needed

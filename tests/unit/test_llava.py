@@ -90,7 +90,7 @@ def folder(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def runner(folder: Path) -> ModelRunner:
-    return ModelRunner(str(folder), torch.float32)
+    return ModelRunner(str(folder), torch.float32, kv_cache_dtype="float32")
 
 
 @pytest.fixture(scope="module")
@@ -198,7 +198,7 @@ def test_text_only_prompt_on_a_llava_runner_matches_transformers(runner, hf_mode
 ], ids=["clip_full_last_layer", "clip_two_feature_layers", "siglip_full"])
 def test_vision_variants_match_transformers(variant, tmp_path: Path):
     folder = build_tiny_llava(tmp_path, seed=4, **variant)
-    runner = ModelRunner(str(folder), torch.float32)
+    runner = ModelRunner(str(folder), torch.float32, kv_cache_dtype="float32")
     prompt = Prompt(runner.config, placeholder_id=0)
     pixels = random_pixels(seed=5)
     assert relative_error(sluice_prompt_logits(runner, prompt, pixels), hf_logits(load_hf(folder), prompt.hf_ids, pixels)) < 1e-4

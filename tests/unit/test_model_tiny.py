@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from sluice.kernels.loader import cpu_supports_kernels
+from sluice.kernels.loader import kernels_available
 from sluice.model.model_config import ModelConfig
 from sluice.model.model_runner import ModelRunner
 from tests.forward_batches import make_batch
@@ -89,7 +89,7 @@ def sluice_greedy(runner: ModelRunner, prompt_ids: list[int], num_tokens: int) -
 @pytest.mark.parametrize("build", VARIANTS, ids=lambda build: build.__name__)
 def test_logits_and_greedy_tokens_match_transformers(build, tmp_path: Path):
     hf_model = save_random_model(build, tmp_path)
-    runner = ModelRunner(str(tmp_path), torch.float32)
+    runner = ModelRunner(str(tmp_path), torch.float32, kv_cache_dtype="float32")
 
     kv_buffers = runner.new_kv_buffers(len(PROMPT_IDS) + 1)
     logits = runner.forward(make_batch([(PROMPT_IDS, torch.arange(1, len(PROMPT_IDS) + 1))], kv_buffers, all_logits=True))
@@ -136,7 +136,7 @@ def test_config_reads_eos_from_both_files_and_sizes_kv(tmp_path: Path):
     assert k_buffers[0].shape == (10, 2, 32)
 
 
-@pytest.mark.skipif(not cpu_supports_kernels(), reason="the quantized kernels need AVX2 and FMA")
+@pytest.mark.skipif(not kernels_available(), reason="the C kernels need an x86-64 CPU with AVX2 and gcc")
 @pytest.mark.parametrize("build", VARIANTS, ids=lambda build: build.__name__)
 def test_one_call_layers_equal_the_per_op_path(build, tmp_path: Path):
     """A quantized float32 model runs all layers of a step in one C call; its logits must be
@@ -162,7 +162,7 @@ def test_one_call_layers_equal_the_per_op_path(build, tmp_path: Path):
         assert torch.equal(one_call, per_op)
 
 
-@pytest.mark.skipif(not cpu_supports_kernels(), reason="the quantized kernels need AVX2 and FMA")
+@pytest.mark.skipif(not kernels_available(), reason="the C kernels need an x86-64 CPU with AVX2 and gcc")
 def test_quantized_results_do_not_depend_on_chunking_or_batching(tmp_path: Path):
     """On the kernels every token attends like a decode step at its position and every matmul
     row is computed alone, so a prompt gives the same logits bit for bit whether it is
@@ -183,3 +183,25 @@ def test_quantized_results_do_not_depend_on_chunking_or_batching(tmp_path: Path)
     neighbour = ([9, 8, 7, 6, 5, 4, 3, 2, 1], torch.arange(40, 49))
     batched = runner.forward(make_batch([neighbour, (PROMPT_IDS, slots)], kv_buffers, all_logits=True))
     assert torch.equal(batched[len(neighbour[0]):], whole)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_a_16_bit_kv_cache_keeps_logits_close_and_the_greedy_tokens(dtype, kv_cache_dtype, tmp_path: Path):
+    """Half the KV bytes: the pool rounds K and V to 16 bits, attention widens them again."""
+    save_random_model(llama_linear_rope_tied, tmp_path)
+    reference = ModelRunner(str(tmp_path), dtype, kv_cache_dtype="float32")
+    narrow = ModelRunner(str(tmp_path), dtype, kv_cache_dtype=kv_cache_dtype)
+    kv_buffers = narrow.new_kv_buffers(4)
+    assert kv_buffers[0][0].dtype == getattr(torch, kv_cache_dtype)
+    assert narrow.kv_bytes_per_token() == reference.kv_bytes_per_token() // 2
+
+    step_logits = []
+    for runner in (reference, narrow):
+        kv_buffers = runner.new_kv_buffers(2 * len(PROMPT_IDS) + 1)
+        runner.forward(make_batch([(PROMPT_IDS[:-1], torch.arange(1, len(PROMPT_IDS)))], kv_buffers))
+        step_logits.append(runner.forward(make_batch([(PROMPT_IDS[-1:], torch.arange(1, len(PROMPT_IDS) + 1))],
+                                                     kv_buffers)))
+    tolerance = 1e-2 if dtype == torch.float32 else 5e-2
+    assert ((step_logits[1] - step_logits[0]).abs().max() / step_logits[0].abs().max()).item() < tolerance
+    assert sluice_greedy(narrow, PROMPT_IDS, NUM_GREEDY_TOKENS) == sluice_greedy(reference, PROMPT_IDS, NUM_GREEDY_TOKENS)

@@ -1,0 +1,240 @@
+/* What a build of the kernels is (sluice_contract_value), and a self-test that proves this
+ * CPU runs it correctly (sluice_self_test). See kernels.h. */
+#include <limits.h>
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <immintrin.h>
+
+#include "kernels.h"
+
+#define SIZE(type) {"sizeof " #type, (long)sizeof(type)}
+#define FIELD(type, field) {#type "." #field, (long)offsetof(type, field)}
+#define CONSTANT(name) {#name, (long)(name)}
+
+static const struct {
+    const char *name;
+    long value;
+} contract[] = {
+    SIZE(sluice_layer_weights),
+    FIELD(sluice_layer_weights, input_norm),
+    FIELD(sluice_layer_weights, post_attention_norm),
+    FIELD(sluice_layer_weights, qkv),
+    FIELD(sluice_layer_weights, o),
+    FIELD(sluice_layer_weights, gate_up),
+    FIELD(sluice_layer_weights, down),
+    FIELD(sluice_layer_weights, qkv_format),
+    FIELD(sluice_layer_weights, o_format),
+    FIELD(sluice_layer_weights, gate_up_format),
+    FIELD(sluice_layer_weights, down_format),
+    FIELD(sluice_layer_weights, qkv_bias),
+    SIZE(sluice_model_dims),
+    FIELD(sluice_model_dims, num_layers),
+    FIELD(sluice_model_dims, hidden),
+    FIELD(sluice_model_dims, heads),
+    FIELD(sluice_model_dims, kv_heads),
+    FIELD(sluice_model_dims, head_dim),
+    FIELD(sluice_model_dims, intermediate),
+    FIELD(sluice_model_dims, eps),
+    FIELD(sluice_model_dims, attention_scale),
+    FIELD(sluice_model_dims, kv_dtype),
+    CONSTANT(SLUICE_BLOCK),
+    CONSTANT(SLUICE_ROW_GROUP),
+    CONSTANT(SLUICE_Q8_0),
+    CONSTANT(SLUICE_Q4_1),
+    CONSTANT(SLUICE_KV_FLOAT32),
+    CONSTANT(SLUICE_KV_FLOAT16),
+    CONSTANT(SLUICE_KV_BFLOAT16),
+};
+
+long sluice_contract_value(const char *name) {
+    for (size_t i = 0; i < sizeof(contract) / sizeof(contract[0]); i++)
+        if (strcmp(contract[i].name, name) == 0) return contract[i].value;
+    return LONG_MIN;
+}
+
+/* ---------------------------------------------------------------- self-test */
+
+static uint32_t next_random(uint32_t *state) {
+    *state = *state * 1664525u + 1013904223u;
+    return *state >> 8;
+}
+
+/* Uniform in [-1, 1). */
+static float random_float(uint32_t *state) { return (float)next_random(state) / (float)(1u << 23) - 1.0f; }
+
+/* Scalar qgemm over the packed layout described in qgemm.c: the integer dot of each block,
+ * then the same float operations in the same order as the vector code. */
+static float reference_output(int format, const uint8_t *packed, int n, int K, const float *x) {
+    const int nb = K / SLUICE_BLOCK, group = n / SLUICE_ROW_GROUP, lane = n % SLUICE_ROW_GROUP;
+    const int block_bytes = format == SLUICE_Q8_0 ? SLUICE_Q8_0_GROUP_BLOCK_BYTES : SLUICE_Q4_1_GROUP_BLOCK_BYTES;
+    const int quant_bytes = format == SLUICE_Q8_0 ? SLUICE_BLOCK : SLUICE_BLOCK / 2;
+    float acc = 0.0f;
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *block = packed + ((size_t)group * nb + b) * block_bytes;
+        const float *xb = x + b * SLUICE_BLOCK;
+        float max_abs = 0.0f;
+        for (int k = 0; k < SLUICE_BLOCK; k++) max_abs = fmaxf(max_abs, fabsf(xb[k]));
+        const float xd = max_abs / 127.0f, inv = max_abs > 0.0f ? 127.0f / max_abs : 0.0f;
+        int dot = 0, qsum = 0;
+        for (int k = 0; k < SLUICE_BLOCK; k++) {
+            const int xq = (int)nearbyintf(xb[k] * inv);
+            const int word = (k % (quant_bytes)) / 4, byte = word * 4 * SLUICE_ROW_GROUP + lane * 4 + k % 4;
+            const int wq = format == SLUICE_Q8_0 ? (int)(int8_t)block[byte]
+                                                 : (k < 16 ? block[byte] & 0x0F : block[byte] >> 4);
+            dot += wq * xq;
+            qsum += xq;
+        }
+        uint16_t half;
+        memcpy(&half, block + SLUICE_ROW_GROUP * quant_bytes + 2 * lane, 2);
+        const float d = _cvtsh_ss(half);
+        acc = fmaf((float)dot, d * xd, acc);
+        if (format == SLUICE_Q4_1) {
+            memcpy(&half, block + SLUICE_ROW_GROUP * (quant_bytes + 2) + 2 * lane, 2);
+            acc = fmaf(_cvtsh_ss(half), xd * (float)qsum, acc);
+        }
+    }
+    return acc;
+}
+
+/* Every tile height, a partial row group and both formats: the result must be exact. */
+static int check_qgemm(int format) {
+    enum { M = 7, N = 2 * SLUICE_ROW_GROUP + 3, K = 96 };
+    const int groups = (N + SLUICE_ROW_GROUP - 1) / SLUICE_ROW_GROUP;
+    const int block_bytes = format == SLUICE_Q8_0 ? SLUICE_Q8_0_GROUP_BLOCK_BYTES : SLUICE_Q4_1_GROUP_BLOCK_BYTES;
+    const int quant_bytes = format == SLUICE_Q8_0 ? SLUICE_BLOCK : SLUICE_BLOCK / 2;
+    const size_t packed_bytes = (size_t)groups * (K / SLUICE_BLOCK) * block_bytes;
+    uint8_t *packed = malloc(packed_bytes);
+    float x[M * K], out[M * N];
+    void *scratch = malloc(sluice_qgemm_scratch_bytes(M, K));
+    int failed = packed == NULL || scratch == NULL;
+    uint32_t state = 12345u + (uint32_t)format;
+    for (size_t i = 0; !failed && i < packed_bytes; i++) packed[i] = (uint8_t)next_random(&state);
+    for (size_t block = 0; !failed && block < packed_bytes / block_bytes; block++) {
+        uint8_t *scales = packed + block * block_bytes + SLUICE_ROW_GROUP * quant_bytes;
+        for (int i = 0; i < SLUICE_ROW_GROUP * (format == SLUICE_Q8_0 ? 1 : 2); i++) {
+            const uint16_t half = _cvtss_sh(0.01f * random_float(&state), 0);
+            memcpy(scales + 2 * i, &half, 2);
+        }
+    }
+    for (int i = 0; i < M * K; i++) x[i] = 3.0f * random_float(&state);
+    for (int r = 1; r <= M && !failed; r++) {
+        if (sluice_qgemm(r, N, K, x, format, packed, out, scratch) != 0) failed = 1;
+        for (int i = 0; i < r && !failed; i++)
+            for (int n = 0; n < N; n++)
+                if (out[i * N + n] != reference_output(format, packed, n, K, x + i * K)) failed = 1;
+    }
+    free(packed);
+    free(scratch);
+    return failed;
+}
+
+/* Attention over a pool of each KV dtype, against a scalar softmax(q.k) v. */
+static int check_attention(int kv_dtype) {
+    enum { HEADS = 6, KV_HEADS = 2, DIM = 64, SLOTS = 20, LEN = 11 };
+    float q[HEADS * DIM], k[SLOTS * KV_HEADS * DIM], v[SLOTS * KV_HEADS * DIM], out[HEADS * DIM];
+    uint16_t k16[SLOTS * KV_HEADS * DIM], v16[SLOTS * KV_HEADS * DIM];
+    int64_t slots[LEN], seq_len = LEN;
+    uint32_t state = 777u;
+    for (int i = 0; i < HEADS * DIM; i++) q[i] = random_float(&state);
+    for (int i = 0; i < SLOTS * KV_HEADS * DIM; i++) {
+        k[i] = random_float(&state);
+        v[i] = random_float(&state);
+        if (kv_dtype == SLUICE_KV_FLOAT16) {
+            k16[i] = _cvtss_sh(k[i], 0);
+            v16[i] = _cvtss_sh(v[i], 0);
+            k[i] = _cvtsh_ss(k16[i]);
+            v[i] = _cvtsh_ss(v16[i]);
+        } else if (kv_dtype == SLUICE_KV_BFLOAT16) {
+            uint32_t kb, vb;
+            memcpy(&kb, &k[i], 4);
+            memcpy(&vb, &v[i], 4);
+            k16[i] = (uint16_t)(kb >> 16);
+            v16[i] = (uint16_t)(vb >> 16);
+            kb = (uint32_t)k16[i] << 16;
+            vb = (uint32_t)v16[i] << 16;
+            memcpy(&k[i], &kb, 4);
+            memcpy(&v[i], &vb, 4);
+        }
+    }
+    for (int t = 0; t < LEN; t++) slots[t] = (t * 7) % SLOTS;
+    const void *k_pool = kv_dtype == SLUICE_KV_FLOAT32 ? (const void *)k : (const void *)k16;
+    const void *v_pool = kv_dtype == SLUICE_KV_FLOAT32 ? (const void *)v : (const void *)v16;
+    const float scale = 0.125f;
+    if (sluice_decode_attention(1, HEADS, KV_HEADS, DIM, LEN, scale, q, HEADS * DIM, k_pool, v_pool, kv_dtype, slots,
+                                NULL, &seq_len, out) != 0)
+        return 1;
+    for (int h = 0; h < HEADS; h++) {
+        const int kvh = h / (HEADS / KV_HEADS);
+        double p[LEN], max_score = -INFINITY, total = 0.0;
+        for (int t = 0; t < LEN; t++) {
+            double dot = 0.0;
+            for (int i = 0; i < DIM; i++) dot += (double)q[h * DIM + i] * k[(slots[t] * KV_HEADS + kvh) * DIM + i];
+            p[t] = dot * scale;
+            max_score = p[t] > max_score ? p[t] : max_score;
+        }
+        for (int t = 0; t < LEN; t++) total += p[t] = exp(p[t] - max_score);
+        for (int i = 0; i < DIM; i++) {
+            double expected = 0.0;
+            for (int t = 0; t < LEN; t++) expected += p[t] / total * v[(slots[t] * KV_HEADS + kvh) * DIM + i];
+            if (fabs(out[h * DIM + i] - expected) > 1e-4) return 1;
+        }
+    }
+    return 0;
+}
+
+/* The glue kernels: norm with the residual add, rotary + store, silu * mul. */
+static int check_glue(void) {
+    enum { ROWS = 3, DIM = 40, HEADS = 2, KV_HEADS = 1, HEAD_DIM = 16, SLOTS = 4 };
+    float x[ROWS * DIM], delta[ROWS * DIM], w[DIM], out[ROWS * DIM], hidden[ROWS * DIM];
+    uint32_t state = 99u;
+    for (int i = 0; i < ROWS * DIM; i++) hidden[i] = x[i] = 2.0f * random_float(&state), delta[i] = random_float(&state);
+    for (int i = 0; i < DIM; i++) w[i] = 1.0f + random_float(&state);
+    sluice_add_rmsnorm(ROWS, DIM, hidden, delta, w, 1e-5f, out);
+    for (int r = 0; r < ROWS; r++) {
+        double sum_sq = 0.0;
+        for (int i = 0; i < DIM; i++) sum_sq += (double)(x[r * DIM + i] + delta[r * DIM + i]) * (x[r * DIM + i] + delta[r * DIM + i]);
+        const double inv = 1.0 / sqrt(sum_sq / DIM + 1e-5);
+        for (int i = 0; i < DIM; i++) {
+            const double h = x[r * DIM + i] + delta[r * DIM + i];
+            if (hidden[r * DIM + i] != (float)h || fabs(out[r * DIM + i] - h * inv * w[i]) > 1e-5) return 1;
+        }
+    }
+    sluice_silu_mul(ROWS, DIM / 2, x, out);
+    for (int r = 0; r < ROWS; r++)
+        for (int i = 0; i < DIM / 2; i++) {
+            const double gate = x[r * DIM + i], up = x[r * DIM + DIM / 2 + i];
+            if (fabs(out[r * DIM / 2 + i] - gate / (1.0 + exp(-gate)) * up) > 1e-5) return 1;
+        }
+    float qkv[(HEADS + 2 * KV_HEADS) * HEAD_DIM], before[(HEADS + 2 * KV_HEADS) * HEAD_DIM], cos_row[HEAD_DIM],
+        sin_row[HEAD_DIM], k_pool[SLOTS * HEAD_DIM] = {0}, v_pool[SLOTS * HEAD_DIM] = {0};
+    for (int i = 0; i < (HEADS + 2 * KV_HEADS) * HEAD_DIM; i++) before[i] = qkv[i] = random_float(&state);
+    for (int i = 0; i < HEAD_DIM / 2; i++) {
+        cos_row[i] = cos_row[i + HEAD_DIM / 2] = cosf(0.3f * i);
+        sin_row[i + HEAD_DIM / 2] = sinf(0.3f * i);
+        sin_row[i] = -sin_row[i + HEAD_DIM / 2];
+    }
+    const int64_t slot = 2;
+    sluice_rope_store(1, HEADS, KV_HEADS, HEAD_DIM, qkv, cos_row, sin_row, k_pool, v_pool, SLUICE_KV_FLOAT32, &slot);
+    for (int h = 0; h < HEADS + KV_HEADS; h++)
+        for (int i = 0; i < HEAD_DIM; i++) {
+            const int partner = i < HEAD_DIM / 2 ? i + HEAD_DIM / 2 : i - HEAD_DIM / 2;
+            const float expected = before[h * HEAD_DIM + i] * cos_row[i] + before[h * HEAD_DIM + partner] * sin_row[i];
+            if (fabsf(qkv[h * HEAD_DIM + i] - expected) > 1e-6f) return 1;
+        }
+    if (memcmp(k_pool + slot * HEAD_DIM, qkv + HEADS * HEAD_DIM, sizeof(float) * HEAD_DIM) != 0) return 1;
+    if (memcmp(v_pool + slot * HEAD_DIM, qkv + (HEADS + 1) * HEAD_DIM, sizeof(float) * HEAD_DIM) != 0) return 1;
+    return 0;
+}
+
+int sluice_self_test(void) {
+    if (check_qgemm(SLUICE_Q8_0)) return 1;
+    if (check_qgemm(SLUICE_Q4_1)) return 2;
+    if (check_attention(SLUICE_KV_FLOAT32)) return 3;
+    if (check_attention(SLUICE_KV_FLOAT16)) return 4;
+    if (check_attention(SLUICE_KV_BFLOAT16)) return 5;
+    if (check_glue()) return 6;
+    return 0;
+}

@@ -1,0 +1,140 @@
+"""The Python side of kernels.h: function signatures read from the header itself, the shared
+structs and constants, and the check that a loaded library agrees with them.
+
+kernels.h is the one source. Signatures are parsed from its declarations, so a changed C
+signature changes the binding; the structs and constants below are asked of the library
+(`sluice_contract_value`) when it loads, so a layout that drifted refuses to load with a
+message instead of corrupting memory.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import enum
+import re
+from pathlib import Path
+
+HEADER = Path(__file__).parent / "kernels.h"
+BLOCK = 32  # SLUICE_BLOCK: weights per quantized block along K
+
+
+class BlockFormat(enum.IntEnum):
+    """enum sluice_block_format."""
+
+    Q8_0 = 0  # w = d * q, q int8, one scale per block
+    Q4_1 = 1  # w = d * q + m, q 4-bit unsigned, scale and minimum per block
+
+
+class KvDtype(enum.IntEnum):
+    """enum sluice_kv_dtype: the element type of the KV pools."""
+
+    FLOAT32 = 0
+    FLOAT16 = 1
+    BFLOAT16 = 2
+
+
+_float_p = ctypes.POINTER(ctypes.c_float)
+_byte_p = ctypes.POINTER(ctypes.c_uint8)
+
+
+class LayerWeights(ctypes.Structure):
+    """sluice_layer_weights."""
+
+    _c_name_ = "sluice_layer_weights"
+    _fields_ = [
+        ("input_norm", _float_p), ("post_attention_norm", _float_p),
+        ("qkv", _byte_p), ("o", _byte_p), ("gate_up", _byte_p), ("down", _byte_p),
+        ("qkv_format", ctypes.c_int), ("o_format", ctypes.c_int),
+        ("gate_up_format", ctypes.c_int), ("down_format", ctypes.c_int),
+        ("qkv_bias", _float_p),
+    ]
+
+
+class ModelDims(ctypes.Structure):
+    """sluice_model_dims."""
+
+    _c_name_ = "sluice_model_dims"
+    _fields_ = [
+        ("num_layers", ctypes.c_int), ("hidden", ctypes.c_int), ("heads", ctypes.c_int),
+        ("kv_heads", ctypes.c_int), ("head_dim", ctypes.c_int), ("intermediate", ctypes.c_int),
+        ("eps", ctypes.c_float), ("attention_scale", ctypes.c_float),
+        ("kv_dtype", ctypes.c_int),
+    ]
+
+
+STRUCTS = (LayerWeights, ModelDims)
+CONSTANTS = {
+    "SLUICE_BLOCK": BLOCK,
+    **{f"SLUICE_{member.name}": member.value for member in BlockFormat},
+    **{f"SLUICE_KV_{member.name}": member.value for member in KvDtype},
+}
+
+_SCALARS = {
+    "void": None, "int": ctypes.c_int, "long": ctypes.c_long, "float": ctypes.c_float,
+    "size_t": ctypes.c_size_t, "int64_t": ctypes.c_int64,
+}
+_DECLARATION = re.compile(r"([A-Za-z_][\w\s]*?)\s*(\**)\s*\b(sluice_\w+)\s*\(([^)]*)\)\s*;")
+_MISSING = -(2 ** 63)  # LONG_MIN: the library does not know the name
+
+
+class ContractMismatch(RuntimeError):
+    pass
+
+
+def _ctype(declaration: str) -> type | None:
+    """The ctypes type of a C parameter or return type: any pointer is a void pointer."""
+    if "*" in declaration:
+        return ctypes.c_void_p
+    words = [word for word in declaration.split() if word != "const"]
+    scalar = words[0] if words[0] in _SCALARS else None
+    if scalar is None:
+        raise ContractMismatch(f"kernels.h: no ctypes mapping for {declaration!r}")
+    return _SCALARS[scalar]
+
+
+def declared_signatures(header: str | None = None) -> dict[str, tuple[type | None, list[type]]]:
+    """Every function kernels.h declares: name -> (restype, argtypes)."""
+    text = HEADER.read_text() if header is None else header
+    text = re.sub(r"/\*.*?\*/", " ", text, flags=re.S)
+    text = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#"))
+    signatures = {}
+    for return_type, stars, name, params in _DECLARATION.findall(text):
+        params = params.strip()
+        argtypes = [] if params in ("", "void") else [_ctype(param) for param in params.split(",")]
+        signatures[name] = (_ctype(return_type + stars), argtypes)
+    return signatures
+
+
+def bind(lib: ctypes.CDLL) -> None:
+    """Give every declared function of `lib` its types; a missing one is a mismatch."""
+    for name, (restype, argtypes) in declared_signatures().items():
+        try:
+            function = getattr(lib, name)
+        except AttributeError:
+            raise ContractMismatch(f"the library has no {name}, which kernels.h declares") from None
+        function.restype = restype
+        function.argtypes = argtypes
+
+
+def check(lib: ctypes.CDLL) -> None:
+    """Raise ContractMismatch unless the library's structs and constants are the ones used here."""
+    def value(name: str) -> int:
+        found = lib.sluice_contract_value(name.encode())
+        if found == _MISSING:
+            raise ContractMismatch(f"the kernels library does not report {name!r}")
+        return found
+
+    problems = []
+    for struct in STRUCTS:
+        if value(f"sizeof {struct._c_name_}") != ctypes.sizeof(struct):
+            problems.append(f"sizeof {struct._c_name_}: C {value(f'sizeof {struct._c_name_}')}, "
+                            f"Python {ctypes.sizeof(struct)}")
+        for field, _ in struct._fields_:
+            c_offset, py_offset = value(f"{struct._c_name_}.{field}"), getattr(struct, field).offset
+            if c_offset != py_offset:
+                problems.append(f"{struct._c_name_}.{field} at offset {c_offset} in C, {py_offset} in Python")
+    for name, expected in CONSTANTS.items():
+        if value(name) != expected:
+            problems.append(f"{name} is {value(name)} in C, {expected} in Python")
+    if problems:
+        raise ContractMismatch("the kernels library disagrees with sluice/kernels/contract.py: " + "; ".join(problems))

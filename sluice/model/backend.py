@@ -1,0 +1,111 @@
+"""How a model's per-token operations run, decided once per model when it loads.
+
+Two backends with one interface; the layers hold one and never ask again which path to take:
+
+- `KernelBackend`: float32 activations through sluice's C kernels, the build for this CPU's
+  best instruction set (AVX-512 VNNI or AVX2). Block-quantized projections go through the
+  quantized matmul, dense ones through torch's `F.linear`; RMSNorm, rotary + KV store,
+  silu * mul and attention run in C, every token attending as a decode step at its position,
+  so a request's results never depend on its batch, its chunking or its cached prefix.
+- `TorchBackend`: plain torch ops in the model dtype, for bfloat16 or where the kernels
+  cannot run (no AVX2, no compiler): decoding requests attend as one padded batch,
+  prefilling ones through SDPA.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from sluice.kernels.ops import KernelOps
+from sluice.model.attention import AttentionMetadata, torch_attention
+from sluice.model.quantized_linear import QuantizedLinearWeight
+
+
+class KernelBackend:
+    name = "kernels"
+    every_token_decodes = True
+
+    def __init__(self, ops: KernelOps) -> None:
+        self.ops = ops
+
+    @property
+    def isa(self) -> str:
+        return self.ops.isa
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, quantized: QuantizedLinearWeight | None,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ weight.T (+ bias), through the block-quantized copy when the weight has one."""
+        if quantized is None:
+            return F.linear(x, weight, bias)
+        out = quantized.matmul(x)
+        return out if bias is None else out.add_(bias)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return self.ops.rms_norm(x, weight, eps)
+
+    def add_rms_norm(self, hidden: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden + delta, norm(hidden + delta)); the sum is written into `hidden`."""
+        return hidden, self.ops.add_rms_norm(hidden, delta, weight, eps)
+
+    def rotate_and_store(self, qkv: torch.Tensor, num_heads: int, num_kv_heads: int, rotary, cos: torch.Tensor,
+                         signed_sin: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
+                         out_cache_loc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate q and k of qkv [tokens, heads + 2 * kv_heads, head_dim], store k and v in the
+        pools; returns (q, k) as views of qkv."""
+        self.ops.rope_and_store(qkv, num_heads, cos, signed_sin, k_buffer, v_buffer, out_cache_loc)
+        return qkv[:, :num_heads], qkv[:, num_heads : num_heads + num_kv_heads]
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self.ops.silu_mul(gate_up)
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_buffer: torch.Tensor,
+                  v_buffer: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        """[num_tokens, num_heads * head_dim]; every token reads the pool at its position."""
+        num_tokens, num_heads, head_dim = q.shape
+        out = self.ops.decode_attention(q, k_buffer, v_buffer, metadata.decode_kv_slots, metadata.decode_seq_lens,
+                                        metadata.decode_max_seq_len, metadata.decode_slot_rows)
+        return out.view(num_tokens, num_heads * head_dim)
+
+
+class TorchBackend:
+    name = "torch"
+    every_token_decodes = False
+    isa = None
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, quantized: QuantizedLinearWeight | None,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+        if quantized is not None:
+            raise ValueError("block-quantized weights need the C kernels (KernelBackend)")
+        return F.linear(x, weight, bias)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return F.rms_norm(x, weight.shape, weight, eps)
+
+    def add_rms_norm(self, hidden: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden = hidden + delta
+        return hidden, self.rms_norm(hidden, weight, eps)
+
+    def rotate_and_store(self, qkv: torch.Tensor, num_heads: int, num_kv_heads: int, rotary, cos: torch.Tensor,
+                         signed_sin: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
+                         out_cache_loc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        num_qk_heads = num_heads + num_kv_heads
+        # q and k are rotated together: one set of ops instead of two.
+        qk = rotary.apply(qkv[:, :num_qk_heads], cos.unsqueeze(1), signed_sin.unsqueeze(1))
+        q, k = qk[:, :num_heads], qk[:, num_heads:]
+        k_buffer.index_copy_(0, out_cache_loc, k.to(k_buffer.dtype))
+        v_buffer.index_copy_(0, out_cache_loc, qkv[:, num_qk_heads:].to(v_buffer.dtype))
+        return q, k
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_buffer: torch.Tensor,
+                  v_buffer: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        return torch_attention(q, k, v, k_buffer, v_buffer, metadata)
+
+
+Backend = KernelBackend | TorchBackend

@@ -1,0 +1,115 @@
+"""Which backend, activation dtype and KV-cache dtype a model runs with on this CPU.
+
+Chosen once, when the model loads, from `--dtype`, `--kv-cache-dtype` and what the CPU
+and the kernels offer:
+
+    --dtype auto      float32 on the C kernels wherever they run (every x86-64 CPU with
+                      AVX2: the fastest path there is, and batch-invariant); elsewhere
+                      bfloat16 torch ops where oneDNN has bf16 kernels, else float32 torch ops
+    --dtype float32   the C kernels where they run, else float32 torch ops (with a warning)
+    --dtype bfloat16  torch ops in bfloat16 (the kernels take float32 activations)
+
+    --kv-cache-dtype auto   float16 on the kernels (half the bytes attention reads, no
+                            change in greedy output on the parity tests), the model dtype on torch
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from sluice.kernels.cpu import cpu_model, reported_flags
+from sluice.kernels.loader import KernelUnavailable, load_kernels
+from sluice.kernels.ops import KernelOps
+from sluice.model.backend import Backend, KernelBackend, TorchBackend
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+KV_CACHE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPE_CHOICES = ("auto", *DTYPES)
+KV_CACHE_DTYPE_CHOICES = ("auto", *KV_CACHE_DTYPES)
+
+
+@dataclass(frozen=True, slots=True)
+class Execution:
+    backend: Backend
+    dtype: torch.dtype  # activations and dense weights
+    kv_dtype: torch.dtype
+    why: str  # how the choice came about, for the start-up log
+
+    @property
+    def uses_kernels(self) -> bool:
+        return isinstance(self.backend, KernelBackend)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def choose_execution(dtype: str | torch.dtype = "auto", kv_cache_dtype: str = "auto") -> Execution:
+    if kv_cache_dtype not in KV_CACHE_DTYPE_CHOICES:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPE_CHOICES)}, not {kv_cache_dtype!r}")
+    if isinstance(dtype, str):
+        if dtype not in DTYPE_CHOICES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, not {dtype!r}")
+        wanted = None if dtype == "auto" else DTYPES[dtype]
+    else:
+        wanted = dtype
+
+    backend: Backend
+    if wanted in (None, torch.float32):
+        try:
+            backend, activations = KernelBackend(KernelOps(load_kernels())), torch.float32
+            why = "float32 activations on the C kernels"
+        except KernelUnavailable as error:
+            backend = TorchBackend()
+            bf16 = wanted is None and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+            activations = torch.bfloat16 if bf16 else torch.float32
+            why = f"torch ops in {_dtype_name(activations)}: the C kernels are unavailable ({error})"
+            logger.warning("C kernels unavailable, running torch ops: %s", error)
+    else:
+        backend, activations = TorchBackend(), wanted
+        why = f"torch ops in {_dtype_name(wanted)} (--dtype {_dtype_name(wanted)}; the C kernels take float32)"
+
+    if kv_cache_dtype == "auto":
+        kv_dtype = torch.float16 if isinstance(backend, KernelBackend) else activations
+    else:
+        kv_dtype = KV_CACHE_DTYPES[kv_cache_dtype]
+    return Execution(backend, activations, kv_dtype, why)
+
+
+def describe(execution: Execution, weight_formats: list[str]) -> dict[str, str]:
+    """What runs, for the start-up log line and /get_server_info.
+
+    weight_formats: the block formats the projections use (empty: dense weights).
+    """
+    dense = f"dense {_dtype_name(execution.dtype)} torch F.linear"
+    if isinstance(execution.backend, KernelBackend):
+        isa = execution.backend.isa
+        dots = "AVX-512 VNNI vpdpbusd, 16-row groups" if isa == "avx512_vnni" else "AVX2 maddubs, 8-row groups"
+        if weight_formats:
+            gemv = f"{'+'.join(weight_formats)} blocks x int8 activations ({dots})"
+            gemm = f"the same kernel, 4 activation rows per weight load"
+        else:
+            gemv = gemm = dense
+        attention = f"C kernel, every token at its position, {_dtype_name(execution.kv_dtype)} KV"
+        isa_text = execution.backend.ops.kernels.describe()
+    else:
+        gemv = gemm = dense
+        attention = f"torch SDPA, {_dtype_name(execution.kv_dtype)} KV"
+        isa_text = "none"
+    return {
+        "cpu": cpu_model(),
+        "cpu_flags": " ".join(reported_flags()),
+        "backend": execution.backend.name,
+        "kernels_isa": isa_text,
+        "activations": _dtype_name(execution.dtype),
+        "gemv": gemv,
+        "gemm": gemm,
+        "attention": attention,
+        "kv_cache_dtype": _dtype_name(execution.kv_dtype),
+        "why": execution.why,
+    }
