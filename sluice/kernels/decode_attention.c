@@ -9,13 +9,19 @@
  * query per request, a decode step); seq_lens [queries]: how many of those slots it sees.
  * Query heads h * group .. h * group + group - 1 share KV head h (grouped-query attention).
  *
- * A prompt token at position p is computed exactly as a decode step at p would be: the same
- * slots in the same order. So a request's results do not depend on how its prompt was split
- * into chunks, on its cached prefix or on its batch neighbours.
+ * Every query is computed the same way, whatever else is in the call: its slots in tiles of
+ * KV_TILE from position 0, each tile's scores, an online softmax (the running maximum and
+ * sum rescale what came before, as in flash attention), and its values accumulated token
+ * by token. A prompt token at position p is thus computed exactly as a decode step at p
+ * would be, so a request's results do not depend on how its prompt was split into chunks,
+ * on its cached prefix or on its batch neighbours.
  *
- * A decode step reads all of its requests' cached K/V, so it is bound by memory: the query
- * heads of a group are done together, each K row and V row read once for all of them, and a
- * 16-bit pool halves the bytes.
+ * What is shared is memory traffic. A decode step reads all of its requests' cached K/V, so
+ * it is bound by memory: the query heads of a group are done together, each K and V row read
+ * once for all of them, and a 16-bit pool halves the bytes. A prompt's consecutive tokens go
+ * in blocks of up to QUERY_BLOCK queries that walk the K/V rows in tiles of KV_TILE: a tile
+ * comes from memory once and serves the whole block from L1, where one query at a time
+ * would stream a long prompt's K/V from L3 once per token.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -27,16 +33,20 @@
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 #define MAX_GROUP 8
+#define QUERY_BLOCK 16 /* consecutive queries of one request sharing each K/V tile */
+#define KV_TILE 64     /* K/V rows a block walks together: 16 KB of float32 at head_dim 64 */
 /* Tokens ahead whose K/V rows are prefetched: a slot list is not a stream the hardware
  * prefetcher follows across pages (measured: -30% time at 128 cached tokens). */
 #define PREFETCH_AHEAD 8
 
-static inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
+/* Sums of up to 8 vectors, each by the same tree ((x0+x1)+(x2+x3)) + ((x4+x5)+(x6+x7)):
+ * a vector's sum does not depend on how many others are reduced beside it. */
+ALWAYS_INLINE __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
+    const __m256 pairs = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+    return _mm_add_ps(_mm256_castps256_ps128(pairs), _mm256_extractf128_ps(pairs, 1));
 }
+
+static inline float hsum(__m256 v) { return _mm_cvtss_f32(hsum4(v, v, v, v)); }
 
 static inline float hmax(__m256 v) {
     __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -45,28 +55,41 @@ static inline float hmax(__m256 v) {
     return _mm_cvtss_f32(m);
 }
 
-/* s[0..len) = exp(s - max(s)) / sum. */
-static void softmax(float *s, int len) {
+/* One tile of a query head's online softmax: s[0..n) = exp(s - m) with m the running
+ * maximum after this tile; the running sum is rescaled and extended. Returns the factor
+ * exp(old m - new m) by which the values accumulated so far must be rescaled. */
+static float softmax_tile(float *s, int n, float *running_max, float *running_sum) {
     __m256 maxes = _mm256_set1_ps(-INFINITY);
     int t = 0;
-    for (; t + 8 <= len; t += 8) maxes = _mm256_max_ps(maxes, _mm256_loadu_ps(s + t));
-    float max_score = hmax(maxes);
-    for (; t < len; t++) max_score = s[t] > max_score ? s[t] : max_score;
-    const __m256 max_vec = _mm256_set1_ps(max_score);
+    for (; t + 8 <= n; t += 8) maxes = _mm256_max_ps(maxes, _mm256_loadu_ps(s + t));
+    float tile_max = hmax(maxes);
+    for (; t < n; t++) tile_max = s[t] > tile_max ? s[t] : tile_max;
+    const float new_max = tile_max > *running_max ? tile_max : *running_max;
+    const float correction = expf(*running_max - new_max); /* 0 for the first tile (-inf) */
+    const __m256 max_vec = _mm256_set1_ps(new_max);
     __m256 sums = _mm256_setzero_ps();
     t = 0;
-    for (; t + 8 <= len; t += 8) {
+    for (; t + 8 <= n; t += 8) {
         const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + t), max_vec));
         _mm256_storeu_ps(s + t, e);
         sums = _mm256_add_ps(sums, e);
     }
     float total = hsum(sums);
-    for (; t < len; t++) {
-        s[t] = expf(s[t] - max_score);
+    for (; t < n; t++) {
+        s[t] = expf(s[t] - new_max);
         total += s[t];
     }
+    *running_sum = *running_sum * correction + total;
+    *running_max = new_max;
+    return correction;
+}
+
+/* s[0..len) = exp(s - max(s)) / sum, for the scalar path. */
+static void softmax(float *s, int len) {
+    float max_score = -INFINITY, total = 0.0f;
+    softmax_tile(s, len, &max_score, &total);
     const float inv_total = 1.0f / total;
-    for (t = 0; t < len; t++) s[t] *= inv_total;
+    for (int t = 0; t < len; t++) s[t] *= inv_total;
 }
 
 /* Element size of a KV pool's dtype. */
@@ -110,11 +133,12 @@ ALWAYS_INLINE void prefetch_row(const char *row, size_t bytes) {
     for (size_t byte = 0; byte < bytes; byte += 64) _mm_prefetch(row + byte, _MM_HINT_T0);
 }
 
-/* scores[g * len + t] = scale * q_g . k_t for the G heads of one group (head_dim % 8 == 0). */
-ALWAYS_INLINE void group_scores(const int G, const int kv_dtype, const float *q, int head_dim, int len, float scale,
-                                kv_rows keys, const int64_t *req_slots, float *scores) {
+/* scores[g * stride + t - t0] = scale * q_g . k_t for t in [t0, t1), the G heads of one
+ * group (head_dim % 8 == 0). Rows up to `len` may be prefetched. */
+ALWAYS_INLINE void group_scores(const int G, const int kv_dtype, const float *q, int head_dim, int t0, int t1, int len,
+                                float scale, kv_rows keys, const int64_t *req_slots, float *scores, size_t stride) {
     const size_t elem = kv_element_bytes(kv_dtype);
-    for (int t = 0; t < len; t++) {
+    for (int t = t0; t < t1; t++) {
         const char *kt = kv_row(keys, req_slots, t);
         if (t + PREFETCH_AHEAD < len) prefetch_row(kv_row(keys, req_slots, t + PREFETCH_AHEAD), head_dim * elem);
         __m256 acc[MAX_GROUP];
@@ -123,26 +147,39 @@ ALWAYS_INLINE void group_scores(const int G, const int kv_dtype, const float *q,
             const __m256 k = load_kv8(kt + i * elem, kv_dtype);
             for (int g = 0; g < G; g++) acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * head_dim + i), k, acc[g]);
         }
-        for (int g = 0; g < G; g++) scores[g * len + t] = hsum(acc[g]) * scale;
+        for (int g0 = 0; g0 < G; g0 += 4) {
+            const int n = G - g0 < 4 ? G - g0 : 4;
+            const __m256 zero = _mm256_setzero_ps();
+            float sums[4];
+            _mm_storeu_ps(sums, _mm_mul_ps(hsum4(acc[g0], n > 1 ? acc[g0 + 1] : zero, n > 2 ? acc[g0 + 2] : zero,
+                                                 n > 3 ? acc[g0 + 3] : zero),
+                                           _mm_set1_ps(scale)));
+            for (int g = 0; g < n; g++) scores[(size_t)(g0 + g) * stride + (t - t0)] = sums[g];
+        }
     }
 }
 
-/* out_g = sum_t p_g[t] * v_t, a slice of `width` vectors of the head at a time with the G
- * heads' slices in registers (G * width <= 12 leaves room for the V vectors). */
-ALWAYS_INLINE void group_values(const int G, const int width, const int kv_dtype, const float *p, int head_dim, int len,
-                                kv_rows values, const int64_t *req_slots, float *out) {
+/* out_g = out_g * correction_g + sum_t p_g[t - t0] * v_t over t in [t0, t1) (out_g starts
+ * at zero when t0 is 0), a slice of `width` vectors of the head at a time with the G heads'
+ * slices in registers (G * width <= 12 leaves room for the V vectors). */
+ALWAYS_INLINE void group_values(const int G, const int width, const int kv_dtype, const float *p, size_t stride,
+                                const float *correction, int head_dim, int t0, int t1, int len, kv_rows values,
+                                const int64_t *req_slots, float *out) {
     const size_t elem = kv_element_bytes(kv_dtype);
     for (int c = 0; c < head_dim; c += 8 * width) {
         __m256 acc[MAX_GROUP][4];
         for (int g = 0; g < G; g++)
-            for (int j = 0; j < width; j++) acc[g][j] = _mm256_setzero_ps();
-        for (int t = 0; t < len; t++) {
+            for (int j = 0; j < width; j++)
+                acc[g][j] = t0 == 0 ? _mm256_setzero_ps()
+                                    : _mm256_mul_ps(_mm256_loadu_ps(out + g * head_dim + c + 8 * j),
+                                                    _mm256_set1_ps(correction[g]));
+        for (int t = t0; t < t1; t++) {
             const char *vt = kv_row(values, req_slots, t) + c * elem;
             if (t + PREFETCH_AHEAD < len) _mm_prefetch(kv_row(values, req_slots, t + PREFETCH_AHEAD) + c * elem, _MM_HINT_T0);
             __m256 v[4];
             for (int j = 0; j < width; j++) v[j] = load_kv8(vt + 8 * j * elem, kv_dtype);
             for (int g = 0; g < G; g++) {
-                const __m256 weight = _mm256_set1_ps(p[g * len + t]);
+                const __m256 weight = _mm256_set1_ps(p[(size_t)g * stride + (t - t0)]);
                 for (int j = 0; j < width; j++) acc[g][j] = _mm256_fmadd_ps(weight, v[j], acc[g][j]);
             }
         }
@@ -151,20 +188,39 @@ ALWAYS_INLINE void group_values(const int G, const int width, const int kv_dtype
     }
 }
 
-ALWAYS_INLINE void attend_group(const int G, const int kv_dtype, const float *q, int head_dim, int len, float scale,
-                                kv_rows keys, kv_rows values, const int64_t *req_slots, float *scores, float *out) {
-    group_scores(G, kv_dtype, q, head_dim, len, scale, keys, req_slots, scores);
-    for (int g = 0; g < G; g++) softmax(scores + (size_t)g * len, len);
-    /* The widest slice that divides head_dim and keeps the accumulators in registers. */
-    const int width = G <= 3 && head_dim % 32 == 0 ? 4 : G <= 6 && head_dim % 16 == 0 ? 2 : 1;
-    switch (width) {
-    case 4: group_values(G, 4, kv_dtype, scores, head_dim, len, values, req_slots, out); break;
-    case 2: group_values(G, 2, kv_dtype, scores, head_dim, len, values, req_slots, out); break;
-    default: group_values(G, 1, kv_dtype, scores, head_dim, len, values, req_slots, out); break;
+/* A block of `count` consecutive queries of one request (lens[i] = lens[0] + i) against one
+ * KV head, tile by tile: scores, online softmax, values; then each head's values divided by
+ * its softmax sum. scratch: count * G * KV_TILE floats. */
+ALWAYS_INLINE void attend_block(const int G, const int width, const int kv_dtype, int count, const float *q,
+                                long q_stride, int head_dim, const int64_t *lens, float scale, kv_rows keys,
+                                kv_rows values, const int64_t *req_slots, float *scratch, float *out,
+                                size_t out_stride) {
+    float running_max[QUERY_BLOCK][MAX_GROUP], running_sum[QUERY_BLOCK][MAX_GROUP];
+    for (int i = 0; i < count; i++)
+        for (int g = 0; g < G; g++) running_max[i][g] = -INFINITY, running_sum[i][g] = 0.0f;
+    const int longest = (int)lens[count - 1];
+    for (int t0 = 0; t0 < longest; t0 += KV_TILE) {
+        for (int i = 0; i < count; i++) {
+            const int len = (int)lens[i], t1 = t0 + KV_TILE < len ? t0 + KV_TILE : len;
+            if (t1 <= t0) continue;
+            float *tile = scratch + (size_t)i * G * KV_TILE, correction[MAX_GROUP];
+            group_scores(G, kv_dtype, q + (size_t)i * q_stride, head_dim, t0, t1, len, scale, keys, req_slots, tile,
+                         KV_TILE);
+            for (int g = 0; g < G; g++)
+                correction[g] = softmax_tile(tile + (size_t)g * KV_TILE, t1 - t0, &running_max[i][g], &running_sum[i][g]);
+            group_values(G, width, kv_dtype, tile, KV_TILE, correction, head_dim, t0, t1, len, values, req_slots,
+                         out + (size_t)i * out_stride);
+        }
     }
+    for (int i = 0; i < count; i++)
+        for (int g = 0; g < G; g++) {
+            const __m256 inv_sum = _mm256_set1_ps(1.0f / running_sum[i][g]);
+            float *o = out + (size_t)i * out_stride + (size_t)g * head_dim;
+            for (int c = 0; c < head_dim; c += 8) _mm256_storeu_ps(o + c, _mm256_mul_ps(_mm256_loadu_ps(o + c), inv_sum));
+        }
 }
 
-/* Any head_dim and group: one head at a time, scalar. */
+/* Any head_dim and group: one head of one query at a time, scalar. */
 static void attend_head_scalar(const float *qh, int kv_dtype, int head_dim, int len, float scale, kv_rows keys,
                                kv_rows values, const int64_t *req_slots, float *scores, float *oh) {
     const size_t elem = kv_element_bytes(kv_dtype);
@@ -182,13 +238,41 @@ static void attend_head_scalar(const float *qh, int kv_dtype, int head_dim, int 
     }
 }
 
-/* The G query heads of one KV head, with G and the dtype compile-time constants. */
-#define GROUP_CASE(G, DTYPE)                                                                               \
-    case G: attend_group(G, DTYPE, q_group, head_dim, len, scale, keys, values, req_slots, scores, out_group); break;
-#define GROUP_SWITCH(DTYPE)                                                                                \
-    switch (group) {                                                                                       \
-        GROUP_CASE(1, DTYPE) GROUP_CASE(2, DTYPE) GROUP_CASE(3, DTYPE) GROUP_CASE(4, DTYPE)                \
-        GROUP_CASE(5, DTYPE) GROUP_CASE(6, DTYPE) GROUP_CASE(7, DTYPE) GROUP_CASE(8, DTYPE)                \
+/* Splits the queries into blocks: runs of consecutive positions of one request, at most
+ * QUERY_BLOCK long (a decode step, slot_rows NULL, is one query per block). */
+static int query_blocks(int queries, const int64_t *slot_rows, const int64_t *seq_lens, int *starts) {
+    int blocks = 0;
+    for (int r = 0; r < queries;) {
+        int count = 1;
+        while (slot_rows != NULL && count < QUERY_BLOCK && r + count < queries &&
+               slot_rows[r + count] == slot_rows[r] && seq_lens[r + count] == seq_lens[r] + count)
+            count++;
+        starts[blocks++] = r;
+        r += count;
+    }
+    starts[blocks] = queries;
+    return blocks;
+}
+
+/* The widest slice that divides head_dim and keeps the accumulators in registers. */
+static int value_width(int group, int head_dim) {
+    return group <= 3 && head_dim % 32 == 0 ? 4 : group <= 6 && head_dim % 16 == 0 ? 2 : 1;
+}
+
+/* One block of the group's query heads, with G, the value width and the dtype constants. */
+#define BLOCK_CALL(G, W, DTYPE)                                                                             \
+    attend_block(G, W, DTYPE, count, q_first, q_stride, head_dim, seq_lens + first, scale, keys, values,   \
+                 req_slots, scores, out_first, (size_t)heads * head_dim)
+#define WIDTH_SWITCH(G, DTYPE)                                                                              \
+    case G:                                                                                                 \
+        if (width == 4) BLOCK_CALL(G, 4, DTYPE);                                                            \
+        else if (width == 2) BLOCK_CALL(G, 2, DTYPE);                                                       \
+        else BLOCK_CALL(G, 1, DTYPE);                                                                       \
+        break;
+#define GROUP_SWITCH(DTYPE)                                                                                 \
+    switch (group) {                                                                                        \
+        WIDTH_SWITCH(1, DTYPE) WIDTH_SWITCH(2, DTYPE) WIDTH_SWITCH(3, DTYPE) WIDTH_SWITCH(4, DTYPE)         \
+        WIDTH_SWITCH(5, DTYPE) WIDTH_SWITCH(6, DTYPE) WIDTH_SWITCH(7, DTYPE) WIDTH_SWITCH(8, DTYPE)         \
     }
 
 int sluice_decode_attention(int queries, int heads, int kv_heads, int head_dim, int max_len, float scale,
@@ -196,32 +280,40 @@ int sluice_decode_attention(int queries, int heads, int kv_heads, int head_dim, 
                             const int64_t *slots, const int64_t *slot_rows, const int64_t *seq_lens, float *out) {
     const int group = heads / kv_heads;
     const int vectorized = head_dim % 8 == 0 && group <= MAX_GROUP;
+    const int width = value_width(group, head_dim);
     const size_t elem = kv_element_bytes(kv_dtype);
     const size_t slot_bytes = (size_t)kv_heads * head_dim * elem;
+    /* Per thread: a block's tile scores, or one head's scores on the scalar path. */
+    const size_t scratch_floats = vectorized ? (size_t)QUERY_BLOCK * group * KV_TILE : (size_t)(max_len > 0 ? max_len : 1);
+    int *starts = malloc(sizeof(int) * ((size_t)queries + 1));
+    if (starts == NULL) return -1;
+    const int blocks = query_blocks(queries, slot_rows, seq_lens, starts);
     int failed = 0;
 #pragma omp parallel
     {
-        float *scores = malloc(sizeof(float) * (size_t)group * (size_t)(max_len > 0 ? max_len : 1));
+        float *scores = malloc(sizeof(float) * scratch_floats);
         if (scores == NULL) {
 #pragma omp atomic write
             failed = 1;
         }
-        /* One task per (query, KV head): the K/V rows of a group come from memory once. */
+        /* One task per (block, KV head): the K/V rows of a group come from memory once. */
 #pragma omp for schedule(dynamic) collapse(2)
-        for (int r = 0; r < queries; r++) {
+        for (int b = 0; b < blocks; b++) {
             for (int kvh = 0; kvh < kv_heads; kvh++) {
                 if (scores == NULL) continue;
-                const int len = (int)seq_lens[r];
-                const int64_t *req_slots = slots + (size_t)(slot_rows != NULL ? slot_rows[r] : r) * max_len;
-                const float *q_group = q + (size_t)r * q_stride + (size_t)kvh * group * head_dim;
-                float *out_group = out + ((size_t)r * heads + (size_t)kvh * group) * head_dim;
+                const int first = starts[b], count = starts[b + 1] - starts[b];
+                const int64_t *req_slots = slots + (size_t)(slot_rows != NULL ? slot_rows[first] : first) * max_len;
+                const float *q_first = q + (size_t)first * q_stride + (size_t)kvh * group * head_dim;
+                float *out_first = out + ((size_t)first * heads + (size_t)kvh * group) * head_dim;
                 const size_t head_offset = (size_t)kvh * head_dim * elem;
                 const kv_rows keys = {(const char *)k_pool + head_offset, slot_bytes};
                 const kv_rows values = {(const char *)v_pool + head_offset, slot_bytes};
                 if (!vectorized) {
-                    for (int g = 0; g < group; g++)
-                        attend_head_scalar(q_group + g * head_dim, kv_dtype, head_dim, len, scale, keys, values,
-                                           req_slots, scores, out_group + g * head_dim);
+                    for (int i = 0; i < count; i++)
+                        for (int g = 0; g < group; g++)
+                            attend_head_scalar(q_first + (size_t)i * q_stride + g * head_dim, kv_dtype, head_dim,
+                                               (int)seq_lens[first + i], scale, keys, values, req_slots, scores,
+                                               out_first + (size_t)i * heads * head_dim + g * head_dim);
                     continue;
                 }
                 switch (kv_dtype) {
@@ -233,5 +325,6 @@ int sluice_decode_attention(int queries, int heads, int kv_heads, int head_dim, 
         }
         free(scores);
     }
+    free(starts);
     return failed ? -1 : 0;
 }
