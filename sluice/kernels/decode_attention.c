@@ -39,42 +39,97 @@
  * prefetcher follows across pages (measured: -30% time at 128 cached tokens). */
 #define PREFETCH_AHEAD 8
 
-/* Sums of up to 8 vectors, each by the same tree ((x0+x1)+(x2+x3)) + ((x4+x5)+(x6+x7)):
- * a vector's sum does not depend on how many others are reduced beside it. */
-ALWAYS_INLINE __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
-    const __m256 pairs = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
-    return _mm_add_ps(_mm256_castps256_ps128(pairs), _mm256_extractf128_ps(pairs, 1));
+/* The vector width of this build: 16 floats with AVX-512, 8 with AVX2. A head's dot products
+ * and value sums run VLEN lanes at a time, so the two builds sum in different orders (their
+ * attention agrees to rounding, not bit for bit; within a build every query is computed the
+ * same way). */
+#ifdef SLUICE_AVX512_VNNI
+#define VLEN 16
+#define MAX_ACCUMULATORS 24 /* of 32 registers */
+typedef __m512 vec;
+#define vzero _mm512_setzero_ps
+#define vset1 _mm512_set1_ps
+#define vload _mm512_loadu_ps
+#define vstore _mm512_storeu_ps
+#define vadd _mm512_add_ps
+#define vsub _mm512_sub_ps
+#define vmul _mm512_mul_ps
+#define vmax _mm512_max_ps
+#define vfmadd _mm512_fmadd_ps
+#define vexp exp512
+ALWAYS_INLINE __m256 half_sum(__m512 v) {
+    return _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
 }
-
-static inline float hsum(__m256 v) { return _mm_cvtss_f32(hsum4(v, v, v, v)); }
-
-static inline float hmax(__m256 v) {
+ALWAYS_INLINE float vreduce_max(__m512 v) { return _mm512_reduce_max_ps(v); }
+ALWAYS_INLINE __m512 load_kv(const char *p, const int kv_dtype) {
+    switch (kv_dtype) {
+    case SLUICE_KV_FLOAT16: return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+    case SLUICE_KV_BFLOAT16:
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+    default: return _mm512_loadu_ps((const float *)p);
+    }
+}
+#else
+#define VLEN 8
+#define MAX_ACCUMULATORS 12 /* of 16 registers */
+typedef __m256 vec;
+#define vzero _mm256_setzero_ps
+#define vset1 _mm256_set1_ps
+#define vload _mm256_loadu_ps
+#define vstore _mm256_storeu_ps
+#define vadd _mm256_add_ps
+#define vsub _mm256_sub_ps
+#define vmul _mm256_mul_ps
+#define vmax _mm256_max_ps
+#define vfmadd _mm256_fmadd_ps
+#define vexp exp256
+ALWAYS_INLINE __m256 half_sum(__m256 v) { return v; }
+ALWAYS_INLINE float vreduce_max(__m256 v) {
     __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     m = _mm_max_ps(m, _mm_movehl_ps(m, m));
     m = _mm_max_ss(m, _mm_movehdup_ps(m));
     return _mm_cvtss_f32(m);
 }
+ALWAYS_INLINE __m256 load_kv(const char *p, const int kv_dtype) {
+    switch (kv_dtype) {
+    case SLUICE_KV_FLOAT16: return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+    case SLUICE_KV_BFLOAT16:
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+    default: return _mm256_loadu_ps((const float *)p);
+    }
+}
+#endif
+
+/* Sums of up to 4 vectors, each by the same tree (its halves added lane by lane down to 8
+ * lanes, then ((x0+x1)+(x2+x3)) + ((x4+x5)+(x6+x7))): a vector's sum does not depend on how
+ * many others are reduced beside it. */
+ALWAYS_INLINE __m128 vsum4(vec a, vec b, vec c, vec d) {
+    const __m256 pairs = _mm256_hadd_ps(_mm256_hadd_ps(half_sum(a), half_sum(b)), _mm256_hadd_ps(half_sum(c), half_sum(d)));
+    return _mm_add_ps(_mm256_castps256_ps128(pairs), _mm256_extractf128_ps(pairs, 1));
+}
+
+static inline float vsum(vec v) { return _mm_cvtss_f32(vsum4(v, v, v, v)); }
 
 /* One tile of a query head's online softmax: s[0..n) = exp(s - m) with m the running
  * maximum after this tile; the running sum is rescaled and extended. Returns the factor
  * exp(old m - new m) by which the values accumulated so far must be rescaled. */
 static float softmax_tile(float *s, int n, float *running_max, float *running_sum) {
-    __m256 maxes = _mm256_set1_ps(-INFINITY);
+    vec maxes = vset1(-INFINITY);
     int t = 0;
-    for (; t + 8 <= n; t += 8) maxes = _mm256_max_ps(maxes, _mm256_loadu_ps(s + t));
-    float tile_max = hmax(maxes);
+    for (; t + VLEN <= n; t += VLEN) maxes = vmax(maxes, vload(s + t));
+    float tile_max = vreduce_max(maxes);
     for (; t < n; t++) tile_max = s[t] > tile_max ? s[t] : tile_max;
     const float new_max = tile_max > *running_max ? tile_max : *running_max;
     const float correction = expf(*running_max - new_max); /* 0 for the first tile (-inf) */
-    const __m256 max_vec = _mm256_set1_ps(new_max);
-    __m256 sums = _mm256_setzero_ps();
+    const vec max_vec = vset1(new_max);
+    vec sums = vzero();
     t = 0;
-    for (; t + 8 <= n; t += 8) {
-        const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + t), max_vec));
-        _mm256_storeu_ps(s + t, e);
-        sums = _mm256_add_ps(sums, e);
+    for (; t + VLEN <= n; t += VLEN) {
+        const vec e = vexp(vsub(vload(s + t), max_vec));
+        vstore(s + t, e);
+        sums = vadd(sums, e);
     }
-    float total = hsum(sums);
+    float total = vsum(sums);
     for (; t < n; t++) {
         s[t] = expf(s[t] - new_max);
         total += s[t];
@@ -94,16 +149,6 @@ static void softmax(float *s, int len) {
 
 /* Element size of a KV pool's dtype. */
 static inline size_t kv_element_bytes(int kv_dtype) { return kv_dtype == SLUICE_KV_FLOAT32 ? 4 : 2; }
-
-/* 8 consecutive K/V elements as float32. */
-ALWAYS_INLINE __m256 load_kv8(const char *p, const int kv_dtype) {
-    switch (kv_dtype) {
-    case SLUICE_KV_FLOAT16: return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
-    case SLUICE_KV_BFLOAT16:
-        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
-    default: return _mm256_loadu_ps((const float *)p);
-    }
-}
 
 ALWAYS_INLINE float load_kv1(const char *p, const int kv_dtype) {
     switch (kv_dtype) {
@@ -134,24 +179,24 @@ ALWAYS_INLINE void prefetch_row(const char *row, size_t bytes) {
 }
 
 /* scores[g * stride + t - t0] = scale * q_g . k_t for t in [t0, t1), the G heads of one
- * group (head_dim % 8 == 0). Rows up to `len` may be prefetched. */
+ * group (head_dim % VLEN == 0). Rows up to `len` may be prefetched. */
 ALWAYS_INLINE void group_scores(const int G, const int kv_dtype, const float *q, int head_dim, int t0, int t1, int len,
                                 float scale, kv_rows keys, const int64_t *req_slots, float *scores, size_t stride) {
     const size_t elem = kv_element_bytes(kv_dtype);
     for (int t = t0; t < t1; t++) {
         const char *kt = kv_row(keys, req_slots, t);
         if (t + PREFETCH_AHEAD < len) prefetch_row(kv_row(keys, req_slots, t + PREFETCH_AHEAD), head_dim * elem);
-        __m256 acc[MAX_GROUP];
-        for (int g = 0; g < G; g++) acc[g] = _mm256_setzero_ps();
-        for (int i = 0; i < head_dim; i += 8) {
-            const __m256 k = load_kv8(kt + i * elem, kv_dtype);
-            for (int g = 0; g < G; g++) acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * head_dim + i), k, acc[g]);
+        vec acc[MAX_GROUP];
+        for (int g = 0; g < G; g++) acc[g] = vzero();
+        for (int i = 0; i < head_dim; i += VLEN) {
+            const vec k = load_kv(kt + i * elem, kv_dtype);
+            for (int g = 0; g < G; g++) acc[g] = vfmadd(vload(q + g * head_dim + i), k, acc[g]);
         }
         for (int g0 = 0; g0 < G; g0 += 4) {
             const int n = G - g0 < 4 ? G - g0 : 4;
-            const __m256 zero = _mm256_setzero_ps();
+            const vec zero = vzero();
             float sums[4];
-            _mm_storeu_ps(sums, _mm_mul_ps(hsum4(acc[g0], n > 1 ? acc[g0 + 1] : zero, n > 2 ? acc[g0 + 2] : zero,
+            _mm_storeu_ps(sums, _mm_mul_ps(vsum4(acc[g0], n > 1 ? acc[g0 + 1] : zero, n > 2 ? acc[g0 + 2] : zero,
                                                  n > 3 ? acc[g0 + 3] : zero),
                                            _mm_set1_ps(scale)));
             for (int g = 0; g < n; g++) scores[(size_t)(g0 + g) * stride + (t - t0)] = sums[g];
@@ -161,30 +206,28 @@ ALWAYS_INLINE void group_scores(const int G, const int kv_dtype, const float *q,
 
 /* out_g = out_g * correction_g + sum_t p_g[t - t0] * v_t over t in [t0, t1) (out_g starts
  * at zero when t0 is 0), a slice of `width` vectors of the head at a time with the G heads'
- * slices in registers (G * width <= 12 leaves room for the V vectors). */
+ * slices in registers (G * width <= MAX_ACCUMULATORS leaves room for the V vectors). */
 ALWAYS_INLINE void group_values(const int G, const int width, const int kv_dtype, const float *p, size_t stride,
                                 const float *correction, int head_dim, int t0, int t1, int len, kv_rows values,
                                 const int64_t *req_slots, float *out) {
     const size_t elem = kv_element_bytes(kv_dtype);
-    for (int c = 0; c < head_dim; c += 8 * width) {
-        __m256 acc[MAX_GROUP][4];
+    for (int c = 0; c < head_dim; c += VLEN * width) {
+        vec acc[MAX_GROUP][4];
         for (int g = 0; g < G; g++)
             for (int j = 0; j < width; j++)
-                acc[g][j] = t0 == 0 ? _mm256_setzero_ps()
-                                    : _mm256_mul_ps(_mm256_loadu_ps(out + g * head_dim + c + 8 * j),
-                                                    _mm256_set1_ps(correction[g]));
+                acc[g][j] = t0 == 0 ? vzero() : vmul(vload(out + g * head_dim + c + VLEN * j), vset1(correction[g]));
         for (int t = t0; t < t1; t++) {
             const char *vt = kv_row(values, req_slots, t) + c * elem;
             if (t + PREFETCH_AHEAD < len) _mm_prefetch(kv_row(values, req_slots, t + PREFETCH_AHEAD) + c * elem, _MM_HINT_T0);
-            __m256 v[4];
-            for (int j = 0; j < width; j++) v[j] = load_kv8(vt + 8 * j * elem, kv_dtype);
+            vec v[4];
+            for (int j = 0; j < width; j++) v[j] = load_kv(vt + VLEN * j * elem, kv_dtype);
             for (int g = 0; g < G; g++) {
-                const __m256 weight = _mm256_set1_ps(p[(size_t)g * stride + (t - t0)]);
-                for (int j = 0; j < width; j++) acc[g][j] = _mm256_fmadd_ps(weight, v[j], acc[g][j]);
+                const vec weight = vset1(p[(size_t)g * stride + (t - t0)]);
+                for (int j = 0; j < width; j++) acc[g][j] = vfmadd(weight, v[j], acc[g][j]);
             }
         }
         for (int g = 0; g < G; g++)
-            for (int j = 0; j < width; j++) _mm256_storeu_ps(out + g * head_dim + c + 8 * j, acc[g][j]);
+            for (int j = 0; j < width; j++) vstore(out + g * head_dim + c + VLEN * j, acc[g][j]);
     }
 }
 
@@ -214,9 +257,9 @@ ALWAYS_INLINE void attend_block(const int G, const int width, const int kv_dtype
     }
     for (int i = 0; i < count; i++)
         for (int g = 0; g < G; g++) {
-            const __m256 inv_sum = _mm256_set1_ps(1.0f / running_sum[i][g]);
+            const vec inv_sum = vset1(1.0f / running_sum[i][g]);
             float *o = out + (size_t)i * out_stride + (size_t)g * head_dim;
-            for (int c = 0; c < head_dim; c += 8) _mm256_storeu_ps(o + c, _mm256_mul_ps(_mm256_loadu_ps(o + c), inv_sum));
+            for (int c = 0; c < head_dim; c += VLEN) vstore(o + c, vmul(vload(o + c), inv_sum));
         }
 }
 
@@ -254,9 +297,11 @@ static int query_blocks(int queries, const int64_t *slot_rows, const int64_t *se
     return blocks;
 }
 
-/* The widest slice that divides head_dim and keeps the accumulators in registers. */
+/* The widest slice (in vectors) that divides head_dim and keeps the accumulators in registers. */
 static int value_width(int group, int head_dim) {
-    return group <= 3 && head_dim % 32 == 0 ? 4 : group <= 6 && head_dim % 16 == 0 ? 2 : 1;
+    if (group * 4 <= MAX_ACCUMULATORS && head_dim % (4 * VLEN) == 0) return 4;
+    if (group * 2 <= MAX_ACCUMULATORS && head_dim % (2 * VLEN) == 0) return 2;
+    return 1;
 }
 
 /* One block of the group's query heads, with G, the value width and the dtype constants. */
@@ -279,7 +324,7 @@ int sluice_decode_attention(int queries, int heads, int kv_heads, int head_dim, 
                             const float *q, long q_stride, const void *k_pool, const void *v_pool, int kv_dtype,
                             const int64_t *slots, const int64_t *slot_rows, const int64_t *seq_lens, float *out) {
     const int group = heads / kv_heads;
-    const int vectorized = head_dim % 8 == 0 && group <= MAX_GROUP;
+    const int vectorized = head_dim % VLEN == 0 && group <= MAX_GROUP;
     const int width = value_width(group, head_dim);
     const size_t elem = kv_element_bytes(kv_dtype);
     const size_t slot_bytes = (size_t)kv_heads * head_dim * elem;
