@@ -12,30 +12,17 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from sluice.sampling import ClientError
-from sluice.server.guard import RequestGuard
 from sluice.server.errors import error_response, failure_status, install_error_handlers
+from sluice.server.guard import RequestGuard
+from sluice.server.openai_api import install_openai_routes
 from sluice.server.sse import sse_stream
+from sluice.server.state import ServerState
 from sluice.tokenizer.io_struct import GenerateReqInput
 from sluice.tokenizer.manager import BackendError, TokenizerManager
 
 logger = logging.getLogger(__name__)
 
 HEALTH_GENERATE_TIMEOUT_S = 20.0
-
-
-class ServerState:
-    """What the routes share: the TokenizerManager (once started) and whether warm-up finished."""
-
-    def __init__(self, server_args, tokenizer_manager: TokenizerManager | None = None):
-        self.server_args = server_args
-        self.model_name = server_args.model_name()
-        self.tm = tokenizer_manager
-        self.ready = tokenizer_manager is not None
-
-    def unavailable(self) -> str | None:
-        if not self.ready:
-            return "the server is starting"
-        return self.tm.backend_error or self.tm.health_error
 
 
 def create_app(state: ServerState, lifespan=None) -> FastAPI:
@@ -112,8 +99,6 @@ def create_app(state: ServerState, lifespan=None) -> FastAPI:
     async def continue_generation():
         await state.tm.continue_generation()
         return {"success": True}
-
-    from sluice.server.openai_api import install_openai_routes
 
     install_openai_routes(app, state)
     return app

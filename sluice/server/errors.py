@@ -29,6 +29,10 @@ def failure_status(chunk: dict) -> int | None:
     return reason.get("status_code") if reason.get("type") == "abort" else None
 
 
+class BodyTooLarge(Exception):
+    """Raised while the body is read: a chunked body has no content-length to check up front."""
+
+
 class NotFoundError(Exception):
     def __init__(self, message: str, param: str | None = None):
         super().__init__(message)
@@ -37,8 +41,6 @@ class NotFoundError(Exception):
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    from sluice.server.guard import BodyTooLarge
-
     @app.exception_handler(ClientError)
     async def _client_error(request: Request, exc: ClientError):
         return error_response(400, exc.message, exc.param)

@@ -8,14 +8,10 @@ from __future__ import annotations
 
 import hmac
 
-from sluice.server.errors import error_response
+from sluice.server.errors import BodyTooLarge, error_response
 
 OPEN_PATHS = frozenset({"/health"})
 ADMIN_PATHS = frozenset({"/flush_cache", "/abort_request", "/pause_generation", "/continue_generation"})
-
-
-class BodyTooLarge(Exception):
-    pass
 
 
 class RequestGuard:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -20,11 +20,9 @@ from sluice.server.errors import NotFoundError, error_response, failure_status
 from sluice.server.openai_protocol import ChatCompletionRequest, CompletionRequest, decode_request
 from sluice.server.openai_views import ChatView, CompletionView, OpenAIView, TokenTexts, choice_index
 from sluice.server.sse import SSE_DONE, sse_event
+from sluice.server.state import ServerState
 from sluice.tokenizer.io_struct import GenerateReqInput
 from sluice.tokenizer.manager import BackendError, TokenizerManager
-
-if TYPE_CHECKING:
-    from sluice.server.app import ServerState
 
 # The native checks name SGLang's fields; the client wrote OpenAI's.
 _OPENAI_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
