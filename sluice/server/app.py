@@ -9,13 +9,13 @@ from typing import Any
 
 import msgspec
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from sluice.sampling import ClientError
-from sluice.server.errors import error_response, failure_status, install_error_handlers
+from sluice.server.errors import error_response, failure_message, failure_status, install_error_handlers
 from sluice.server.guard import RequestGuard
 from sluice.server.openai_api import install_openai_routes
-from sluice.server.sse import sse_stream
+from sluice.server.sse import stream_response
 from sluice.server.state import ServerState
 from sluice.tokenizer.io_struct import GenerateReqInput
 from sluice.tokenizer.manager import BackendError, TokenizerManager
@@ -123,22 +123,40 @@ async def decode_body(request: Request, kind: type):
 async def serve_generate(tm: TokenizerManager, obj: GenerateReqInput, request: Request):
     generator = tm.generate_request(obj, request)
     if obj.stream:
-        first = await anext(generator)  # errors before the first chunk become a plain 4xx
-        return StreamingResponse(sse_stream(first, generator), media_type="text/event-stream")
+        return await stream_response(generator, NativeStream())
     if obj.is_single and obj.sample_count() == 1:
         return finished_response(await _last(generator))
     results = sorted([chunk async for chunk in generator], key=lambda chunk: chunk["index"])
     for result in results:
         if status_code := failure_status(result):
-            return error_response(status_code, f"item {result['index']}: {result['meta_info']['finish_reason']['message']}")
+            return error_response(status_code, native_error_message(result))
     return JSONResponse(results)
 
 
 def finished_response(result: dict[str, Any]) -> Response:
     status_code = failure_status(result)
     if status_code:
-        return error_response(status_code, result["meta_info"]["finish_reason"]["message"])
+        return error_response(status_code, native_error_message(result))
     return JSONResponse(result)
+
+
+def native_error_message(chunk: dict[str, Any]) -> str:
+    """A batch's or n > 1's chunks carry `index`: the message says which item failed."""
+    message = failure_message(chunk)
+    return f"item {chunk['index']}: {message}" if "index" in chunk else message
+
+
+class NativeStream:
+    """/generate streams every chunk as it is."""
+
+    def stream_start(self) -> list[dict[str, Any]]:
+        return []
+
+    def stream_chunk(self, chunk: dict[str, Any]) -> list[dict[str, Any]]:
+        return [chunk]
+
+    def error_message(self, chunk: dict[str, Any]) -> str:
+        return native_error_message(chunk)
 
 
 async def _last(generator):
