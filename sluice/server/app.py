@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse, Response
 from sluice.sampling import ClientError
 from sluice.server.errors import error_response, failure_message, failure_status, install_error_handlers
 from sluice.server.guard import RequestGuard
+from sluice.server.json_body import decode_json
 from sluice.server.openai_api import install_openai_routes
 from sluice.server.sse import stream_response
 from sluice.server.state import ServerState
@@ -55,7 +56,7 @@ def create_app(state: ServerState, lifespan=None) -> FastAPI:
 
     @app.post("/generate")
     async def generate(request: Request):
-        obj = await decode_body(request, GenerateReqInput)
+        obj = decode_json(await request.body(), GenerateReqInput)
         return await serve_generate(state.tm, obj, request)
 
     @app.get("/get_model_info")
@@ -83,7 +84,7 @@ def create_app(state: ServerState, lifespan=None) -> FastAPI:
 
     @app.post("/abort_request")
     async def abort_request(request: Request):
-        body = await request_json(request)
+        body = decode_json(await request.body())
         rid, abort_all = body.get("rid", ""), body.get("abort_all", False)
         if not isinstance(rid, str) or not isinstance(abort_all, bool) or not (rid or abort_all):
             raise ClientError("give 'rid' (a string) or 'abort_all': true", "rid")
@@ -102,22 +103,6 @@ def create_app(state: ServerState, lifespan=None) -> FastAPI:
 
     install_openai_routes(app, state)
     return app
-
-
-async def request_json(request: Request) -> Any:
-    try:
-        return msgspec.json.decode(await request.body())
-    except msgspec.DecodeError as e:
-        raise ClientError(f"the body is not valid JSON: {e}") from None
-
-
-async def decode_body(request: Request, kind: type):
-    try:
-        return msgspec.json.decode(await request.body(), type=kind)
-    except msgspec.ValidationError as e:
-        raise ClientError(f"invalid request: {e}") from None
-    except msgspec.DecodeError as e:
-        raise ClientError(f"the body is not valid JSON: {e}") from None
 
 
 async def serve_generate(tm: TokenizerManager, obj: GenerateReqInput, request: Request):

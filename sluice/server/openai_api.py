@@ -15,7 +15,8 @@ from fastapi.responses import JSONResponse, Response
 
 from sluice.sampling import ClientError
 from sluice.server.errors import NotFoundError, error_response, failure_status
-from sluice.server.openai_protocol import ChatCompletionRequest, CompletionRequest, decode_request
+from sluice.server.json_body import decode_json
+from sluice.server.openai_protocol import ChatCompletionRequest, CompletionRequest
 from sluice.server.openai_views import ChatView, CompletionView, OpenAIView, TokenTexts, choice_index
 from sluice.server.sse import stream_response
 from sluice.server.state import ServerState
@@ -45,7 +46,7 @@ def install_openai_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        body = decode_request(await request.body(), CompletionRequest)
+        body = decode_json(await request.body(), CompletionRequest)
         body.check()
         tm = checked_tm(body.model)
         prompts = body.prompts()
@@ -69,7 +70,7 @@ def install_openai_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        body = decode_request(await request.body(), ChatCompletionRequest)
+        body = decode_json(await request.body(), ChatCompletionRequest)
         body.check()
         tm = checked_tm(body.model)
         input_ids, image_urls = chat_prompt_ids(tm, body, state.model_name)
