@@ -27,6 +27,9 @@ GREEDY_TEMPERATURE: Final = 1e-5
 FULL_SORT_SHARE: Final = 0.25
 # top_p stored for rows that do not use it: above any cumulative probability.
 TOP_P_OFF: Final = 2.0
+# The least top_p stored: a smaller one (valid, > 0) would round to 0 in float32, and then
+# not even the most likely token, with no mass above it, would be in the nucleus.
+TOP_P_MIN: Final = torch.finfo(torch.float32).tiny
 
 
 class SampleOutput(NamedTuple):
@@ -155,7 +158,7 @@ def _sampled_rows(
         seed_keys=[None if p.seed is None else _seed_key(p.seed, len(output_ids[r])) for r, p in zip(rows, group)],
         min_ps=torch.tensor([p.min_p for p in group]) if any(p.min_p > 0 for p in group) else None,
         top_ks=torch.tensor(top_ks) if all(k < vocab_size for k in top_ks) else None,
-        top_ps=torch.tensor([p.top_p if p.top_p < 1 else TOP_P_OFF for p in group])
+        top_ps=torch.tensor([max(p.top_p, TOP_P_MIN) if p.top_p < 1 else TOP_P_OFF for p in group])
         if any(p.top_p < 1 for p in group)
         else None,
     )

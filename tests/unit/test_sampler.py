@@ -1,4 +1,5 @@
 import math
+import signal
 
 import pytest
 import torch
@@ -57,6 +58,23 @@ def test_top_k_one_is_greedy_at_any_temperature():
 def test_tiny_top_p_keeps_only_the_most_likely_token():
     logits = torch.randn(64, 1000)
     out = run(logits, [SamplingParams(temperature=1.0, top_p=1e-6)] * 64)
+    assert out.next_token_ids == logits.argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("top_k", [-1, 50])
+def test_top_p_too_small_for_float32_still_keeps_the_most_likely_token(top_k):
+    # 5e-324 passes validation (> 0) but is 0 in float32: the rejection loop never ended.
+    def hung(signum, frame):
+        raise TimeoutError("sampling did not end")
+
+    previous = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(20)
+    try:
+        logits = torch.randn(4, 1000)
+        out = run(logits, [SamplingParams(temperature=1.0, top_k=top_k, top_p=5e-324)] * 4)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
     assert out.next_token_ids == logits.argmax(-1).tolist()
 
 
