@@ -305,6 +305,8 @@ def test_top_logprobs_are_sorted_and_match_log_softmax():
         ("top_p", 0.0),
         ("top_p", 1.5),
         ("top_k", -2),
+        ("top_k", 2**31),
+        ("top_k", 2**100),  # more than msgpack can carry to the Scheduler
         ("min_p", -0.1),
         ("min_p", 1.1),
         ("repetition_penalty", 0.0),
