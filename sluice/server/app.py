@@ -11,11 +11,14 @@ import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from sluice.messages import SamplingParams
 from sluice.sampling import ClientError
+from sluice.server.api_types import AbortRequestInput, GenerateResult, ModelInfo, ServerInfo, Success
 from sluice.server.errors import error_response, failure_message, failure_status, install_error_handlers
 from sluice.server.guard import RequestGuard
 from sluice.server.json_body import decode_json
 from sluice.server.openai_api import install_openai_routes
+from sluice.server.openapi import ApiDocs
 from sluice.server.sse import stream_response
 from sluice.server.state import ServerState
 from sluice.tokenizer.io_struct import GenerateReqInput
@@ -26,22 +29,29 @@ logger = logging.getLogger(__name__)
 HEALTH_GENERATE_TIMEOUT_S = 20.0
 
 
+# The errors a route can answer with, besides its own: 401 with --api-key, 503 when the
+# back end is gone.
+_ANY_ROUTE = (401, 503)
+_BODY_ROUTE = (400, 401, 413, 503)
+
+
 def create_app(state: ServerState, lifespan=None) -> FastAPI:
     app = FastAPI(title="sluice", lifespan=lifespan)
     app.state.server = state
     install_error_handlers(app)
     args = state.server_args
+    docs = ApiDocs()
 
     app.add_middleware(RequestGuard, max_body_bytes=args.max_request_body_bytes, api_key=args.api_key,
                        admin_api_key=args.admin_api_key)
 
-    @app.get("/health")
+    @app.get("/health", response_class=Response, openapi_extra=docs.operation(errors=(503,)))
     async def health():
         if reason := state.unavailable():
             return error_response(503, reason)
         return Response(status_code=200)
 
-    @app.get("/health_generate")
+    @app.get("/health_generate", response_class=Response, openapi_extra=docs.operation(errors=_ANY_ROUTE))
     async def health_generate():
         if reason := state.unavailable():
             return error_response(503, reason)
@@ -54,19 +64,21 @@ def create_app(state: ServerState, lifespan=None) -> FastAPI:
             return error_response(503, f"generation failed: {e or 'timed out'}")
         return Response(status_code=200)
 
-    @app.post("/generate")
+    @app.post("/generate", openapi_extra=docs.operation(
+        body=GenerateReqInput, body_fields={"sampling_params": SamplingParams | list[SamplingParams] | None},
+        response=GenerateResult | list[GenerateResult], stream_event=GenerateResult, errors=_BODY_ROUTE))
     async def generate(request: Request):
         obj = decode_json(await request.body(), GenerateReqInput)
         return await serve_generate(state.tm, obj, request)
 
-    @app.get("/get_model_info")
+    @app.get("/get_model_info", openapi_extra=docs.operation(response=ModelInfo, errors=_ANY_ROUTE))
     async def get_model_info():
         tm = state.tm
         return {"model_path": args.resolved_model_path(), "served_model_name": state.model_name,
                 "is_generation": True, "context_len": tm.context_len, "max_req_input_len": tm.max_req_input_len,
                 "eos_token_ids": tm.scheduler_info.eos_token_ids}
 
-    @app.get("/get_server_info")
+    @app.get("/get_server_info", openapi_extra=docs.operation(response=ServerInfo, errors=_ANY_ROUTE))
     async def get_server_info():
         internal = await state.tm.get_internal_state()
         states = msgspec.to_builtins(internal)
@@ -75,33 +87,37 @@ def create_app(state: ServerState, lifespan=None) -> FastAPI:
         states["rid_to_state_size"] = await state.tm.rid_to_state_size_total()
         return {**args.public_dict(), "internal_states": [states]}
 
-    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    flush_docs = docs.operation(response=Success, errors=(400, *_ANY_ROUTE))
+
+    @app.get("/flush_cache", openapi_extra=flush_docs)
+    @app.post("/flush_cache", openapi_extra=flush_docs)
     async def flush_cache():
         result = await state.tm.flush_cache()
         if not result.success:
             return error_response(400, f"cache not flushed: {result.message}")
         return {"success": True}
 
-    @app.post("/abort_request")
+    @app.post("/abort_request", openapi_extra=docs.operation(body=AbortRequestInput, response=Success,
+                                                              errors=_BODY_ROUTE))
     async def abort_request(request: Request):
-        body = decode_json(await request.body())
-        rid, abort_all = body.get("rid", ""), body.get("abort_all", False)
-        if not isinstance(rid, str) or not isinstance(abort_all, bool) or not (rid or abort_all):
+        body = decode_json(await request.body(), AbortRequestInput)
+        if not (body.rid or body.abort_all):
             raise ClientError("give 'rid' (a string) or 'abort_all': true", "rid")
-        state.tm.abort_request(rid, abort_all=abort_all)
+        state.tm.abort_request(body.rid, abort_all=body.abort_all)
         return {"success": True}
 
-    @app.post("/pause_generation")
+    @app.post("/pause_generation", openapi_extra=docs.operation(response=Success, errors=_ANY_ROUTE))
     async def pause_generation():
         await state.tm.pause_generation()
         return {"success": True}
 
-    @app.post("/continue_generation")
+    @app.post("/continue_generation", openapi_extra=docs.operation(response=Success, errors=_ANY_ROUTE))
     async def continue_generation():
         await state.tm.continue_generation()
         return {"success": True}
 
-    install_openai_routes(app, state)
+    install_openai_routes(app, state, docs)
+    docs.install(app)
     return app
 
 

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import logging
 
+import msgspec
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from sluice.sampling import ClientError
+from sluice.server.api_types import ErrorDetail, ErrorResponse
 from sluice.tokenizer.manager import BackendError
 
 logger = logging.getLogger(__name__)
@@ -21,7 +23,8 @@ _TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundErro
 def error_body(status_code: int, message: str, param: str | None = None) -> dict:
     """The envelope of every error: a response body, or the payload of a stream's error event."""
     error_type = _TYPES.get(status_code, "BadRequestError" if status_code < 500 else "InternalServerError")
-    return {"error": {"message": message, "type": error_type, "param": param, "code": status_code}}
+    return msgspec.to_builtins(ErrorResponse(error=ErrorDetail(message=message, type=error_type, param=param,
+                                                               code=status_code)))
 
 
 def error_response(status_code: int, message: str, param: str | None = None) -> JSONResponse:

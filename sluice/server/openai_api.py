@@ -14,8 +14,16 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from sluice.sampling import ClientError
+from sluice.server.api_types import (
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    CompletionChunk,
+    CompletionResponse,
+    ModelList,
+)
 from sluice.server.errors import NotFoundError, error_response, failure_status
 from sluice.server.json_body import decode_json
+from sluice.server.openapi import ApiDocs
 from sluice.server.openai_protocol import ChatCompletionRequest, CompletionRequest
 from sluice.server.openai_views import ChatView, CompletionView, OpenAIView, TokenTexts, choice_index
 from sluice.server.sse import stream_response
@@ -26,9 +34,10 @@ from sluice.tokenizer.manager import BackendError, TokenizerManager
 # The native checks name SGLang's fields; the client wrote OpenAI's.
 _OPENAI_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
 _PROMPT_PARAMS = {"text", "input_ids"}
+_ERRORS = (400, 401, 404, 413, 503)
 
 
-def install_openai_routes(app: FastAPI, state: ServerState) -> None:
+def install_openai_routes(app: FastAPI, state: ServerState, docs: ApiDocs) -> None:
     token_texts = TokenTexts()
 
     def checked_tm(model: str | None) -> TokenizerManager:
@@ -39,12 +48,13 @@ def install_openai_routes(app: FastAPI, state: ServerState) -> None:
         token_texts.bind(state.tm.tokenizer)
         return state.tm
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", openapi_extra=docs.operation(response=ModelList, errors=(401,)))
     async def list_models():
         model = {"id": state.model_name, "object": "model", "created": 0, "owned_by": "sluice"}
         return {"object": "list", "data": [model]}
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=docs.operation(
+        body=CompletionRequest, response=CompletionResponse, stream_event=CompletionChunk, errors=_ERRORS))
     async def completions(request: Request):
         body = decode_json(await request.body(), CompletionRequest)
         body.check()
@@ -68,7 +78,8 @@ def install_openai_routes(app: FastAPI, state: ServerState) -> None:
         view = CompletionView(state.model_name, request_id, token_texts, body, prompts)
         return await serve(tm, obj, request, view, "prompt")
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=docs.operation(
+        body=ChatCompletionRequest, response=ChatCompletionResponse, stream_event=ChatCompletionChunk, errors=_ERRORS))
     async def chat_completions(request: Request):
         body = decode_json(await request.body(), ChatCompletionRequest)
         body.check()

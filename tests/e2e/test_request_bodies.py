@@ -31,3 +31,10 @@ def test_the_server_is_unharmed_by_deep_bodies(base_url):
     assert httpx.get(base_url + "/health", timeout=10).status_code == 200
     states = httpx.get(base_url + "/get_server_info", timeout=30).json()["internal_states"][0]
     assert states["rid_to_state_size"] == 0
+
+
+@pytest.mark.parametrize("body", [b"[1]", b'"rid"', b'{"rid": 5}', b'{"abort_all": "yes"}', b"{}"])
+def test_abort_request_takes_only_its_own_shape(base_url, body):
+    r = httpx.post(base_url + "/abort_request", content=body, headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] in ("rid", "abort_all", None)
