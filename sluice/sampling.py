@@ -14,6 +14,9 @@ from sluice.messages import SamplingParams
 MAX_STOP_STRINGS: Final = 16
 MAX_STOP_STRING_CHARS: Final = 256
 MAX_SEED: Final = 2**63  # exclusive
+# Any larger top_k means the whole vocabulary as well; this bound keeps the value within
+# what msgpack carries to the Scheduler (a larger one failed the send with a 500).
+MAX_TOP_K: Final = 2**31 - 1
 
 
 class ClientError(ValueError):
@@ -43,7 +46,7 @@ def validate_sampling_params(p: SamplingParams, vocab_size: int | None = None) -
         p.temperature,
     )
     _check(0 < p.top_p <= 1, "top_p", "must be in (0, 1]", p.top_p)
-    _check(p.top_k >= -1, "top_k", "must be -1 or 0 (disabled) or >= 1", p.top_k)
+    _check(-1 <= p.top_k <= MAX_TOP_K, "top_k", f"must be -1 or 0 (disabled) or in [1, {MAX_TOP_K}]", p.top_k)
     _check(0 <= p.min_p <= 1, "min_p", "must be in [0, 1]", p.min_p)
     _check(
         math.isfinite(p.repetition_penalty) and p.repetition_penalty > 0,

@@ -27,6 +27,12 @@ GREEDY_TEMPERATURE: Final = 1e-5
 FULL_SORT_SHARE: Final = 0.25
 # top_p stored for rows that do not use it: above any cumulative probability.
 TOP_P_OFF: Final = 2.0
+# The least top_p stored: a smaller one (valid, > 0) would round to 0 in float32, and then
+# not even the most likely token, with no mass above it, would be in the nucleus.
+TOP_P_MIN: Final = torch.finfo(torch.float32).tiny
+# The largest temperature stored: a larger one (valid, finite) would be inf in float32, and
+# a masked logit (-inf) divided by it NaN.
+TEMPERATURE_MAX: Final = torch.finfo(torch.float32).max
 
 
 class SampleOutput(NamedTuple):
@@ -151,11 +157,11 @@ def _sampled_rows(
     top_ks = [_effective_top_k(p.top_k, vocab_size) for p in group]
     return SampledRows(
         rows=torch.tensor(rows, dtype=torch.long),
-        temperatures=torch.tensor([[p.temperature] for p in group], dtype=torch.float32),
+        temperatures=torch.tensor([[min(p.temperature, TEMPERATURE_MAX)] for p in group], dtype=torch.float32),
         seed_keys=[None if p.seed is None else _seed_key(p.seed, len(output_ids[r])) for r, p in zip(rows, group)],
         min_ps=torch.tensor([p.min_p for p in group]) if any(p.min_p > 0 for p in group) else None,
         top_ks=torch.tensor(top_ks) if all(k < vocab_size for k in top_ks) else None,
-        top_ps=torch.tensor([p.top_p if p.top_p < 1 else TOP_P_OFF for p in group])
+        top_ps=torch.tensor([max(p.top_p, TOP_P_MIN) if p.top_p < 1 else TOP_P_OFF for p in group])
         if any(p.top_p < 1 for p in group)
         else None,
     )
@@ -303,7 +309,8 @@ def _sample_whole_vocab(scaled: Tensor, group: SampledRows) -> Tensor:
     for attempt in itertools.count():
         drawn = _inverse_cdf(probs, group.uniforms(attempt, pending))
         more_likely = probs * (probs > probs.gather(1, drawn[:, None]))
-        accepted = more_likely.sum(-1) < top_ps
+        # Rejected only when the mass above is known to reach top_p: a NaN row ends the loop.
+        accepted = ~(more_likely.sum(-1) >= top_ps)
         next_ids[pending[accepted]] = drawn[accepted]
         if bool(accepted.all()):
             break

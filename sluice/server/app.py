@@ -9,12 +9,18 @@ from typing import Any
 
 import msgspec
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
+from sluice.messages import SamplingParams
 from sluice.sampling import ClientError
+from sluice.server.api_types import AbortRequestInput, GenerateResult, ModelInfo, ServerInfo, Success
+from sluice.server.errors import error_response, failure_message, failure_status, install_error_handlers
 from sluice.server.guard import RequestGuard
-from sluice.server.errors import error_response, failure_status, install_error_handlers
-from sluice.server.sse import sse_stream
+from sluice.server.json_body import decode_json
+from sluice.server.openai_api import install_openai_routes
+from sluice.server.openapi import ApiDocs
+from sluice.server.sse import stream_response
+from sluice.server.state import ServerState
 from sluice.tokenizer.io_struct import GenerateReqInput
 from sluice.tokenizer.manager import BackendError, TokenizerManager
 
@@ -23,19 +29,10 @@ logger = logging.getLogger(__name__)
 HEALTH_GENERATE_TIMEOUT_S = 20.0
 
 
-class ServerState:
-    """What the routes share: the TokenizerManager (once started) and whether warm-up finished."""
-
-    def __init__(self, server_args, tokenizer_manager: TokenizerManager | None = None):
-        self.server_args = server_args
-        self.model_name = server_args.model_name()
-        self.tm = tokenizer_manager
-        self.ready = tokenizer_manager is not None
-
-    def unavailable(self) -> str | None:
-        if not self.ready:
-            return "the server is starting"
-        return self.tm.backend_error or self.tm.health_error
+# The errors a route can answer with, besides its own: 401 with --api-key, 503 when the
+# back end is gone.
+_ANY_ROUTE = (401, 503)
+_BODY_ROUTE = (400, 401, 413, 503)
 
 
 def create_app(state: ServerState, lifespan=None) -> FastAPI:
@@ -43,17 +40,18 @@ def create_app(state: ServerState, lifespan=None) -> FastAPI:
     app.state.server = state
     install_error_handlers(app)
     args = state.server_args
+    docs = ApiDocs()
 
     app.add_middleware(RequestGuard, max_body_bytes=args.max_request_body_bytes, api_key=args.api_key,
                        admin_api_key=args.admin_api_key)
 
-    @app.get("/health")
+    @app.get("/health", response_class=Response, openapi_extra=docs.operation(errors=(503,)))
     async def health():
         if reason := state.unavailable():
             return error_response(503, reason)
         return Response(status_code=200)
 
-    @app.get("/health_generate")
+    @app.get("/health_generate", response_class=Response, openapi_extra=docs.operation(errors=_ANY_ROUTE))
     async def health_generate():
         if reason := state.unavailable():
             return error_response(503, reason)
@@ -66,19 +64,21 @@ def create_app(state: ServerState, lifespan=None) -> FastAPI:
             return error_response(503, f"generation failed: {e or 'timed out'}")
         return Response(status_code=200)
 
-    @app.post("/generate")
+    @app.post("/generate", openapi_extra=docs.operation(
+        body=GenerateReqInput, body_fields={"sampling_params": SamplingParams | list[SamplingParams] | None},
+        response=GenerateResult | list[GenerateResult], stream_event=GenerateResult, errors=_BODY_ROUTE))
     async def generate(request: Request):
-        obj = await decode_body(request, GenerateReqInput)
+        obj = decode_json(await request.body(), GenerateReqInput)
         return await serve_generate(state.tm, obj, request)
 
-    @app.get("/get_model_info")
+    @app.get("/get_model_info", openapi_extra=docs.operation(response=ModelInfo, errors=_ANY_ROUTE))
     async def get_model_info():
         tm = state.tm
         return {"model_path": args.resolved_model_path(), "served_model_name": state.model_name,
                 "is_generation": True, "context_len": tm.context_len, "max_req_input_len": tm.max_req_input_len,
                 "eos_token_ids": tm.scheduler_info.eos_token_ids}
 
-    @app.get("/get_server_info")
+    @app.get("/get_server_info", openapi_extra=docs.operation(response=ServerInfo, errors=_ANY_ROUTE))
     async def get_server_info():
         internal = await state.tm.get_internal_state()
         states = msgspec.to_builtins(internal)
@@ -87,73 +87,77 @@ def create_app(state: ServerState, lifespan=None) -> FastAPI:
         states["rid_to_state_size"] = await state.tm.rid_to_state_size_total()
         return {**args.public_dict(), "execution": state.tm.scheduler_info.execution, "internal_states": [states]}
 
-    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    flush_docs = docs.operation(response=Success, errors=(400, *_ANY_ROUTE))
+
+    @app.get("/flush_cache", openapi_extra=flush_docs)
+    @app.post("/flush_cache", openapi_extra=flush_docs)
     async def flush_cache():
         result = await state.tm.flush_cache()
         if not result.success:
             return error_response(400, f"cache not flushed: {result.message}")
         return {"success": True}
 
-    @app.post("/abort_request")
+    @app.post("/abort_request", openapi_extra=docs.operation(body=AbortRequestInput, response=Success,
+                                                              errors=_BODY_ROUTE))
     async def abort_request(request: Request):
-        body = await request_json(request)
-        rid, abort_all = body.get("rid", ""), body.get("abort_all", False)
-        if not isinstance(rid, str) or not isinstance(abort_all, bool) or not (rid or abort_all):
+        body = decode_json(await request.body(), AbortRequestInput)
+        if not (body.rid or body.abort_all):
             raise ClientError("give 'rid' (a string) or 'abort_all': true", "rid")
-        state.tm.abort_request(rid, abort_all=abort_all)
+        state.tm.abort_request(body.rid, abort_all=body.abort_all)
         return {"success": True}
 
-    @app.post("/pause_generation")
+    @app.post("/pause_generation", openapi_extra=docs.operation(response=Success, errors=_ANY_ROUTE))
     async def pause_generation():
         await state.tm.pause_generation()
         return {"success": True}
 
-    @app.post("/continue_generation")
+    @app.post("/continue_generation", openapi_extra=docs.operation(response=Success, errors=_ANY_ROUTE))
     async def continue_generation():
         await state.tm.continue_generation()
         return {"success": True}
 
-    from sluice.server.openai_api import install_openai_routes
-
-    install_openai_routes(app, state)
+    install_openai_routes(app, state, docs)
+    docs.install(app)
     return app
-
-
-async def request_json(request: Request) -> Any:
-    try:
-        return msgspec.json.decode(await request.body())
-    except msgspec.DecodeError as e:
-        raise ClientError(f"the body is not valid JSON: {e}") from None
-
-
-async def decode_body(request: Request, kind: type):
-    try:
-        return msgspec.json.decode(await request.body(), type=kind)
-    except msgspec.ValidationError as e:
-        raise ClientError(f"invalid request: {e}") from None
-    except msgspec.DecodeError as e:
-        raise ClientError(f"the body is not valid JSON: {e}") from None
 
 
 async def serve_generate(tm: TokenizerManager, obj: GenerateReqInput, request: Request):
     generator = tm.generate_request(obj, request)
     if obj.stream:
-        first = await anext(generator)  # errors before the first chunk become a plain 4xx
-        return StreamingResponse(sse_stream(first, generator), media_type="text/event-stream")
+        return await stream_response(generator, NativeStream())
     if obj.is_single and obj.sample_count() == 1:
         return finished_response(await _last(generator))
     results = sorted([chunk async for chunk in generator], key=lambda chunk: chunk["index"])
     for result in results:
         if status_code := failure_status(result):
-            return error_response(status_code, f"item {result['index']}: {result['meta_info']['finish_reason']['message']}")
+            return error_response(status_code, native_error_message(result))
     return JSONResponse(results)
 
 
 def finished_response(result: dict[str, Any]) -> Response:
     status_code = failure_status(result)
     if status_code:
-        return error_response(status_code, result["meta_info"]["finish_reason"]["message"])
+        return error_response(status_code, native_error_message(result))
     return JSONResponse(result)
+
+
+def native_error_message(chunk: dict[str, Any]) -> str:
+    """A batch's or n > 1's chunks carry `index`: the message says which item failed."""
+    message = failure_message(chunk)
+    return f"item {chunk['index']}: {message}" if "index" in chunk else message
+
+
+class NativeStream:
+    """/generate streams every chunk as it is."""
+
+    def stream_start(self) -> list[dict[str, Any]]:
+        return []
+
+    def stream_chunk(self, chunk: dict[str, Any]) -> list[dict[str, Any]]:
+        return [chunk]
+
+    def error_message(self, chunk: dict[str, Any]) -> str:
+        return native_error_message(chunk)
 
 
 async def _last(generator):

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import logging
 
+import msgspec
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from sluice.sampling import ClientError
+from sluice.server.api_types import ErrorDetail, ErrorResponse
 from sluice.tokenizer.manager import BackendError
 
 logger = logging.getLogger(__name__)
@@ -18,15 +20,33 @@ _TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundErro
           413: "RequestTooLarge", 503: "ServiceUnavailableError", 500: "InternalServerError"}
 
 
+def error_body(status_code: int, message: str, param: str | None = None) -> dict:
+    """The envelope of every error: a response body, or the payload of a stream's error event."""
+    error_type = _TYPES.get(status_code, "BadRequestError" if status_code < 500 else "InternalServerError")
+    return msgspec.to_builtins(ErrorResponse(error=ErrorDetail(message=message, type=error_type, param=param,
+                                                               code=status_code)))
+
+
 def error_response(status_code: int, message: str, param: str | None = None) -> JSONResponse:
-    body = {"error": {"message": message, "type": _TYPES.get(status_code, "Error"), "param": param, "code": status_code}}
-    return JSONResponse(body, status_code=status_code)
+    return JSONResponse(error_body(status_code, message, param), status_code=status_code)
+
+
+# The two readers of a failed result: keep them the only places that know its shape.
 
 
 def failure_status(chunk: dict) -> int | None:
     """The HTTP status of a request the back end refused or lost (not a client's abort)."""
     reason = chunk["meta_info"]["finish_reason"] or {}
     return reason.get("status_code") if reason.get("type") == "abort" else None
+
+
+def failure_message(chunk: dict) -> str:
+    """Why a chunk that `failure_status` flags failed."""
+    return chunk["meta_info"]["finish_reason"]["message"]
+
+
+class BodyTooLarge(Exception):
+    """Raised while the body is read: a chunked body has no content-length to check up front."""
 
 
 class NotFoundError(Exception):
@@ -37,8 +57,6 @@ class NotFoundError(Exception):
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    from sluice.server.guard import BodyTooLarge
-
     @app.exception_handler(ClientError)
     async def _client_error(request: Request, exc: ClientError):
         return error_response(400, exc.message, exc.param)

@@ -8,14 +8,17 @@ from __future__ import annotations
 
 import hmac
 
-from sluice.server.errors import error_response
+from sluice.server.errors import BodyTooLarge, error_response
 
 OPEN_PATHS = frozenset({"/health"})
 ADMIN_PATHS = frozenset({"/flush_cache", "/abort_request", "/pause_generation", "/continue_generation"})
 
 
-class BodyTooLarge(Exception):
-    pass
+def bearer_token(authorization: bytes) -> bytes:
+    """The key of an `Authorization: Bearer KEY` header (the scheme in any case, as HTTP
+    allows), or b"" for any other header: a bare key is not accepted, as in OpenAI's API."""
+    scheme, _, token = authorization.strip().partition(b" ")
+    return token.strip() if scheme.lower() == b"bearer" else b""
 
 
 class RequestGuard:
@@ -34,11 +37,12 @@ class RequestGuard:
             return await self._reject(scope, receive, send, 413, f"request body larger than {self.max_body_bytes} bytes")
         required = self._required_keys(scope["path"])
         if required:
-            supplied = headers.get(b"authorization", b"").removeprefix(b"Bearer ").strip()
+            supplied = bearer_token(headers.get(b"authorization", b""))
             # Compare with every accepted key (constant time each), not stopping early.
             matches = [hmac.compare_digest(supplied, key) for key in required]
             if not any(matches):
-                return await self._reject(scope, receive, send, 401, "invalid or missing API key")
+                return await self._reject(scope, receive, send, 401,
+                                          "invalid or missing API key: send the header 'Authorization: Bearer KEY'")
         return await self.app(scope, self._limited(receive), send)
 
     def _required_keys(self, path: str) -> list[bytes]:

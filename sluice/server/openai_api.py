@@ -9,29 +9,35 @@ and parallel-sampling paths.
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from sluice.sampling import ClientError
+from sluice.server.api_types import (
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    CompletionChunk,
+    CompletionResponse,
+    ModelList,
+)
 from sluice.server.errors import NotFoundError, error_response, failure_status
-from sluice.server.openai_protocol import ChatCompletionRequest, CompletionRequest, decode_request
+from sluice.server.json_body import decode_json
+from sluice.server.openapi import ApiDocs
+from sluice.server.openai_protocol import ChatCompletionRequest, CompletionRequest
 from sluice.server.openai_views import ChatView, CompletionView, OpenAIView, TokenTexts, choice_index
-from sluice.server.sse import SSE_DONE, sse_event
+from sluice.server.sse import stream_response
+from sluice.server.state import ServerState
 from sluice.tokenizer.io_struct import GenerateReqInput
 from sluice.tokenizer.manager import BackendError, TokenizerManager
-
-if TYPE_CHECKING:
-    from sluice.server.app import ServerState
 
 # The native checks name SGLang's fields; the client wrote OpenAI's.
 _OPENAI_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
 _PROMPT_PARAMS = {"text", "input_ids"}
+_ERRORS = (400, 401, 404, 413, 503)
 
 
-def install_openai_routes(app: FastAPI, state: ServerState) -> None:
+def install_openai_routes(app: FastAPI, state: ServerState, docs: ApiDocs) -> None:
     token_texts = TokenTexts()
 
     def checked_tm(model: str | None) -> TokenizerManager:
@@ -42,14 +48,15 @@ def install_openai_routes(app: FastAPI, state: ServerState) -> None:
         token_texts.bind(state.tm.tokenizer)
         return state.tm
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", openapi_extra=docs.operation(response=ModelList, errors=(401,)))
     async def list_models():
         model = {"id": state.model_name, "object": "model", "created": 0, "owned_by": "sluice"}
         return {"object": "list", "data": [model]}
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=docs.operation(
+        body=CompletionRequest, response=CompletionResponse, stream_event=CompletionChunk, errors=_ERRORS))
     async def completions(request: Request):
-        body = decode_request(await request.body(), CompletionRequest)
+        body = decode_json(await request.body(), CompletionRequest)
         body.check()
         tm = checked_tm(body.model)
         prompts = body.prompts()
@@ -71,9 +78,10 @@ def install_openai_routes(app: FastAPI, state: ServerState) -> None:
         view = CompletionView(state.model_name, request_id, token_texts, body, prompts)
         return await serve(tm, obj, request, view, "prompt")
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=docs.operation(
+        body=ChatCompletionRequest, response=ChatCompletionResponse, stream_event=ChatCompletionChunk, errors=_ERRORS))
     async def chat_completions(request: Request):
-        body = decode_request(await request.body(), ChatCompletionRequest)
+        body = decode_json(await request.body(), ChatCompletionRequest)
         body.check()
         tm = checked_tm(body.model)
         input_ids, image_urls = chat_prompt_ids(tm, body, state.model_name)
@@ -111,20 +119,18 @@ async def serve(tm: TokenizerManager, obj: GenerateReqInput, request: Request, v
                 prompt_param: str) -> Response:
     generator = tm.generate_request(obj, request)
     try:
-        # Errors before the first chunk become a plain 4xx. A non-streaming request has
-        # one final chunk per choice; reading them all lets the generator let go of its lock.
-        first = await anext(generator)
-        finals = [] if obj.stream else [first] + [chunk async for chunk in generator]
+        if obj.stream:
+            return await stream_response(generator, view)  # the rule for errors on streams
+        # One final chunk per choice; reading them all lets the generator let go of its lock.
+        finals = [chunk async for chunk in generator]
     except ClientError as e:
         raise openai_client_error(e, prompt_param) from None
-    except StopAsyncIteration:
+    if not finals:
         return error_response(400, "the client disconnected")  # no one reads this
-    if obj.stream:
-        return StreamingResponse(stream_events(first, generator, view), media_type="text/event-stream")
     finals.sort(key=choice_index)
     for chunk in finals:
         if status_code := failure_status(chunk):
-            return error_response(status_code, view.failure_message(chunk))
+            return error_response(status_code, view.error_message(chunk))
     return JSONResponse(view.response(finals))
 
 
@@ -140,29 +146,3 @@ def openai_client_error(e: ClientError, prompt_param: str) -> ClientError:
         if prompt_param not in message:
             message = f"{prompt_param}: {message}"  # e.g. too many prompts
     return ClientError(message, param)
-
-
-async def stream_events(first: dict[str, Any], rest: AsyncIterator[dict[str, Any]],
-                        view: OpenAIView) -> AsyncIterator[bytes]:
-    """One SSE event per chunk with something new, until every choice has finished; a
-    back-end failure becomes an error event."""
-    try:
-        for event in view.stream_start():
-            yield sse_event(event)
-        chunk = first
-        while True:
-            if status_code := failure_status(chunk):
-                message = view.failure_message(chunk)
-                yield sse_event({"error": {"message": message, "type": "ServiceUnavailableError", "code": status_code}})
-                break
-            for event in view.stream_chunk(chunk):
-                yield sse_event(event)
-            if view.finished:
-                break
-            chunk = await anext(rest)
-    except (BackendError, StopAsyncIteration) as e:
-        message = str(e) or "the request ended without a final chunk"
-        yield sse_event({"error": {"message": message, "type": "ServiceUnavailableError", "code": 503}})
-    finally:
-        await rest.aclose()  # aborts the request when the client went away mid-stream
-    yield SSE_DONE

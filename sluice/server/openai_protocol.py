@@ -6,8 +6,7 @@ out-of-range value is a ClientError that names the field.
 
 from __future__ import annotations
 
-import re
-from typing import Any, Final, TypeVar
+from typing import Any, Final
 
 import msgspec
 
@@ -16,20 +15,6 @@ from sluice.sampling import ClientError
 MAX_COMPLETION_LOGPROBS: Final = 5
 MAX_CHAT_TOP_LOGPROBS: Final = 20
 DEFAULT_COMPLETION_MAX_TOKENS: Final = 16  # OpenAI's default for /v1/completions
-
-_PATH_IN_ERROR = re.compile(r"at `\$\.?([^`]*)`")
-
-RequestT = TypeVar("RequestT", bound=msgspec.Struct)
-
-
-def decode_request(body: bytes, kind: type[RequestT]) -> RequestT:
-    try:
-        return msgspec.json.decode(body, type=kind)
-    except msgspec.ValidationError as e:
-        match = _PATH_IN_ERROR.search(str(e))
-        raise ClientError(f"invalid request: {e}", match.group(1) if match else None) from None
-    except msgspec.DecodeError as e:
-        raise ClientError(f"the body is not valid JSON: {e}") from None
 
 
 def _check_range(value: int | None, name: str, low: int, high: int | None = None) -> None:

@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from sluice.server.errors import failure_message
 from sluice.server.openai_protocol import ChatCompletionRequest, CompletionRequest
 
 
@@ -153,8 +154,8 @@ class OpenAIView:
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
                 "prompt_tokens_details": {"cached_tokens": cached}}
 
-    def failure_message(self, chunk: dict[str, Any]) -> str:
-        message = chunk["meta_info"]["finish_reason"]["message"]
+    def error_message(self, chunk: dict[str, Any]) -> str:
+        message = failure_message(chunk)
         return message if self.choice_count == 1 else f"choice {choice_index(chunk)}: {message}"
 
     def response(self, finals: list[dict[str, Any]]) -> dict[str, Any]:

@@ -1,34 +1,78 @@
-"""Server-sent events: one `data: {json}` event per chunk, then `data: [DONE]`."""
+"""Streaming responses, and the one rule for errors on them, which both the native and
+the OpenAI routes follow.
+
+The status line waits for the first chunk. A request that fails before it (a client
+error, a refusal by the Scheduler such as a multimodal prompt too long after expanding its
+image tokens, a back end that is gone) is answered with its real status and the error
+envelope, like a non-streaming request. Once the first chunk is out, the status is 200: a
+failure after it ends the stream with one event carrying the same envelope (with the type
+of its status), then `data: [DONE]`.
+"""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
+from fastapi.responses import Response, StreamingResponse
 
-from sluice.server.errors import failure_status
+from sluice.server.errors import error_body, error_response, failure_status
+from sluice.tokenizer.manager import BackendError
+
+logger = logging.getLogger(__name__)
+
+SSE_DONE = b"data: [DONE]\n\n"
 
 
 def sse_event(payload: Any) -> bytes:
     return b"data: " + msgspec.json.encode(payload) + b"\n\n"
 
 
-SSE_DONE = b"data: [DONE]\n\n"
+class StreamFormat(Protocol):
+    """How one API writes a request's chunks as events."""
+
+    def stream_start(self) -> list[Any]:
+        """Events sent before the first chunk's own."""
+
+    def stream_chunk(self, chunk: dict[str, Any]) -> list[Any]:
+        """The events of one chunk (none when it brings nothing new)."""
+
+    def error_message(self, chunk: dict[str, Any]) -> str:
+        """The message of a chunk that failed."""
 
 
-async def sse_stream(first: dict[str, Any], rest: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
-    """The native /generate stream. A back-end failure mid-stream is sent as an error event."""
-    async def chunks():
-        yield first
-        async for chunk in rest:
-            yield chunk
+async def stream_response(chunks: AsyncIterator[dict[str, Any]], stream_format: StreamFormat) -> Response:
+    """Errors raised before the first chunk (ClientError, BackendError) propagate to the
+    caller and the app's handlers; a first chunk that failed is answered with its status."""
+    first = await anext(chunks, None)
+    if first is None:
+        return error_response(400, "the client disconnected")  # no one reads this
+    if status_code := failure_status(first):
+        await chunks.aclose()  # frees the other items of a batch, and the request's lock
+        return error_response(status_code, stream_format.error_message(first))
+    return StreamingResponse(_events(first, chunks, stream_format), media_type="text/event-stream")
 
-    async for chunk in chunks():
-        status_code = failure_status(chunk)
-        if status_code:
-            message = chunk["meta_info"]["finish_reason"]["message"]
-            yield sse_event({"error": {"message": message, "code": status_code}})
-        else:
-            yield sse_event(chunk)
+
+async def _events(first: dict[str, Any], rest: AsyncIterator[dict[str, Any]],
+                  stream_format: StreamFormat) -> AsyncIterator[bytes]:
+    try:
+        for payload in stream_format.stream_start():
+            yield sse_event(payload)
+        chunk = first
+        while chunk is not None:
+            if status_code := failure_status(chunk):
+                yield sse_event(error_body(status_code, stream_format.error_message(chunk)))
+                break
+            for payload in stream_format.stream_chunk(chunk):
+                yield sse_event(payload)
+            chunk = await anext(rest, None)
+    except BackendError as e:
+        yield sse_event(error_body(503, str(e)))
+    except Exception:
+        logger.exception("a stream failed")
+        yield sse_event(error_body(500, "internal server error"))
+    finally:
+        await rest.aclose()  # aborts the request when the client went away mid-stream
     yield SSE_DONE

@@ -1,9 +1,9 @@
-"""Process hygiene on a server of its own: a dead child fails requests and turns /health
-to 503; SIGTERM stops every process."""
+"""Process hygiene on a server of its own: a dead child fails requests (streams by the one
+rule for errors on streams) and turns /health to 503; SIGTERM stops every process."""
 
 from __future__ import annotations
 
-import os
+import json
 import signal
 import threading
 import time
@@ -13,6 +13,44 @@ import psutil
 
 from tests.helpers import RunningServer, wait_until_running
 
+LONG = {"max_new_tokens": 3000, "ignore_eos": True}
+STREAMS = {
+    "/generate": {"text": "Tell me a story.", "sampling_params": LONG, "stream": True},
+    "/v1/chat/completions": {"messages": [{"role": "user", "content": "Tell me a story."}], "max_tokens": 3000,
+                             "ignore_eos": True, "stream": True},
+    "/v1/completions": {"prompt": "Once upon a time", "max_tokens": 3000, "ignore_eos": True, "stream": True},
+}
+
+
+class StreamReader(threading.Thread):
+    """Reads one streaming request: its status, its events, and when the first one came."""
+
+    def __init__(self, url: str, body: dict):
+        super().__init__()
+        self.url, self.body = url, body
+        self.first_event = threading.Event()
+        self.status_code = None
+        self.events: list = []
+        self.error_body = None
+
+    def run(self):
+        with httpx.stream("POST", self.url, json=self.body, timeout=60) as response:
+            self.status_code = response.status_code
+            if response.status_code != 200:
+                self.error_body = json.loads(response.read())
+                return
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    payload = line[len("data: "):]
+                    self.events.append(payload if payload == "[DONE]" else json.loads(payload))
+                    self.first_event.set()
+
+
+def assert_503_envelope(body: dict) -> None:
+    error = body["error"]
+    assert error["type"] == "ServiceUnavailableError" and error["code"] == 503 and "died" in error["message"], body
+    assert set(error) == {"message", "type", "param", "code"}
+
 
 def test_dead_scheduler_fails_requests_then_sigterm_stops_everything():
     server = RunningServer("--max-total-tokens", "4000")
@@ -21,16 +59,39 @@ def test_dead_scheduler_fails_requests_then_sigterm_stops_everything():
         children = main.children(recursive=True)
         names = " ".join(" ".join(c.cmdline()) for c in children)
         assert len(children) >= 2, names
+        scheduler = next(c for c in children if c.name().startswith("sluice-schedul"))
 
         result = {}
-        body = {"text": "Tell me a story.", "sampling_params": {"max_new_tokens": 4000, "ignore_eos": True}}
+        body = {"text": "Tell me a story.", "sampling_params": LONG}
         thread = threading.Thread(target=lambda: result.update(r=httpx.post(server.base_url + "/generate", json=body, timeout=60)))
         thread.start()
+        # Two streams past their first token...
+        streaming = [StreamReader(server.base_url + path, STREAMS[path]) for path in ("/generate", "/v1/chat/completions")]
+        for reader in streaming:
+            reader.start()
+        for reader in streaming:
+            assert reader.first_event.wait(60), reader.url
         wait_until_running(server.base_url)
-        scheduler = next(c for c in children if c.name().startswith("sluice-schedul"))
+        # ...and one that cannot get a first token: the Scheduler is stopped, then killed.
+        scheduler.suspend()
+        waiting = StreamReader(server.base_url + "/v1/completions", STREAMS["/v1/completions"])
+        waiting.start()
+        time.sleep(1.0)
         scheduler.kill()
+
         thread.join(60)
         assert result["r"].status_code == 503, result["r"].text
+        waiting.join(60)
+        assert waiting.status_code == 503, waiting.events  # a real status, not 200 and an event
+        assert_503_envelope(waiting.error_body)
+        for reader in streaming:
+            reader.join(60)
+            assert reader.status_code == 200
+            *tokens, error_event, done = reader.events
+            assert tokens and all("error" not in event for event in tokens), reader.url
+            assert_503_envelope(error_event)
+            assert done == "[DONE]"
+
         deadline = time.monotonic() + 10
         while httpx.get(server.base_url + "/health").status_code != 503 and time.monotonic() < deadline:
             time.sleep(0.2)

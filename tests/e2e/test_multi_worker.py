@@ -51,8 +51,11 @@ def test_api_keys_on_every_worker(four_workers):
         assert httpx.get(url + "/health").status_code == 200
         assert httpx.post(url + "/generate", json={"text": "hi"}).status_code == 401
         assert httpx.post(url + "/generate", json={"text": "hi"}, headers=authed("wrong")).status_code == 401
+        # A bare key without the Bearer scheme is refused, as by OpenAI.
+        assert httpx.get(url + "/v1/models", headers={"Authorization": API_KEY}).status_code == 401
         assert httpx.get(url + "/v1/models", headers=authed()).status_code == 200
     assert httpx.post(url + "/flush_cache", headers=authed()).status_code == 401  # admin route
+    assert httpx.post(url + "/flush_cache", headers={"Authorization": ADMIN_KEY}).status_code == 401
     assert httpx.post(url + "/flush_cache", headers=authed(ADMIN_KEY)).status_code == 200
     info = httpx.get(url + "/get_server_info", headers=authed()).json()
     assert API_KEY not in str(info) and ADMIN_KEY not in str(info)

@@ -91,15 +91,37 @@ def test_too_many_images_is_400(vlm):
     assert r.status_code == 400 and "3" in r.json()["error"]["message"]
 
 
-def test_expanded_prompt_too_long_is_aborted_by_the_scheduler(vlm):
-    info = httpx.get(vlm.base_url + "/get_model_info").json()
-    limit = info["max_req_input_len"]
-    # Fits while the image is one token; its expansion pushes it past the limit.
-    r = generate(vlm.base_url, text=" hello" * (limit - 8), image_data=b64(4), sampling_params=greedy(2))
+def too_long_prompt(vlm, margin: int = 8) -> tuple[str, int]:
+    """A prompt that fits while its image is one token and not once the Scheduler expands it
+    (`margin` leaves room for a chat template's tokens)."""
+    limit = httpx.get(vlm.base_url + "/get_model_info").json()["max_req_input_len"]
+    return " hello" * (limit - margin), limit
+
+
+def assert_refused_by_the_scheduler(r: httpx.Response, limit: int) -> None:
     assert r.status_code == 400, r.text
-    message = r.json()["error"]["message"]
-    assert message.startswith("Multimodal prompt is too long after expanding image tokens:")
-    assert f">= {limit}" in message
+    error = r.json()["error"]
+    assert error["type"] == "BadRequestError" and error["code"] == 400, error
+    assert error["message"].startswith("Multimodal prompt is too long after expanding image tokens:")
+    assert f">= {limit}" in error["message"]
+
+
+def test_expanded_prompt_too_long_is_aborted_by_the_scheduler(vlm):
+    text, limit = too_long_prompt(vlm)
+    assert_refused_by_the_scheduler(generate(vlm.base_url, text=text, image_data=b64(4), sampling_params=greedy(2)), limit)
+
+
+def test_a_stream_the_scheduler_refuses_is_a_real_400_in_both_apis(vlm):
+    """The refusal comes back as the first chunk: the status line waited for it."""
+    text, limit = too_long_prompt(vlm)
+    chat_text, _ = too_long_prompt(vlm, margin=20)
+    native = {"text": text, "image_data": b64(4), "sampling_params": greedy(2), "stream": True}
+    chat = {"max_tokens": 2, "stream": True, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": chat_text}, {"type": "image_url", "image_url": {"url": "data:image/png;base64," + b64(4)}}]}]}
+    for path, body in (("/generate", native), ("/v1/chat/completions", chat)):
+        assert_refused_by_the_scheduler(httpx.post(vlm.base_url + path, json=body, timeout=120), limit)
+    info = httpx.get(vlm.base_url + "/get_server_info").json()
+    assert info["internal_states"][0]["rid_to_state_size"] == 0
 
 
 def test_openai_chat_with_image_parts(vlm):

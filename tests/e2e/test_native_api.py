@@ -93,6 +93,7 @@ def test_skip_special_tokens(base_url):
     ({"text": "hi", "sampling_params": {"temperature": -1}}, "temperature"),
     ({"text": "hi", "sampling_params": {"top_p": 1.5}}, "top_p"),
     ({"text": "hi", "sampling_params": {"max_new_tokens": "many"}}, "max_new_tokens"),
+    ({"text": "hi", "sampling_params": {"top_k": 2**100}}, "top_k"),  # once a 500 and a leaked state
     ({"text": "hi", "input_ids": [1, 2]}, "text"),
     ({}, "text"),
     ({"input_ids": [99999999]}, "input_ids"),

@@ -1,4 +1,5 @@
 import math
+import signal
 
 import pytest
 import torch
@@ -58,6 +59,43 @@ def test_tiny_top_p_keeps_only_the_most_likely_token():
     logits = torch.randn(64, 1000)
     out = run(logits, [SamplingParams(temperature=1.0, top_p=1e-6)] * 64)
     assert out.next_token_ids == logits.argmax(-1).tolist()
+
+
+def run_or_time_out(*args, **kwargs):
+    """`run`, failing instead of hanging: a sampler that loops forever hangs the Scheduler."""
+    def hung(signum, frame):
+        raise TimeoutError("sampling did not end")
+
+    previous = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(20)
+    try:
+        return run(*args, **kwargs)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+@pytest.mark.parametrize("top_k", [-1, 50])
+def test_top_p_too_small_for_float32_still_keeps_the_most_likely_token(top_k):
+    # 5e-324 passes validation (> 0) but is 0 in float32: the rejection loop never ended.
+    logits = torch.randn(4, 1000)
+    out = run_or_time_out(logits, [SamplingParams(temperature=1.0, top_k=top_k, top_p=5e-324)] * 4)
+    assert out.next_token_ids == logits.argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.5])
+def test_a_temperature_too_large_for_float32_samples_uniformly_among_allowed_tokens(top_p):
+    # 1e300 passes validation (finite) but is inf in float32: EOS, masked to -inf until
+    # min_new_tokens, became NaN and the top_p loop never ended.
+    params = SamplingParams(temperature=1e300, top_p=top_p, min_new_tokens=3, max_new_tokens=5)
+    out = run_or_time_out(torch.randn(64, 50), [params] * 64)
+    assert EOS not in out.next_token_ids and len(set(out.next_token_ids)) > 10
+
+
+def test_nan_logits_end_the_top_p_loop():
+    # Whatever made them NaN, sampling returns (an arbitrary token) instead of spinning.
+    out = run_or_time_out(torch.full((2, 50), math.nan), [SamplingParams(temperature=1.0, top_p=0.5)] * 2)
+    assert all(0 <= token < 50 for token in out.next_token_ids)
 
 
 def test_greedy_rows_stay_argmax_in_a_batch_with_random_rows():
@@ -267,6 +305,8 @@ def test_top_logprobs_are_sorted_and_match_log_softmax():
         ("top_p", 0.0),
         ("top_p", 1.5),
         ("top_k", -2),
+        ("top_k", 2**31),
+        ("top_k", 2**100),  # more than msgpack can carry to the Scheduler
         ("min_p", -0.1),
         ("min_p", 1.1),
         ("repetition_penalty", 0.0),

@@ -1,0 +1,210 @@
+"""The shapes of what the routes take and return that have no struct elsewhere: the
+admin abort body, the error envelope, and every response.
+
+The request bodies of /generate and the OpenAI routes are their own structs
+(GenerateReqInput, CompletionRequest, ChatCompletionRequest). The responses are built as
+dicts by the TokenizerManager and the views; these structs describe them for the OpenAPI
+document (`openapi.py`), and the schema test checks every response against them.
+A field that a response may leave out has the default UNSET.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+from msgspec import UNSET, UnsetType
+
+from sluice.messages import FinishReason, InternalState
+
+
+class AbortRequestInput(msgspec.Struct, kw_only=True):
+    """Abort one request (and its n > 1 children) by rid, or every request."""
+
+    rid: str = ""
+    abort_all: bool = False
+
+
+class ErrorDetail(msgspec.Struct, kw_only=True):
+    message: str
+    type: str
+    param: str | None
+    code: int
+
+
+class ErrorResponse(msgspec.Struct, kw_only=True):
+    """Every error, a response body or the payload of a stream's error event."""
+
+    error: ErrorDetail
+
+
+class Success(msgspec.Struct, kw_only=True):
+    success: bool
+
+
+# ---------------------------------------------------------------- native
+
+
+# [logprob, token_id, null]; the first prompt token has no logprob.
+LogprobTriple = tuple[float | None, int, None]
+
+
+class MetaInfo(msgspec.Struct, kw_only=True):
+    id: str
+    finish_reason: FinishReason | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    e2e_latency: float
+    path: Literal["single", "batch", "batch_sequential", "parallel_sample"]
+    image_tokens: int | UnsetType = UNSET
+    index: int | UnsetType = UNSET
+    ttft: float | UnsetType = UNSET
+    output_token_logprobs: list[LogprobTriple] | UnsetType = UNSET
+    output_top_logprobs: list[list[LogprobTriple]] | UnsetType = UNSET
+    input_token_logprobs: list[LogprobTriple] | UnsetType = UNSET
+    input_top_logprobs: list[list[LogprobTriple]] | UnsetType = UNSET
+
+
+class GenerateResult(msgspec.Struct, kw_only=True):
+    """One prompt's (or one sample's) result; a stream sends it cumulatively, chunk by chunk."""
+
+    text: str
+    output_ids: list[int]
+    meta_info: MetaInfo
+    index: int | UnsetType = UNSET  # a list of prompts or n > 1: prompt_index * n + sample_index
+
+
+class ModelInfo(msgspec.Struct, kw_only=True):
+    model_path: str
+    served_model_name: str
+    is_generation: bool
+    context_len: int
+    max_req_input_len: int
+    eos_token_ids: list[int]
+
+
+class SchedulerStates(InternalState, tag=False, kw_only=True):
+    """The Scheduler's InternalState (less its routing fields), and the live request states
+    of every HTTP worker."""
+
+    rid_to_state_size: int
+
+
+class ServerInfo(msgspec.Struct, kw_only=True):
+    """Every server argument but the API keys (`sluice serve --help`), and the states below."""
+
+    internal_states: list[SchedulerStates]
+
+
+# ---------------------------------------------------------------- OpenAI
+
+
+class ModelCard(msgspec.Struct, kw_only=True):
+    id: str
+    object: str
+    created: int
+    owned_by: str
+
+
+class ModelList(msgspec.Struct, kw_only=True):
+    object: str
+    data: list[ModelCard]
+
+
+class PromptTokensDetails(msgspec.Struct, kw_only=True):
+    cached_tokens: int
+
+
+class Usage(msgspec.Struct, kw_only=True):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class CompletionLogprobs(msgspec.Struct, kw_only=True):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class CompletionChoice(msgspec.Struct, kw_only=True):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: str | None
+
+
+class OpenAIEnvelope(msgspec.Struct, kw_only=True):
+    id: str
+    object: str
+    created: int
+    model: str
+
+
+class CompletionResponse(OpenAIEnvelope, kw_only=True):
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class CompletionChunk(OpenAIEnvelope, kw_only=True):
+    """One event of a streaming completion; with include_usage, every event has `usage`,
+    null but in the last one."""
+
+    choices: list[CompletionChoice]
+    usage: Usage | None | UnsetType = UNSET
+
+
+class TopLogprob(msgspec.Struct, kw_only=True):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(msgspec.Struct, kw_only=True):
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(msgspec.Struct, kw_only=True):
+    content: list[ChatTokenLogprob]
+
+
+class ChatResponseMessage(msgspec.Struct, kw_only=True):
+    role: str
+    content: str
+
+
+class ChatChoice(msgspec.Struct, kw_only=True):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: str | None
+
+
+class ChatCompletionResponse(OpenAIEnvelope, kw_only=True):
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(msgspec.Struct, kw_only=True):
+    role: str | UnsetType = UNSET
+    content: str | UnsetType = UNSET
+
+
+class ChatChunkChoice(msgspec.Struct, kw_only=True):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None
+    finish_reason: str | None
+
+
+class ChatCompletionChunk(OpenAIEnvelope, kw_only=True):
+    """One event of a streaming chat completion; usage as in CompletionChunk."""
+
+    choices: list[ChatChunkChoice]
+    usage: Usage | None | UnsetType = UNSET

@@ -1,0 +1,40 @@
+"""What every route does with a hostile body, on the real server: JSON nested past the
+limit is a 400 naming the limit, and the server is none the worse for it."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from sluice.server.json_body import MAX_JSON_DEPTH
+
+BODY_ROUTES = ["/generate", "/v1/completions", "/v1/chat/completions", "/abort_request"]
+DEEP_BODIES = {
+    "text-50k-deep": b'{"text": ' + b"[" * 50_000 + b"]" * 50_000 + b"}",
+    "bare-100k-deep": b"[" * 100_000 + b"]" * 100_000,
+    "one-past-the-limit": b"[" * (MAX_JSON_DEPTH + 1) + b"]" * (MAX_JSON_DEPTH + 1),
+}
+
+
+@pytest.mark.parametrize("body", DEEP_BODIES.values(), ids=DEEP_BODIES.keys())
+@pytest.mark.parametrize("path", BODY_ROUTES)
+def test_deep_nesting_is_400_naming_the_limit(base_url, path, body):
+    r = httpx.post(base_url + path, content=body, headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["type"] == "BadRequestError" and f"the limit is {MAX_JSON_DEPTH}" in error["message"], error
+
+
+def test_the_server_is_unharmed_by_deep_bodies(base_url):
+    for body in DEEP_BODIES.values():
+        httpx.post(base_url + "/v1/chat/completions", content=body, timeout=30)
+    assert httpx.get(base_url + "/health", timeout=10).status_code == 200
+    states = httpx.get(base_url + "/get_server_info", timeout=30).json()["internal_states"][0]
+    assert states["rid_to_state_size"] == 0
+
+
+@pytest.mark.parametrize("body", [b"[1]", b'"rid"', b'{"rid": 5}', b'{"abort_all": "yes"}', b"{}"])
+def test_abort_request_takes_only_its_own_shape(base_url, body):
+    r = httpx.post(base_url + "/abort_request", content=body, headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] in ("rid", "abort_all", None)

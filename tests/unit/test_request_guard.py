@@ -1,0 +1,62 @@
+"""RequestGuard's API-key check: only `Authorization: Bearer KEY` opens a route; the admin
+key opens the admin routes; /health is open to all."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from sluice.server.guard import RequestGuard
+
+API_KEY, ADMIN_KEY = "api-key-1", "admin-key-2"
+
+
+async def ok_app(scope, receive, send):
+    await send({"type": "http.response.start", "status": 200, "headers": []})
+    await send({"type": "http.response.body", "body": b"ok"})
+
+
+async def status(path: str, authorization: str | None, **keys) -> int:
+    guard = RequestGuard(ok_app, max_body_bytes=1024, **keys)
+    headers = {"Authorization": authorization} if authorization is not None else {}
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=guard), base_url="http://guard") as client:
+        return (await client.get(path, headers=headers)).status_code
+
+
+@pytest.mark.parametrize("authorization, expected", [
+    (None, 401),
+    (API_KEY, 401),  # a bare key, without the scheme
+    (f"Basic {API_KEY}", 401),
+    (f"Bearer{API_KEY}", 401),
+    ("Bearer wrong", 401),
+    ("Bearer ", 401),
+    (f"Bearer {API_KEY}", 200),
+    (f"bearer {API_KEY}", 200),  # the scheme is case-insensitive in HTTP
+    (f"  Bearer   {API_KEY}  ", 200),
+    (f"Bearer {ADMIN_KEY}", 200),  # the admin key opens every route
+])
+async def test_only_a_bearer_key_opens_a_route(authorization, expected):
+    assert await status("/generate", authorization, api_key=API_KEY, admin_api_key=ADMIN_KEY) == expected
+
+
+@pytest.mark.parametrize("authorization, expected", [
+    (ADMIN_KEY, 401),
+    (f"Bearer {API_KEY}", 401),
+    (f"Bearer {ADMIN_KEY}", 200),
+])
+async def test_admin_routes_need_the_admin_key_as_bearer(authorization, expected):
+    assert await status("/flush_cache", authorization, api_key=API_KEY, admin_api_key=ADMIN_KEY) == expected
+
+
+async def test_an_admin_key_alone_guards_only_the_admin_routes():
+    assert await status("/generate", None, admin_api_key=ADMIN_KEY) == 200
+    assert await status("/abort_request", ADMIN_KEY, admin_api_key=ADMIN_KEY) == 401
+    assert await status("/abort_request", f"Bearer {ADMIN_KEY}", admin_api_key=ADMIN_KEY) == 200
+
+
+async def test_health_is_open_and_the_refusal_says_how_to_send_the_key():
+    assert await status("/health", None, api_key=API_KEY) == 200
+    guard = RequestGuard(ok_app, max_body_bytes=1024, api_key=API_KEY)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=guard), base_url="http://guard") as client:
+        error = (await client.get("/v1/models", headers={"Authorization": API_KEY})).json()["error"]
+    assert error["type"] == "AuthenticationError" and "Authorization: Bearer KEY" in error["message"]
