@@ -92,8 +92,12 @@ class SchedulerStates(InternalState, tag=False, kw_only=True):
 
 
 class ServerInfo(msgspec.Struct, kw_only=True):
-    """Every server argument but the API keys (`sluice serve --help`), and the states below."""
+    """Every server argument but the API keys (`sluice serve --help`), how the model runs,
+    and the states below."""
 
+    # cpu, cpu_flags, backend (kernels | torch), kernels_isa, activations, gemv, gemm,
+    # attention, kv_cache_dtype, why: chosen once when the model loaded.
+    execution: dict[str, str]
     internal_states: list[SchedulerStates]
 
 
