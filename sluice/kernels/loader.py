@@ -20,7 +20,7 @@ import torch  # noqa: F401  (loads the libgomp that the kernels' OpenMP must sha
 
 from sluice.kernels import contract
 from sluice.kernels.build import KernelUnavailable, built_library
-from sluice.kernels.cpu import ISA_NAMES, DISABLE_ENV, Isa, disabled_isas, isa_by_name, supported_isas, usable_isas
+from sluice.kernels.cpu import DISABLE_ENV, Isa, disabled_isas, isa_by_name, supported_isas, usable_isas
 
 logger = logging.getLogger(__name__)
 
@@ -77,26 +77,33 @@ def load_kernels(isa: str | None = None) -> Kernels:
         wanted = isa_by_name(isa)
         if wanted not in supported_isas():
             raise KernelUnavailable(f"this CPU lacks {isa} ({', '.join(wanted.required_flags)})")
-        candidates = [wanted]
-    else:
-        candidates = usable_isas()
-        if not candidates:
-            disabled = sorted(disabled_isas())
-            reason = f" ({DISABLE_ENV}={','.join(disabled)})" if disabled else ""
-            raise KernelUnavailable(f"the C kernels need an x86-64 CPU with AVX2, FMA and F16C{reason}")
-    passed_over: list[str] = [f"{name} disabled by {DISABLE_ENV}" for name in ISA_NAMES
-                              if name in disabled_isas() and isa is None and isa_by_name(name) in supported_isas()]
-    for candidate in candidates:
+        return _first_that_loads([wanted], [])
+    disabled = disabled_isas()
+    passed_over = [f"{candidate.name} disabled by {DISABLE_ENV}" for candidate in supported_isas()
+                   if candidate.name in disabled]
+    candidates = usable_isas()
+    if not candidates:
+        reason = f" ({DISABLE_ENV}={','.join(sorted(disabled))})" if disabled else ""
+        raise KernelUnavailable(f"the C kernels need an x86-64 CPU with AVX2, FMA and F16C{reason}")
+    return _first_that_loads(candidates, passed_over)
+
+
+def _first_that_loads(candidates: list[Isa], passed_over: list[str]) -> Kernels:
+    """The first candidate that builds, passes its self-test and agrees with the contract."""
+    for candidate in candidates[:-1]:
         try:
-            lib = _load(candidate)
+            return _kernels(candidate, _load(candidate), passed_over)
         except (KernelUnavailable, contract.ContractMismatch) as error:
-            if candidate is candidates[-1]:
-                raise KernelUnavailable(str(error)) from None
             logger.warning("kernels: %s not used: %s", candidate.name, error)
             passed_over.append(f"{candidate.name} not used: {error}")
-            continue
-        return Kernels(candidate.name, lib, lib.sluice_contract_value(b"SLUICE_ROW_GROUP"), tuple(passed_over))
-    raise AssertionError("unreachable")
+    try:
+        return _kernels(candidates[-1], _load(candidates[-1]), passed_over)
+    except contract.ContractMismatch as error:
+        raise KernelUnavailable(str(error)) from None
+
+
+def _kernels(isa: Isa, lib: ctypes.CDLL, passed_over: list[str]) -> Kernels:
+    return Kernels(isa.name, lib, lib.sluice_contract_value(b"SLUICE_ROW_GROUP"), tuple(passed_over))
 
 
 @functools.cache
