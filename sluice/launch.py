@@ -12,17 +12,28 @@ import time
 from contextlib import asynccontextmanager
 from typing import Any
 
+import zmq
+
 from sluice.config import PortArgs, ServerArgs
+from sluice.ipc import Sender
+from sluice.messages import ProcessFailed
+from sluice.server.app import ServerState, create_app
+from sluice.server.http import serve_http
+from sluice.tokenizer.io_struct import GenerateReqInput
+from sluice.tokenizer.manager import TokenizerManager
+from sluice.tokenizer.router import run_router_process
+from sluice.tokenizer.shared_args import remove_shared_args, write_shared_args
+from sluice.tokenizer.startup import WARMUP_TIMEOUT_S, load_multimodal_processor, load_tokenizer_side, warm_up
 
 logger = logging.getLogger(__name__)
-
-WARMUP_TIMEOUT_S = 120.0
 
 
 class Backend:
     """The child processes of one server: Scheduler, DetokenizerManager (and the router)."""
 
     def __init__(self, server_args: ServerArgs, port_args: PortArgs):
+        # Imported here, not at the top: the scheduler's module loads torch, and importing
+        # sluice.launch (or sluice.Engine) stays cheap until a back end starts.
         from sluice.detokenizer.manager import run_detokenizer_process
         from sluice.scheduler.process import run_scheduler_process
 
@@ -60,39 +71,8 @@ class Backend:
         shutil.rmtree(self.port_args.ipc_dir, ignore_errors=True)
 
 
-def load_tokenizer_side(server_args: ServerArgs):
-    from sluice.tokenizer_files import ChatTemplate, load_tokenizer
-
-    model_path = server_args.resolved_model_path()
-    tokenizer = load_tokenizer(model_path)
-    return tokenizer, ChatTemplate.from_model(model_path, tokenizer)
-
-
-def load_multimodal_processor(server_args: ServerArgs, scheduler_info, tokenizer):
-    """The image pipeline of a vision-language model; None for a text-only model."""
-    if scheduler_info.image_token_id is None:
-        return None
-    from sluice.tokenizer.multimodal.media import MediaLimits
-    from sluice.tokenizer.multimodal.processor import ImageProcessor, MultimodalProcessor
-    from sluice.tokenizer.multimodal.request_images import RequestImages
-
-    image_processor = ImageProcessor.from_model(server_args.resolved_model_path())
-    if image_processor is None:
-        raise ValueError("the vision-language model has no image processor config (preprocessor_config.json)")
-    limits = MediaLimits(
-        max_images_per_request=server_args.max_images_per_request,
-        max_image_bytes=server_args.max_image_bytes,
-        max_image_pixels=server_args.max_image_pixels,
-        allowed_local_media_path=server_args.allowed_local_media_path,
-        allow_remote_media=server_args.allow_remote_media,
-    )
-    return RequestImages(MultimodalProcessor(image_processor, limits), tokenizer, scheduler_info.image_token_id)
-
-
 async def start_tokenizer_manager(server_args: ServerArgs, backend: Backend):
     """Build the TokenizerManager, wait for the back end, start handle_loop, warm up."""
-    from sluice.tokenizer.manager import TokenizerManager
-
     tokenizer, chat_template = await asyncio.to_thread(load_tokenizer_side, server_args)
     tm = TokenizerManager(server_args, backend.port_args, tokenizer, chat_template)
     await tm.wait_for_backend()
@@ -104,23 +84,13 @@ async def start_tokenizer_manager(server_args: ServerArgs, backend: Backend):
     return tm
 
 
-async def warm_up(tm, rid: str = "WARMUP") -> None:
-    from sluice.tokenizer.io_struct import GenerateReqInput
-
-    obj = GenerateReqInput(text="The capital of France is", sampling_params={"max_new_tokens": 4, "temperature": 0},
-                           rid=rid)
-    async for chunk in tm.generate_request(obj):
-        last = chunk
-    logger.info("warm-up generated %r", last["text"])
-
-
 async def _watch_backend(tm, backend: Backend) -> None:
     """A child that dies fails in-flight requests and turns the server unhealthy."""
     while tm.backend_error is None:
         name = backend.dead_process()
         if name is not None:
             logger.error("%s died", name)
-            tm._fail_all(f"{name} died")
+            tm.fail_all(f"{name} died")
             return
         await asyncio.sleep(1.0)
 
@@ -134,9 +104,6 @@ def launch_server(server_args: ServerArgs) -> None:
 
 
 def _launch_single_worker_server(server_args: ServerArgs) -> None:
-    from sluice.server.app import ServerState, create_app
-    from sluice.server.http import serve_http
-
     started = time.perf_counter()
     backend = Backend(server_args, PortArgs.create())
     state = ServerState(server_args)
@@ -164,10 +131,6 @@ def _launch_single_worker_server(server_args: ServerArgs) -> None:
 def _launch_worker_processes_server(server_args: ServerArgs) -> None:
     """HTTP in worker processes: N on one port with a MultiTokenizerRouter (seed 002), or
     one under Granian, which always serves from worker processes."""
-    from sluice.server.http import serve_http
-    from sluice.tokenizer.shared_args import remove_shared_args, write_shared_args
-    from sluice.tokenizer.router import run_router_process
-
     started = time.perf_counter()
     port_args = PortArgs.create()
     backend = Backend(server_args, port_args)
@@ -190,11 +153,6 @@ def _report_dead_backend(backend: Backend) -> None:
     """With HTTP in worker processes, the main process watches the back end: a child that
     dies is reported to the tokenizer inbox (the router passes it to every worker), which
     fails in-flight requests and turns /health to 503."""
-    import zmq
-
-    from sluice.ipc import Sender
-    from sluice.messages import ProcessFailed
-
     while (name := backend.dead_process()) is None:
         time.sleep(1.0)
     if backend.stopping:
@@ -209,8 +167,6 @@ def _report_dead_backend(backend: Backend) -> None:
 
 async def _wait_for_backend_ready(server_args: ServerArgs, port_args: PortArgs):
     """Receive the back end's ready messages on the tokenizer inbox, then give it up."""
-    from sluice.tokenizer.manager import TokenizerManager
-
     tm = TokenizerManager(server_args, port_args, tokenizer=None)
     try:
         return await tm.wait_for_backend()
@@ -241,8 +197,6 @@ class Engine:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
     async def _generate(self, prompts, sampling_params):
-        from sluice.tokenizer.io_struct import GenerateReqInput
-
         single = isinstance(prompts, str) or (prompts and isinstance(prompts[0], int))
         items = [prompts] if single else list(prompts)
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params or {}] * len(items)

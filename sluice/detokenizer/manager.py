@@ -27,6 +27,7 @@ from sluice.messages import (
     TokenIDOutput,
 )
 from sluice.procutil import become_child_process
+from sluice.tokenizer_files import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -99,8 +100,6 @@ def run_detokenizer_process(server_args_data: bytes, port_args_data: bytes) -> N
     context = zmq.Context(1)
     to_tokenizer = Sender(context, port_args.tokenizer_input)
     try:
-        from sluice.tokenizer_files import load_tokenizer
-
         manager = DetokenizerManager(load_tokenizer(args.resolved_model_path()))
         inbox = Receiver(context, port_args.detokenizer_input)
         to_scheduler = Sender(context, port_args.scheduler_input)

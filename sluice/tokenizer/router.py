@@ -35,10 +35,10 @@ from sluice.messages import (
     SetPause,
     TokenizedGenerateReqInput,
     WorkerDied,
-    WorkerStats,
     WorkerStatsReq,
 )
 from sluice.procutil import become_child_process
+from sluice.tokenizer.shared_args import remove_shared_args
 
 logger = logging.getLogger(__name__)
 
@@ -160,13 +160,8 @@ def run_router_process(server_args_data: bytes, port_args_data: bytes) -> None:
     port_args = PortArgs.decode(port_args_data)
     main_pid = os.getppid()
 
-    def remove_shared_args() -> None:
-        # The main process removes the block on a normal exit; killed, it cannot.
-        from sluice.tokenizer.shared_args import remove_shared_args as remove
-
-        remove(main_pid)
-
-    become_child_process("router", 1, args.log_level, on_exit=remove_shared_args)
+    # The main process removes the block on a normal exit; killed, it cannot.
+    become_child_process("router", 1, args.log_level, on_exit=lambda: remove_shared_args(main_pid))
     try:
         MultiTokenizerRouter(port_args).handle_loop()
     except Exception:
