@@ -21,6 +21,7 @@ from sluice.server.app import ServerState, create_app
 from sluice.server.http import serve_http
 from sluice.tokenizer.io_struct import GenerateReqInput
 from sluice.tokenizer.manager import TokenizerManager
+from sluice.tokenizer.result import native_json
 from sluice.tokenizer.router import run_router_process
 from sluice.tokenizer.shared_args import remove_shared_args, write_shared_args
 from sluice.tokenizer.startup import WARMUP_TIMEOUT_S, load_multimodal_processor, load_tokenizer_side, warm_up
@@ -206,7 +207,7 @@ class Engine:
             obj = GenerateReqInput(**{key: item}, sampling_params=dict(p))
             async for chunk in self.tokenizer_manager.generate_request(obj):
                 last = chunk
-            return last
+            return native_json(last)
 
         results = await asyncio.gather(*(one(item, p) for item, p in zip(items, params)))
         return results[0] if single else list(results)

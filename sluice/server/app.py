@@ -17,6 +17,7 @@ from sluice.server.errors import error_response, failure_status, install_error_h
 from sluice.server.sse import sse_stream
 from sluice.tokenizer.io_struct import GenerateReqInput
 from sluice.tokenizer.manager import BackendError, TokenizerManager
+from sluice.tokenizer.result import GenerateChunk, native_json
 
 logger = logging.getLogger(__name__)
 
@@ -142,18 +143,18 @@ async def serve_generate(tm: TokenizerManager, obj: GenerateReqInput, request: R
         return StreamingResponse(sse_stream(first, generator), media_type="text/event-stream")
     if obj.is_single and obj.sample_count() == 1:
         return finished_response(await _last(generator))
-    results = sorted([chunk async for chunk in generator], key=lambda chunk: chunk["index"])
+    results = sorted([chunk async for chunk in generator], key=lambda chunk: chunk.index)
     for result in results:
         if status_code := failure_status(result):
-            return error_response(status_code, f"item {result['index']}: {result['meta_info']['finish_reason']['message']}")
-    return JSONResponse(results)
+            return error_response(status_code, f"item {result.index}: {result.finish_reason.message}")
+    return JSONResponse([native_json(result) for result in results])
 
 
-def finished_response(result: dict[str, Any]) -> Response:
+def finished_response(result: GenerateChunk) -> Response:
     status_code = failure_status(result)
     if status_code:
-        return error_response(status_code, result["meta_info"]["finish_reason"]["message"])
-    return JSONResponse(result)
+        return error_response(status_code, result.finish_reason.message)
+    return JSONResponse(native_json(result))
 
 
 async def _last(generator):

@@ -11,6 +11,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from sluice.sampling import ClientError
 from sluice.tokenizer.manager import BackendError
+from sluice.tokenizer.result import GenerateChunk
 
 logger = logging.getLogger(__name__)
 
@@ -23,10 +24,10 @@ def error_response(status_code: int, message: str, param: str | None = None) -> 
     return JSONResponse(body, status_code=status_code)
 
 
-def failure_status(chunk: dict) -> int | None:
+def failure_status(chunk: GenerateChunk) -> int | None:
     """The HTTP status of a request the back end refused or lost (not a client's abort)."""
-    reason = chunk["meta_info"]["finish_reason"] or {}
-    return reason.get("status_code") if reason.get("type") == "abort" else None
+    reason = chunk.finish_reason
+    return reason.status_code if reason is not None and reason.type == "abort" else None
 
 
 class NotFoundError(Exception):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -22,6 +22,7 @@ from sluice.server.openai_views import ChatView, CompletionView, OpenAIView, Tok
 from sluice.server.sse import SSE_DONE, sse_event
 from sluice.tokenizer.io_struct import GenerateReqInput
 from sluice.tokenizer.manager import BackendError, TokenizerManager
+from sluice.tokenizer.result import GenerateChunk
 
 if TYPE_CHECKING:
     from sluice.server.app import ServerState
@@ -142,7 +143,7 @@ def openai_client_error(e: ClientError, prompt_param: str) -> ClientError:
     return ClientError(message, param)
 
 
-async def stream_events(first: dict[str, Any], rest: AsyncIterator[dict[str, Any]],
+async def stream_events(first: GenerateChunk, rest: AsyncIterator[GenerateChunk],
                         view: OpenAIView) -> AsyncIterator[bytes]:
     """One SSE event per chunk with something new, until every choice has finished; a
     back-end failure becomes an error event."""

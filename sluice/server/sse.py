@@ -8,6 +8,7 @@ from typing import Any
 import msgspec
 
 from sluice.server.errors import failure_status
+from sluice.tokenizer.result import GenerateChunk, native_json
 
 
 def sse_event(payload: Any) -> bytes:
@@ -17,7 +18,7 @@ def sse_event(payload: Any) -> bytes:
 SSE_DONE = b"data: [DONE]\n\n"
 
 
-async def sse_stream(first: dict[str, Any], rest: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
+async def sse_stream(first: GenerateChunk, rest: AsyncIterator[GenerateChunk]) -> AsyncIterator[bytes]:
     """The native /generate stream. A back-end failure mid-stream is sent as an error event."""
     async def chunks():
         yield first
@@ -27,8 +28,8 @@ async def sse_stream(first: dict[str, Any], rest: AsyncIterator[dict[str, Any]])
     async for chunk in chunks():
         status_code = failure_status(chunk)
         if status_code:
-            message = chunk["meta_info"]["finish_reason"]["message"]
+            message = chunk.finish_reason.message
             yield sse_event({"error": {"message": message, "code": status_code}})
         else:
-            yield sse_event(chunk)
+            yield sse_event(native_json(chunk))
     yield SSE_DONE

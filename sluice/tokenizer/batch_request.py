@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from typing import Any, Protocol
+from typing import Protocol
 
 import msgspec
 
@@ -24,6 +24,7 @@ from sluice.messages import BatchTokenizedGenerateReqInput, Message, TokenizedGe
 from sluice.tokenizer.io_struct import GenerateReqInput
 from sluice.tokenizer.req_state import ReqState
 from sluice.tokenizer.request_tokenizer import RequestTokenizer
+from sluice.tokenizer.result import GenerateChunk
 
 
 class RequestChannel(Protocol):
@@ -36,10 +37,10 @@ class RequestChannel(Protocol):
 
     def send(self, message: Message) -> None: ...
 
-    def wait_response(self, state: ReqState, request=None) -> AsyncIterator[dict[str, Any]]: ...
+    def wait_response(self, state: ReqState, request=None) -> AsyncIterator[GenerateChunk]: ...
 
 
-async def handle_batch_request(tm: RequestChannel, obj: GenerateReqInput, request) -> AsyncIterator[dict[str, Any]]:
+async def handle_batch_request(tm: RequestChannel, obj: GenerateReqInput, request) -> AsyncIterator[GenerateChunk]:
     """Yields chunks tagged with `index`: all of them when streaming, else each item's last."""
     items = [obj.item(i) for i in range(obj.batch_size)] if not obj.is_single else [obj]
     n = obj.sample_count()
@@ -59,7 +60,6 @@ async def handle_batch_request(tm: RequestChannel, obj: GenerateReqInput, reques
         tm.send(BatchTokenizedGenerateReqInput(reqs=[t for _, t in children]))
     streams = [tm.wait_response(state, request) for state in states]
     async for chunk in merge_streams(streams):
-        chunk["index"] = chunk["meta_info"]["index"]
         yield chunk
 
 
@@ -89,7 +89,7 @@ def _expand_samples(tokenized: list[TokenizedGenerateReqInput], n: int) -> list[
     return children
 
 
-async def merge_streams(streams: list[AsyncIterator[dict[str, Any]]]) -> AsyncIterator[dict[str, Any]]:
+async def merge_streams(streams: list[AsyncIterator[GenerateChunk]]) -> AsyncIterator[GenerateChunk]:
     """Interleave several generators' chunks as they come. Closing the merged stream
     cancels the rest, and each generator's cleanup aborts its request."""
     queue: asyncio.Queue = asyncio.Queue()

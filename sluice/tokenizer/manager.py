@@ -42,8 +42,9 @@ from sluice.sampling import ClientError
 from sluice.tokenizer.batch_request import handle_batch_request
 from sluice.tokenizer.io_struct import GenerateReqInput
 from sluice.tokenizer.multimodal.request_images import RequestImages
-from sluice.tokenizer.req_state import ReqState, abort_chunk
+from sluice.tokenizer.req_state import ReqState
 from sluice.tokenizer.request_tokenizer import RequestTokenizer
+from sluice.tokenizer.result import GenerateChunk
 from sluice.tokenizer.rwlock import RWLock
 from sluice.tokenizer.watchdog import SoftWatchdog
 
@@ -150,7 +151,7 @@ class TokenizerManager:
 
     # ------------------------------------------------------------ the request path
 
-    async def generate_request(self, obj: GenerateReqInput, request=None) -> AsyncIterator[dict[str, Any]]:
+    async def generate_request(self, obj: GenerateReqInput, request=None) -> AsyncIterator[GenerateChunk]:
         if self.backend_error:
             raise BackendError(self.backend_error)
         obj.normalize()
@@ -186,8 +187,7 @@ class TokenizerManager:
         """Register a request about to be sent; its results go to the returned state."""
         if not self.rid_to_state:
             self.soft_watchdog.feed()  # a busy period starts: idle time never counts
-        extra_meta: dict[str, Any] = {"path": path} if index is None else {"path": path, "index": index}
-        state = ReqState(rid=req.rid, stream=req.stream, return_logprob=req.return_logprob, extra_meta=extra_meta)
+        state = ReqState(rid=req.rid, stream=req.stream, path=path, index=index, return_logprob=req.return_logprob)
         self.rid_to_state[req.rid] = state
         return state
 
@@ -206,7 +206,7 @@ class TokenizerManager:
         elif hasattr(message, "http_worker_ipc"):
             message.http_worker_ipc = self.http_worker_ipc
 
-    async def wait_response(self, state: ReqState, request=None) -> AsyncIterator[dict[str, Any]]:
+    async def wait_response(self, state: ReqState, request=None) -> AsyncIterator[GenerateChunk]:
         """The chunks of one request: every one when streaming, else only the last. Leaving
         early (the client went away, the consumer stopped) aborts the request."""
         finished = False
@@ -224,12 +224,11 @@ class TokenizerManager:
                 state.event.clear()
                 chunks, state.pending = state.pending, []
                 for chunk in chunks:
-                    is_last = chunk["meta_info"]["finish_reason"] is not None
-                    if is_last:
+                    if chunk.finished:
                         finished = True
-                    if state.stream or is_last:
+                    if state.stream or chunk.finished:
                         yield chunk
-                    if is_last:
+                    if chunk.finished:
                         return
         finally:
             if not finished:
@@ -267,12 +266,12 @@ class TokenizerManager:
 
     def _handle_batch_output(self, batch: BatchStrOutput) -> None:
         for out in batch.outputs:
-            state = self.rid_to_state.get(out.rid)
+            state = self.rid_to_state.get(out.output.rid)
             if state is None:
                 continue  # aborted earlier and already cleaned up
             state.pending.append(state.absorb(out))
             if state.finished:
-                del self.rid_to_state[out.rid]
+                del self.rid_to_state[out.output.rid]
             state.event.set()
 
     def _result_dispatcher(self, recv_obj: Message) -> None:
@@ -288,7 +287,7 @@ class TokenizerManager:
         """The back end died: end every live request with an error, report unhealthy."""
         self.backend_error = reason
         for rid, state in list(self.rid_to_state.items()):
-            state.pending.append(abort_chunk(state, reason, status_code=503))
+            state.pending.append(state.abort_chunk(reason, status_code=503))
             state.finished = True
             del self.rid_to_state[rid]
             state.event.set()

@@ -25,14 +25,15 @@ from sluice.messages import (
     AbortReq,
     BatchStrOutput,
     FinishReason,
-    StrOutput,
     BatchTokenizedGenerateReqInput,
     FlushCacheReq,
     GetInternalStateReq,
     Message,
     ProcessFailed,
     RegisterWorker,
+    ReqOutput,
     SetPause,
+    StrOutput,
     TokenizedGenerateReqInput,
     WorkerDied,
     WorkerStatsReq,
@@ -101,8 +102,9 @@ class MultiTokenizerRouter:
     def _refuse_duplicates(self, reqs: list[TokenizedGenerateReqInput], duplicates: set[str]) -> None:
         """End every item of the refused message at once, with a 400 naming the rid."""
         message = f"a request with rid '{sorted(duplicates)[0]}' is already running"
-        outputs = [StrOutput(rid=req.rid, text="", new_token_ids=[], http_worker_ipc=req.http_worker_ipc,
-                             finish_reason=FinishReason(type="abort", message=message, status_code=400))
+        reason = FinishReason(type="abort", message=message, status_code=400)
+        outputs = [StrOutput(text="", output=ReqOutput(rid=req.rid, new_token_ids=[], finish_reason=reason,
+                                                       http_worker_ipc=req.http_worker_ipc))
                    for req in reqs]
         self._distribute_result_to_workers(BatchStrOutput(outputs=outputs))
 
@@ -114,9 +116,9 @@ class MultiTokenizerRouter:
         if isinstance(message, BatchStrOutput):
             by_worker = defaultdict(list)
             for out in message.outputs:
-                by_worker[out.http_worker_ipc].append(out)
-                if out.finish_reason is not None:
-                    self.live_rids.discard(out.rid)
+                by_worker[out.output.http_worker_ipc].append(out)
+                if out.output.finish_reason is not None:
+                    self.live_rids.discard(out.output.rid)
             if not message.outputs:  # the scheduler's heartbeat: every worker's watchdog wants it
                 by_worker = {ipc: [] for ipc in self.workers}
             for ipc, outputs in by_worker.items():

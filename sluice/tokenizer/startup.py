@@ -52,4 +52,4 @@ async def warm_up(tm: TokenizerManager, rid: str = "WARMUP") -> None:
                            rid=rid)
     async for chunk in tm.generate_request(obj):
         last = chunk
-    logger.info("warm-up generated %r", last["text"])
+    logger.info("warm-up generated %r", last.text)
