@@ -1,7 +1,8 @@
 """How native chunks become OpenAI's JSON: whole responses, stream deltas, logprobs, usage.
 
 A view belongs to one request. Choice k is the native chunk with index k
-(prompt_index * n + sample_index); each choice has its own stream cursor.
+(prompt_index * n + sample_index). A chunk carries what is new since that choice's
+previous chunk, so a stream delta is the chunk itself.
 """
 
 from __future__ import annotations
@@ -50,15 +51,15 @@ class LogprobEntry:
     top: list[tuple[int, float]]
 
 
-def logprob_entries(chunk: GenerateChunk, kind: str, start: int = 0) -> list[LogprobEntry]:
-    """kind "output" or "input": the chunk's token logprobs from `start` on, with their top alternatives."""
+def logprob_entries(chunk: GenerateChunk, kind: str) -> list[LogprobEntry]:
+    """kind "output" or "input": the chunk's token logprobs with their top alternatives."""
     if kind == "output":
         logprobs, token_ids, tops = chunk.output_logprobs, chunk.output_ids, chunk.output_top_logprobs
     else:
         logprobs, token_ids, tops = chunk.input_logprobs, chunk.input_token_ids, chunk.input_top_logprobs
     return [
-        LogprobEntry(token_id, logprob, _alternatives(tops, start + i))
-        for i, (logprob, token_id) in enumerate(zip(logprobs[start:], token_ids[start:]))
+        LogprobEntry(token_id, logprob, _alternatives(tops, i))
+        for i, (logprob, token_id) in enumerate(zip(logprobs, token_ids))
     ]
 
 
@@ -105,24 +106,6 @@ def finish_reason(chunk: GenerateChunk) -> str | None:
     return None if reason is None else reason.type  # "stop" | "length" | "abort", as OpenAI names them
 
 
-class StreamCursor:
-    """How much of one choice's cumulative text and tokens the client has been sent."""
-
-    def __init__(self):
-        self.text_len = 0
-        self.tokens_sent = 0
-
-    def new_text(self, chunk: GenerateChunk) -> str:
-        text = chunk.text[self.text_len :]
-        self.text_len = max(self.text_len, len(chunk.text))
-        return text
-
-    def new_entries(self, chunk: GenerateChunk) -> list[LogprobEntry]:
-        entries = logprob_entries(chunk, "output", self.tokens_sent)
-        self.tokens_sent += len(entries)
-        return entries
-
-
 class OpenAIView:
     """Shared by both routes: the response envelope of one request, its choices and usage."""
 
@@ -139,7 +122,6 @@ class OpenAIView:
         self.include_usage = include_usage
         self.n = n
         self.choice_count = prompt_count * n
-        self.cursors = [StreamCursor() for _ in range(self.choice_count)]
         self.finished_chunks: dict[int, GenerateChunk] = {}
 
     @property
@@ -175,9 +157,9 @@ class OpenAIView:
         return []
 
     def stream_chunk(self, chunk: GenerateChunk) -> list[dict[str, Any]]:
-        """The events for one cumulative chunk of one choice; after the last choice's end, the usage."""
+        """The events for one chunk of one choice; after the last choice's end, the usage."""
         index = choice_index(chunk)
-        choice = self.stream_choice(index, chunk, self.cursors[index])
+        choice = self.stream_choice(index, chunk)
         events = [] if choice is None else [self.stream_envelope([choice])]
         if chunk.finished:
             self.finished_chunks[index] = chunk
@@ -194,7 +176,7 @@ class OpenAIView:
     def final_choice(self, index: int, chunk: GenerateChunk) -> dict[str, Any]:
         raise NotImplementedError
 
-    def stream_choice(self, index: int, chunk: GenerateChunk, cursor: StreamCursor) -> dict[str, Any] | None:
+    def stream_choice(self, index: int, chunk: GenerateChunk) -> dict[str, Any] | None:
         """The delta of one choice, or None when the chunk brings nothing new."""
         raise NotImplementedError
 
@@ -210,6 +192,7 @@ class CompletionView(OpenAIView):
         self.prompts = prompts
         self.prompt_texts: dict[int, str] = {}
         self.echo_pending = set(range(self.choice_count)) if body.echo else set()
+        self.text_sent = [0] * self.choice_count  # characters of each choice's text streamed so far
 
     def prompt_text(self, index: int) -> str:
         prompt_index = index // self.n
@@ -230,14 +213,15 @@ class CompletionView(OpenAIView):
     def final_choice(self, index: int, chunk: GenerateChunk) -> dict[str, Any]:
         return self.choice(index, chunk.text, logprob_entries(chunk, "output"), chunk, self.echo, 0)
 
-    def stream_choice(self, index: int, chunk: GenerateChunk, cursor: StreamCursor) -> dict[str, Any] | None:
+    def stream_choice(self, index: int, chunk: GenerateChunk) -> dict[str, Any] | None:
         echo = index in self.echo_pending
-        offset = 0 if echo else cursor.text_len + (len(self.prompt_text(index)) if self.echo else 0)
-        text, entries = cursor.new_text(chunk), cursor.new_entries(chunk)
-        if not (text or entries or echo or chunk.finished):
+        offset = 0 if echo else self.text_sent[index] + (len(self.prompt_text(index)) if self.echo else 0)
+        entries = logprob_entries(chunk, "output")
+        if not (chunk.text or entries or echo or chunk.finished):
             return None
         self.echo_pending.discard(index)
-        return self.choice(index, text, entries, chunk, echo, offset)
+        self.text_sent[index] += len(chunk.text)
+        return self.choice(index, chunk.text, entries, chunk, echo, offset)
 
 
 class ChatView(OpenAIView):
@@ -266,8 +250,8 @@ class ChatView(OpenAIView):
             for index in range(self.choice_count)
         ]
 
-    def stream_choice(self, index: int, chunk: GenerateChunk, cursor: StreamCursor) -> dict[str, Any] | None:
-        text, entries = cursor.new_text(chunk), cursor.new_entries(chunk)
+    def stream_choice(self, index: int, chunk: GenerateChunk) -> dict[str, Any] | None:
+        text, entries = chunk.text, logprob_entries(chunk, "output")
         if not (text or entries or chunk.finished):
             return None
         return {"index": index, "delta": {"content": text} if text else {},

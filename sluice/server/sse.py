@@ -8,7 +8,7 @@ from typing import Any
 import msgspec
 
 from sluice.server.errors import failure_status
-from sluice.tokenizer.result import GenerateChunk, native_json
+from sluice.tokenizer.result import GenerateChunk, NativeStream
 
 
 def sse_event(payload: Any) -> bytes:
@@ -25,11 +25,12 @@ async def sse_stream(first: GenerateChunk, rest: AsyncIterator[GenerateChunk]) -
         async for chunk in rest:
             yield chunk
 
+    native = NativeStream()
     async for chunk in chunks():
         status_code = failure_status(chunk)
         if status_code:
             message = chunk.finish_reason.message
             yield sse_event({"error": {"message": message, "code": status_code}})
         else:
-            yield sse_event(native_json(chunk))
+            yield sse_event(native.add(chunk))
     yield SSE_DONE

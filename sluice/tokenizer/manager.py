@@ -207,8 +207,8 @@ class TokenizerManager:
             message.http_worker_ipc = self.http_worker_ipc
 
     async def wait_response(self, state: ReqState, request=None) -> AsyncIterator[GenerateChunk]:
-        """The chunks of one request: every one when streaming, else only the last. Leaving
-        early (the client went away, the consumer stopped) aborts the request."""
+        """The chunks of one request (streaming: each with what is new; else one with
+        everything). Leaving early (the client went away, the consumer stopped) aborts it."""
         finished = False
         try:
             while True:
@@ -224,11 +224,9 @@ class TokenizerManager:
                 state.event.clear()
                 chunks, state.pending = state.pending, []
                 for chunk in chunks:
-                    if chunk.finished:
-                        finished = True
-                    if state.stream or chunk.finished:
-                        yield chunk
-                    if chunk.finished:
+                    finished = chunk.finished
+                    yield chunk
+                    if finished:
                         return
         finally:
             if not finished:
@@ -269,7 +267,10 @@ class TokenizerManager:
             state = self.rid_to_state.get(out.output.rid)
             if state is None:
                 continue  # aborted earlier and already cleaned up
-            state.pending.append(state.absorb(out))
+            chunk = state.absorb(out)
+            if chunk is None:
+                continue  # a non-streaming request: its one chunk comes at the end
+            state.pending.append(chunk)
             if state.finished:
                 del self.rid_to_state[out.output.rid]
             state.event.set()

@@ -11,6 +11,7 @@ import torch
 from sluice.config import ServerArgs
 from sluice.messages import AbortReq, SamplingParams, TokenizedGenerateReqInput
 from sluice.model.model_runner import ModelRunner
+from sluice.scheduler.req import Req
 from sluice.scheduler.scheduler import Scheduler
 from sluice.tokenizer_files import load_tokenizer
 
@@ -135,3 +136,10 @@ def test_bad_request_is_refused_before_scheduling(runner):
     out = scheduler.add_request(TokenizedGenerateReqInput(rid="x", input_ids=[10**9], sampling_params=SamplingParams()))
     assert out.output.finish_reason.type == "abort" and out.output.finish_reason.status_code == 400
     assert scheduler.is_idle
+
+
+def test_fill_slice_reads_prompt_then_output():
+    """A decode step reads one token of the sequence; any range must read like the whole."""
+    req = Req(rid="r", prompt_ids=[1, 2, 3], sampling_params=SamplingParams(), output_ids=[4, 5])
+    whole = [1, 2, 3, 4, 5]
+    assert all(req.fill_slice(a, b) == whole[a:b] for a in range(6) for b in range(a, 6))
