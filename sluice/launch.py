@@ -12,15 +12,18 @@ import time
 from contextlib import asynccontextmanager
 from typing import Any
 
+import msgspec
 import zmq
 
 from sluice.config import PortArgs, ServerArgs
 from sluice.ipc import Sender
 from sluice.messages import ProcessFailed
+from sluice.sampling import ClientError
 from sluice.server.app import ServerState, create_app
+from sluice.server.errors import failure_status
 from sluice.server.http import serve_http
 from sluice.tokenizer.io_struct import GenerateReqInput
-from sluice.tokenizer.manager import TokenizerManager
+from sluice.tokenizer.manager import BackendError, TokenizerManager
 from sluice.tokenizer.result import native_json
 from sluice.tokenizer.router import run_router_process
 from sluice.tokenizer.shared_args import remove_shared_args, write_shared_args
@@ -197,27 +200,35 @@ class Engine:
     def _run(self, coro):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
-    async def _generate(self, prompts, sampling_params):
-        single = isinstance(prompts, str) or (prompts and isinstance(prompts[0], int))
-        items = [prompts] if single else list(prompts)
-        params = sampling_params if isinstance(sampling_params, list) else [sampling_params or {}] * len(items)
+    def generate(self, prompts, sampling_params: dict | list[dict] | None = None, **fields: Any):
+        """What POST /generate answers, without HTTP.
 
-        async def one(item, p):
-            key = "text" if isinstance(item, str) else "input_ids"
-            obj = GenerateReqInput(**{key: item}, sampling_params=dict(p))
-            async for chunk in self.tokenizer_manager.generate_request(obj):
-                last = chunk
-            return native_json(last)
+        `prompts` is a text or a list of token ids, or a list of either: a batch, sent like
+        /generate's (one BatchTokenizedGenerateReqInput where it can be). `sampling_params`
+        is one dict or one per prompt; `n` in it samples each prompt n times. `fields` are
+        /generate's other fields (`rid`, `return_logprob`, `top_logprobs_num`,
+        `logprob_start_len`, `image_data`). Returns /generate's JSON: one result for one
+        prompt with n = 1, else a list in input order, each with `index` (prompt_index * n
+        + sample_index). A request the server refuses raises ClientError (what /generate
+        answers with 400) or BackendError (503).
+        """
+        return self._run(self._generate(prompts, sampling_params, fields))
 
-        results = await asyncio.gather(*(one(item, p) for item, p in zip(items, params)))
-        return results[0] if single else list(results)
-
-    def generate(self, prompts, sampling_params: dict | list[dict] | None = None):
-        return self._run(self._generate(prompts, sampling_params))
-
-    async def async_generate(self, prompts, sampling_params: dict | list[dict] | None = None):
-        future = asyncio.run_coroutine_threadsafe(self._generate(prompts, sampling_params), self._loop)
+    async def async_generate(self, prompts, sampling_params: dict | list[dict] | None = None, **fields: Any):
+        future = asyncio.run_coroutine_threadsafe(self._generate(prompts, sampling_params, fields), self._loop)
         return await asyncio.wrap_future(future)
+
+    async def _generate(self, prompts, sampling_params, fields: dict[str, Any]) -> dict[str, Any] | list[dict[str, Any]]:
+        obj = _generate_req_input(prompts, sampling_params, fields)
+        chunks = [chunk async for chunk in self.tokenizer_manager.generate_request(obj)]
+        one = obj.is_single and obj.sample_count() == 1
+        chunks.sort(key=lambda chunk: chunk.index or 0)
+        for chunk in chunks:
+            if status_code := failure_status(chunk):
+                message = chunk.finish_reason.message if one else f"item {chunk.index}: {chunk.finish_reason.message}"
+                raise ClientError(message) if status_code < 500 else BackendError(message)
+        results = [native_json(chunk) for chunk in chunks]
+        return results[0] if one else results
 
     def shutdown(self) -> None:
         self.backend.shutdown()
@@ -233,3 +244,15 @@ class Engine:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+
+
+def _generate_req_input(prompts, sampling_params, fields: dict[str, Any]) -> GenerateReqInput:
+    """The /generate body for Engine.generate's arguments, type-checked as /generate checks it."""
+    if "stream" in fields:
+        raise TypeError("Engine.generate returns whole results: it takes no 'stream'")
+    texts = isinstance(prompts, str) or (isinstance(prompts, list | tuple) and bool(prompts) and isinstance(prompts[0], str))
+    body = {"text" if texts else "input_ids": prompts, "sampling_params": sampling_params, **fields}
+    try:
+        return msgspec.convert(body, GenerateReqInput)
+    except msgspec.ValidationError as e:
+        raise ClientError(f"invalid request: {e}") from None
