@@ -36,7 +36,6 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     no_stop_trim: bool = False
-    n: int = 1
 
 
 class ImageInput(msgspec.Struct, kw_only=True):

@@ -39,8 +39,6 @@ class Req:
     locked_prefix_len: int = 0
     last_node: Any = None
     cached_tokens: int = 0
-    # Chunked prefill: how many tokens of the sequence the current prefill covers.
-    extend_len: int = 0
     times_retracted: int = 0
 
     # Output bookkeeping.

@@ -13,6 +13,7 @@ from typing import Any
 
 from sluice.messages import TokenLogprob
 from sluice.server.openai_protocol import ChatCompletionRequest, CompletionRequest
+from sluice.tokenizer.manager import BackendError
 from sluice.tokenizer.result import GenerateChunk
 
 
@@ -102,8 +103,15 @@ def chat_logprobs(entries: list[LogprobEntry], texts: TokenTexts, top_count: int
 
 
 def finish_reason(chunk: GenerateChunk) -> str | None:
+    """Why a choice ended, in OpenAI's names: "stop" or "length". OpenAI has no name for a
+    request aborted on the server (/abort_request), so that one ends as an error: 503, as
+    when the back end is lost (a response, or the stream's error event)."""
     reason = chunk.finish_reason
-    return None if reason is None else reason.type  # "stop" | "length" | "abort", as OpenAI names them
+    if reason is None:
+        return None
+    if reason.type == "abort":
+        raise BackendError("the request was aborted on the server")
+    return reason.type
 
 
 class OpenAIView:
