@@ -41,7 +41,8 @@ class RequestChannel(Protocol):
 
 
 async def handle_batch_request(tm: RequestChannel, obj: GenerateReqInput, request) -> AsyncIterator[GenerateChunk]:
-    """Yields chunks tagged with `index`: all of them when streaming, else each item's last."""
+    """Yields every item's chunks, each tagged with its `index`, as they come: streaming,
+    each with what is new; else one per item, with everything."""
     items = [obj.item(i) for i in range(obj.batch_size)] if not obj.is_single else [obj]
     n = obj.sample_count()
     tokenized = await tm.inputs.tokenize(items, tm.rid_to_state, label_items=True)
