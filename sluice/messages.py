@@ -36,7 +36,6 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     no_stop_trim: bool = False
-    n: int = 1
 
 
 class ImageInput(msgspec.Struct, kw_only=True):
@@ -109,8 +108,10 @@ class TokenLogprob(msgspec.Struct, array_like=True):
     logprob: float
 
 
-class TokenIDOutput(msgspec.Struct, kw_only=True):
-    """New tokens of one request since its last output."""
+class ReqOutput(msgspec.Struct, kw_only=True):
+    """What one output says about its request since its last output. The Scheduler fills it
+    in, the DetokenizerManager passes it on with the text beside it, and the TokenizerManager
+    reads it: a field added here reaches the TokenizerManager with no other edit."""
 
     rid: str
     new_token_ids: list[int]
@@ -126,13 +127,19 @@ class TokenIDOutput(msgspec.Struct, kw_only=True):
     input_token_ids: list[int] = []
     input_logprobs: list[float | None] = []
     input_top_logprobs: list[list[TokenLogprob]] = []
+    http_worker_ipc: str | None = None
+
+
+class TokenIDOutput(msgspec.Struct, kw_only=True):
+    """New tokens of one request since its last output."""
+
+    output: ReqOutput
     # Detokenization options, repeated so the detokenizer keeps no copy of the request.
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     stop: list[str] = []
     no_stop_trim: bool = False
     stream: bool = False
-    http_worker_ipc: str | None = None
 
 
 class BatchTokenIDOutput(Message):
@@ -142,20 +149,8 @@ class BatchTokenIDOutput(Message):
 class StrOutput(msgspec.Struct, kw_only=True):
     """New text of one request since its last output."""
 
-    rid: str
+    output: ReqOutput
     text: str
-    new_token_ids: list[int]
-    finish_reason: FinishReason | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-    image_tokens: int = 0
-    output_logprobs: list[float] = []
-    output_top_logprobs: list[list[TokenLogprob]] = []
-    input_token_ids: list[int] = []
-    input_logprobs: list[float | None] = []
-    input_top_logprobs: list[list[TokenLogprob]] = []
-    http_worker_ipc: str | None = None
 
 
 class BatchStrOutput(Message):

@@ -7,7 +7,7 @@ scheduler and the sampler can trust the values they are given.
 from __future__ import annotations
 
 import math
-from typing import ClassVar, Final
+from typing import Final
 
 from sluice.messages import SamplingParams
 
@@ -17,12 +17,12 @@ MAX_SEED: Final = 2**63  # exclusive
 # Any larger top_k means the whole vocabulary as well; this bound keeps the value within
 # what msgpack carries to the Scheduler (a larger one failed the send with a 500).
 MAX_TOP_K: Final = 2**31 - 1
+# Most alternatives a request may ask for per token (native top_logprobs_num, OpenAI chat's top_logprobs).
+MAX_TOP_LOGPROBS: Final = 20
 
 
 class ClientError(ValueError):
-    """A request the client got wrong; the server answers it with `status_code`."""
-
-    status_code: ClassVar[int] = 400
+    """A request the client got wrong; the server answers it with 400."""
 
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
@@ -58,7 +58,6 @@ def validate_sampling_params(p: SamplingParams, vocab_size: int | None = None) -
     _check(-2 <= p.presence_penalty <= 2, "presence_penalty", "must be in [-2, 2]", p.presence_penalty)
     if p.seed is not None:
         _check(0 <= p.seed < MAX_SEED, "seed", "must be in [0, 2**63)", p.seed)
-    _check(p.n >= 1, "n", "must be >= 1", p.n)
     _check_stop(p.stop)
     _check_stop_token_ids(p.stop_token_ids, vocab_size)
 

@@ -48,45 +48,29 @@ class _TokenDecoder:
                 token_id: token.content for token_id, token in added_tokens.items() if token_id not in self._skipped_ids
             }
 
-    def decode(self, token_ids: Sequence[int], context_len: int = 0) -> str:
-        """The text of token_ids. The first context_len ids are prompt context: no space
-        is put between them and the output, so the output's text does not depend on them
-        being there."""
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """The text of token_ids."""
         if not self._standalone or not self._standalone.keys() & set(token_ids):
             return self._tokenizer.decode(token_ids, skip_special_tokens=self._skip_special_tokens)
-        pieces: list[tuple[int, str]] = []  # (index of the piece's first shown token, text)
+        pieces: list[str] = []
         run: list[int] = []
-        run_start: int | None = None
-        for index, token_id in enumerate(token_ids):
+        run_shows = False  # whether the run holds a token that is not skipped
+        for token_id in token_ids:
             content = self._standalone.get(token_id)
             if content is None:
                 run.append(token_id)
-                if run_start is None and token_id not in self._skipped_ids:
-                    run_start = index
+                run_shows = run_shows or token_id not in self._skipped_ids
                 continue
-            if run_start is not None:
-                pieces.append((run_start, self._decode_run(run)))
-            run, run_start = [], None
-            pieces.append((index, content))
-        if run_start is not None:
-            pieces.append((run_start, self._decode_run(run)))
-        return self._join(pieces, context_len)
+            if run_shows:
+                pieces.append(self._decode_run(run))
+            run, run_shows = [], False
+            pieces.append(content)
+        if run_shows:
+            pieces.append(self._decode_run(run))
+        return " ".join(piece for piece in pieces if piece)
 
     def _decode_run(self, run: list[int]) -> str:
         return self._tokenizer.decode(run, skip_special_tokens=self._skip_special_tokens)
-
-    @staticmethod
-    def _join(pieces: list[tuple[int, str]], context_len: int) -> str:
-        text: list[str] = []
-        previous_start = -1
-        for start, piece in pieces:
-            if not piece:
-                continue
-            if text and not (previous_start < context_len <= start):
-                text.append(" ")
-            text.append(piece)
-            previous_start = start
-        return "".join(text)
 
 
 def decode_tokens(
@@ -156,7 +140,6 @@ class IncrementalDetokenizer:
     def __init__(
         self,
         tokenizer,
-        prompt_ids_tail: list[int] | None = None,
         *,
         skip_special_tokens: bool = True,
         spaces_between_special_tokens: bool = True,
@@ -168,12 +151,10 @@ class IncrementalDetokenizer:
         self._stop_filter = _StopStringFilter(stop, keep_stop=no_stop_trim)
         self._stream = stream
         # The window: ids from the last shown piece on (the prefix), then the ids not yet
-        # shown from read_offset on. The prompt tail is the first prefix; it only gives
-        # the first output tokens their context (e.g. a SentencePiece leading space).
-        self._window_ids: list[int] = list(prompt_ids_tail or ())
-        self._context_len = len(self._window_ids)
-        self._read_offset = len(self._window_ids)
-        self._prefix_text = self._decode_window(self._read_offset)
+        # shown from read_offset on.
+        self._window_ids: list[int] = []
+        self._read_offset = 0
+        self._prefix_text = ""
         # Accounting, in characters of decoded output text and in output tokens.
         self._output_tokens = 0
         self._decoded_chars = 0
@@ -228,12 +209,11 @@ class IncrementalDetokenizer:
         return new_text
 
     def _decode_window(self, end: int) -> str:
-        return self._decoder.decode(self._window_ids[:end], self._context_len)
+        return self._decoder.decode(self._window_ids[:end])
 
     def _advance_window(self) -> None:
         # The ids just shown become the prefix of the next window.
         del self._window_ids[: self._read_offset]
-        self._context_len = max(0, self._context_len - self._read_offset)
         self._read_offset = len(self._window_ids)
         self._prefix_text = self._decode_window(self._read_offset)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import traceback
 
+import msgspec
 import zmq
 
 from sluice.config import PortArgs, ServerArgs
@@ -27,6 +28,7 @@ from sluice.messages import (
     TokenIDOutput,
 )
 from sluice.procutil import become_child_process
+from sluice.tokenizer_files import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -43,19 +45,21 @@ class DetokenizerManager:
         outputs: list[StrOutput] = []
         to_release: list[str] = []
         for out in batch.outputs:
-            if out.rid in self.stopped_rids:
-                if out.finish_reason is not None:
-                    self.stopped_rids.discard(out.rid)
+            rid = out.output.rid
+            if rid in self.stopped_rids:
+                if out.output.finish_reason is not None:
+                    self.stopped_rids.discard(rid)
                 continue
             text_out = self._detokenize(out)
-            if text_out.finish_reason is not None and out.finish_reason is None:
-                self.stopped_rids.add(out.rid)
-                to_release.append(out.rid)
+            if text_out.output.finish_reason is not None and out.output.finish_reason is None:
+                self.stopped_rids.add(rid)
+                to_release.append(rid)
             outputs.append(text_out)
         return outputs, to_release
 
     def _detokenize(self, out: TokenIDOutput) -> StrOutput:
-        decoder = self.decoders.get(out.rid)
+        output = out.output
+        decoder = self.decoders.get(output.rid)
         if decoder is None:
             decoder = IncrementalDetokenizer(
                 self.tokenizer,
@@ -65,31 +69,15 @@ class DetokenizerManager:
                 no_stop_trim=out.no_stop_trim,
                 stream=out.stream,
             )
-            self.decoders[out.rid] = decoder
-        step = decoder.step(out.new_token_ids, out.finish_reason is not None)
-        finish_reason = out.finish_reason
-        completion_tokens = out.completion_tokens
+            self.decoders[output.rid] = decoder
+        step = decoder.step(output.new_token_ids, output.finish_reason is not None)
         if step.stop_matched is not None:
-            finish_reason = FinishReason(type="stop", matched=step.stop_matched)
-            completion_tokens = step.num_tokens
-        if finish_reason is not None:
-            del self.decoders[out.rid]
-        return StrOutput(
-            rid=out.rid,
-            text=step.text,
-            new_token_ids=out.new_token_ids,
-            finish_reason=finish_reason,
-            prompt_tokens=out.prompt_tokens,
-            completion_tokens=completion_tokens,
-            cached_tokens=out.cached_tokens,
-            image_tokens=out.image_tokens,
-            output_logprobs=out.output_logprobs,
-            output_top_logprobs=out.output_top_logprobs,
-            input_token_ids=out.input_token_ids,
-            input_logprobs=out.input_logprobs,
-            input_top_logprobs=out.input_top_logprobs,
-            http_worker_ipc=out.http_worker_ipc,
-        )
+            # The text ends at the stop string: the request is finished, with the tokens it covers.
+            output = msgspec.structs.replace(output, finish_reason=FinishReason(type="stop", matched=step.stop_matched),
+                                             completion_tokens=step.num_tokens)
+        if output.finish_reason is not None:
+            del self.decoders[output.rid]
+        return StrOutput(output=output, text=step.text)
 
 
 def run_detokenizer_process(server_args_data: bytes, port_args_data: bytes) -> None:
@@ -99,8 +87,6 @@ def run_detokenizer_process(server_args_data: bytes, port_args_data: bytes) -> N
     context = zmq.Context(1)
     to_tokenizer = Sender(context, port_args.tokenizer_input)
     try:
-        from sluice.tokenizer_files import load_tokenizer
-
         manager = DetokenizerManager(load_tokenizer(args.resolved_model_path()))
         inbox = Receiver(context, port_args.detokenizer_input)
         to_scheduler = Sender(context, port_args.scheduler_input)

@@ -89,7 +89,7 @@ def build_forward_batch(batch: StepBatch, req_to_token: torch.Tensor, k_buffers,
             rows, embeds = image_rows(req, start, n, runner.encode_images)
             mm_rows.extend(offset + row for row in rows)
             mm_embeds.extend(embeds)
-        input_ids.extend(req.fill_ids[start : start + n])
+        input_ids.extend(req.fill_slice(start, start + n))
         positions.extend(range(start, start + n))
         new_slots = batch.out_cache_loc[offset : offset + n]
         req_to_token[req.req_pool_idx, start : start + n] = new_slots

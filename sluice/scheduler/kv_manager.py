@@ -47,9 +47,9 @@ class KVManager:
 
     # ------------------------------------------------------------ request life
 
-    def match_prefix(self, req: Req) -> int:
-        """Length of the cached prefix a new (or resumed) request could reuse."""
-        return len(self.tree_cache.match_prefix(self._prefix_key(req)).slots)
+    def cached_prefix_len(self, req: Req) -> int:
+        """Length of the cached prefix a new (or resumed) request could reuse; changes nothing."""
+        return self.tree_cache.cached_prefix_len(self._prefix_key(req))
 
     def admit(self, req: Req) -> bool:
         """Give a waiting request a request slot and lock its cached prefix."""
@@ -78,11 +78,11 @@ class KVManager:
         """Hand the KV a running request has computed so far to the radix cache."""
         slots = req.kv_slots(self.req_to_token)
         new_node, new_prefix_len = self.tree_cache.cache_sequence(
-            req.fill_ids[: req.kv_len], slots, req.last_node, req.locked_prefix_len
+            req.fill_slice(0, req.kv_len), slots, req.last_node, req.locked_prefix_len
         )
         # The cache may already have held part of this range: it keeps its own slots,
         # which the request now points at.
-        matched = self.tree_cache.match_prefix(req.fill_ids[:new_prefix_len])
+        matched = self.tree_cache.match_prefix(req.fill_slice(0, new_prefix_len))
         self.req_to_token[req.req_pool_idx, :new_prefix_len] = matched.slots
         req.last_node = new_node
         req.locked_prefix_len = new_prefix_len
@@ -94,7 +94,7 @@ class KVManager:
         slots = req.kv_slots(self.req_to_token)
         if keep_in_cache:
             self.tree_cache.cache_sequence(
-                req.fill_ids[: req.kv_len], slots, req.last_node, req.locked_prefix_len, keep_lock=False
+                req.fill_slice(0, req.kv_len), slots, req.last_node, req.locked_prefix_len, keep_lock=False
             )
         else:
             owned = slots[req.locked_prefix_len :]
@@ -126,4 +126,4 @@ class KVManager:
         limit = req.seq_len - 1
         if req.wants_input_logprobs:
             limit = min(limit, max(req.logprob_start_len - 1, 0))
-        return req.fill_ids[:limit]
+        return req.fill_slice(0, limit)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-PADDING_SLOT = 0
+from sluice.model.attention import PADDING_SLOT  # the slot the model pads with; never handed out
 
 
 class ReqToTokenPool:

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-from sluice.messages import TokenIDOutput
+from sluice.messages import ReqOutput, TokenIDOutput
 from sluice.scheduler.req import Req
 
 
 def make_output(req: Req) -> TokenIDOutput:
     start = req.num_sent_tokens
     req.num_sent_tokens = len(req.output_ids)
-    params = req.sampling_params
-    out = TokenIDOutput(
+    output = ReqOutput(
         rid=req.rid,
         new_token_ids=req.output_ids[start:],
         finish_reason=req.finish_reason,
@@ -18,20 +17,23 @@ def make_output(req: Req) -> TokenIDOutput:
         completion_tokens=len(req.output_ids),
         cached_tokens=req.cached_tokens,
         image_tokens=req.image_tokens,
+        http_worker_ipc=req.http_worker_ipc,
+    )
+    if req.return_logprob:
+        output.output_logprobs = req.output_logprobs[start:]
+        output.output_top_logprobs = req.output_top_logprobs[start:]
+        # Prompt logprobs go out once, with the first output after the prompt's prefill.
+        if req.wants_input_logprobs and (req.output_ids or req.finished):
+            output.input_token_ids = req.prompt_ids[req.logprob_start_len :]
+            output.input_logprobs = req.input_logprobs
+            output.input_top_logprobs = req.input_top_logprobs
+            req.input_logprobs_sent = True
+    params = req.sampling_params
+    return TokenIDOutput(
+        output=output,
         skip_special_tokens=params.skip_special_tokens,
         spaces_between_special_tokens=params.spaces_between_special_tokens,
         stop=params.stop,
         no_stop_trim=params.no_stop_trim,
         stream=req.stream,
-        http_worker_ipc=req.http_worker_ipc,
     )
-    if req.return_logprob:
-        out.output_logprobs = req.output_logprobs[start:]
-        out.output_top_logprobs = req.output_top_logprobs[start:]
-        # Prompt logprobs go out once, with the first output after the prompt's prefill.
-        if req.wants_input_logprobs and (req.output_ids or req.finished):
-            out.input_token_ids = req.prompt_ids[req.logprob_start_len :]
-            out.input_logprobs = req.input_logprobs
-            out.input_top_logprobs = req.input_top_logprobs
-            req.input_logprobs_sent = True
-    return out

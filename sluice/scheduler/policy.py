@@ -22,7 +22,7 @@ IN_BATCH_PREFIX_TOKENS = 32
 
 def order_waiting(waiting: list[Req], policy: str, kv: KVManager) -> list[Req]:
     if policy == "lpm" and len(waiting) <= LPM_MAX_QUEUE:
-        return sorted(waiting, key=lambda r: -kv.match_prefix(r))
+        return sorted(waiting, key=lambda r: -kv.cached_prefix_len(r))
     return waiting
 
 
@@ -32,8 +32,8 @@ def duplicates_a_prefill(req: Req, cached_len: int, prefilling: list[Req]) -> bo
     end = cached_len + IN_BATCH_PREFIX_TOKENS
     if req.seq_len < end:
         return False
-    head = req.fill_ids[cached_len:end]
-    return any(other.seq_len >= end and other.fill_ids[cached_len:end] == head for other in prefilling)
+    head = req.fill_slice(cached_len, end)
+    return any(other.seq_len >= end and other.fill_slice(cached_len, end) == head for other in prefilling)
 
 
 def decode_reserve(running: list[Req]) -> int:

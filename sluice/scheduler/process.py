@@ -45,6 +45,8 @@ def default_max_total_tokens(args: ServerArgs, kv_bytes_per_token: int, context_
 
 
 def build_scheduler(args: ServerArgs):
+    # Imported in the scheduler process only: the main process imports this module for
+    # its entry point and must not load the model code.
     from sluice.model.model_runner import ModelRunner
     from sluice.scheduler.scheduler import Scheduler
 

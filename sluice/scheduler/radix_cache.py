@@ -134,6 +134,24 @@ class RadixCache:
         slots = torch.cat(values) if values else _NO_SLOTS
         return MatchResult(slots, node)
 
+    def cached_prefix_len(self, token_ids: list[int]) -> int:
+        """Length of the longest cached prefix of ``token_ids``, read-only: no node is split
+        and no access time changes, so asking about every waiting request each step (the
+        lpm policy) neither reshapes the tree nor makes unused entries look recently used."""
+        if self.disabled:
+            return 0
+        node, pos = self.root, 0
+        while pos < len(token_ids):
+            child = node.children.get(token_ids[pos])
+            if child is None:
+                break
+            shared = _shared_prefix_len(child.key, token_ids, pos)
+            pos += shared
+            if shared < len(child):
+                break
+            node = child
+        return pos
+
     def insert(self, token_ids: list[int], slots: torch.Tensor) -> int:
         """Add ``token_ids`` with their KV ``slots``; returns how many leading tokens were
         already cached. The tree takes ownership of ``slots[returned:]``; the rest stay

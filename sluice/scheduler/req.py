@@ -31,7 +31,7 @@ class Req:
     output_ids: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
 
-    # KV state. `kv_len` tokens of `fill_ids` have KV in slots req_to_token[req_pool_idx, :kv_len];
+    # KV state. The first `kv_len` tokens of the sequence (prompt then output) have KV in slots req_to_token[req_pool_idx, :kv_len];
     # the first `locked_prefix_len` of them belong to the radix cache (locked through
     # `last_node`), the rest to this request.
     req_pool_idx: int | None = None
@@ -39,8 +39,6 @@ class Req:
     locked_prefix_len: int = 0
     last_node: Any = None
     cached_tokens: int = 0
-    # Chunked prefill: how many tokens of fill_ids the current prefill covers.
-    extend_len: int = 0
     times_retracted: int = 0
 
     # Output bookkeeping.
@@ -69,9 +67,15 @@ class Req:
     def image_tokens(self) -> int:
         return len(self.image_offsets) * self.num_image_tokens
 
-    @property
-    def fill_ids(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
+    def fill_slice(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of the sequence, prompt then output, without building the
+        whole sequence: a decode step reads one token of it."""
+        prompt_len = len(self.prompt_ids)
+        if end <= prompt_len:
+            return self.prompt_ids[start:end]
+        if start >= prompt_len:
+            return self.output_ids[start - prompt_len : end - prompt_len]
+        return self.prompt_ids[start:] + self.output_ids[: end - prompt_len]
 
     @property
     def seq_len(self) -> int:

@@ -187,7 +187,7 @@ class Scheduler:
         for req in list(order_waiting(self.waiting, self.args.schedule_policy, self.kv)):
             if budget <= 0 or len(self.running) >= self.args.max_running_requests:
                 break
-            prefix = self.kv.match_prefix(req)
+            prefix = self.kv.cached_prefix_len(req)
             if not self.args.disable_radix_cache and duplicates_a_prefill(req, prefix, prefilling):
                 continue
             extend = min(req.seq_len - prefix, self.args.chunked_prefill_size, budget)

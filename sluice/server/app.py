@@ -23,6 +23,7 @@ from sluice.server.sse import stream_response
 from sluice.server.state import ServerState
 from sluice.tokenizer.io_struct import GenerateReqInput
 from sluice.tokenizer.manager import BackendError, TokenizerManager
+from sluice.tokenizer.result import GenerateChunk, NativeStream, native_json
 
 logger = logging.getLogger(__name__)
 
@@ -124,39 +125,42 @@ def create_app(state: ServerState, lifespan=None) -> FastAPI:
 async def serve_generate(tm: TokenizerManager, obj: GenerateReqInput, request: Request):
     generator = tm.generate_request(obj, request)
     if obj.stream:
-        return await stream_response(generator, NativeStream())
+        return await stream_response(generator, NativeStreamFormat())
     if obj.is_single and obj.sample_count() == 1:
         return finished_response(await _last(generator))
-    results = sorted([chunk async for chunk in generator], key=lambda chunk: chunk["index"])
+    results = sorted([chunk async for chunk in generator], key=lambda chunk: chunk.index)
     for result in results:
         if status_code := failure_status(result):
             return error_response(status_code, native_error_message(result))
-    return JSONResponse(results)
+    return JSONResponse([native_json(result) for result in results])
 
 
-def finished_response(result: dict[str, Any]) -> Response:
+def finished_response(result: GenerateChunk) -> Response:
     status_code = failure_status(result)
     if status_code:
         return error_response(status_code, native_error_message(result))
-    return JSONResponse(result)
+    return JSONResponse(native_json(result))
 
 
-def native_error_message(chunk: dict[str, Any]) -> str:
+def native_error_message(chunk: GenerateChunk) -> str:
     """A batch's or n > 1's chunks carry `index`: the message says which item failed."""
     message = failure_message(chunk)
-    return f"item {chunk['index']}: {message}" if "index" in chunk else message
+    return message if chunk.index is None else f"item {chunk.index}: {message}"
 
 
-class NativeStream:
-    """/generate streams every chunk as it is."""
+class NativeStreamFormat:
+    """/generate streams each chunk as its item's result so far."""
+
+    def __init__(self) -> None:
+        self._events = NativeStream()
 
     def stream_start(self) -> list[dict[str, Any]]:
         return []
 
-    def stream_chunk(self, chunk: dict[str, Any]) -> list[dict[str, Any]]:
-        return [chunk]
+    def stream_chunk(self, chunk: GenerateChunk) -> list[dict[str, Any]]:
+        return [self._events.add(chunk)]
 
-    def error_message(self, chunk: dict[str, Any]) -> str:
+    def error_message(self, chunk: GenerateChunk) -> str:
         return native_error_message(chunk)
 
 

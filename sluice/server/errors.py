@@ -13,6 +13,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from sluice.sampling import ClientError
 from sluice.server.api_types import ErrorDetail, ErrorResponse
 from sluice.tokenizer.manager import BackendError
+from sluice.tokenizer.result import GenerateChunk
 
 logger = logging.getLogger(__name__)
 
@@ -34,15 +35,15 @@ def error_response(status_code: int, message: str, param: str | None = None) -> 
 # The two readers of a failed result: keep them the only places that know its shape.
 
 
-def failure_status(chunk: dict) -> int | None:
+def failure_status(chunk: GenerateChunk) -> int | None:
     """The HTTP status of a request the back end refused or lost (not a client's abort)."""
-    reason = chunk["meta_info"]["finish_reason"] or {}
-    return reason.get("status_code") if reason.get("type") == "abort" else None
+    reason = chunk.finish_reason
+    return reason.status_code if reason is not None and reason.type == "abort" else None
 
 
-def failure_message(chunk: dict) -> str:
+def failure_message(chunk: GenerateChunk) -> str:
     """Why a chunk that `failure_status` flags failed."""
-    return chunk["meta_info"]["finish_reason"]["message"]
+    return chunk.finish_reason.message if chunk.finish_reason is not None else "the request failed"
 
 
 class BodyTooLarge(Exception):

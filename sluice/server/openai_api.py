@@ -30,6 +30,7 @@ from sluice.server.sse import stream_response
 from sluice.server.state import ServerState
 from sluice.tokenizer.io_struct import GenerateReqInput
 from sluice.tokenizer.manager import BackendError, TokenizerManager
+from sluice.tokenizer.result import GenerateChunk
 
 # The native checks name SGLang's fields; the client wrote OpenAI's.
 _OPENAI_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}

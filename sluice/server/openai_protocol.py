@@ -10,10 +10,9 @@ from typing import Any, Final
 
 import msgspec
 
-from sluice.sampling import ClientError
+from sluice.sampling import MAX_TOP_LOGPROBS, ClientError
 
 MAX_COMPLETION_LOGPROBS: Final = 5
-MAX_CHAT_TOP_LOGPROBS: Final = 20
 DEFAULT_COMPLETION_MAX_TOKENS: Final = 16  # OpenAI's default for /v1/completions
 
 
@@ -156,7 +155,7 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
         self.check_common()
         _check_range(self.max_tokens, "max_tokens", 0)
         _check_range(self.max_completion_tokens, "max_completion_tokens", 0)
-        _check_range(self.top_logprobs, "top_logprobs", 0, MAX_CHAT_TOP_LOGPROBS)
+        _check_range(self.top_logprobs, "top_logprobs", 0, MAX_TOP_LOGPROBS)
         if not self.messages:
             raise ClientError("messages must not be empty", "messages")
 

@@ -1,7 +1,8 @@
 """How native chunks become OpenAI's JSON: whole responses, stream deltas, logprobs, usage.
 
 A view belongs to one request. Choice k is the native chunk with index k
-(prompt_index * n + sample_index); each choice has its own stream cursor.
+(prompt_index * n + sample_index). A chunk carries what is new since that choice's
+previous chunk, so a stream delta is the chunk itself.
 """
 
 from __future__ import annotations
@@ -10,12 +11,15 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from sluice.messages import TokenLogprob
 from sluice.server.errors import failure_message
 from sluice.server.openai_protocol import ChatCompletionRequest, CompletionRequest
+from sluice.tokenizer.manager import BackendError
+from sluice.tokenizer.result import GenerateChunk
 
 
-def choice_index(chunk: dict[str, Any]) -> int:
-    return chunk.get("index", 0)  # the native single path (one prompt, n = 1) sets none
+def choice_index(chunk: GenerateChunk) -> int:
+    return 0 if chunk.index is None else chunk.index  # the native single path (one prompt, n = 1) sets none
 
 
 # ------------------------------------------------------------------ logprobs
@@ -49,14 +53,20 @@ class LogprobEntry:
     top: list[tuple[int, float]]
 
 
-def logprob_entries(meta: dict[str, Any], kind: str, start: int = 0) -> list[LogprobEntry]:
-    """kind "output" or "input": meta_info's `{kind}_token_logprobs[start:]` with their top alternatives."""
-    tokens = (meta.get(f"{kind}_token_logprobs") or [])[start:]
-    tops = (meta.get(f"{kind}_top_logprobs") or [])[start:]
+def logprob_entries(chunk: GenerateChunk, kind: str) -> list[LogprobEntry]:
+    """kind "output" or "input": the chunk's token logprobs with their top alternatives."""
+    if kind == "output":
+        logprobs, token_ids, tops = chunk.output_logprobs, chunk.output_ids, chunk.output_top_logprobs
+    else:
+        logprobs, token_ids, tops = chunk.input_logprobs, chunk.input_token_ids, chunk.input_top_logprobs
     return [
-        LogprobEntry(token_id, logprob, [(t[1], t[0]) for t in (tops[i] if i < len(tops) else [])])
-        for i, (logprob, token_id, _) in enumerate(tokens)
+        LogprobEntry(token_id, logprob, _alternatives(tops, i))
+        for i, (logprob, token_id) in enumerate(zip(logprobs, token_ids))
     ]
+
+
+def _alternatives(tops: list[list[TokenLogprob]], position: int) -> list[tuple[int, float]]:
+    return [(t.token_id, t.logprob) for t in tops[position]] if position < len(tops) else []
 
 
 def completion_logprobs(entries: list[LogprobEntry], texts: TokenTexts, first_offset: int) -> dict[str, Any]:
@@ -93,27 +103,16 @@ def chat_logprobs(entries: list[LogprobEntry], texts: TokenTexts, top_count: int
 # ------------------------------------------------------------------ responses
 
 
-def finish_reason(meta: dict[str, Any]) -> str | None:
-    reason = meta["finish_reason"]
-    return None if reason is None else reason["type"]  # "stop" | "length" | "abort", as OpenAI names them
-
-
-class StreamCursor:
-    """How much of one choice's cumulative text and tokens the client has been sent."""
-
-    def __init__(self):
-        self.text_len = 0
-        self.tokens_sent = 0
-
-    def new_text(self, chunk: dict[str, Any]) -> str:
-        text = chunk["text"][self.text_len :]
-        self.text_len = max(self.text_len, len(chunk["text"]))
-        return text
-
-    def new_entries(self, chunk: dict[str, Any]) -> list[LogprobEntry]:
-        entries = logprob_entries(chunk["meta_info"], "output", self.tokens_sent)
-        self.tokens_sent += len(entries)
-        return entries
+def finish_reason(chunk: GenerateChunk) -> str | None:
+    """Why a choice ended, in OpenAI's names: "stop" or "length". OpenAI has no name for a
+    request aborted on the server (/abort_request), so that one ends as an error: 503, as
+    when the back end is lost (a response, or the stream's error event)."""
+    reason = chunk.finish_reason
+    if reason is None:
+        return None
+    if reason.type == "abort":
+        raise BackendError("the request was aborted on the server")
+    return reason.type
 
 
 class OpenAIView:
@@ -132,50 +131,49 @@ class OpenAIView:
         self.include_usage = include_usage
         self.n = n
         self.choice_count = prompt_count * n
-        self.cursors = [StreamCursor() for _ in range(self.choice_count)]
-        self.finished_metas: dict[int, dict[str, Any]] = {}
+        self.finished_chunks: dict[int, GenerateChunk] = {}
 
     @property
     def finished(self) -> bool:
-        return len(self.finished_metas) == self.choice_count
+        return len(self.finished_chunks) == self.choice_count
 
     def envelope(self, object_name: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.id, "object": object_name, "created": self.created, "model": self.model_name,
                 "choices": choices}
 
-    def usage(self, metas: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    def usage(self, finals: dict[int, GenerateChunk]) -> dict[str, Any]:
         """Completion tokens of every choice; prompt tokens of every prompt once, as OpenAI counts them."""
-        prompt_metas: dict[int, dict[str, Any]] = {}
-        for index in sorted(metas):
-            prompt_metas.setdefault(index // self.n, metas[index])
-        prompt = sum(meta["prompt_tokens"] for meta in prompt_metas.values())
-        cached = sum(meta.get("cached_tokens", 0) for meta in prompt_metas.values())
-        completion = sum(meta["completion_tokens"] for meta in metas.values())
+        prompt_finals: dict[int, GenerateChunk] = {}
+        for index in sorted(finals):
+            prompt_finals.setdefault(index // self.n, finals[index])
+        prompt = sum(chunk.prompt_tokens for chunk in prompt_finals.values())
+        cached = sum(chunk.cached_tokens for chunk in prompt_finals.values())
+        completion = sum(chunk.completion_tokens for chunk in finals.values())
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
                 "prompt_tokens_details": {"cached_tokens": cached}}
 
-    def error_message(self, chunk: dict[str, Any]) -> str:
+    def error_message(self, chunk: GenerateChunk) -> str:
         message = failure_message(chunk)
         return message if self.choice_count == 1 else f"choice {choice_index(chunk)}: {message}"
 
-    def response(self, finals: list[dict[str, Any]]) -> dict[str, Any]:
+    def response(self, finals: list[GenerateChunk]) -> dict[str, Any]:
         """The whole response from each choice's final chunk, in index order."""
         choices = [self.final_choice(choice_index(chunk), chunk) for chunk in finals]
-        metas = {choice_index(chunk): chunk["meta_info"] for chunk in finals}
-        return {**self.envelope(self.object_name, choices), "usage": self.usage(metas)}
+        by_index = {choice_index(chunk): chunk for chunk in finals}
+        return {**self.envelope(self.object_name, choices), "usage": self.usage(by_index)}
 
     def stream_start(self) -> list[dict[str, Any]]:
         return []
 
-    def stream_chunk(self, chunk: dict[str, Any]) -> list[dict[str, Any]]:
-        """The events for one cumulative chunk of one choice; after the last choice's end, the usage."""
-        index, meta = choice_index(chunk), chunk["meta_info"]
-        choice = self.stream_choice(index, chunk, self.cursors[index])
+    def stream_chunk(self, chunk: GenerateChunk) -> list[dict[str, Any]]:
+        """The events for one chunk of one choice; after the last choice's end, the usage."""
+        index = choice_index(chunk)
+        choice = self.stream_choice(index, chunk)
         events = [] if choice is None else [self.stream_envelope([choice])]
-        if meta["finish_reason"] is not None:
-            self.finished_metas[index] = meta
+        if chunk.finished:
+            self.finished_chunks[index] = chunk
             if self.finished and self.include_usage:
-                events.append({**self.envelope(self.chunk_object_name, []), "usage": self.usage(self.finished_metas)})
+                events.append({**self.envelope(self.chunk_object_name, []), "usage": self.usage(self.finished_chunks)})
         return events
 
     def stream_envelope(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
@@ -184,10 +182,10 @@ class OpenAIView:
             event["usage"] = None  # OpenAI: every chunk but the last has a null usage
         return event
 
-    def final_choice(self, index: int, chunk: dict[str, Any]) -> dict[str, Any]:
+    def final_choice(self, index: int, chunk: GenerateChunk) -> dict[str, Any]:
         raise NotImplementedError
 
-    def stream_choice(self, index: int, chunk: dict[str, Any], cursor: StreamCursor) -> dict[str, Any] | None:
+    def stream_choice(self, index: int, chunk: GenerateChunk) -> dict[str, Any] | None:
         """The delta of one choice, or None when the chunk brings nothing new."""
         raise NotImplementedError
 
@@ -203,6 +201,7 @@ class CompletionView(OpenAIView):
         self.prompts = prompts
         self.prompt_texts: dict[int, str] = {}
         self.echo_pending = set(range(self.choice_count)) if body.echo else set()
+        self.text_sent = [0] * self.choice_count  # characters of each choice's text streamed so far
 
     def prompt_text(self, index: int) -> str:
         prompt_index = index // self.n
@@ -212,27 +211,26 @@ class CompletionView(OpenAIView):
             self.prompt_texts[prompt_index] = prompt if isinstance(prompt, str) else self.texts.decode(prompt)
         return self.prompt_texts[prompt_index]
 
-    def choice(self, index: int, text: str, entries: list[LogprobEntry], meta: dict[str, Any], echo: bool,
+    def choice(self, index: int, text: str, entries: list[LogprobEntry], chunk: GenerateChunk, echo: bool,
                offset: int) -> dict[str, Any]:
         if echo:
             text = self.prompt_text(index) + text
-            entries = logprob_entries(meta, "input") + entries
+            entries = logprob_entries(chunk, "input") + entries
         logprobs = completion_logprobs(entries, self.texts, offset) if self.wants_logprobs else None
-        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason(meta)}
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason(chunk)}
 
-    def final_choice(self, index: int, chunk: dict[str, Any]) -> dict[str, Any]:
-        meta = chunk["meta_info"]
-        return self.choice(index, chunk["text"], logprob_entries(meta, "output"), meta, self.echo, 0)
+    def final_choice(self, index: int, chunk: GenerateChunk) -> dict[str, Any]:
+        return self.choice(index, chunk.text, logprob_entries(chunk, "output"), chunk, self.echo, 0)
 
-    def stream_choice(self, index: int, chunk: dict[str, Any], cursor: StreamCursor) -> dict[str, Any] | None:
-        meta = chunk["meta_info"]
+    def stream_choice(self, index: int, chunk: GenerateChunk) -> dict[str, Any] | None:
         echo = index in self.echo_pending
-        offset = 0 if echo else cursor.text_len + (len(self.prompt_text(index)) if self.echo else 0)
-        text, entries = cursor.new_text(chunk), cursor.new_entries(chunk)
-        if not (text or entries or echo or meta["finish_reason"] is not None):
+        offset = 0 if echo else self.text_sent[index] + (len(self.prompt_text(index)) if self.echo else 0)
+        entries = logprob_entries(chunk, "output")
+        if not (chunk.text or entries or echo or chunk.finished):
             return None
         self.echo_pending.discard(index)
-        return self.choice(index, text, entries, meta, echo, offset)
+        self.text_sent[index] += len(chunk.text)
+        return self.choice(index, chunk.text, entries, chunk, echo, offset)
 
 
 class ChatView(OpenAIView):
@@ -250,10 +248,9 @@ class ChatView(OpenAIView):
             return None
         return {"content": chat_logprobs(entries, self.texts, self.top_count)}
 
-    def final_choice(self, index: int, chunk: dict[str, Any]) -> dict[str, Any]:
-        meta = chunk["meta_info"]
-        return {"index": index, "message": {"role": "assistant", "content": chunk["text"]},
-                "logprobs": self.logprobs(logprob_entries(meta, "output")), "finish_reason": finish_reason(meta)}
+    def final_choice(self, index: int, chunk: GenerateChunk) -> dict[str, Any]:
+        return {"index": index, "message": {"role": "assistant", "content": chunk.text},
+                "logprobs": self.logprobs(logprob_entries(chunk, "output")), "finish_reason": finish_reason(chunk)}
 
     def stream_start(self) -> list[dict[str, Any]]:
         return [
@@ -262,10 +259,9 @@ class ChatView(OpenAIView):
             for index in range(self.choice_count)
         ]
 
-    def stream_choice(self, index: int, chunk: dict[str, Any], cursor: StreamCursor) -> dict[str, Any] | None:
-        meta = chunk["meta_info"]
-        text, entries = cursor.new_text(chunk), cursor.new_entries(chunk)
-        if not (text or entries or meta["finish_reason"] is not None):
+    def stream_choice(self, index: int, chunk: GenerateChunk) -> dict[str, Any] | None:
+        text, entries = chunk.text, logprob_entries(chunk, "output")
+        if not (text or entries or chunk.finished):
             return None
         return {"index": index, "delta": {"content": text} if text else {},
-                "logprobs": self.logprobs(entries) if entries else None, "finish_reason": finish_reason(meta)}
+                "logprobs": self.logprobs(entries) if entries else None, "finish_reason": finish_reason(chunk)}

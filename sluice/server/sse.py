@@ -20,6 +20,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from sluice.server.errors import error_body, error_response, failure_status
 from sluice.tokenizer.manager import BackendError
+from sluice.tokenizer.result import GenerateChunk
 
 logger = logging.getLogger(__name__)
 
@@ -36,14 +37,14 @@ class StreamFormat(Protocol):
     def stream_start(self) -> list[Any]:
         """Events sent before the first chunk's own."""
 
-    def stream_chunk(self, chunk: dict[str, Any]) -> list[Any]:
+    def stream_chunk(self, chunk: GenerateChunk) -> list[Any]:
         """The events of one chunk (none when it brings nothing new)."""
 
-    def error_message(self, chunk: dict[str, Any]) -> str:
+    def error_message(self, chunk: GenerateChunk) -> str:
         """The message of a chunk that failed."""
 
 
-async def stream_response(chunks: AsyncIterator[dict[str, Any]], stream_format: StreamFormat) -> Response:
+async def stream_response(chunks: AsyncIterator[GenerateChunk], stream_format: StreamFormat) -> Response:
     """Errors raised before the first chunk (ClientError, BackendError) propagate to the
     caller and the app's handlers; a first chunk that failed is answered with its status."""
     first = await anext(chunks, None)
@@ -55,7 +56,7 @@ async def stream_response(chunks: AsyncIterator[dict[str, Any]], stream_format: 
     return StreamingResponse(_events(first, chunks, stream_format), media_type="text/event-stream")
 
 
-async def _events(first: dict[str, Any], rest: AsyncIterator[dict[str, Any]],
+async def _events(first: GenerateChunk, rest: AsyncIterator[GenerateChunk],
                   stream_format: StreamFormat) -> AsyncIterator[bytes]:
     try:
         for payload in stream_format.stream_start():

@@ -17,16 +17,17 @@ import uuid
 from contextlib import asynccontextmanager
 
 from sluice.messages import RegisterWorker
+from sluice.procutil import die_with_parent
+from sluice.server.app import ServerState, create_app
+from sluice.tokenizer.manager import TokenizerManager
 from sluice.tokenizer.shared_args import read_shared_args, remove_shared_args
+from sluice.tokenizer.startup import WARMUP_TIMEOUT_S, load_multimodal_processor, load_tokenizer_side, warm_up
 
 logger = logging.getLogger(__name__)
 
 
 def init_multi_tokenizer():
     """Build this worker's TokenizerWorker from the shared block; returns (tm, args)."""
-    from sluice.launch import load_multimodal_processor, load_tokenizer_side
-    from sluice.tokenizer.manager import TokenizerManager
-
     server_args, port_args, scheduler_info = read_shared_args(os.getppid())
     tokenizer, chat_template = load_tokenizer_side(server_args)
     if server_args.tokenizer_worker_num == 1:  # one worker (Granian): no router in between
@@ -43,10 +44,6 @@ def init_multi_tokenizer():
 
 def create_worker_app():
     """The app factory each HTTP worker process calls (uvicorn `factory=True`)."""
-    from sluice.launch import warm_up
-    from sluice.procutil import die_with_parent
-    from sluice.server.app import ServerState, create_app
-
     die_with_parent("http-worker")
     tm, server_args = init_multi_tokenizer()
     logging.basicConfig(level=server_args.log_level.upper(),
@@ -58,7 +55,7 @@ def create_worker_app():
         started = time.perf_counter()
         tm.start_handle_loop()
         if not server_args.skip_warmup:
-            await asyncio.wait_for(warm_up(tm, rid=f"WARMUP-{os.getpid()}"), 120)
+            await asyncio.wait_for(warm_up(tm, rid=f"WARMUP-{os.getpid()}"), WARMUP_TIMEOUT_S)
         state.tm = tm
         state.ready = True
         logger.info("worker ready in %.1f s", time.perf_counter() - started)

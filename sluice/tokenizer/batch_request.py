@@ -16,82 +16,65 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import Protocol
 
 import msgspec
 
-from sluice.messages import BatchTokenizedGenerateReqInput, TokenizedGenerateReqInput
-from sluice.sampling import ClientError
+from sluice.messages import BatchTokenizedGenerateReqInput, Message, TokenizedGenerateReqInput
 from sluice.tokenizer.io_struct import GenerateReqInput
+from sluice.tokenizer.req_state import ReqState
+from sluice.tokenizer.request_tokenizer import RequestTokenizer
+from sluice.tokenizer.result import GenerateChunk
 
-if TYPE_CHECKING:
-    from sluice.tokenizer.manager import TokenizerManager
+
+class RequestChannel(Protocol):
+    """What the batch path uses of the TokenizerManager."""
+
+    inputs: RequestTokenizer
+    rid_to_state: dict[str, ReqState]
+
+    def add_req_state(self, req: TokenizedGenerateReqInput, path: str, index: int | None = None) -> ReqState: ...
+
+    def send(self, message: Message) -> None: ...
+
+    def wait_response(self, state: ReqState, request=None) -> AsyncIterator[GenerateChunk]: ...
 
 
-async def handle_batch_request(tm: TokenizerManager, obj: GenerateReqInput, request) -> AsyncIterator[dict[str, Any]]:
-    """Yields chunks tagged with `index`: all of them when streaming, else each item's last."""
+async def handle_batch_request(tm: RequestChannel, obj: GenerateReqInput, request) -> AsyncIterator[GenerateChunk]:
+    """Yields every item's chunks, each tagged with its `index`, as they come: streaming,
+    each with what is new; else one per item, with everything."""
     items = [obj.item(i) for i in range(obj.batch_size)] if not obj.is_single else [obj]
     n = obj.sample_count()
-    images = await asyncio.gather(*(tm._process_images(item) for item in items))
-    tokenized = _tokenize_all(tm, items, images)
+    tokenized = await tm.inputs.tokenize(items, tm.rid_to_state, label_items=True)
     if n == 1:
-        path = "batch" if _can_send_as_one_batch(tm, items) else "batch_sequential"
-        children = [(i, t) for i, t in enumerate(tokenized)]
+        path = "batch" if tm.inputs.can_send_as_one_batch(items) else "batch_sequential"
+        children = list(enumerate(tokenized))
     else:
         await _warm_prefixes(tm, tokenized, request)
         path = "parallel_sample"
         children = _expand_samples(tokenized, n)
-    states = [tm._init_req_state(_child_obj(obj, t), {"path": path, "index": index}) for index, t in children]
+    states = [tm.add_req_state(t, path, index) for index, t in children]
     if path == "batch_sequential":
         for _, t in children:
-            tm._send_one_request(t)
+            tm.send(t)
     else:
-        tm._send_to_scheduler(BatchTokenizedGenerateReqInput(reqs=[t for _, t in children]))
-    streams = [tm._wait_one_response(state, request) for state in states]
+        tm.send(BatchTokenizedGenerateReqInput(reqs=[t for _, t in children]))
+    streams = [tm.wait_response(state, request) for state in states]
     async for chunk in merge_streams(streams):
-        chunk["index"] = chunk["meta_info"]["index"]
         yield chunk
 
 
-def _tokenize_all(tm: TokenizerManager, items: list[GenerateReqInput], images: list[list]) -> list[TokenizedGenerateReqInput]:
-    """Tokenize and validate every item; the first bad one fails the whole request."""
-    texts = [tm.mm_processor.prompt_with_placeholders(item.text, len(imgs)) if imgs else item.text
-             for item, imgs in zip(items, images) if item.input_ids is None]
-    # One tokenizer call for all texts: the fast tokenizer encodes a list in parallel Rust.
-    encoded = iter(tm.tokenizer(texts).input_ids) if texts else iter(())
-    tokenized = []
-    seen: set[str] = set()
-    for i, item in enumerate(items):
-        if item.rid in seen or item.rid in tm.rid_to_state:
-            raise ClientError(f"item {i}: a request with rid '{item.rid}' is already running", "rid")
-        seen.add(item.rid)
-        ids = list(item.input_ids) if item.input_ids is not None else next(encoded)
-        try:
-            tokenized.append(tm._tokenize_one_request(item, input_ids=ids, images=images[i]))
-        except ClientError as e:
-            raise ClientError(f"item {i}: {e.message}", e.param) from None
-    return tokenized
-
-
-def _can_send_as_one_batch(tm: TokenizerManager, items: list[GenerateReqInput]) -> bool:
-    # Items that carry images are sent one by one: each has its own pixel payload and
-    # expansion in the Scheduler, and a mixed batch must not hold text items back behind
-    # image work. A slow (Python) tokenizer gains nothing from one call either.
-    return getattr(tm.tokenizer, "is_fast", False) and not any(item.image_data for item in items)
-
-
-async def _warm_prefixes(tm: TokenizerManager, tokenized: list[TokenizedGenerateReqInput], request) -> None:
+async def _warm_prefixes(tm: RequestChannel, tokenized: list[TokenizedGenerateReqInput], request) -> None:
     """Prefill each prompt once so that its n children find it in the RadixCache."""
     warmups = []
     for t in tokenized:
         params = msgspec.structs.replace(t.sampling_params, max_new_tokens=0, min_new_tokens=0)
         warm = msgspec.structs.replace(t, rid=f"{t.rid}::prefix", sampling_params=params,
                                        stream=False, return_logprob=False, top_logprobs_num=0, logprob_start_len=-1)
-        state = tm._init_req_state(GenerateReqInput(input_ids=[], rid=warm.rid), {"path": "prefix_warmup"})
-        warmups.append((warm, state))
-    tm._send_to_scheduler(BatchTokenizedGenerateReqInput(reqs=[w for w, _ in warmups]))
+        warmups.append((warm, tm.add_req_state(warm, "prefix_warmup")))
+    tm.send(BatchTokenizedGenerateReqInput(reqs=[w for w, _ in warmups]))
     for _, state in warmups:
-        async for _ in tm._wait_one_response(state, request):
+        async for _ in tm.wait_response(state, request):
             pass
 
 
@@ -107,11 +90,7 @@ def _expand_samples(tokenized: list[TokenizedGenerateReqInput], n: int) -> list[
     return children
 
 
-def _child_obj(obj: GenerateReqInput, t: TokenizedGenerateReqInput) -> GenerateReqInput:
-    return GenerateReqInput(input_ids=[], rid=t.rid, stream=obj.stream, return_logprob=obj.return_logprob)
-
-
-async def merge_streams(streams: list[AsyncIterator[dict[str, Any]]]) -> AsyncIterator[dict[str, Any]]:
+async def merge_streams(streams: list[AsyncIterator[GenerateChunk]]) -> AsyncIterator[GenerateChunk]:
     """Interleave several generators' chunks as they come. Closing the merged stream
     cancels the rest, and each generator's cleanup aborts its request."""
     queue: asyncio.Queue = asyncio.Queue()

@@ -8,7 +8,7 @@ from typing import Any
 import msgspec
 
 from sluice.messages import SamplingParams
-from sluice.sampling import ClientError
+from sluice.sampling import MAX_TOP_LOGPROBS, ClientError
 
 
 class GenerateReqInput(msgspec.Struct, kw_only=True):
@@ -26,8 +26,6 @@ class GenerateReqInput(msgspec.Struct, kw_only=True):
     return_logprob: bool = False
     top_logprobs_num: int = 0
     logprob_start_len: int = -1
-    # Set by the server, not the client: the OpenAI routes' chat template output, etc.
-    return_text_in_logprobs: bool = True
 
     @property
     def is_single(self) -> bool:
@@ -114,8 +112,9 @@ class GenerateReqInput(msgspec.Struct, kw_only=True):
                 raise ClientError("'rid' must not be empty", "rid")
         if self.top_logprobs_num < 0:
             raise ClientError(f"top_logprobs_num must be >= 0, got {self.top_logprobs_num}", "top_logprobs_num")
-        if self.top_logprobs_num > 20:
-            raise ClientError(f"top_logprobs_num must be <= 20, got {self.top_logprobs_num}", "top_logprobs_num")
+        if self.top_logprobs_num > MAX_TOP_LOGPROBS:
+            raise ClientError(f"top_logprobs_num must be <= {MAX_TOP_LOGPROBS}, got {self.top_logprobs_num}",
+                              "top_logprobs_num")
         if self.logprob_start_len < -1:
             raise ClientError(f"logprob_start_len must be >= -1, got {self.logprob_start_len}", "logprob_start_len")
 

@@ -28,11 +28,9 @@ from sluice.messages import (
     FlushCacheReq,
     FlushCacheReqOutput,
     GetInternalStateReq,
-    ImageInput,
     InternalState,
     Message,
     ProcessFailed,
-    SamplingParams,
     SchedulerReady,
     SetPause,
     TokenizedGenerateReqInput,
@@ -40,10 +38,13 @@ from sluice.messages import (
     WorkerStats,
     WorkerStatsReq,
 )
-from sluice.sampling import ClientError, validate_sampling_params
+from sluice.sampling import ClientError
 from sluice.tokenizer.batch_request import handle_batch_request
-from sluice.tokenizer.io_struct import GenerateReqInput, parse_sampling_params
+from sluice.tokenizer.io_struct import GenerateReqInput
+from sluice.tokenizer.multimodal.request_images import RequestImages
 from sluice.tokenizer.req_state import ReqState
+from sluice.tokenizer.request_tokenizer import RequestTokenizer
+from sluice.tokenizer.result import GenerateChunk
 from sluice.tokenizer.rwlock import RWLock
 from sluice.tokenizer.watchdog import SoftWatchdog
 
@@ -51,7 +52,6 @@ logger = logging.getLogger(__name__)
 
 # How often a non-streaming request checks whether its client is still there.
 DISCONNECT_POLL_S = 1.0
-DEFAULT_MAX_NEW_TOKENS = 128
 
 
 class BackendError(RuntimeError):
@@ -64,6 +64,7 @@ class TokenizerManager:
         self.server_args = server_args
         self.tokenizer = tokenizer
         self.chat_template = chat_template
+        self.inputs = RequestTokenizer(server_args, tokenizer)
         self.context = zmq.asyncio.Context(1)
         self.sync_context = zmq.Context(1)
         # With several HTTP workers this one is a TokenizerWorker: it has its own inbox and
@@ -78,13 +79,11 @@ class TokenizerManager:
             self.send_to_scheduler = Sender(self.sync_context, port_args.tokenizer_input)
 
         self.rid_to_state: dict[str, ReqState] = {}
-        self.mm_processor = None  # a vision-language model's RequestImages
         self.model_update_lock = RWLock()
         self.is_pause = False
         self.is_pause_cond = asyncio.Condition()
         self.backend_error: str | None = None  # the back end is gone: requests fail
         self.health_error: str | None = None  # something else is wrong: /health says so
-        self.scheduler_info: SchedulerReady | None = None
         self.last_receive_tstamp = time.time()
         self._control_waiters: dict[type, deque[asyncio.Future]] = {}
         self._handle_loop_task: asyncio.Task | None = None
@@ -124,6 +123,24 @@ class TokenizerManager:
             self._handle_loop_task = asyncio.get_running_loop().create_task(self.handle_loop())
             self.soft_watchdog.start()
 
+    # The tokenizer side owns the model's limits and the image pipeline; both are set once
+    # the back end has started.
+    @property
+    def scheduler_info(self) -> SchedulerReady | None:
+        return self.inputs.scheduler_info
+
+    @scheduler_info.setter
+    def scheduler_info(self, info: SchedulerReady) -> None:
+        self.inputs.scheduler_info = info
+
+    @property
+    def mm_processor(self) -> RequestImages | None:
+        return self.inputs.mm_processor
+
+    @mm_processor.setter
+    def mm_processor(self, processor: RequestImages | None) -> None:
+        self.inputs.mm_processor = processor
+
     @property
     def max_req_input_len(self) -> int:
         return self.scheduler_info.max_req_input_len
@@ -134,7 +151,7 @@ class TokenizerManager:
 
     # ------------------------------------------------------------ the request path
 
-    async def generate_request(self, obj: GenerateReqInput, request=None) -> AsyncIterator[dict[str, Any]]:
+    async def generate_request(self, obj: GenerateReqInput, request=None) -> AsyncIterator[GenerateChunk]:
         if self.backend_error:
             raise BackendError(self.backend_error)
         obj.normalize()
@@ -142,11 +159,10 @@ class TokenizerManager:
         await self._wait_while_paused()
         async with self.model_update_lock.reader_lock():
             if obj.is_single and n == 1:
-                images = await self._process_images(obj)
-                tokenized = self._tokenize_one_request(obj, images=images)
-                state = self._init_req_state(obj, {"path": "single"})
-                self._send_one_request(tokenized)
-                async for response in self._wait_one_response(state, request):
+                [tokenized] = await self.inputs.tokenize([obj], self.rid_to_state)
+                state = self.add_req_state(tokenized, "single")
+                self.send(tokenized)
+                async for response in self.wait_response(state, request):
                     yield response
             else:
                 async for response in handle_batch_request(self, obj, request):
@@ -165,74 +181,18 @@ class TokenizerManager:
                 f"more than max_batch_items={self.server_args.max_batch_items}", "n")
         return n
 
-    async def _process_images(self, obj: GenerateReqInput) -> list[ImageInput]:
-        """Load and preprocess a request's images off the event loop (before tokenization)."""
-        refs = obj.image_refs()
-        if not refs:
-            return []
-        if self.mm_processor is None:
-            raise ClientError(f"the model {self.server_args.model_name()} does not accept images", "image_data")
-        return await self.mm_processor.process(refs)
+    # ------------------------------------------------------------ what every path uses
 
-    def _tokenize_one_request(self, obj: GenerateReqInput, input_ids: list[int] | None = None,
-                              images: list[ImageInput] = ()) -> TokenizedGenerateReqInput:
-        if obj.rid in self.rid_to_state:
-            raise ClientError(f"a request with rid '{obj.rid}' is already running", "rid")
-        if input_ids is None and obj.input_ids is not None:
-            input_ids = list(obj.input_ids)
-        elif input_ids is None:
-            text = self.mm_processor.prompt_with_placeholders(obj.text, len(images)) if images else obj.text
-            input_ids = self.tokenizer(text).input_ids
-        if images:
-            self.mm_processor.check_tokens(input_ids, len(images))
-        params = parse_sampling_params(obj.sampling_params)
-        self._check_lengths(input_ids, params)
-        validate_sampling_params(params, len(self.tokenizer))
-        if obj.return_logprob and obj.logprob_start_len >= len(input_ids):
-            obj.logprob_start_len = -1
-        return TokenizedGenerateReqInput(
-            rid=obj.rid,
-            input_ids=input_ids,
-            sampling_params=params,
-            stream=obj.stream,
-            return_logprob=obj.return_logprob,
-            top_logprobs_num=obj.top_logprobs_num if obj.return_logprob else 0,
-            logprob_start_len=obj.logprob_start_len if obj.return_logprob else -1,
-            input_text=obj.text if isinstance(obj.text, str) else "",
-            images=list(images),
-        )
-
-    def _check_lengths(self, input_ids: list[int], params: SamplingParams) -> None:
-        num_input = len(input_ids)
-        if num_input == 0:
-            raise ClientError("the prompt is empty", "text")
-        vocab = len(self.tokenizer)
-        if any(not isinstance(t, int) or not 0 <= t < vocab for t in input_ids):
-            raise ClientError(f"input_ids must be token ids in [0, {vocab})", "input_ids")
-        if num_input > self.max_req_input_len:
-            raise ClientError(
-                f"The input has {num_input} tokens, more than the maximum input length "
-                f"max_req_input_len={self.max_req_input_len}",
-                "input_ids",
-            )
-        if num_input + params.max_new_tokens > self.context_len:
-            raise ClientError(
-                f"The input has {num_input} tokens and max_new_tokens is {params.max_new_tokens}: "
-                f"together {num_input + params.max_new_tokens}, more than the context length {self.context_len}",
-                "max_new_tokens",
-            )
-
-    def _init_req_state(self, obj: GenerateReqInput, extra_meta: dict | None = None) -> ReqState:
+    def add_req_state(self, req: TokenizedGenerateReqInput, path: str, index: int | None = None) -> ReqState:
+        """Register a request about to be sent; its results go to the returned state."""
         if not self.rid_to_state:
             self.soft_watchdog.feed()  # a busy period starts: idle time never counts
-        state = ReqState(rid=obj.rid, stream=obj.stream, return_logprob=obj.return_logprob, extra_meta=extra_meta or {})
-        self.rid_to_state[obj.rid] = state
+        state = ReqState(rid=req.rid, stream=req.stream, path=path, index=index, return_logprob=req.return_logprob)
+        self.rid_to_state[req.rid] = state
         return state
 
-    def _send_one_request(self, tokenized: TokenizedGenerateReqInput) -> None:
-        self._send_to_scheduler(tokenized)
-
-    def _send_to_scheduler(self, message: Message) -> None:
+    def send(self, message: Message) -> None:
+        """Send a request or control message to the Scheduler (through the router, if any)."""
         self._attach_multi_http_worker_info(message)
         self.send_to_scheduler.send(message)
 
@@ -246,7 +206,9 @@ class TokenizerManager:
         elif hasattr(message, "http_worker_ipc"):
             message.http_worker_ipc = self.http_worker_ipc
 
-    async def _wait_one_response(self, state: ReqState, request=None) -> AsyncIterator[dict[str, Any]]:
+    async def wait_response(self, state: ReqState, request=None) -> AsyncIterator[GenerateChunk]:
+        """The chunks of one request (streaming: each with what is new; else one with
+        everything). Leaving early (the client went away, the consumer stopped) aborts it."""
         finished = False
         try:
             while True:
@@ -262,12 +224,9 @@ class TokenizerManager:
                 state.event.clear()
                 chunks, state.pending = state.pending, []
                 for chunk in chunks:
-                    is_last = chunk["meta_info"]["finish_reason"] is not None
-                    if is_last:
-                        finished = True
-                    if state.stream or is_last:
-                        yield chunk
-                    if is_last:
+                    finished = chunk.finished
+                    yield chunk
+                    if finished:
                         return
         finally:
             if not finished:
@@ -291,7 +250,7 @@ class TokenizerManager:
             case BatchStrOutput():
                 self._handle_batch_output(recv_obj)
             case ProcessFailed():
-                self._fail_all(f"the {recv_obj.process} process failed")
+                self.fail_all(f"the {recv_obj.process} process failed")
             case WorkerDied():
                 # Requests of the other workers are unharmed; the server reports unhealthy.
                 self.health_error = f"HTTP worker {recv_obj.pid} died"
@@ -305,12 +264,15 @@ class TokenizerManager:
 
     def _handle_batch_output(self, batch: BatchStrOutput) -> None:
         for out in batch.outputs:
-            state = self.rid_to_state.get(out.rid)
+            state = self.rid_to_state.get(out.output.rid)
             if state is None:
                 continue  # aborted earlier and already cleaned up
-            state.pending.append(state.absorb(out))
+            chunk = state.absorb(out)
+            if chunk is None:
+                continue  # a non-streaming request: its one chunk comes at the end
+            state.pending.append(chunk)
             if state.finished:
-                del self.rid_to_state[out.rid]
+                del self.rid_to_state[out.output.rid]
             state.event.set()
 
     def _result_dispatcher(self, recv_obj: Message) -> None:
@@ -322,13 +284,11 @@ class TokenizerManager:
                 return
         logger.warning("no one waits for a %s", type(recv_obj).__name__)
 
-    def _fail_all(self, reason: str) -> None:
+    def fail_all(self, reason: str) -> None:
         """The back end died: end every live request with an error, report unhealthy."""
-        from sluice.tokenizer.req_state import abort_chunk
-
         self.backend_error = reason
         for rid, state in list(self.rid_to_state.items()):
-            state.pending.append(abort_chunk(state, reason, status_code=503))
+            state.pending.append(state.abort_chunk(reason, status_code=503))
             state.finished = True
             del self.rid_to_state[rid]
             state.event.set()
@@ -338,12 +298,12 @@ class TokenizerManager:
     def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
         # Sent even for a rid this process does not know: it may be a parent of n > 1
         # children, or (with several workers) belong to another worker.
-        self._send_to_scheduler(AbortReq(rid=rid, abort_all=abort_all))
+        self.send(AbortReq(rid=rid, abort_all=abort_all))
 
     async def _control(self, request: Message, reply_type: type, timeout_s: float = 30.0) -> Any:
         future = asyncio.get_running_loop().create_future()
         self._control_waiters.setdefault(reply_type, deque()).append(future)
-        self._send_to_scheduler(request)
+        self.send(request)
         try:
             return await asyncio.wait_for(future, timeout_s)
         except asyncio.TimeoutError:
@@ -359,12 +319,12 @@ class TokenizerManager:
     async def pause_generation(self) -> None:
         await self._set_pause(True)
         if self.http_worker_ipc is not None:
-            self._send_to_scheduler(SetPause(paused=True))  # the router tells every worker
+            self.send(SetPause(paused=True))  # the router tells every worker
 
     async def continue_generation(self) -> None:
         await self._set_pause(False)
         if self.http_worker_ipc is not None:
-            self._send_to_scheduler(SetPause(paused=False))
+            self.send(SetPause(paused=False))
 
     async def _set_pause(self, paused: bool) -> None:
         async with self.is_pause_cond:
@@ -378,7 +338,7 @@ class TokenizerManager:
         workers = self.server_args.tokenizer_worker_num
         futures = [asyncio.get_running_loop().create_future() for _ in range(workers)]
         self._control_waiters.setdefault(WorkerStats, deque()).extend(futures)
-        self._send_to_scheduler(WorkerStatsReq(http_worker_ipc=self.http_worker_ipc))
+        self.send(WorkerStatsReq(http_worker_ipc=self.http_worker_ipc))
         done, pending = await asyncio.wait(futures, timeout=5.0)
         for future in pending:
             future.cancel()

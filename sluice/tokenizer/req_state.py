@@ -1,90 +1,102 @@
-"""The TokenizerManager's state of one live request, and the response chunks built from it."""
+"""The TokenizerManager's state of one live request, and the response chunks built from it.
+
+A chunk carries what is new since the request's previous chunk, so a step costs what it
+adds however long the output grows. A non-streaming request gets one chunk, at the end,
+with everything: it is built once.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
-from sluice.messages import FinishReason, StrOutput, TokenLogprob
+from sluice.messages import FinishReason, ReqOutput, StrOutput, TokenLogprob
+from sluice.tokenizer.result import GenerateChunk
 
 
 @dataclass(slots=True, eq=False)
 class ReqState:
     rid: str
     stream: bool
+    path: str = "single"
+    index: int | None = None
     return_logprob: bool = False
-    # Extra meta_info keys (e.g. the batch path and the item index).
-    extra_meta: dict[str, Any] = field(default_factory=dict)
     created_s: float = field(default_factory=time.perf_counter)
     event: asyncio.Event = field(default_factory=asyncio.Event)
-    pending: list[dict[str, Any]] = field(default_factory=list)
+    pending: list[GenerateChunk] = field(default_factory=list)
     finished: bool = False
-
-    text: str = ""
-    output_ids: list[int] = field(default_factory=list)
-    output_logprobs: list[float] = field(default_factory=list)
-    output_top_logprobs: list[list[TokenLogprob]] = field(default_factory=list)
-    input_token_ids: list[int] = field(default_factory=list)
-    input_logprobs: list[float | None] = field(default_factory=list)
-    input_top_logprobs: list[list[TokenLogprob]] = field(default_factory=list)
     first_token_s: float | None = None
+    num_output_ids: int = 0  # output tokens so far, sent or not
 
-    def absorb(self, out: StrOutput) -> dict[str, Any]:
-        """Add one output of the detokenizer and return the response chunk it makes."""
+    # Not yet in a chunk.
+    new_text: list[str] = field(default_factory=list)
+    new_ids: list[int] = field(default_factory=list)
+    new_logprobs: list[float] = field(default_factory=list)
+    new_top_logprobs: list[list[TokenLogprob]] = field(default_factory=list)
+    input_output: ReqOutput | None = None  # the output that brought the prompt's logprobs
+
+    def absorb(self, out: StrOutput) -> GenerateChunk | None:
+        """Add one output of the detokenizer; returns the chunk it makes, if one is due."""
         now = time.perf_counter()
-        if out.new_token_ids and self.first_token_s is None:
+        output = out.output
+        if output.new_token_ids and self.first_token_s is None:
             self.first_token_s = now
-        self.text += out.text
-        self.output_ids.extend(out.new_token_ids)
+        if out.text:
+            self.new_text.append(out.text)
+        self.new_ids.extend(output.new_token_ids)
+        self.num_output_ids += len(output.new_token_ids)
         if self.return_logprob:
-            self.output_logprobs.extend(out.output_logprobs)
-            self.output_top_logprobs.extend(out.output_top_logprobs)
-            if out.input_logprobs:
-                self.input_token_ids = out.input_token_ids
-                self.input_logprobs = out.input_logprobs
-                self.input_top_logprobs = out.input_top_logprobs
-        if out.finish_reason is not None:
+            self.new_logprobs.extend(output.output_logprobs)
+            self.new_top_logprobs.extend(output.output_top_logprobs)
+            if output.input_logprobs:
+                self.input_output = output
+        if output.finish_reason is not None:
             self.finished = True
-            # A stop string ends the text early: report only the tokens it covers.
-            del self.output_ids[out.completion_tokens :]
-            del self.output_logprobs[out.completion_tokens :]
-            del self.output_top_logprobs[out.completion_tokens :]
-        return {
-            "text": self.text,
-            "output_ids": list(self.output_ids),
-            "meta_info": self.meta_info(out, now),
-        }
+            self._keep_output_ids(output.completion_tokens)
+        if not (self.stream or self.finished):
+            return None
+        return self._take_chunk(output.finish_reason, now, output)
 
-    def meta_info(self, out: StrOutput, now: float) -> dict[str, Any]:
-        meta: dict[str, Any] = {
-            "id": self.rid,
-            "finish_reason": out.finish_reason.to_json() if out.finish_reason else None,
-            "prompt_tokens": out.prompt_tokens,
-            "completion_tokens": len(self.output_ids),
-            "cached_tokens": out.cached_tokens,
-            "image_tokens": out.image_tokens,
-            "e2e_latency": now - self.created_s,
-            **self.extra_meta,
-        }
-        if self.first_token_s is not None:
-            meta["ttft"] = self.first_token_s - self.created_s
+    def abort_chunk(self, message: str, status_code: int = 400) -> GenerateChunk:
+        """The final chunk of a request that ended with an error."""
+        reason = FinishReason(type="abort", message=message, status_code=status_code)
+        return self._take_chunk(reason, time.perf_counter())
+
+    def _keep_output_ids(self, count: int) -> None:
+        """A stop string ended the text early: only its first `count` tokens count. Tokens
+        already streamed past it stay sent; the chunk's completion_tokens says how many hold."""
+        if count >= self.num_output_ids:
+            return
+        keep = max(len(self.new_ids) - (self.num_output_ids - count), 0)
+        del self.new_ids[keep:]
+        del self.new_logprobs[keep:]
+        del self.new_top_logprobs[keep:]
+        self.num_output_ids = count
+
+    def _take_chunk(self, finish_reason: FinishReason | None, now: float, output: ReqOutput | None = None) -> GenerateChunk:
+        chunk = GenerateChunk(
+            rid=self.rid,
+            path=self.path,
+            index=self.index,
+            text="".join(self.new_text),
+            output_ids=self.new_ids,
+            finish_reason=finish_reason,
+            completion_tokens=self.num_output_ids,
+            e2e_latency=now - self.created_s,
+            ttft=None if self.first_token_s is None else self.first_token_s - self.created_s,
+            return_logprob=self.return_logprob,
+        )
+        if output is not None:
+            chunk.prompt_tokens = output.prompt_tokens
+            chunk.cached_tokens = output.cached_tokens
+            chunk.image_tokens = output.image_tokens
         if self.return_logprob:
-            meta["output_token_logprobs"] = [[lp, tid, None] for lp, tid in zip(self.output_logprobs, self.output_ids)]
-            meta["output_top_logprobs"] = [[[t.logprob, t.token_id, None] for t in tops] for tops in self.output_top_logprobs]
-            meta["input_token_logprobs"] = [[lp, tid, None] for lp, tid in zip(self.input_logprobs, self.input_token_ids)]
-            meta["input_top_logprobs"] = [[[t.logprob, t.token_id, None] for t in tops] for tops in self.input_top_logprobs]
-        return meta
-
-
-def abort_chunk(state: ReqState, message: str, status_code: int = 400) -> dict[str, Any]:
-    """The final chunk of a request that ended with an error."""
-    reason = FinishReason(type="abort", message=message, status_code=status_code)
-    return {
-        "text": state.text,
-        "output_ids": list(state.output_ids),
-        "meta_info": {"id": state.rid, "finish_reason": reason.to_json(), "prompt_tokens": 0,
-                      "completion_tokens": len(state.output_ids), "cached_tokens": 0,
-                      "e2e_latency": time.perf_counter() - state.created_s, **state.extra_meta},
-    }
+            chunk.output_logprobs, chunk.output_top_logprobs = self.new_logprobs, self.new_top_logprobs
+            if self.input_output is not None:
+                chunk.input_token_ids = self.input_output.input_token_ids
+                chunk.input_logprobs = self.input_output.input_logprobs
+                chunk.input_top_logprobs = self.input_output.input_top_logprobs
+                self.input_output = None
+        self.new_text, self.new_ids, self.new_logprobs, self.new_top_logprobs = [], [], [], []
+        return chunk

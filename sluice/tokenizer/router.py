@@ -25,20 +25,21 @@ from sluice.messages import (
     AbortReq,
     BatchStrOutput,
     FinishReason,
-    StrOutput,
     BatchTokenizedGenerateReqInput,
     FlushCacheReq,
     GetInternalStateReq,
     Message,
     ProcessFailed,
     RegisterWorker,
+    ReqOutput,
     SetPause,
+    StrOutput,
     TokenizedGenerateReqInput,
     WorkerDied,
-    WorkerStats,
     WorkerStatsReq,
 )
 from sluice.procutil import become_child_process
+from sluice.tokenizer.shared_args import remove_shared_args
 
 logger = logging.getLogger(__name__)
 
@@ -101,8 +102,9 @@ class MultiTokenizerRouter:
     def _refuse_duplicates(self, reqs: list[TokenizedGenerateReqInput], duplicates: set[str]) -> None:
         """End every item of the refused message at once, with a 400 naming the rid."""
         message = f"a request with rid '{sorted(duplicates)[0]}' is already running"
-        outputs = [StrOutput(rid=req.rid, text="", new_token_ids=[], http_worker_ipc=req.http_worker_ipc,
-                             finish_reason=FinishReason(type="abort", message=message, status_code=400))
+        reason = FinishReason(type="abort", message=message, status_code=400)
+        outputs = [StrOutput(text="", output=ReqOutput(rid=req.rid, new_token_ids=[], finish_reason=reason,
+                                                       http_worker_ipc=req.http_worker_ipc))
                    for req in reqs]
         self._distribute_result_to_workers(BatchStrOutput(outputs=outputs))
 
@@ -114,9 +116,9 @@ class MultiTokenizerRouter:
         if isinstance(message, BatchStrOutput):
             by_worker = defaultdict(list)
             for out in message.outputs:
-                by_worker[out.http_worker_ipc].append(out)
-                if out.finish_reason is not None:
-                    self.live_rids.discard(out.rid)
+                by_worker[out.output.http_worker_ipc].append(out)
+                if out.output.finish_reason is not None:
+                    self.live_rids.discard(out.output.rid)
             if not message.outputs:  # the scheduler's heartbeat: every worker's watchdog wants it
                 by_worker = {ipc: [] for ipc in self.workers}
             for ipc, outputs in by_worker.items():
@@ -160,13 +162,8 @@ def run_router_process(server_args_data: bytes, port_args_data: bytes) -> None:
     port_args = PortArgs.decode(port_args_data)
     main_pid = os.getppid()
 
-    def remove_shared_args() -> None:
-        # The main process removes the block on a normal exit; killed, it cannot.
-        from sluice.tokenizer.shared_args import remove_shared_args as remove
-
-        remove(main_pid)
-
-    become_child_process("router", 1, args.log_level, on_exit=remove_shared_args)
+    # The main process removes the block on a normal exit; killed, it cannot.
+    become_child_process("router", 1, args.log_level, on_exit=lambda: remove_shared_args(main_pid))
     try:
         MultiTokenizerRouter(port_args).handle_loop()
     except Exception:

@@ -1,4 +1,4 @@
-"""sluice.Engine: the same request path in-process, without HTTP."""
+"""sluice.Engine: the same request path in-process, without HTTP, answering as /generate does."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import asyncio
 import pytest
 
 from sluice import Engine
+from sluice.sampling import ClientError
+from tests.helpers import greedy
 
 
 @pytest.fixture(scope="module")
@@ -16,12 +18,50 @@ def engine():
 
 
 def test_generate_one_and_many(engine):
-    greedy = {"max_new_tokens": 8, "temperature": 0}
-    one = engine.generate("The capital of France is", greedy)
+    one = engine.generate("The capital of France is", greedy(8))
     assert "Paris" in one["text"]
-    many = engine.generate(["The capital of France is", "1, 2, 3,"], greedy)
+    assert one["meta_info"]["path"] == "single" and "index" not in one
+    many = engine.generate(["The capital of France is", "1, 2, 3,"], greedy(8))
     assert [m["text"] for m in many][0] == one["text"]
     assert many[1]["meta_info"]["completion_tokens"] == 8
+
+
+def test_a_list_takes_the_batch_path_in_input_order(engine):
+    prompts = ["1, 2, 3,", "a, b, c,", "The capital of France is"]
+    params = [greedy(k, ignore_eos=True) for k in (2, 3, 4)]
+    results = engine.generate(prompts, params)
+    assert [r["index"] for r in results] == [0, 1, 2]
+    assert [r["meta_info"]["completion_tokens"] for r in results] == [2, 3, 4]
+    assert all(r["meta_info"]["path"] == "batch" for r in results)
+    assert [r["text"] for r in results] == [engine.generate(p, q)["text"] for p, q in zip(prompts, params)]
+    ids = engine.generate([r["output_ids"] for r in results], greedy(1, ignore_eos=True))
+    assert [r["index"] for r in ids] == [0, 1, 2] and all(len(r["output_ids"]) == 1 for r in ids)
+
+
+def test_n_returns_every_sample_with_its_index(engine):
+    results = engine.generate("Once upon a time", {"n": 3, "max_new_tokens": 6, "temperature": 1.0, "seed": 7,
+                                                   "ignore_eos": True})
+    assert [r["index"] for r in results] == [0, 1, 2]
+    assert all(r["meta_info"]["path"] == "parallel_sample" and len(r["output_ids"]) == 6 for r in results)
+    assert len({r["meta_info"]["id"] for r in results}) == 3
+    assert len({r["text"] for r in results}) > 1  # each sample has its own seed
+    pairs = engine.generate(["1, 2, 3,", "a, b, c,"], {"n": 2, "max_new_tokens": 3, "temperature": 0})
+    assert [r["index"] for r in pairs] == [0, 1, 2, 3]
+    assert pairs[0]["text"] == pairs[1]["text"] and pairs[2]["text"] == pairs[3]["text"] != pairs[0]["text"]
+
+
+def test_a_refused_request_raises_as_generate_answers_400(engine):
+    with pytest.raises(ClientError, match="item 1"):
+        engine.generate(["fine", "also fine"], [greedy(2), {"temperature": -1}])
+    with pytest.raises(ClientError, match="invalid request"):
+        engine.generate(5)
+
+
+def test_logprobs_and_other_fields_as_in_generate(engine):
+    out = engine.generate("The capital of France is", greedy(3), return_logprob=True, top_logprobs_num=2, rid="e-1")
+    assert out["meta_info"]["id"] == "e-1"
+    assert len(out["meta_info"]["output_token_logprobs"]) == 3
+    assert all(len(tops) == 2 for tops in out["meta_info"]["output_top_logprobs"])
 
 
 def test_async_generate(engine):

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import json
+import threading
 import time
 
 import httpx
 import openai
 import pytest
 
-from tests.helpers import sse_events
+from tests.helpers import sse_events, wait_until_running
 
 MAX_TOKENS = 16
 PROMPT = "The quick brown fox"
@@ -487,3 +489,31 @@ def test_stream_disconnect_aborts_the_request(http, model, shape):
             return
         time.sleep(0.2)
     pytest.fail("the request kept running after its client went away")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_request_aborted_on_the_server_ends_as_an_error(base_url, http, model, stream):
+    """OpenAI names no finish_reason for it (stop, length, tool_calls, content_filter):
+    a request aborted with /abort_request ends with the error envelope, 503."""
+    body = {"model": model, "prompt": PROMPT, "max_tokens": 2000, "temperature": 0, "ignore_eos": True,
+            "stream": stream}
+    result = {}
+
+    def complete():
+        with httpx.stream("POST", base_url + "/v1/completions", json=body, timeout=120) as response:
+            result["status"] = response.status_code
+            result["events"] = sse_events(response) if stream else [json.loads(response.read())]
+
+    thread = threading.Thread(target=complete)
+    thread.start()
+    wait_until_running(base_url)
+    http.post("/abort_request", json={"abort_all": True})
+    thread.join(60)
+    *events, last = result["events"]
+    if stream:
+        assert result["status"] == 200 and last == "[DONE]"
+        last = events[-1]
+        assert all(choice["finish_reason"] is None for event in events[:-1] for choice in event["choices"])
+    else:
+        assert result["status"] == 503
+    assert last["error"]["code"] == 503 and "aborted" in last["error"]["message"]

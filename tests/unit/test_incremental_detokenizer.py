@@ -178,20 +178,6 @@ def test_num_tokens_counts_only_tokens_whose_text_was_shown(tokenizer):
     assert detokenizer.step([], True) == DetokStep("<END", None, len(ids))
 
 
-@pytest.mark.parametrize("skip_special_tokens", [True, False])
-def test_prompt_tail_does_not_change_the_output_text(tokenizer, skip_special_tokens):
-    prompt = tokenizer.encode("<|im_start|>user\nHi 世界<|im_end|>\n<|im_start|>assistant\n")
-    output = tokenizer.encode("Hello 🎉 there") + [IM_END]
-    expected = decode_tokens(tokenizer, output, skip_special_tokens=skip_special_tokens)
-    for tail in (prompt[-5:], [IM_START], prompt[-3:] + [IM_START]):
-        detokenizer = IncrementalDetokenizer(tokenizer, tail, skip_special_tokens=skip_special_tokens)
-        assert joined(feed(detokenizer, output)) == expected
-        special_first = IncrementalDetokenizer(tokenizer, tail, skip_special_tokens=skip_special_tokens)
-        assert joined(feed(special_first, [IM_START] + output)) == decode_tokens(
-            tokenizer, [IM_START] + output, skip_special_tokens=skip_special_tokens
-        )
-
-
 def test_each_step_decodes_only_a_short_window(tokenizer):
     class RecordingTokenizer:
         longest_decode = 0

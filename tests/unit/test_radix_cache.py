@@ -54,6 +54,24 @@ class TestMatchAndInsert:
         assert cache.total_size() == 5
         assert_all_slots_accounted(allocator, cache)
 
+    def test_cached_prefix_len_neither_splits_nor_touches(self):
+        """What the lpm policy asks about every waiting request on every step."""
+        allocator, cache = make_cache()
+        insert_fresh(allocator, cache, [1, 2, 3, 4, 5])
+        insert_fresh(allocator, cache, [9, 9])
+        (node,) = [n for n in cache.root.children.values() if n.key[0] == 1]
+        touched = node.last_access_time
+        assert cache.cached_prefix_len([1, 2, 3, 7]) == 3
+        assert cache.cached_prefix_len([1, 2, 3, 4, 5, 6]) == 5
+        assert cache.cached_prefix_len([8]) == 0
+        assert node.key == [1, 2, 3, 4, 5] and not node.children  # not split
+        assert node.last_access_time == touched
+        assert cache.evict(1) == 5  # still the least recently used leaf
+        assert cache.cached_prefix_len([1, 2, 3]) == 0
+        assert cache.cached_prefix_len([9, 9]) == len(cache.match_prefix([9, 9]).slots) == 2
+        _, disabled = make_cache(disabled=True)
+        assert disabled.cached_prefix_len([1, 2]) == 0
+
     def test_insert_returns_the_length_already_cached(self):
         allocator, cache = make_cache()
         assert cache.insert([1, 2, 3], allocator.alloc(3)) == 0

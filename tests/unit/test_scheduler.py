@@ -11,6 +11,7 @@ import torch
 from sluice.config import ServerArgs
 from sluice.messages import AbortReq, SamplingParams, TokenizedGenerateReqInput
 from sluice.model.model_runner import ModelRunner
+from sluice.scheduler.req import Req
 from sluice.scheduler.scheduler import Scheduler
 from sluice.tokenizer_files import load_tokenizer
 
@@ -49,8 +50,8 @@ def run(scheduler: Scheduler, prompts: list[list[int]], max_new_tokens: int = NE
         if scheduler.is_idle:
             break
         for out in scheduler.step():
-            tokens[out.rid].extend(out.new_token_ids)
-            cached[out.rid] = out.cached_tokens
+            tokens[out.output.rid].extend(out.output.new_token_ids)
+            cached[out.output.rid] = out.output.cached_tokens
         scheduler.check_integrity()
     assert scheduler.is_idle
     scheduler.check_integrity()
@@ -121,10 +122,10 @@ def test_abort_frees_waiting_and_running(runner, prompts):
     scheduler.step()
     assert len(scheduler.running) == 2 and len(scheduler.waiting) == 2
     outs = scheduler.abort(AbortReq(rid="r0")) + scheduler.abort(AbortReq(rid="r3"))
-    assert {o.rid for o in outs} == {"r0", "r3"}
-    assert all(o.finish_reason.type == "abort" for o in outs)
+    assert {o.output.rid for o in outs} == {"r0", "r3"}
+    assert all(o.output.finish_reason.type == "abort" for o in outs)
     outs = scheduler.abort(AbortReq(abort_all=True))
-    assert {o.rid for o in outs} == {"r1", "r2"}
+    assert {o.output.rid for o in outs} == {"r1", "r2"}
     assert scheduler.is_idle
     scheduler.check_integrity()
     assert scheduler.internal_state().kv_tokens_in_use == 0
@@ -133,5 +134,12 @@ def test_abort_frees_waiting_and_running(runner, prompts):
 def test_bad_request_is_refused_before_scheduling(runner):
     scheduler = make_scheduler(runner)
     out = scheduler.add_request(TokenizedGenerateReqInput(rid="x", input_ids=[10**9], sampling_params=SamplingParams()))
-    assert out.finish_reason.type == "abort" and out.finish_reason.status_code == 400
+    assert out.output.finish_reason.type == "abort" and out.output.finish_reason.status_code == 400
     assert scheduler.is_idle
+
+
+def test_fill_slice_reads_prompt_then_output():
+    """A decode step reads one token of the sequence; any range must read like the whole."""
+    req = Req(rid="r", prompt_ids=[1, 2, 3], sampling_params=SamplingParams(), output_ids=[4, 5])
+    whole = [1, 2, 3, 4, 5]
+    assert all(req.fill_slice(a, b) == whole[a:b] for a in range(6) for b in range(a, 6))

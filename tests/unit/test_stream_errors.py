@@ -13,17 +13,18 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from sluice.messages import FinishReason
 from sluice.sampling import ClientError
-from sluice.server.app import NativeStream
+from sluice.server.app import NativeStreamFormat
 from sluice.server.openai_protocol import CompletionRequest
 from sluice.server.openai_views import CompletionView, TokenTexts
 from sluice.server.sse import stream_response
 from sluice.tokenizer.manager import BackendError
+from sluice.tokenizer.result import GenerateChunk
 
 
-def chunk(text: str, finish: FinishReason | None = None, **extra) -> dict:
-    meta = {"id": "r", "finish_reason": finish.to_json() if finish else None, "prompt_tokens": 3,
-            "completion_tokens": len(text), "cached_tokens": 0}
-    return {"text": text, "output_ids": [1] * len(text), "meta_info": meta, **extra}
+def chunk(text: str, finish: FinishReason | None = None, index: int | None = None) -> GenerateChunk:
+    return GenerateChunk(rid="r", path="single" if index is None else "batch", index=index, text=text,
+                         output_ids=[1] * len(text), finish_reason=finish, prompt_tokens=3,
+                         completion_tokens=len(text))
 
 
 REFUSED = FinishReason(type="abort", message="Multimodal prompt is too long after expanding image tokens: 9 >= 8",
@@ -57,7 +58,7 @@ def completion_view() -> CompletionView:
     return CompletionView("model", "id", TokenTexts(), body, ["Hi"])
 
 
-FORMATS = {"native": NativeStream, "openai": completion_view}
+FORMATS = {"native": NativeStreamFormat, "openai": completion_view}
 
 
 async def events(response: StreamingResponse) -> list:
@@ -89,7 +90,7 @@ async def test_a_client_error_before_the_first_chunk_propagates_to_the_handlers(
 
 @pytest.mark.parametrize("kind", FORMATS)
 async def test_a_400_after_the_first_token_is_an_error_event_typed_by_its_status(kind):
-    chunks = Chunks(chunk("Hel"), chunk("Hel", REFUSED))
+    chunks = Chunks(chunk("Hel"), chunk("", REFUSED))
     response = await stream_response(chunks, FORMATS[kind]())
     assert isinstance(response, StreamingResponse) and response.status_code == 200
     sent = await events(response)
@@ -107,5 +108,5 @@ async def test_a_dead_back_end_after_the_first_token_is_a_503_event(kind):
 
 async def test_a_failed_batch_item_is_named_in_the_native_message():
     failed = chunk("", REFUSED, index=1)
-    response = await stream_response(Chunks(failed), NativeStream())
+    response = await stream_response(Chunks(failed), NativeStreamFormat())
     assert json.loads(response.body)["error"]["message"] == f"item 1: {REFUSED.message}"

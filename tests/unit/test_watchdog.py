@@ -63,7 +63,7 @@ def _check_stall_is_reported(tm, clock, caplog) -> None:
     with caplog.at_level(logging.ERROR):
         assert not tm.soft_watchdog.check()  # idle for 100 s: not a stall
         tm.rid_to_state["stuck-rid"] = ReqState(rid="stuck-rid", stream=False)
-        tm.soft_watchdog.feed()  # what _init_req_state does when a busy period starts
+        tm.soft_watchdog.feed()  # what add_req_state does when a busy period starts
         clock.now += 1
         assert not tm.soft_watchdog.check()
         clock.now += 2

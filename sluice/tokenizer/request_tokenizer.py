@@ -1,0 +1,104 @@
+"""From a client's prompts to the Scheduler's input: images, token ids, and every check
+against the model's limits. Used by the single path and the batch path alike."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Container
+
+from sluice.config import ServerArgs
+from sluice.messages import ImageInput, SamplingParams, SchedulerReady, TokenizedGenerateReqInput
+from sluice.sampling import ClientError, validate_sampling_params
+from sluice.tokenizer.io_struct import GenerateReqInput, parse_sampling_params
+from sluice.tokenizer.multimodal.request_images import RequestImages
+
+
+class RequestTokenizer:
+    def __init__(self, server_args: ServerArgs, tokenizer):
+        self.server_args = server_args
+        self.tokenizer = tokenizer
+        self.mm_processor: RequestImages | None = None  # a vision-language model's image pipeline
+        self.scheduler_info: SchedulerReady | None = None  # the model's limits, once the back end is ready
+
+    async def tokenize(self, items: list[GenerateReqInput], live_rids: Container[str],
+                       label_items: bool = False) -> list[TokenizedGenerateReqInput]:
+        """Tokenize and check every item; the first bad one fails them all (a ClientError
+        that names the item when `label_items`)."""
+        images = await asyncio.gather(*(self._process_images(item) for item in items))
+        texts = [self._text_with_placeholders(item.text, len(imgs))
+                 for item, imgs in zip(items, images) if item.input_ids is None]
+        # One tokenizer call for all texts: the fast tokenizer encodes a list in parallel Rust.
+        encoded = iter(self.tokenizer(texts).input_ids) if texts else iter(())
+        tokenized: list[TokenizedGenerateReqInput] = []
+        seen: set[str] = set()
+        for i, (item, item_images) in enumerate(zip(items, images)):
+            ids = list(item.input_ids) if item.input_ids is not None else next(encoded)
+            try:
+                if item.rid in seen or item.rid in live_rids:
+                    raise ClientError(f"a request with rid '{item.rid}' is already running", "rid")
+                seen.add(item.rid)
+                tokenized.append(self._tokenized(item, ids, item_images))
+            except ClientError as e:
+                if not label_items:
+                    raise
+                raise ClientError(f"item {i}: {e.message}", e.param) from None
+        return tokenized
+
+    def can_send_as_one_batch(self, items: list[GenerateReqInput]) -> bool:
+        # Items that carry images are sent one by one: each has its own pixel payload and
+        # expansion in the Scheduler, and a mixed batch must not hold text items back behind
+        # image work. A slow (Python) tokenizer gains nothing from one call either.
+        return getattr(self.tokenizer, "is_fast", False) and not any(item.image_data for item in items)
+
+    async def _process_images(self, obj: GenerateReqInput) -> list[ImageInput]:
+        """Load and preprocess a request's images off the event loop (before tokenization)."""
+        refs = obj.image_refs()
+        if not refs:
+            return []
+        if self.mm_processor is None:
+            raise ClientError(f"the model {self.server_args.model_name()} does not accept images", "image_data")
+        return await self.mm_processor.process(refs)
+
+    def _text_with_placeholders(self, text: str, num_images: int) -> str:
+        return self.mm_processor.prompt_with_placeholders(text, num_images) if num_images else text
+
+    def _tokenized(self, obj: GenerateReqInput, input_ids: list[int], images: list[ImageInput]) -> TokenizedGenerateReqInput:
+        if images:
+            self.mm_processor.check_tokens(input_ids, len(images))
+        params = parse_sampling_params(obj.sampling_params)
+        self._check_lengths(input_ids, params)
+        validate_sampling_params(params, len(self.tokenizer))
+        if obj.return_logprob and obj.logprob_start_len >= len(input_ids):
+            obj.logprob_start_len = -1
+        return TokenizedGenerateReqInput(
+            rid=obj.rid,
+            input_ids=input_ids,
+            sampling_params=params,
+            stream=obj.stream,
+            return_logprob=obj.return_logprob,
+            top_logprobs_num=obj.top_logprobs_num if obj.return_logprob else 0,
+            logprob_start_len=obj.logprob_start_len if obj.return_logprob else -1,
+            input_text=obj.text if isinstance(obj.text, str) else "",
+            images=list(images),
+        )
+
+    def _check_lengths(self, input_ids: list[int], params: SamplingParams) -> None:
+        num_input = len(input_ids)
+        if num_input == 0:
+            raise ClientError("the prompt is empty", "text")
+        vocab = len(self.tokenizer)
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in input_ids):
+            raise ClientError(f"input_ids must be token ids in [0, {vocab})", "input_ids")
+        max_input, context_len = self.scheduler_info.max_req_input_len, self.scheduler_info.context_len
+        if num_input > max_input:
+            raise ClientError(
+                f"The input has {num_input} tokens, more than the maximum input length "
+                f"max_req_input_len={max_input}",
+                "input_ids",
+            )
+        if num_input + params.max_new_tokens > context_len:
+            raise ClientError(
+                f"The input has {num_input} tokens and max_new_tokens is {params.max_new_tokens}: "
+                f"together {num_input + params.max_new_tokens}, more than the context length {context_len}",
+                "max_new_tokens",
+            )
