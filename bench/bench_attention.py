@@ -51,9 +51,15 @@ def main() -> None:
         q = torch.randn(length, args.heads, args.head_dim, generator=generator)
         k = torch.randn(length, args.kv_heads, args.head_dim, generator=generator)
         v = torch.randn(length, args.kv_heads, args.head_dim, generator=generator)
-        sdpa_s = timed(lambda: F.scaled_dot_product_attention(
-            q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
-            is_causal=True, enable_gqa=True))
+        sdpa_s = timed(
+            lambda: F.scaled_dot_product_attention(
+                q.transpose(0, 1).unsqueeze(0),
+                k.transpose(0, 1).unsqueeze(0),
+                v.transpose(0, 1).unsqueeze(0),
+                is_causal=True,
+                enable_gqa=True,
+            )
+        )
         slots = torch.randperm(length) + 1  # the pool's order is not the sequence's
         seq_lens = torch.arange(1, length + 1)
         slot_rows = torch.zeros(length, dtype=torch.int64)
@@ -62,8 +68,11 @@ def main() -> None:
             v_pool = torch.zeros_like(k_pool)
             k_pool[slots], v_pool[slots] = k.to(k_pool.dtype), v.to(k_pool.dtype)
             sluice_s = timed(lambda: ops.decode_attention(q, k_pool, v_pool, slots, seq_lens, length, slot_rows))
-            print(f"{length:7d} {name:>9s} {sluice_s / length * 1e6:16.2f} {sdpa_s / length * 1e6:14.2f} "
-                  f"{sluice_s / sdpa_s:6.2f}", flush=True)
+            print(
+                f"{length:7d} {name:>9s} {sluice_s / length * 1e6:16.2f} {sdpa_s / length * 1e6:14.2f} "
+                f"{sluice_s / sdpa_s:6.2f}",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -44,7 +44,9 @@ async def run(args) -> None:
 
         await client.post(url + "/flush_cache")
         start = time.perf_counter()
-        singles = await asyncio.gather(*(post(client, url + "/generate", {"text": p, "sampling_params": params}) for p in prompts))
+        singles = await asyncio.gather(
+            *(post(client, url + "/generate", {"text": p, "sampling_params": params}) for p in prompts)
+        )
         singles_s = time.perf_counter() - start
         tokens = sum(r["meta_info"]["completion_tokens"] for r in batched)
         print(f"(1) {len(prompts)} prompts x {args.output_len} tokens")
@@ -56,20 +58,27 @@ async def run(args) -> None:
         sample = {"max_new_tokens": args.sample_len, "temperature": 1.0, "ignore_eos": True}
         await client.post(url + "/flush_cache")
         start = time.perf_counter()
-        parallel = await post(client, url + "/generate", {"text": long_prompt, "sampling_params": {**sample, "n": args.n}})
+        parallel = await post(
+            client, url + "/generate", {"text": long_prompt, "sampling_params": {**sample, "n": args.n}}
+        )
         parallel_s = time.perf_counter() - start
 
         await client.post(url + "/flush_cache")
         start = time.perf_counter()
-        independent = await asyncio.gather(*(post(client, url + "/generate", {"text": long_prompt, "sampling_params": sample})
-                                             for _ in range(args.n)))
+        independent = await asyncio.gather(
+            *(post(client, url + "/generate", {"text": long_prompt, "sampling_params": sample}) for _ in range(args.n))
+        )
         independent_s = time.perf_counter() - start
         prompt_tokens = parallel[0]["meta_info"]["prompt_tokens"]
         print(f"(2) n={args.n} on a {prompt_tokens}-token prompt, {args.sample_len} tokens each")
         # The warm-up computes the prompt once; the children only their last token.
-        print(f"    n={args.n} (parallel sampling): {parallel_s:7.2f} s  prompt tokens computed by samples: {computed(parallel)}"
-              f" (+{prompt_tokens} once for the warm-up)")
-        print(f"    {args.n} independent requests:  {independent_s:7.2f} s  prompt tokens computed: {computed(independent)}")
+        print(
+            f"    n={args.n} (parallel sampling): {parallel_s:7.2f} s  prompt tokens computed by samples: {computed(parallel)}"
+            f" (+{prompt_tokens} once for the warm-up)"
+        )
+        print(
+            f"    {args.n} independent requests:  {independent_s:7.2f} s  prompt tokens computed: {computed(independent)}"
+        )
 
 
 def main() -> None:

@@ -75,7 +75,9 @@ def sluice_run(runner: ModelRunner, prompts: list[list[int]], new_tokens: int) -
     return prefill_tps, decode_tps, e2e_tps
 
 
-def transformers_run(model_path: str, dtype: torch.dtype, prompts: list[list[int]], new_tokens: int) -> tuple[float, float, float]:
+def transformers_run(
+    model_path: str, dtype: torch.dtype, prompts: list[list[int]], new_tokens: int
+) -> tuple[float, float, float]:
     """transformers' generate on the same prompts: (prefill tokens/s, decode tokens/s, end-to-end
     generated tokens/s). Prefill is timed as a generate of one token; decode is the rest of a
     full generate, spread over its remaining tokens."""
@@ -84,8 +86,14 @@ def transformers_run(model_path: str, dtype: torch.dtype, prompts: list[list[int
 
     def generate(count: int) -> float:
         start = time.perf_counter()
-        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=count, min_new_tokens=count,
-                       do_sample=False, pad_token_id=0)
+        model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=count,
+            min_new_tokens=count,
+            do_sample=False,
+            pad_token_id=0,
+        )
         return time.perf_counter() - start
 
     with torch.inference_mode():
@@ -107,7 +115,9 @@ def _load_transformers(model_path: str, dtype: torch.dtype):
 
     if dtype not in _hf_cache:
         if model_path.endswith(".gguf"):
-            model = AutoModelForCausalLM.from_pretrained(os.path.dirname(model_path), gguf_file=os.path.basename(model_path), dtype=dtype)
+            model = AutoModelForCausalLM.from_pretrained(
+                os.path.dirname(model_path), gguf_file=os.path.basename(model_path), dtype=dtype
+            )
         else:
             model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
         _hf_cache.clear()
@@ -119,9 +129,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-path", default="")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 64])
-    parser.add_argument("--dtypes", nargs="+", default=["auto"], choices=["auto", *DTYPES],
-                        help="sluice's --dtype (auto: float32 on the C kernels where they run); transformers runs "
-                             "float32 for auto")
+    parser.add_argument(
+        "--dtypes",
+        nargs="+",
+        default=["auto"],
+        choices=["auto", *DTYPES],
+        help="sluice's --dtype (auto: float32 on the C kernels where they run); transformers runs float32 for auto",
+    )
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=128)
@@ -133,29 +147,39 @@ def main() -> None:
     model_path = ServerArgs(model_path=args.model_path).resolved_model_path()
     limits = raw_limits(args.threads)
     print("raw limits: " + ", ".join(f"{k} {v:.1f}" for k, v in limits.items()))
-    print(f"{'dtype':9s} {'quant':>5s} {'batch':>5s} {'prefill tok/s':>14s} {'decode tok/s':>13s} "
-          f"{'end-to-end tok/s':>17s}   transformers prefill / decode / end-to-end   ratios (prefill, decode, e2e)")
+    print(
+        f"{'dtype':9s} {'quant':>5s} {'batch':>5s} {'prefill tok/s':>14s} {'decode tok/s':>13s} "
+        f"{'end-to-end tok/s':>17s}   transformers prefill / decode / end-to-end   ratios (prefill, decode, e2e)"
+    )
     nan = float("nan")
     hf_tps: dict[tuple[str, int], tuple[float, float, float]] = {}
     for dtype_name in args.dtypes:
         for quantization in args.quantization:
             torch.set_num_threads(args.threads)
             runner = ModelRunner(model_path, dtype_name, quantization, args.kv_cache_dtype)
-            print(f"sluice --dtype {dtype_name} --quantization {quantization}: "
-                  + "; ".join(f"{key} {value}" for key, value in runner.execution_info.items()), flush=True)
+            print(
+                f"sluice --dtype {dtype_name} --quantization {quantization}: "
+                + "; ".join(f"{key} {value}" for key, value in runner.execution_info.items()),
+                flush=True,
+            )
             hf_dtype = DTYPES.get(dtype_name, torch.float32)
             for batch in args.batch_sizes:
                 prompts = random_prompts(batch, args.prompt_len, runner.config.vocab_size, seed=batch)
                 prefill_tps, decode_tps, e2e_tps = sluice_run(runner, prompts, args.new_tokens)
                 key = (dtype_name, batch)
                 if key not in hf_tps:
-                    hf_tps[key] = (nan, nan, nan) if args.skip_transformers else transformers_run(
-                        model_path, hf_dtype, prompts, args.new_tokens)
+                    hf_tps[key] = (
+                        (nan, nan, nan)
+                        if args.skip_transformers
+                        else transformers_run(model_path, hf_dtype, prompts, args.new_tokens)
+                    )
                 hf_prefill, hf_decode, hf_e2e = hf_tps[key]
-                print(f"{dtype_name:9s} {quantization:>5s} {batch:5d} {prefill_tps:14.1f} {decode_tps:13.1f} "
-                      f"{e2e_tps:17.1f}   {hf_prefill:9.1f} / {hf_decode:7.1f} / {hf_e2e:7.1f}          "
-                      f"{prefill_tps / hf_prefill:5.2f} {decode_tps / hf_decode:5.2f} {e2e_tps / hf_e2e:5.2f}",
-                      flush=True)
+                print(
+                    f"{dtype_name:9s} {quantization:>5s} {batch:5d} {prefill_tps:14.1f} {decode_tps:13.1f} "
+                    f"{e2e_tps:17.1f}   {hf_prefill:9.1f} / {hf_decode:7.1f} / {hf_e2e:7.1f}          "
+                    f"{prefill_tps / hf_prefill:5.2f} {decode_tps / hf_decode:5.2f} {e2e_tps / hf_e2e:5.2f}",
+                    flush=True,
+                )
             del runner
 
 

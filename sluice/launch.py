@@ -121,7 +121,9 @@ def _launch_single_worker_server(server_args: ServerArgs) -> None:
             raise
         state.tm = tm
         state.ready = True
-        logger.info("ready in %.1f s on http://%s:%d", time.perf_counter() - started, server_args.host, server_args.port)
+        logger.info(
+            "ready in %.1f s on http://%s:%d", time.perf_counter() - started, server_args.host, server_args.port
+        )
         yield
         backend.shutdown()
 
@@ -145,8 +147,11 @@ def _launch_worker_processes_server(server_args: ServerArgs) -> None:
             backend.start(run_router_process, "sluice-router")
         write_shared_args(server_args, port_args, scheduler_info)
         threading.Thread(target=_report_dead_backend, args=(backend,), name="backend-watch", daemon=True).start()
-        logger.info("back end ready in %.1f s; starting %d HTTP workers", time.perf_counter() - started,
-                    server_args.tokenizer_worker_num)
+        logger.info(
+            "back end ready in %.1f s; starting %d HTTP workers",
+            time.perf_counter() - started,
+            server_args.tokenizer_worker_num,
+        )
         serve_http(server_args, "sluice.server.worker:create_worker_app", workers=server_args.tokenizer_worker_num)
     finally:
         backend.shutdown()
@@ -218,7 +223,9 @@ class Engine:
         future = asyncio.run_coroutine_threadsafe(self._generate(prompts, sampling_params, fields), self._loop)
         return await asyncio.wrap_future(future)
 
-    async def _generate(self, prompts, sampling_params, fields: dict[str, Any]) -> dict[str, Any] | list[dict[str, Any]]:
+    async def _generate(
+        self, prompts, sampling_params, fields: dict[str, Any]
+    ) -> dict[str, Any] | list[dict[str, Any]]:
         obj = _generate_req_input(prompts, sampling_params, fields)
         chunks = [chunk async for chunk in self.tokenizer_manager.generate_request(obj)]
         one = obj.is_single and obj.sample_count() == 1
@@ -250,7 +257,9 @@ def _generate_req_input(prompts, sampling_params, fields: dict[str, Any]) -> Gen
     """The /generate body for Engine.generate's arguments, type-checked as /generate checks it."""
     if "stream" in fields:
         raise TypeError("Engine.generate returns whole results: it takes no 'stream'")
-    texts = isinstance(prompts, str) or (isinstance(prompts, list | tuple) and bool(prompts) and isinstance(prompts[0], str))
+    texts = isinstance(prompts, str) or (
+        isinstance(prompts, list | tuple) and bool(prompts) and isinstance(prompts[0], str)
+    )
     body = {"text" if texts else "input_ids": prompts, "sampling_params": sampling_params, **fields}
     try:
         return msgspec.convert(body, GenerateReqInput)

@@ -26,6 +26,4 @@ def default_model_path() -> str:
     for file in files:
         if file.name.endswith(".gguf"):
             return str(file.locate().resolve())
-    raise FileNotFoundError(
-        f"the installed package {_DEFAULT_MODEL_DISTRIBUTION!r} lists no .gguf file"
-    )
+    raise FileNotFoundError(f"the installed package {_DEFAULT_MODEL_DISTRIBUTION!r} lists no .gguf file")

@@ -14,7 +14,9 @@ PR_SET_NAME = 15
 PR_SET_PDEATHSIG = 1
 
 
-def become_child_process(name: str, num_threads: int, log_level: str, on_exit: Callable[[], None] | None = None) -> None:
+def become_child_process(
+    name: str, num_threads: int, log_level: str, on_exit: Callable[[], None] | None = None
+) -> None:
     """Tie this process's life to its parent's and limit its compute threads.
 
     SIGTERM (from the parent, or sent when the parent dies) runs `on_exit` and ends the

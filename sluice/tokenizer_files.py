@@ -212,7 +212,9 @@ class ChatTemplate:
         source = load_chat_template(model_path, tokenizer)
         if source is None:
             return None
-        special_tokens = {name: str(value) for name, value in tokenizer.special_tokens_map.items() if isinstance(value, str)}
+        special_tokens = {
+            name: str(value) for name, value in tokenizer.special_tokens_map.items() if isinstance(value, str)
+        }
         return cls(source, special_tokens)
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> str:
@@ -257,7 +259,9 @@ def _raise_exception(message: str) -> None:
     raise jinja2.TemplateError(message)
 
 
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys: bool = False) -> str:
+def _tojson(
+    value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys: bool = False
+) -> str:
     # Jinja's own tojson escapes HTML characters, which would change the prompt.
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 

@@ -22,8 +22,9 @@ def make_batch(
         mm_rows.extend(len(input_ids) + row for row in image_rows)
         if image_embeds is not None:
             mm_embeds.append(image_embeds)
-        logits_indices.extend(range(len(input_ids), len(input_ids) + len(new_ids)) if all_logits
-                              else [len(input_ids) + len(new_ids) - 1])
+        logits_indices.extend(
+            range(len(input_ids), len(input_ids) + len(new_ids)) if all_logits else [len(input_ids) + len(new_ids) - 1]
+        )
         input_ids.extend(new_ids)
         positions.extend(range(prefix_len, len(slots)))
         out_cache_loc.append(slots[prefix_len:])

@@ -33,8 +33,9 @@ class RunningServer:
         self.process = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
         self._wait_ready()
         if "--skip-warmup" not in flags:
-            self._wait_for_warm_ups(int(_flag_value(flags, "--tokenizer-worker-num", "1")),
-                                    _flag_value(flags, "--api-key", ""))
+            self._wait_for_warm_ups(
+                int(_flag_value(flags, "--tokenizer-worker-num", "1")), _flag_value(flags, "--api-key", "")
+            )
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + SERVER_START_TIMEOUT_S
@@ -90,7 +91,6 @@ class RunningServer:
         self.log.close()
 
 
-
 def _flag_value(flags: tuple[str, ...], name: str, default: str) -> str:
     return flags[flags.index(name) + 1] if name in flags else default
 
@@ -107,7 +107,7 @@ def sse_events(response: httpx.Response) -> list:
     events = []
     for line in response.iter_lines():
         if line.startswith("data: "):
-            payload = line[len("data: "):]
+            payload = line[len("data: ") :]
             events.append(payload if payload == "[DONE]" else json.loads(payload))
     return events
 

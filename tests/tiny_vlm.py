@@ -43,7 +43,13 @@ def build_tiny_llava(
     to one, which would hide a bias or norm that sluice dropped). The keyword arguments make
     the variants the unit tests cover; servers use the defaults.
     """
-    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration, SiglipVisionConfig
+    from transformers import (
+        CLIPVisionConfig,
+        LlamaConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+        SiglipVisionConfig,
+    )
     from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 
     from sluice.model_files import default_model_path
@@ -55,17 +61,31 @@ def build_tiny_llava(
     tokenizer.chat_template = CHAT_TEMPLATE
     image_token_id = tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
 
-    vision_shape = dict(image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                        intermediate_size=64)
-    vision_config_class = {"clip_vision_model": CLIPVisionConfig, "siglip_vision_model": SiglipVisionConfig}[vision_model_type]
+    vision_shape = dict(
+        image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64
+    )
+    vision_config_class = {"clip_vision_model": CLIPVisionConfig, "siglip_vision_model": SiglipVisionConfig}[
+        vision_model_type
+    ]
     text_config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-        bos_token_id=IM_START_ID, eos_token_id=IM_END_ID, pad_token_id=IM_END_ID, tie_word_embeddings=False,
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        bos_token_id=IM_START_ID,
+        eos_token_id=IM_END_ID,
+        pad_token_id=IM_END_ID,
+        tie_word_embeddings=False,
     )
     config = LlavaConfig(
-        vision_config=vision_config_class(**vision_shape), text_config=text_config, image_token_id=image_token_id,
-        vision_feature_select_strategy=select_strategy, vision_feature_layer=feature_layer,
+        vision_config=vision_config_class(**vision_shape),
+        text_config=text_config,
+        image_token_id=image_token_id,
+        vision_feature_select_strategy=select_strategy,
+        vision_feature_layer=feature_layer,
     )
 
     torch.manual_seed(seed)

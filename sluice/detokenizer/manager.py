@@ -73,8 +73,11 @@ class DetokenizerManager:
         step = decoder.step(output.new_token_ids, output.finish_reason is not None)
         if step.stop_matched is not None:
             # The text ends at the stop string: the request is finished, with the tokens it covers.
-            output = msgspec.structs.replace(output, finish_reason=FinishReason(type="stop", matched=step.stop_matched),
-                                             completion_tokens=step.num_tokens)
+            output = msgspec.structs.replace(
+                output,
+                finish_reason=FinishReason(type="stop", matched=step.stop_matched),
+                completion_tokens=step.num_tokens,
+            )
         if output.finish_reason is not None:
             del self.decoders[output.rid]
         return StrOutput(output=output, text=step.text)

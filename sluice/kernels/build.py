@@ -45,8 +45,9 @@ def built_library(isa: Isa) -> Path:
     # Build into a temporary name and rename: concurrent first starts never see half a file.
     with tempfile.TemporaryDirectory(dir=library.parent) as tmp:
         built = Path(tmp) / library.name
-        result = subprocess.run([compiler, *flags, *map(str, SOURCES), "-o", str(built), "-lm"],
-                                capture_output=True, text=True)
+        result = subprocess.run(
+            [compiler, *flags, *map(str, SOURCES), "-o", str(built), "-lm"], capture_output=True, text=True
+        )
         if result.returncode != 0:
             raise KernelUnavailable(f"building the {isa.name} kernels failed:\n{result.stderr}")
         os.replace(built, library)

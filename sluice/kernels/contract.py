@@ -42,10 +42,16 @@ class LayerWeights(ctypes.Structure):
 
     _c_name_ = "sluice_layer_weights"
     _fields_ = [
-        ("input_norm", _float_p), ("post_attention_norm", _float_p),
-        ("qkv", _byte_p), ("o", _byte_p), ("gate_up", _byte_p), ("down", _byte_p),
-        ("qkv_format", ctypes.c_int), ("o_format", ctypes.c_int),
-        ("gate_up_format", ctypes.c_int), ("down_format", ctypes.c_int),
+        ("input_norm", _float_p),
+        ("post_attention_norm", _float_p),
+        ("qkv", _byte_p),
+        ("o", _byte_p),
+        ("gate_up", _byte_p),
+        ("down", _byte_p),
+        ("qkv_format", ctypes.c_int),
+        ("o_format", ctypes.c_int),
+        ("gate_up_format", ctypes.c_int),
+        ("down_format", ctypes.c_int),
         ("qkv_bias", _float_p),
     ]
 
@@ -55,9 +61,14 @@ class ModelDims(ctypes.Structure):
 
     _c_name_ = "sluice_model_dims"
     _fields_ = [
-        ("num_layers", ctypes.c_int), ("hidden", ctypes.c_int), ("heads", ctypes.c_int),
-        ("kv_heads", ctypes.c_int), ("head_dim", ctypes.c_int), ("intermediate", ctypes.c_int),
-        ("eps", ctypes.c_float), ("attention_scale", ctypes.c_float),
+        ("num_layers", ctypes.c_int),
+        ("hidden", ctypes.c_int),
+        ("heads", ctypes.c_int),
+        ("kv_heads", ctypes.c_int),
+        ("head_dim", ctypes.c_int),
+        ("intermediate", ctypes.c_int),
+        ("eps", ctypes.c_float),
+        ("attention_scale", ctypes.c_float),
         ("kv_dtype", ctypes.c_int),
     ]
 
@@ -70,11 +81,15 @@ CONSTANTS = {
 }
 
 _SCALARS = {
-    "void": None, "int": ctypes.c_int, "long": ctypes.c_long, "float": ctypes.c_float,
-    "size_t": ctypes.c_size_t, "int64_t": ctypes.c_int64,
+    "void": None,
+    "int": ctypes.c_int,
+    "long": ctypes.c_long,
+    "float": ctypes.c_float,
+    "size_t": ctypes.c_size_t,
+    "int64_t": ctypes.c_int64,
 }
 _DECLARATION = re.compile(r"([A-Za-z_][\w\s]*?)\s*(\**)\s*\b(sluice_\w+)\s*\(([^)]*)\)\s*;")
-_MISSING = -(2 ** 63)  # LONG_MIN: the library does not know the name
+_MISSING = -(2**63)  # LONG_MIN: the library does not know the name
 
 
 class ContractMismatch(RuntimeError):
@@ -118,6 +133,7 @@ def bind(lib: ctypes.CDLL) -> None:
 
 def check(lib: ctypes.CDLL) -> None:
     """Raise ContractMismatch unless the library's structs and constants are the ones used here."""
+
     def value(name: str) -> int:
         found = lib.sluice_contract_value(name.encode())
         if found == _MISSING:
@@ -127,8 +143,9 @@ def check(lib: ctypes.CDLL) -> None:
     problems = []
     for struct in STRUCTS:
         if value(f"sizeof {struct._c_name_}") != ctypes.sizeof(struct):
-            problems.append(f"sizeof {struct._c_name_}: C {value(f'sizeof {struct._c_name_}')}, "
-                            f"Python {ctypes.sizeof(struct)}")
+            problems.append(
+                f"sizeof {struct._c_name_}: C {value(f'sizeof {struct._c_name_}')}, Python {ctypes.sizeof(struct)}"
+            )
         for field, _ in struct._fields_:
             c_offset, py_offset = value(f"{struct._c_name_}.{field}"), getattr(struct, field).offset
             if c_offset != py_offset:

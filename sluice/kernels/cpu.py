@@ -26,14 +26,29 @@ class Isa:
 
 # Best first. AVX-512 needs F (foundation), BW (byte/word ops), VL and VNNI (vpdpbusd).
 ISAS = (
-    Isa("avx512_vnni", ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "fma", "f16c"),
-        ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mavx2", "-mfma", "-mf16c")),
+    Isa(
+        "avx512_vnni",
+        ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "fma", "f16c"),
+        ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mavx2", "-mfma", "-mf16c"),
+    ),
     Isa("avx2", ("avx2", "fma", "f16c"), ("-mavx2", "-mfma", "-mf16c")),
 )
 ISA_NAMES = tuple(isa.name for isa in ISAS)
 # Flags worth naming in the start-up line and /get_server_info.
-REPORTED_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
-                  "avx512_fp16", "amx_tile", "amx_int8", "amx_bf16")
+REPORTED_FLAGS = (
+    "avx2",
+    "fma",
+    "f16c",
+    "avx512f",
+    "avx512bw",
+    "avx512vl",
+    "avx512_vnni",
+    "avx512_bf16",
+    "avx512_fp16",
+    "amx_tile",
+    "amx_int8",
+    "amx_bf16",
+)
 
 
 @functools.cache

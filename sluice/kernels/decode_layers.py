@@ -52,30 +52,64 @@ class DecodeLayers:
     """Holds pointers into the layers' tensors: the caller keeps those tensors alive (they
     are the model's own parameters)."""
 
-    def __init__(self, ops: KernelOps, layers: list[LayerTensors], hidden: int, heads: int, kv_heads: int,
-                 head_dim: int, intermediate: int, eps: float, kv_dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        ops: KernelOps,
+        layers: list[LayerTensors],
+        hidden: int,
+        heads: int,
+        kv_heads: int,
+        head_dim: int,
+        intermediate: int,
+        eps: float,
+        kv_dtype: torch.dtype,
+    ) -> None:
         self._lib = ops.lib
         self._pools: tuple[list[torch.Tensor], list[torch.Tensor], ctypes.Array, ctypes.Array] | None = None
         self._kv_dtype = kv_dtype
-        self._dims = ModelDims(num_layers=len(layers), hidden=hidden, heads=heads, kv_heads=kv_heads,
-                               head_dim=head_dim, intermediate=intermediate, eps=eps,
-                               attention_scale=head_dim ** -0.5, kv_dtype=int(KV_DTYPES[kv_dtype]))
-        self._layers = (LayerWeights * len(layers))(*[
-            LayerWeights(
-                input_norm=_pointer(layer.input_norm, _FLOAT_P),
-                post_attention_norm=_pointer(layer.post_attention_norm, _FLOAT_P),
-                qkv=_pointer(layer.qkv.packed, _BYTE_P), o=_pointer(layer.o.packed, _BYTE_P),
-                gate_up=_pointer(layer.gate_up.packed, _BYTE_P), down=_pointer(layer.down.packed, _BYTE_P),
-                qkv_format=layer.qkv.format, o_format=layer.o.format,
-                gate_up_format=layer.gate_up.format, down_format=layer.down.format,
-                qkv_bias=_pointer(layer.qkv_bias, _FLOAT_P),
-            )
-            for layer in layers
-        ])
+        self._dims = ModelDims(
+            num_layers=len(layers),
+            hidden=hidden,
+            heads=heads,
+            kv_heads=kv_heads,
+            head_dim=head_dim,
+            intermediate=intermediate,
+            eps=eps,
+            attention_scale=head_dim**-0.5,
+            kv_dtype=int(KV_DTYPES[kv_dtype]),
+        )
+        self._layers = (LayerWeights * len(layers))(
+            *[
+                LayerWeights(
+                    input_norm=_pointer(layer.input_norm, _FLOAT_P),
+                    post_attention_norm=_pointer(layer.post_attention_norm, _FLOAT_P),
+                    qkv=_pointer(layer.qkv.packed, _BYTE_P),
+                    o=_pointer(layer.o.packed, _BYTE_P),
+                    gate_up=_pointer(layer.gate_up.packed, _BYTE_P),
+                    down=_pointer(layer.down.packed, _BYTE_P),
+                    qkv_format=layer.qkv.format,
+                    o_format=layer.o.format,
+                    gate_up_format=layer.gate_up.format,
+                    down_format=layer.down.format,
+                    qkv_bias=_pointer(layer.qkv_bias, _FLOAT_P),
+                )
+                for layer in layers
+            ]
+        )
 
-    def run(self, hidden: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, out_slots: torch.Tensor,
-            attn_slots: torch.Tensor, slot_rows: torch.Tensor | None, seq_lens: torch.Tensor, max_len: int,
-            k_pools: list[torch.Tensor], v_pools: list[torch.Tensor]) -> torch.Tensor:
+    def run(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        signed_sin: torch.Tensor,
+        out_slots: torch.Tensor,
+        attn_slots: torch.Tensor,
+        slot_rows: torch.Tensor | None,
+        seq_lens: torch.Tensor,
+        max_len: int,
+        k_pools: list[torch.Tensor],
+        v_pools: list[torch.Tensor],
+    ) -> torch.Tensor:
         """hidden [tokens, hidden_size] float32 embeddings (overwritten) -> the residual stream
         after the last layer; attention arguments as for ops.decode_attention."""
         tokens = hidden.shape[0]
@@ -85,23 +119,41 @@ class DecodeLayers:
             raise TypeError("slots and lengths must be contiguous int64")
         if k_pools[0].dtype != self._kv_dtype:
             raise TypeError(f"KV pools are {k_pools[0].dtype}, these layers were built for {self._kv_dtype}")
-        scratch = torch.empty(self._lib.sluice_decode_layers_scratch_bytes(ctypes.byref(self._dims), tokens),
-                              dtype=torch.uint8)
+        scratch = torch.empty(
+            self._lib.sluice_decode_layers_scratch_bytes(ctypes.byref(self._dims), tokens), dtype=torch.uint8
+        )
         k_array, v_array = self._pool_arrays(k_pools, v_pools)
         status = self._lib.sluice_decode_layers(
-            ctypes.byref(self._dims), self._layers, k_array, v_array, tokens, hidden.data_ptr(), cos.data_ptr(),
-            signed_sin.data_ptr(), out_slots.data_ptr(), attn_slots.data_ptr(),
-            None if slot_rows is None else slot_rows.data_ptr(), seq_lens.data_ptr(), max_len, scratch.data_ptr(),
+            ctypes.byref(self._dims),
+            self._layers,
+            k_array,
+            v_array,
+            tokens,
+            hidden.data_ptr(),
+            cos.data_ptr(),
+            signed_sin.data_ptr(),
+            out_slots.data_ptr(),
+            attn_slots.data_ptr(),
+            None if slot_rows is None else slot_rows.data_ptr(),
+            seq_lens.data_ptr(),
+            max_len,
+            scratch.data_ptr(),
         )
         if status != 0:
             raise MemoryError("the decode layers could not allocate their attention scratch")
         return hidden
 
-    def _pool_arrays(self, k_pools: list[torch.Tensor], v_pools: list[torch.Tensor]) -> tuple[ctypes.Array, ctypes.Array]:
+    def _pool_arrays(
+        self, k_pools: list[torch.Tensor], v_pools: list[torch.Tensor]
+    ) -> tuple[ctypes.Array, ctypes.Array]:
         # The scheduler passes the same pool lists every step: build their pointer arrays once.
         # Holding the lists keeps them alive, so a new list can never reuse their identity.
         if self._pools is None or self._pools[0] is not k_pools or self._pools[1] is not v_pools:
             array_type = ctypes.c_void_p * len(k_pools)
-            self._pools = (k_pools, v_pools, array_type(*[t.data_ptr() for t in k_pools]),
-                           array_type(*[t.data_ptr() for t in v_pools]))
+            self._pools = (
+                k_pools,
+                v_pools,
+                array_type(*[t.data_ptr() for t in k_pools]),
+                array_type(*[t.data_ptr() for t in v_pools]),
+            )
         return self._pools[2], self._pools[3]

@@ -45,13 +45,15 @@ class Kernels:
 
 def _self_test(library: str, isa: Isa) -> None:
     try:
-        result = subprocess.run([sys.executable, "-c", _SELF_TEST, library], capture_output=True, text=True,
-                                timeout=SELF_TEST_TIMEOUT_S)
+        result = subprocess.run(
+            [sys.executable, "-c", _SELF_TEST, library], capture_output=True, text=True, timeout=SELF_TEST_TIMEOUT_S
+        )
     except subprocess.TimeoutExpired:
         raise KernelUnavailable(f"the {isa.name} self-test did not finish in {SELF_TEST_TIMEOUT_S} s") from None
     if result.returncode < 0:
-        raise KernelUnavailable(f"the {isa.name} self-test was killed by signal {-result.returncode} "
-                                f"(an instruction this CPU refuses?)")
+        raise KernelUnavailable(
+            f"the {isa.name} self-test was killed by signal {-result.returncode} (an instruction this CPU refuses?)"
+        )
     if result.returncode != 0:
         raise KernelUnavailable(f"the {isa.name} self-test failed check {result.returncode} {result.stderr.strip()}")
 
@@ -79,8 +81,9 @@ def load_kernels(isa: str | None = None) -> Kernels:
             raise KernelUnavailable(f"this CPU lacks {isa} ({', '.join(wanted.required_flags)})")
         return _first_that_loads([wanted], [])
     disabled = disabled_isas()
-    passed_over = [f"{candidate.name} disabled by {DISABLE_ENV}" for candidate in supported_isas()
-                   if candidate.name in disabled]
+    passed_over = [
+        f"{candidate.name} disabled by {DISABLE_ENV}" for candidate in supported_isas() if candidate.name in disabled
+    ]
     candidates = usable_isas()
     if not candidates:
         reason = f" ({DISABLE_ENV}={','.join(sorted(disabled))})" if disabled else ""

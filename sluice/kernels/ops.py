@@ -62,9 +62,16 @@ class KernelOps:
         rows, in_features = x.shape
         out = torch.empty(rows, out_features)
         scratch = torch.empty(self.lib.sluice_qgemm_scratch_bytes(rows, in_features), dtype=torch.uint8)
-        status = self.lib.sluice_qgemm(rows, out_features, in_features, _pointer(x, "x", torch.float32), int(format),
-                                       _pointer(packed, "packed weights", torch.uint8), out.data_ptr(),
-                                       scratch.data_ptr())
+        status = self.lib.sluice_qgemm(
+            rows,
+            out_features,
+            in_features,
+            _pointer(x, "x", torch.float32),
+            int(format),
+            _pointer(packed, "packed weights", torch.uint8),
+            out.data_ptr(),
+            scratch.data_ptr(),
+        )
         if status != 0:
             raise ValueError(f"qgemm refused in_features={in_features} or format {format!r}")
         return out
@@ -73,8 +80,9 @@ class KernelOps:
         x = x.contiguous()
         rows, dim = x.shape
         out = torch.empty_like(x)
-        self.lib.sluice_rmsnorm(rows, dim, _pointer(x, "x", torch.float32), _norm_weight(weight, dim), eps,
-                                out.data_ptr())
+        self.lib.sluice_rmsnorm(
+            rows, dim, _pointer(x, "x", torch.float32), _norm_weight(weight, dim), eps, out.data_ptr()
+        )
         return out
 
     def add_rms_norm(self, hidden: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -84,13 +92,27 @@ class KernelOps:
             raise ValueError(f"delta {tuple(delta.shape)} does not match hidden {tuple(hidden.shape)}")
         delta = delta.contiguous()
         out = torch.empty_like(hidden)
-        self.lib.sluice_add_rmsnorm(rows, dim, _pointer(hidden, "hidden", torch.float32),
-                                    _pointer(delta, "delta", torch.float32), _norm_weight(weight, dim), eps,
-                                    out.data_ptr())
+        self.lib.sluice_add_rmsnorm(
+            rows,
+            dim,
+            _pointer(hidden, "hidden", torch.float32),
+            _pointer(delta, "delta", torch.float32),
+            _norm_weight(weight, dim),
+            eps,
+            out.data_ptr(),
+        )
         return out
 
-    def decode_attention(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor,
-                         seq_lens: torch.Tensor, max_len: int, slot_rows: torch.Tensor | None = None) -> torch.Tensor:
+    def decode_attention(
+        self,
+        q: torch.Tensor,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+        slots: torch.Tensor,
+        seq_lens: torch.Tensor,
+        max_len: int,
+        slot_rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """q [queries, heads, head_dim] over pooled K/V through padded slots [requests * max_len]:
         query i sees the first seq_lens[i] slots of row slot_rows[i] (None: row i).
         q's rows may be strided (a view into the qkv projection); each row's heads must be contiguous."""
@@ -105,26 +127,55 @@ class KernelOps:
             raise ValueError("seq_lens (and slot_rows) must hold one entry per query")
         out = q.new_empty(queries, heads, head_dim)
         status = self.lib.sluice_decode_attention(
-            queries, heads, kv_heads, head_dim, max_len, head_dim ** -0.5, _pointer(q, "q", torch.float32, False),
-            q.stride(0), k_pointer, v_pointer, int(kv_dtype), _pointer(slots, "slots", torch.int64),
+            queries,
+            heads,
+            kv_heads,
+            head_dim,
+            max_len,
+            head_dim**-0.5,
+            _pointer(q, "q", torch.float32, False),
+            q.stride(0),
+            k_pointer,
+            v_pointer,
+            int(kv_dtype),
+            _pointer(slots, "slots", torch.int64),
             None if slot_rows is None else _pointer(slot_rows, "slot_rows", torch.int64),
-            _pointer(seq_lens, "seq_lens", torch.int64), out.data_ptr(),
+            _pointer(seq_lens, "seq_lens", torch.int64),
+            out.data_ptr(),
         )
         if status != 0:
             raise MemoryError("decode attention could not allocate its score buffer")
         return out
 
-    def rope_and_store(self, qkv: torch.Tensor, num_heads: int, cos: torch.Tensor, signed_sin: torch.Tensor,
-                       k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor) -> None:
+    def rope_and_store(
+        self,
+        qkv: torch.Tensor,
+        num_heads: int,
+        cos: torch.Tensor,
+        signed_sin: torch.Tensor,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+        slots: torch.Tensor,
+    ) -> None:
         """Rotate the q and k heads of contiguous qkv [tokens, heads + 2 * kv_heads, head_dim] in
         place, then store its k and v rows in the pools at `slots`. cos/signed_sin: [tokens, head_dim]."""
         tokens, _, head_dim = qkv.shape
         k_pointer, v_pointer, kv_dtype = _pool_pointers(k_pool, v_pool)
         if cos.shape != (tokens, head_dim) or signed_sin.shape != cos.shape or slots.shape != (tokens,):
             raise ValueError("cos, signed_sin and slots must hold one row per token")
-        self.lib.sluice_rope_store(tokens, num_heads, k_pool.shape[1], head_dim, _pointer(qkv, "qkv", torch.float32),
-                                   _pointer(cos, "cos", torch.float32), _pointer(signed_sin, "signed_sin", torch.float32),
-                                   k_pointer, v_pointer, int(kv_dtype), _pointer(slots, "slots", torch.int64))
+        self.lib.sluice_rope_store(
+            tokens,
+            num_heads,
+            k_pool.shape[1],
+            head_dim,
+            _pointer(qkv, "qkv", torch.float32),
+            _pointer(cos, "cos", torch.float32),
+            _pointer(signed_sin, "signed_sin", torch.float32),
+            k_pointer,
+            v_pointer,
+            int(kv_dtype),
+            _pointer(slots, "slots", torch.int64),
+        )
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up for contiguous gate_up = [gate | up] of shape [rows, 2 * width]."""
@@ -138,4 +189,3 @@ def _norm_weight(weight: torch.Tensor, dim: int) -> int:
     if weight.shape != (dim,):
         raise ValueError(f"norm weight {tuple(weight.shape)} does not match width {dim}")
     return _pointer(weight, "norm weight", torch.float32)
-

@@ -98,8 +98,9 @@ class AttentionMetadata:
             decode_seq_lens=fb.positions + 1,
             decode_mask=None,
             prefills=[],
-            decode_slot_rows=None if one_per_request else torch.repeat_interleave(
-                torch.arange(len(fb.extend_lens)), torch.tensor(fb.extend_lens)),
+            decode_slot_rows=None
+            if one_per_request
+            else torch.repeat_interleave(torch.arange(len(fb.extend_lens)), torch.tensor(fb.extend_lens)),
         )
 
     @property

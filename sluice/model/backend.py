@@ -33,8 +33,13 @@ class KernelBackend:
     def isa(self) -> str:
         return self.ops.isa
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, quantized: QuantizedLinearWeight | None,
-               bias: torch.Tensor | None = None) -> torch.Tensor:
+    def linear(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        quantized: QuantizedLinearWeight | None,
+        bias: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """x @ weight.T (+ bias), through the block-quantized copy when the weight has one."""
         if quantized is None:
             return F.linear(x, weight, bias)
@@ -44,14 +49,24 @@ class KernelBackend:
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return self.ops.rms_norm(x, weight, eps)
 
-    def add_rms_norm(self, hidden: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
-                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_rms_norm(
+        self, hidden: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(hidden + delta, norm(hidden + delta)); the sum is written into `hidden`."""
         return hidden, self.ops.add_rms_norm(hidden, delta, weight, eps)
 
-    def rotate_and_store(self, qkv: torch.Tensor, num_heads: int, num_kv_heads: int, rotary, cos: torch.Tensor,
-                         signed_sin: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
-                         out_cache_loc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def rotate_and_store(
+        self,
+        qkv: torch.Tensor,
+        num_heads: int,
+        num_kv_heads: int,
+        rotary,
+        cos: torch.Tensor,
+        signed_sin: torch.Tensor,
+        k_buffer: torch.Tensor,
+        v_buffer: torch.Tensor,
+        out_cache_loc: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate q and k of qkv [tokens, heads + 2 * kv_heads, head_dim], store k and v in the
         pools; returns (q, k) as views of qkv."""
         self.ops.rope_and_store(qkv, num_heads, cos, signed_sin, k_buffer, v_buffer, out_cache_loc)
@@ -60,12 +75,26 @@ class KernelBackend:
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return self.ops.silu_mul(gate_up)
 
-    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_buffer: torch.Tensor,
-                  v_buffer: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+    def attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_buffer: torch.Tensor,
+        v_buffer: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
         """[num_tokens, num_heads * head_dim]; every token reads the pool at its position."""
         num_tokens, num_heads, head_dim = q.shape
-        out = self.ops.decode_attention(q, k_buffer, v_buffer, metadata.decode_kv_slots, metadata.decode_seq_lens,
-                                        metadata.decode_max_seq_len, metadata.decode_slot_rows)
+        out = self.ops.decode_attention(
+            q,
+            k_buffer,
+            v_buffer,
+            metadata.decode_kv_slots,
+            metadata.decode_seq_lens,
+            metadata.decode_max_seq_len,
+            metadata.decode_slot_rows,
+        )
         return out.view(num_tokens, num_heads * head_dim)
 
 
@@ -74,8 +103,13 @@ class TorchBackend:
     every_token_decodes = False
     isa = None
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, quantized: QuantizedLinearWeight | None,
-               bias: torch.Tensor | None = None) -> torch.Tensor:
+    def linear(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        quantized: QuantizedLinearWeight | None,
+        bias: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         if quantized is not None:
             raise ValueError("block-quantized weights need the C kernels (KernelBackend)")
         return F.linear(x, weight, bias)
@@ -83,14 +117,24 @@ class TorchBackend:
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return F.rms_norm(x, weight.shape, weight, eps)
 
-    def add_rms_norm(self, hidden: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
-                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_rms_norm(
+        self, hidden: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         hidden = hidden + delta
         return hidden, self.rms_norm(hidden, weight, eps)
 
-    def rotate_and_store(self, qkv: torch.Tensor, num_heads: int, num_kv_heads: int, rotary, cos: torch.Tensor,
-                         signed_sin: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
-                         out_cache_loc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def rotate_and_store(
+        self,
+        qkv: torch.Tensor,
+        num_heads: int,
+        num_kv_heads: int,
+        rotary,
+        cos: torch.Tensor,
+        signed_sin: torch.Tensor,
+        k_buffer: torch.Tensor,
+        v_buffer: torch.Tensor,
+        out_cache_loc: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         num_qk_heads = num_heads + num_kv_heads
         # q and k are rotated together: one set of ops instead of two.
         qk = rotary.apply(qkv[:, :num_qk_heads], cos.unsqueeze(1), signed_sin.unsqueeze(1))
@@ -103,8 +147,15 @@ class TorchBackend:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
-    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_buffer: torch.Tensor,
-                  v_buffer: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+    def attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_buffer: torch.Tensor,
+        v_buffer: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
         return torch_attention(q, k, v, k_buffer, v_buffer, metadata)
 
 

@@ -41,8 +41,16 @@ class RMSNorm(nn.Module):
 class QKVProjection(nn.Module):
     """q, k and v projections as one matmul; output rows are [q heads | k heads | v heads]."""
 
-    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
-                 bias: bool, dtype: torch.dtype, backend: Backend) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        bias: bool,
+        dtype: torch.dtype,
+        backend: Backend,
+    ) -> None:
         super().__init__()
         out_features = (num_heads + 2 * num_kv_heads) * head_dim
         self.weight = _frozen(out_features, hidden_size, dtype=dtype)
@@ -89,8 +97,14 @@ class RotaryEmbedding(nn.Module):
     un-permuted GGUF weights apply as they are.
     """
 
-    def __init__(self, head_dim: int, rope_theta: float, rope_scaling: dict[str, Any] | None,
-                 context_len: int, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        head_dim: int,
+        rope_theta: float,
+        rope_scaling: dict[str, Any] | None,
+        context_len: int,
+        dtype: torch.dtype,
+    ) -> None:
         super().__init__()
         inv_freq = _scaled_inv_freq(head_dim, rope_theta, rope_scaling)
         positions = torch.arange(context_len, dtype=torch.float32)

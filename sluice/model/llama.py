@@ -30,8 +30,13 @@ class DecoderLayer(nn.Module):
         self.backend = backend
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, backend)
         self.qkv_proj = QKVProjection(
-            config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim,
-            bias=config.attention_bias, dtype=dtype, backend=backend,
+            config.hidden_size,
+            config.num_heads,
+            config.num_kv_heads,
+            config.head_dim,
+            bias=config.attention_bias,
+            dtype=dtype,
+            backend=backend,
         )
         self.o_proj = Linear(config.num_heads * config.head_dim, config.hidden_size, dtype, backend)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, backend)
@@ -57,16 +62,22 @@ class DecoderLayer(nn.Module):
             hidden, normed = self.input_layernorm.add_and_norm(hidden, pending)
         num_qk_heads = self.num_heads + self.num_kv_heads
         qkv = self.qkv_proj(normed).view(-1, num_qk_heads + self.num_kv_heads, self.head_dim)
-        q, k = self.backend.rotate_and_store(qkv, self.num_heads, self.num_kv_heads, rotary, cos, signed_sin,
-                                             k_buffer, v_buffer, out_cache_loc)
+        q, k = self.backend.rotate_and_store(
+            qkv, self.num_heads, self.num_kv_heads, rotary, cos, signed_sin, k_buffer, v_buffer, out_cache_loc
+        )
         attn = self.backend.attention(q, k, qkv[:, num_qk_heads:], k_buffer, v_buffer, metadata)
         hidden, normed = self.post_attention_layernorm.add_and_norm(hidden, self.o_proj(attn))
         return hidden, self.mlp(normed)
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32, backend: Backend | None = None,
-                 kv_dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype = torch.float32,
+        backend: Backend | None = None,
+        kv_dtype: torch.dtype | None = None,
+    ) -> None:
         super().__init__()
         self.config = config
         self.dtype = dtype
@@ -74,8 +85,12 @@ class LlamaForCausalLM(nn.Module):
         if isinstance(self.backend, KernelBackend) and dtype != torch.float32:
             raise ValueError(f"the C kernels take float32 activations, not {dtype}")
         self.kv_dtype = dtype if kv_dtype is None else kv_dtype
-        self.embed_tokens = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size, dtype=dtype), requires_grad=False)
-        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling, config.context_len, dtype)
+        self.embed_tokens = nn.Parameter(
+            torch.empty(config.vocab_size, config.hidden_size, dtype=dtype), requires_grad=False
+        )
+        self.rotary = RotaryEmbedding(
+            config.head_dim, config.rope_theta, config.rope_scaling, config.context_len, dtype
+        )
         self.layers = nn.ModuleList(DecoderLayer(config, dtype, self.backend) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, self.backend)
         self.lm_head = self.embed_tokens  # replaced by load_weights when the model is untied
@@ -89,14 +104,24 @@ class LlamaForCausalLM(nn.Module):
         cos, signed_sin = self.rotary.lookup(fb.positions)
         hidden = self._embed(fb)
         if self.decode_layers is not None and metadata.decode_only:
-            hidden = self.decode_layers.run(hidden, cos, signed_sin, fb.out_cache_loc, metadata.decode_kv_slots,
-                                            metadata.decode_slot_rows, metadata.decode_seq_lens,
-                                            metadata.decode_max_seq_len, fb.k_buffers, fb.v_buffers)
+            hidden = self.decode_layers.run(
+                hidden,
+                cos,
+                signed_sin,
+                fb.out_cache_loc,
+                metadata.decode_kv_slots,
+                metadata.decode_slot_rows,
+                metadata.decode_seq_lens,
+                metadata.decode_max_seq_len,
+                fb.k_buffers,
+                fb.v_buffers,
+            )
         else:
             pending = None
             for layer, k_buffer, v_buffer in zip(self.layers, fb.k_buffers, fb.v_buffers):
-                hidden, pending = layer(hidden, pending, self.rotary, cos, signed_sin, k_buffer, v_buffer,
-                                        fb.out_cache_loc, metadata)
+                hidden, pending = layer(
+                    hidden, pending, self.rotary, cos, signed_sin, k_buffer, v_buffer, fb.out_cache_loc, metadata
+                )
             hidden = hidden + pending
         # Norm and LM head only for the rows whose logits are wanted: the rest are never read.
         last_hidden = self.norm(hidden[fb.logits_indices])
@@ -146,15 +171,19 @@ class LlamaForCausalLM(nn.Module):
 
         for index, layer in enumerate(self.layers):
             prefix = f"model.layers.{index}."
-            layer.qkv_proj.quantized = quantize_in_place(layer.qkv_proj, "weight", [prefix + name for name in _QKV_SOURCES])
+            layer.qkv_proj.quantized = quantize_in_place(
+                layer.qkv_proj, "weight", [prefix + name for name in _QKV_SOURCES]
+            )
             layer.o_proj.quantized = quantize_in_place(layer.o_proj, "weight", [prefix + "self_attn.o_proj"])
-            layer.mlp.gate_up_quantized = quantize_in_place(layer.mlp, "gate_up_weight",
-                                                            [prefix + name for name in _GATE_UP_SOURCES])
+            layer.mlp.gate_up_quantized = quantize_in_place(
+                layer.mlp, "gate_up_weight", [prefix + name for name in _GATE_UP_SOURCES]
+            )
             layer.mlp.down_quantized = quantize_in_place(layer.mlp, "down_weight", [prefix + "mlp.down_proj"])
         if self.lm_head is self.embed_tokens:
             format = fused_format([format_of("model.embed_tokens.weight")])
-            self.lm_head_quantized = (None if format is None
-                                      else QuantizedLinearWeight.quantize(self.lm_head, format, ops))
+            self.lm_head_quantized = (
+                None if format is None else QuantizedLinearWeight.quantize(self.lm_head, format, ops)
+            )
         else:
             self.lm_head_quantized = quantize_in_place(self, "lm_head", ["lm_head"])
         self.decode_layers = self._fused_decode_layers(self.backend)
@@ -162,25 +191,43 @@ class LlamaForCausalLM(nn.Module):
     def quantized_weights(self) -> list[QuantizedLinearWeight]:
         weights = [self.lm_head_quantized]
         for layer in self.layers:
-            weights += [layer.qkv_proj.quantized, layer.o_proj.quantized, layer.mlp.gate_up_quantized,
-                        layer.mlp.down_quantized]
+            weights += [
+                layer.qkv_proj.quantized,
+                layer.o_proj.quantized,
+                layer.mlp.gate_up_quantized,
+                layer.mlp.down_quantized,
+            ]
         return [weight for weight in weights if weight is not None]
 
     def _fused_decode_layers(self, backend: KernelBackend) -> DecodeLayers | None:
         """The one-call path, when every layer's four projections are quantized."""
-        projections = [(layer.qkv_proj.quantized, layer.o_proj.quantized, layer.mlp.gate_up_quantized,
-                        layer.mlp.down_quantized) for layer in self.layers]
+        projections = [
+            (layer.qkv_proj.quantized, layer.o_proj.quantized, layer.mlp.gate_up_quantized, layer.mlp.down_quantized)
+            for layer in self.layers
+        ]
         if any(weight is None for layer in projections for weight in layer):
             return None
         config = self.config
         tensors = [
-            LayerTensors(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-                         *weights,
-                         qkv_bias=layer.qkv_proj.bias)
+            LayerTensors(
+                layer.input_layernorm.weight,
+                layer.post_attention_layernorm.weight,
+                *weights,
+                qkv_bias=layer.qkv_proj.bias,
+            )
             for layer, weights in zip(self.layers, projections)
         ]
-        return DecodeLayers(backend.ops, tensors, config.hidden_size, config.num_heads, config.num_kv_heads,
-                            config.head_dim, config.intermediate_size, config.rms_norm_eps, self.kv_dtype)
+        return DecodeLayers(
+            backend.ops,
+            tensors,
+            config.hidden_size,
+            config.num_heads,
+            config.num_kv_heads,
+            config.head_dim,
+            config.intermediate_size,
+            config.rms_norm_eps,
+            self.kv_dtype,
+        )
 
 
 def _load_layer(layer: DecoderLayer, weights: dict[str, torch.Tensor], prefix: str) -> None:

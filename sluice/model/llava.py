@@ -14,8 +14,13 @@ from sluice.model.vision import MultiModalProjector, VisionTower
 
 
 class LlavaForConditionalGeneration(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32, backend: Backend | None = None,
-                 kv_dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype = torch.float32,
+        backend: Backend | None = None,
+        kv_dtype: torch.dtype | None = None,
+    ) -> None:
         super().__init__()
         if config.vision is None:
             raise ValueError("LlavaForConditionalGeneration needs a config with a vision tower (config.vision)")

@@ -126,7 +126,9 @@ def _from_gguf(path: Path) -> ModelConfig:
     arch_name = field("general.architecture")
     architecture = _ARCHITECTURE_BY_GGUF_NAME.get(arch_name)
     if architecture is None:
-        raise ValueError(f"GGUF architecture {arch_name!r} is not supported; supported: {sorted(_ARCHITECTURE_BY_GGUF_NAME)}")
+        raise ValueError(
+            f"GGUF architecture {arch_name!r} is not supported; supported: {sorted(_ARCHITECTURE_BY_GGUF_NAME)}"
+        )
 
     tensor_names = {tensor.name for tensor in reader.tensors}
     hidden_size = int(field(f"{arch_name}.embedding_length"))
@@ -210,15 +212,37 @@ def _text_fields(config: dict[str, Any]) -> dict[str, Any]:
 
 # Old llava-hf checkpoints (llava-1.5) store only the fields that differ from these
 # transformers defaults in their sub-configs.
-_LLAMA_TEXT_DEFAULTS = {"model_type": "llama", "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008,
-                       "num_hidden_layers": 32, "num_attention_heads": 32}
+_LLAMA_TEXT_DEFAULTS = {
+    "model_type": "llama",
+    "vocab_size": 32000,
+    "hidden_size": 4096,
+    "intermediate_size": 11008,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+}
 _VISION_DEFAULTS = {
-    "clip_vision_model": {"image_size": 224, "patch_size": 32, "num_channels": 3, "hidden_size": 768,
-                          "intermediate_size": 3072, "num_hidden_layers": 12, "num_attention_heads": 12,
-                          "layer_norm_eps": 1e-5, "hidden_act": "quick_gelu"},
-    "siglip_vision_model": {"image_size": 224, "patch_size": 16, "num_channels": 3, "hidden_size": 768,
-                            "intermediate_size": 3072, "num_hidden_layers": 12, "num_attention_heads": 12,
-                            "layer_norm_eps": 1e-6, "hidden_act": "gelu_pytorch_tanh"},
+    "clip_vision_model": {
+        "image_size": 224,
+        "patch_size": 32,
+        "num_channels": 3,
+        "hidden_size": 768,
+        "intermediate_size": 3072,
+        "num_hidden_layers": 12,
+        "num_attention_heads": 12,
+        "layer_norm_eps": 1e-5,
+        "hidden_act": "quick_gelu",
+    },
+    "siglip_vision_model": {
+        "image_size": 224,
+        "patch_size": 16,
+        "num_channels": 3,
+        "hidden_size": 768,
+        "intermediate_size": 3072,
+        "num_hidden_layers": 12,
+        "num_attention_heads": 12,
+        "layer_norm_eps": 1e-6,
+        "hidden_act": "gelu_pytorch_tanh",
+    },
 }
 
 
@@ -240,11 +264,15 @@ def _vision_config(config: dict[str, Any]) -> VisionConfig:
     vision_config = config.get("vision_config") or {}
     model_type = vision_config.get("model_type", "clip_vision_model")
     if model_type not in _VISION_DEFAULTS:
-        raise ValueError(f"vision_config.model_type {model_type!r} is not supported; supported: {sorted(_VISION_DEFAULTS)}")
+        raise ValueError(
+            f"vision_config.model_type {model_type!r} is not supported; supported: {sorted(_VISION_DEFAULTS)}"
+        )
     vision_config = {**_VISION_DEFAULTS[model_type], **vision_config}
     select_strategy = config.get("vision_feature_select_strategy", "default")
     if select_strategy not in ("default", "full"):
-        raise ValueError(f"vision_feature_select_strategy {select_strategy!r} is not supported; supported: default, full")
+        raise ValueError(
+            f"vision_feature_select_strategy {select_strategy!r} is not supported; supported: default, full"
+        )
     feature_layer = config.get("vision_feature_layer", -2)
     num_hidden_states = vision_config["num_hidden_layers"] + 1
     for layer in [feature_layer] if isinstance(feature_layer, int) else feature_layer:

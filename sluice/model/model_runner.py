@@ -19,8 +19,13 @@ logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    def __init__(self, model_path: str, dtype: str | torch.dtype = "auto", quantization: str = "none",
-                 kv_cache_dtype: str = "auto") -> None:
+    def __init__(
+        self,
+        model_path: str,
+        dtype: str | torch.dtype = "auto",
+        quantization: str = "none",
+        kv_cache_dtype: str = "auto",
+    ) -> None:
         """dtype / kv_cache_dtype: as --dtype / --kv-cache-dtype ("auto" picks for this CPU,
         see execution.py); a torch dtype is taken as the explicit choice."""
         self.config = ModelConfig.from_path(model_path)

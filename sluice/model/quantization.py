@@ -37,8 +37,10 @@ def quantization_plan(model_path: str | Path, config: ModelConfig, mode: str, ba
         return None
     if not isinstance(backend, KernelBackend):
         if mode == "q8_0":
-            raise ValueError("--quantization q8_0 needs the C kernels and float32 activations "
-                             f"(this model runs on the {backend.name} backend)")
+            raise ValueError(
+                "--quantization q8_0 needs the C kernels and float32 activations "
+                f"(this model runs on the {backend.name} backend)"
+            )
         return None
     if mode == "q8_0":
         return lambda name: BlockFormat.Q8_0

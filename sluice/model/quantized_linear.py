@@ -66,8 +66,9 @@ class QuantizedLinearWeight:
         """The float32 [out, in] weight these blocks stand for."""
         quant_bytes = BLOCK if self.format is BlockFormat.Q8_0 else BLOCK // 2
         num_scales = 1 if self.format is BlockFormat.Q8_0 else 2
-        quants, scales = _deinterleave(self.packed, self.out_features, self.in_features // BLOCK, quant_bytes,
-                                       num_scales, self.ops.row_group)
+        quants, scales = _deinterleave(
+            self.packed, self.out_features, self.in_features // BLOCK, quant_bytes, num_scales, self.ops.row_group
+        )
         shape = (self.out_features, self.in_features)
         if self.format is BlockFormat.Q8_0:
             return (quants.view(torch.int8).float() * scales[0].float().unsqueeze(-1)).reshape(shape)
@@ -95,22 +96,37 @@ def _interleave(quants: torch.Tensor, scales: list[torch.Tensor], row_group: int
     groups = (rows + padding) // row_group
     quants = torch.nn.functional.pad(quants, (0, 0, 0, 0, 0, padding))
     # [group, row, block, word, byte] -> [group, block, word, row, byte]: 4 bytes of each row in turn.
-    parts = [quants.view(groups, row_group, blocks, quant_bytes // 4, 4).permute(0, 2, 3, 1, 4)
-             .reshape(groups, blocks, row_group * quant_bytes)]
+    parts = [
+        quants.view(groups, row_group, blocks, quant_bytes // 4, 4)
+        .permute(0, 2, 3, 1, 4)
+        .reshape(groups, blocks, row_group * quant_bytes)
+    ]
     for scale in scales:
         scale = torch.nn.functional.pad(scale, (0, 0, 0, padding))
-        parts.append(scale.view(groups, row_group, blocks).transpose(1, 2).contiguous()
-                     .view(torch.uint8).view(groups, blocks, 2 * row_group))
+        parts.append(
+            scale.view(groups, row_group, blocks)
+            .transpose(1, 2)
+            .contiguous()
+            .view(torch.uint8)
+            .view(groups, blocks, 2 * row_group)
+        )
     return torch.cat(parts, dim=-1).reshape(-1).contiguous()
 
 
-def _deinterleave(packed: torch.Tensor, rows: int, blocks: int, quant_bytes: int,
-                  num_scales: int, row_group: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+def _deinterleave(
+    packed: torch.Tensor, rows: int, blocks: int, quant_bytes: int, num_scales: int, row_group: int
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """The inverse of _interleave: (uint8 [rows, blocks, quant_bytes], float16 [rows, blocks] scales)."""
     groups = -(-rows // row_group)
     parts = packed.view(groups, blocks, -1).split([row_group * quant_bytes] + [2 * row_group] * num_scales, dim=-1)
-    quants = (parts[0].reshape(groups, blocks, quant_bytes // 4, row_group, 4).permute(0, 3, 1, 2, 4)
-              .reshape(groups * row_group, blocks, quant_bytes)[:rows])
-    scales = [part.contiguous().view(torch.float16).transpose(1, 2).reshape(groups * row_group, blocks)[:rows]
-              for part in parts[1:]]
+    quants = (
+        parts[0]
+        .reshape(groups, blocks, quant_bytes // 4, row_group, 4)
+        .permute(0, 3, 1, 2, 4)
+        .reshape(groups * row_group, blocks, quant_bytes)[:rows]
+    )
+    scales = [
+        part.contiguous().view(torch.float16).transpose(1, 2).reshape(groups * row_group, blocks)[:rows]
+        for part in parts[1:]
+    ]
     return quants, scales

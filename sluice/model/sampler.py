@@ -119,8 +119,9 @@ class SamplingBatch:
         )
 
 
-def sample(logits: Tensor, batch: SamplingBatch, top_logprobs_nums: list[int],
-           with_logprobs: bool = True) -> SampleOutput:
+def sample(
+    logits: Tensor, batch: SamplingBatch, top_logprobs_nums: list[int], with_logprobs: bool = True
+) -> SampleOutput:
     """logits: float32 [batch_size, vocab_size]; it is left unchanged. Without `with_logprobs`
     (no row asked for them) the output's logprobs and top_logprobs are empty lists."""
     scores = _penalised(logits, batch)
@@ -212,9 +213,7 @@ def _build_subtracted(
     return TokenPenalties(pair_rows, token_ids, frequency * counts + presence)
 
 
-def _distinct_tokens(
-    rows: list[int], id_lists: list[list[int]], vocab_size: int
-) -> tuple[Tensor, Tensor, Tensor]:
+def _distinct_tokens(rows: list[int], id_lists: list[list[int]], vocab_size: int) -> tuple[Tensor, Tensor, Tensor]:
     """Each distinct (row, token) pair of the lists, and how often it occurs."""
     lengths = torch.tensor([len(ids) for ids in id_lists], dtype=torch.long)
     token_ids = torch.tensor(list(itertools.chain.from_iterable(id_lists)), dtype=torch.long)

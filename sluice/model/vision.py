@@ -84,7 +84,11 @@ class EncoderLayer(nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         batch, tokens, width = hidden.shape
         # [3, batch, heads, tokens, head_dim]
-        qkv = self.qkv_proj(self.layer_norm1(hidden)).view(batch, tokens, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        qkv = (
+            self.qkv_proj(self.layer_norm1(hidden))
+            .view(batch, tokens, 3, self.num_heads, self.head_dim)
+            .permute(2, 0, 3, 1, 4)
+        )
         attn = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], scale=1.0 / math.sqrt(self.head_dim))
         hidden = hidden + self.out_proj(attn.transpose(1, 2).reshape(batch, tokens, width))
         return hidden + self.fc2(self.act(self.fc1(self.layer_norm2(hidden))))
@@ -124,8 +128,9 @@ class VisionTower(nn.Module):
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         size = self.config.image_size
         if pixel_values.dim() != 4 or tuple(pixel_values.shape[1:]) != (self.config.num_channels, size, size):
-            raise ValueError(f"pixel_values must be [N, {self.config.num_channels}, {size}, {size}], "
-                             f"got {list(pixel_values.shape)}")
+            raise ValueError(
+                f"pixel_values must be [N, {self.config.num_channels}, {size}, {size}], got {list(pixel_values.shape)}"
+            )
         pixels = pixel_values.to(self.patch_embedding.device, self.dtype)
         patches = F.conv2d(pixels, self.patch_embedding, self.patch_bias, stride=self.config.patch_size)
         hidden = patches.flatten(2).transpose(1, 2)  # [N, num_patches, width], patches in row-major order

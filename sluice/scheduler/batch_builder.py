@@ -31,7 +31,9 @@ class StepBatch:
         out_cache_loc = kv.alloc_tokens(sum(extend_lens))
         assert out_cache_loc is not None, "the scheduler admitted more tokens than the cache holds"
         starts = [r.kv_len for r in reqs]
-        samples = [r.kv_len + n == r.seq_len and r.sampling_params.max_new_tokens > 0 for r, n in zip(reqs, extend_lens)]
+        samples = [
+            r.kv_len + n == r.seq_len and r.sampling_params.max_new_tokens > 0 for r, n in zip(reqs, extend_lens)
+        ]
         logits_indices: list[int] = []
         sample_rows: list[int] = []
         input_rows: list[tuple[int, int, int]] = []
@@ -76,7 +78,9 @@ class StepBatch:
                 req.input_top_logprobs.append([TokenLogprob(int(t), float(v)) for t, v in zip(ids, values)])
 
 
-def build_forward_batch(batch: StepBatch, req_to_token: torch.Tensor, k_buffers, v_buffers, runner=None) -> ForwardBatch:
+def build_forward_batch(
+    batch: StepBatch, req_to_token: torch.Tensor, k_buffers, v_buffers, runner=None
+) -> ForwardBatch:
     input_ids: list[int] = []
     positions: list[int] = []
     kv_indices: list[torch.Tensor] = []

@@ -98,7 +98,9 @@ class SchedulerLoop:
             case FlushCacheReq():
                 ok = s.flush_cache()
                 message_text = "" if ok else "requests are running"
-                self.to_tokenizer.send(FlushCacheReqOutput(success=ok, message=message_text, http_worker_ipc=message.http_worker_ipc))
+                self.to_tokenizer.send(
+                    FlushCacheReqOutput(success=ok, message=message_text, http_worker_ipc=message.http_worker_ipc)
+                )
             case GetInternalStateReq():
                 state = s.internal_state()
                 state.http_worker_ipc = message.http_worker_ipc

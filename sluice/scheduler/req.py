@@ -100,7 +100,9 @@ class Req:
 
     @property
     def wants_input_logprobs(self) -> bool:
-        return self.return_logprob and 0 <= self.logprob_start_len < len(self.prompt_ids) and not self.input_logprobs_sent
+        return (
+            self.return_logprob and 0 <= self.logprob_start_len < len(self.prompt_ids) and not self.input_logprobs_sent
+        )
 
     def kv_slots(self, req_to_token: torch.Tensor) -> torch.Tensor:
         return req_to_token[self.req_pool_idx, : self.kv_len]

@@ -39,7 +39,9 @@ class Scheduler:
         self.args = args
         self.runner = runner
         self.config = runner.config
-        self.kv = KVManager(max_total_tokens, args.max_running_requests, self.config.context_len, args.disable_radix_cache)
+        self.kv = KVManager(
+            max_total_tokens, args.max_running_requests, self.config.context_len, args.disable_radix_cache
+        )
         self.k_buffers, self.v_buffers = runner.new_kv_buffers(max_total_tokens + 1)
         self.eos_token_ids = frozenset(self.config.eos_token_ids)
         self.max_req_input_len = min(self.config.context_len, max_total_tokens) - 1
@@ -78,14 +80,19 @@ class Scheduler:
         vision = self.config.vision
         if vision is None:
             return "this model does not accept images"
-        error = expand_image_tokens(req, self.config.image_token_id, self.config.num_image_tokens, self.config.vocab_size)
+        error = expand_image_tokens(
+            req, self.config.image_token_id, self.config.num_image_tokens, self.config.vocab_size
+        )
         if error is None and len(req.prompt_ids) >= self.max_req_input_len:
-            error = (f"Multimodal prompt is too long after expanding image tokens: "
-                     f"{len(req.prompt_ids)} >= {self.max_req_input_len}")
+            error = (
+                f"Multimodal prompt is too long after expanding image tokens: "
+                f"{len(req.prompt_ids)} >= {self.max_req_input_len}"
+            )
         return error
 
     def abort(self, msg: AbortReq) -> list[TokenIDOutput]:
         """Remove a waiting request or free a running one's slots, before the next step."""
+
         def targeted(req: Req) -> bool:
             return msg.abort_all or req.rid == msg.rid or req.rid.startswith(msg.rid + "::")
 
@@ -227,9 +234,12 @@ class Scheduler:
                 list(self.eos_token_ids),
                 self.config.vocab_size,
             )
-            next_tokens = sample(logits[batch.sample_logit_rows], sampling_batch,
-                                 [r.top_logprobs_num if r.return_logprob else 0 for r in reqs],
-                                 with_logprobs=any(r.return_logprob for r in reqs))
+            next_tokens = sample(
+                logits[batch.sample_logit_rows],
+                sampling_batch,
+                [r.top_logprobs_num if r.return_logprob else 0 for r in reqs],
+                with_logprobs=any(r.return_logprob for r in reqs),
+            )
 
         outputs: list[TokenIDOutput] = []
         sample_pos = {row: k for k, row in enumerate(sampling_rows)}

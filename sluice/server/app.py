@@ -43,8 +43,9 @@ def create_app(state: ServerState, lifespan=None) -> FastAPI:
     args = state.server_args
     docs = ApiDocs()
 
-    app.add_middleware(RequestGuard, max_body_bytes=args.max_request_body_bytes, api_key=args.api_key,
-                       admin_api_key=args.admin_api_key)
+    app.add_middleware(
+        RequestGuard, max_body_bytes=args.max_request_body_bytes, api_key=args.api_key, admin_api_key=args.admin_api_key
+    )
 
     @app.get("/health", response_class=Response, openapi_extra=docs.operation(errors=(503,)))
     async def health():
@@ -57,17 +58,27 @@ def create_app(state: ServerState, lifespan=None) -> FastAPI:
         if reason := state.unavailable():
             return error_response(503, reason)
         # Its own rid, so the probe's state never mixes with a client's request.
-        obj = GenerateReqInput(input_ids=[0], sampling_params={"max_new_tokens": 1, "temperature": 0},
-                               rid=f"HEALTH_CHECK_{uuid.uuid4().hex}")
+        obj = GenerateReqInput(
+            input_ids=[0],
+            sampling_params={"max_new_tokens": 1, "temperature": 0},
+            rid=f"HEALTH_CHECK_{uuid.uuid4().hex}",
+        )
         try:
             await asyncio.wait_for(_last(state.tm.generate_request(obj)), HEALTH_GENERATE_TIMEOUT_S)
         except (asyncio.TimeoutError, BackendError) as e:
             return error_response(503, f"generation failed: {e or 'timed out'}")
         return Response(status_code=200)
 
-    @app.post("/generate", openapi_extra=docs.operation(
-        body=GenerateReqInput, body_fields={"sampling_params": SamplingParams | list[SamplingParams] | None},
-        response=GenerateResult | list[GenerateResult], stream_event=GenerateResult, errors=_BODY_ROUTE))
+    @app.post(
+        "/generate",
+        openapi_extra=docs.operation(
+            body=GenerateReqInput,
+            body_fields={"sampling_params": SamplingParams | list[SamplingParams] | None},
+            response=GenerateResult | list[GenerateResult],
+            stream_event=GenerateResult,
+            errors=_BODY_ROUTE,
+        ),
+    )
     async def generate(request: Request):
         obj = decode_json(await request.body(), GenerateReqInput)
         return await serve_generate(state.tm, obj, request)
@@ -75,9 +86,14 @@ def create_app(state: ServerState, lifespan=None) -> FastAPI:
     @app.get("/get_model_info", openapi_extra=docs.operation(response=ModelInfo, errors=_ANY_ROUTE))
     async def get_model_info():
         tm = state.tm
-        return {"model_path": args.resolved_model_path(), "served_model_name": state.model_name,
-                "is_generation": True, "context_len": tm.context_len, "max_req_input_len": tm.max_req_input_len,
-                "eos_token_ids": tm.scheduler_info.eos_token_ids}
+        return {
+            "model_path": args.resolved_model_path(),
+            "served_model_name": state.model_name,
+            "is_generation": True,
+            "context_len": tm.context_len,
+            "max_req_input_len": tm.max_req_input_len,
+            "eos_token_ids": tm.scheduler_info.eos_token_ids,
+        }
 
     @app.get("/get_server_info", openapi_extra=docs.operation(response=ServerInfo, errors=_ANY_ROUTE))
     async def get_server_info():
@@ -98,8 +114,9 @@ def create_app(state: ServerState, lifespan=None) -> FastAPI:
             return error_response(400, f"cache not flushed: {result.message}")
         return {"success": True}
 
-    @app.post("/abort_request", openapi_extra=docs.operation(body=AbortRequestInput, response=Success,
-                                                              errors=_BODY_ROUTE))
+    @app.post(
+        "/abort_request", openapi_extra=docs.operation(body=AbortRequestInput, response=Success, errors=_BODY_ROUTE)
+    )
     async def abort_request(request: Request):
         body = decode_json(await request.body(), AbortRequestInput)
         if not (body.rid or body.abort_all):

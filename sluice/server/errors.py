@@ -17,15 +17,23 @@ from sluice.tokenizer.result import GenerateChunk
 
 logger = logging.getLogger(__name__)
 
-_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowed",
-          413: "RequestTooLarge", 503: "ServiceUnavailableError", 500: "InternalServerError"}
+_TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    404: "NotFoundError",
+    405: "MethodNotAllowed",
+    413: "RequestTooLarge",
+    503: "ServiceUnavailableError",
+    500: "InternalServerError",
+}
 
 
 def error_body(status_code: int, message: str, param: str | None = None) -> dict:
     """The envelope of every error: a response body, or the payload of a stream's error event."""
     error_type = _TYPES.get(status_code, "BadRequestError" if status_code < 500 else "InternalServerError")
-    return msgspec.to_builtins(ErrorResponse(error=ErrorDetail(message=message, type=error_type, param=param,
-                                                               code=status_code)))
+    return msgspec.to_builtins(
+        ErrorResponse(error=ErrorDetail(message=message, type=error_type, param=param, code=status_code))
+    )
 
 
 def error_response(status_code: int, message: str, param: str | None = None) -> JSONResponse:

@@ -34,15 +34,18 @@ class RequestGuard:
         headers = dict(scope["headers"])
         length = headers.get(b"content-length")
         if length is not None and (not length.isdigit() or int(length) > self.max_body_bytes):
-            return await self._reject(scope, receive, send, 413, f"request body larger than {self.max_body_bytes} bytes")
+            return await self._reject(
+                scope, receive, send, 413, f"request body larger than {self.max_body_bytes} bytes"
+            )
         required = self._required_keys(scope["path"])
         if required:
             supplied = bearer_token(headers.get(b"authorization", b""))
             # Compare with every accepted key (constant time each), not stopping early.
             matches = [hmac.compare_digest(supplied, key) for key in required]
             if not any(matches):
-                return await self._reject(scope, receive, send, 401,
-                                          "invalid or missing API key: send the header 'Authorization: Bearer KEY'")
+                return await self._reject(
+                    scope, receive, send, 401, "invalid or missing API key: send the header 'Authorization: Bearer KEY'"
+                )
         return await self.app(scope, self._limited(receive), send)
 
     def _required_keys(self, path: str) -> list[bytes]:

@@ -12,13 +12,27 @@ def serve_http(server_args: ServerArgs, app, workers: int = 1) -> None:
         return
     import uvicorn
 
-    uvicorn.run(app, host=server_args.host, port=server_args.port, log_level="warning", timeout_keep_alive=30,
-                workers=workers if workers > 1 else None, factory=isinstance(app, str))
+    uvicorn.run(
+        app,
+        host=server_args.host,
+        port=server_args.port,
+        log_level="warning",
+        timeout_keep_alive=30,
+        workers=workers if workers > 1 else None,
+        factory=isinstance(app, str),
+    )
 
 
 def _serve_granian(server_args: ServerArgs, app_factory: str, workers: int) -> None:
     from granian import Granian
     from granian.constants import Interfaces
 
-    Granian(app_factory, address=server_args.host, port=server_args.port, interface=Interfaces.ASGI,
-            workers=workers, factory=True, log_level="warning").serve()
+    Granian(
+        app_factory,
+        address=server_args.host,
+        port=server_args.port,
+        interface=Interfaces.ASGI,
+        workers=workers,
+        factory=True,
+        log_level="warning",
+    ).serve()

@@ -68,8 +68,9 @@ def decode_json(body: bytes, kind: type[T] = Any) -> T:
     """Decode a request body into `kind`; anything wrong with it is a ClientError naming the
     field where msgspec can tell it."""
     if nests_deeper_than(body, MAX_JSON_DEPTH):
-        raise ClientError(f"the body nests arrays and objects more than {MAX_JSON_DEPTH} levels deep "
-                          f"(the limit is {MAX_JSON_DEPTH})")
+        raise ClientError(
+            f"the body nests arrays and objects more than {MAX_JSON_DEPTH} levels deep (the limit is {MAX_JSON_DEPTH})"
+        )
     try:
         return msgspec.json.decode(body, type=kind)
     except msgspec.ValidationError as e:

@@ -54,8 +54,12 @@ def install_openai_routes(app: FastAPI, state: ServerState, docs: ApiDocs) -> No
         model = {"id": state.model_name, "object": "model", "created": 0, "owned_by": "sluice"}
         return {"object": "list", "data": [model]}
 
-    @app.post("/v1/completions", openapi_extra=docs.operation(
-        body=CompletionRequest, response=CompletionResponse, stream_event=CompletionChunk, errors=_ERRORS))
+    @app.post(
+        "/v1/completions",
+        openapi_extra=docs.operation(
+            body=CompletionRequest, response=CompletionResponse, stream_event=CompletionChunk, errors=_ERRORS
+        ),
+    )
     async def completions(request: Request):
         body = decode_json(await request.body(), CompletionRequest)
         body.check()
@@ -79,8 +83,15 @@ def install_openai_routes(app: FastAPI, state: ServerState, docs: ApiDocs) -> No
         view = CompletionView(state.model_name, request_id, token_texts, body, prompts)
         return await serve(tm, obj, request, view, "prompt")
 
-    @app.post("/v1/chat/completions", openapi_extra=docs.operation(
-        body=ChatCompletionRequest, response=ChatCompletionResponse, stream_event=ChatCompletionChunk, errors=_ERRORS))
+    @app.post(
+        "/v1/chat/completions",
+        openapi_extra=docs.operation(
+            body=ChatCompletionRequest,
+            response=ChatCompletionResponse,
+            stream_event=ChatCompletionChunk,
+            errors=_ERRORS,
+        ),
+    )
     async def chat_completions(request: Request):
         body = decode_json(await request.body(), ChatCompletionRequest)
         body.check()
@@ -116,8 +127,9 @@ def chat_prompt_ids(tm: TokenizerManager, body: ChatCompletionRequest, model_nam
     return tm.tokenizer(rendered, add_special_tokens=False).input_ids, image_urls
 
 
-async def serve(tm: TokenizerManager, obj: GenerateReqInput, request: Request, view: OpenAIView,
-                prompt_param: str) -> Response:
+async def serve(
+    tm: TokenizerManager, obj: GenerateReqInput, request: Request, view: OpenAIView, prompt_param: str
+) -> Response:
     generator = tm.generate_request(obj, request)
     try:
         if obj.stream:

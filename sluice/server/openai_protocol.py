@@ -116,8 +116,10 @@ class CompletionRequest(SamplingFields, kw_only=True):
             return [prompt]
         if all(isinstance(item, str) for item in prompt) or all(_is_token_ids(item) for item in prompt):
             return prompt
-        raise ClientError("prompt must be a string, a list of token ids, or a list of strings or of token-id "
-                          "lists (not both)", "prompt")
+        raise ClientError(
+            "prompt must be a string, a list of token ids, or a list of strings or of token-id lists (not both)",
+            "prompt",
+        )
 
 
 def _is_token_ids(value: Any) -> bool:
@@ -167,25 +169,32 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
         """The messages as the chat template takes them (a role and one string of content,
         each image part replaced by the model's image token), and the image URLs in order."""
         image_urls: list[str] = []
-        messages = [_template_message(message, index, image_token, model_name, image_urls)
-                    for index, message in enumerate(self.messages)]
+        messages = [
+            _template_message(message, index, image_token, model_name, image_urls)
+            for index, message in enumerate(self.messages)
+        ]
         return messages, image_urls
 
 
-def _template_message(message: ChatMessage, index: int, image_token: str | None, model_name: str,
-                      image_urls: list[str]) -> dict[str, str]:
+def _template_message(
+    message: ChatMessage, index: int, image_token: str | None, model_name: str, image_urls: list[str]
+) -> dict[str, str]:
     where = f"messages[{index}]"
     role = CHAT_ROLES.get(message.role)
     if role is None:
-        raise ClientError(f"{where}.role '{message.role}' is not supported; use one of {sorted(CHAT_ROLES)}", f"{where}.role")
+        raise ClientError(
+            f"{where}.role '{message.role}' is not supported; use one of {sorted(CHAT_ROLES)}", f"{where}.role"
+        )
     content = message.content
     if content is None:
         if role != "assistant":
             raise ClientError(f"{where}.content is required for role '{message.role}'", f"{where}.content")
         content = ""
     elif isinstance(content, list):
-        content = "".join(_part_text(part, f"{where}.content[{i}]", image_token, model_name, image_urls)
-                          for i, part in enumerate(content))
+        content = "".join(
+            _part_text(part, f"{where}.content[{i}]", image_token, model_name, image_urls)
+            for i, part in enumerate(content)
+        )
     return {"role": role, "content": content}
 
 

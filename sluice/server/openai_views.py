@@ -85,8 +85,12 @@ def completion_logprobs(entries: list[LogprobEntry], texts: TokenTexts, first_of
         top = {texts(token_id): logprob for token_id, logprob in entry.top}
         top.setdefault(text, entry.logprob)
         top_logprobs.append(top)
-    return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries], "top_logprobs": top_logprobs,
-            "text_offset": offsets}
+    return {
+        "tokens": tokens,
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": top_logprobs,
+        "text_offset": offsets,
+    }
 
 
 def chat_logprobs(entries: list[LogprobEntry], texts: TokenTexts, top_count: int) -> list[dict[str, Any]]:
@@ -122,8 +126,9 @@ class OpenAIView:
     chunk_object_name: str
     id_prefix: str
 
-    def __init__(self, model_name: str, request_id: str, texts: TokenTexts, include_usage: bool,
-                 prompt_count: int, n: int):
+    def __init__(
+        self, model_name: str, request_id: str, texts: TokenTexts, include_usage: bool, prompt_count: int, n: int
+    ):
         self.model_name = model_name
         self.id = f"{self.id_prefix}-{request_id}"
         self.created = int(time.time())
@@ -138,8 +143,13 @@ class OpenAIView:
         return len(self.finished_chunks) == self.choice_count
 
     def envelope(self, object_name: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        return {"id": self.id, "object": object_name, "created": self.created, "model": self.model_name,
-                "choices": choices}
+        return {
+            "id": self.id,
+            "object": object_name,
+            "created": self.created,
+            "model": self.model_name,
+            "choices": choices,
+        }
 
     def usage(self, finals: dict[int, GenerateChunk]) -> dict[str, Any]:
         """Completion tokens of every choice; prompt tokens of every prompt once, as OpenAI counts them."""
@@ -149,8 +159,12 @@ class OpenAIView:
         prompt = sum(chunk.prompt_tokens for chunk in prompt_finals.values())
         cached = sum(chunk.cached_tokens for chunk in prompt_finals.values())
         completion = sum(chunk.completion_tokens for chunk in finals.values())
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": cached}}
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
 
     def error_message(self, chunk: GenerateChunk) -> str:
         message = failure_message(chunk)
@@ -211,8 +225,9 @@ class CompletionView(OpenAIView):
             self.prompt_texts[prompt_index] = prompt if isinstance(prompt, str) else self.texts.decode(prompt)
         return self.prompt_texts[prompt_index]
 
-    def choice(self, index: int, text: str, entries: list[LogprobEntry], chunk: GenerateChunk, echo: bool,
-               offset: int) -> dict[str, Any]:
+    def choice(
+        self, index: int, text: str, entries: list[LogprobEntry], chunk: GenerateChunk, echo: bool, offset: int
+    ) -> dict[str, Any]:
         if echo:
             text = self.prompt_text(index) + text
             entries = logprob_entries(chunk, "input") + entries
@@ -249,13 +264,25 @@ class ChatView(OpenAIView):
         return {"content": chat_logprobs(entries, self.texts, self.top_count)}
 
     def final_choice(self, index: int, chunk: GenerateChunk) -> dict[str, Any]:
-        return {"index": index, "message": {"role": "assistant", "content": chunk.text},
-                "logprobs": self.logprobs(logprob_entries(chunk, "output")), "finish_reason": finish_reason(chunk)}
+        return {
+            "index": index,
+            "message": {"role": "assistant", "content": chunk.text},
+            "logprobs": self.logprobs(logprob_entries(chunk, "output")),
+            "finish_reason": finish_reason(chunk),
+        }
 
     def stream_start(self) -> list[dict[str, Any]]:
         return [
-            self.stream_envelope([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                   "finish_reason": None}])
+            self.stream_envelope(
+                [
+                    {
+                        "index": index,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                ]
+            )
             for index in range(self.choice_count)
         ]
 
@@ -263,5 +290,9 @@ class ChatView(OpenAIView):
         text, entries = chunk.text, logprob_entries(chunk, "output")
         if not (text or entries or chunk.finished):
             return None
-        return {"index": index, "delta": {"content": text} if text else {},
-                "logprobs": self.logprobs(entries) if entries else None, "finish_reason": finish_reason(chunk)}
+        return {
+            "index": index,
+            "delta": {"content": text} if text else {},
+            "logprobs": self.logprobs(entries) if entries else None,
+            "finish_reason": finish_reason(chunk),
+        }

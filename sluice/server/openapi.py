@@ -31,14 +31,24 @@ class ApiDocs:
         self.components.update(components)
         return schema
 
-    def operation(self, *, body: Any = None, body_fields: dict[str, Any] | None = None, response: Any = None,
-                  stream_event: Any = None, errors: tuple[int, ...] = ()) -> dict[str, Any]:
+    def operation(
+        self,
+        *,
+        body: Any = None,
+        body_fields: dict[str, Any] | None = None,
+        response: Any = None,
+        stream_event: Any = None,
+        errors: tuple[int, ...] = (),
+    ) -> dict[str, Any]:
         """A route's `openapi_extra`. `body_fields` documents fields of `body` that its struct
         types loosely (e.g. a dict the route converts itself); `stream_event` is the JSON of
         each server-sent event when the request asks for `stream`."""
         operation: dict[str, Any] = {}
         if body is not None:
-            operation["requestBody"] = {"required": True, "content": {"application/json": {"schema": self.schema(body)}}}
+            operation["requestBody"] = {
+                "required": True,
+                "content": {"application/json": {"schema": self.schema(body)}},
+            }
             for field, kind in (body_fields or {}).items():
                 self.field_schemas[body.__name__, field] = self.schema(kind)
         responses: dict[str, Any] = {}
@@ -48,8 +58,10 @@ class ApiDocs:
                 content["text/event-stream"] = {"schema": self.stream_event_schema(stream_event)}
             responses["200"] = {"description": "OK", "content": content}
         for status_code in errors:
-            responses[str(status_code)] = {"description": HTTPStatus(status_code).phrase,
-                                           "content": {"application/json": {"schema": self.schema(ErrorResponse)}}}
+            responses[str(status_code)] = {
+                "description": HTTPStatus(status_code).phrase,
+                "content": {"application/json": {"schema": self.schema(ErrorResponse)}},
+            }
         if responses:
             operation["responses"] = responses
         return operation
@@ -60,13 +72,17 @@ class ApiDocs:
         payload = {"anyOf": [self.schema(event), self.schema(ErrorResponse)]}
         return {
             "description": "With `stream`: one event per chunk; a failure after the first chunk is one error "
-                           "event; the last event is `data: [DONE]`.",
+            "event; the last event is `data: [DONE]`.",
             "type": "object",
             "required": ["data"],
-            "properties": {"data": {"anyOf": [
-                {"const": "[DONE]"},
-                {"type": "string", "contentMediaType": "application/json", "contentSchema": payload},
-            ]}},
+            "properties": {
+                "data": {
+                    "anyOf": [
+                        {"const": "[DONE]"},
+                        {"type": "string", "contentMediaType": "application/json", "contentSchema": payload},
+                    ]
+                }
+            },
         }
 
     def install(self, app: FastAPI) -> None:

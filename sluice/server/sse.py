@@ -56,8 +56,9 @@ async def stream_response(chunks: AsyncIterator[GenerateChunk], stream_format: S
     return StreamingResponse(_events(first, chunks, stream_format), media_type="text/event-stream")
 
 
-async def _events(first: GenerateChunk, rest: AsyncIterator[GenerateChunk],
-                  stream_format: StreamFormat) -> AsyncIterator[bytes]:
+async def _events(
+    first: GenerateChunk, rest: AsyncIterator[GenerateChunk], stream_format: StreamFormat
+) -> AsyncIterator[bytes]:
     try:
         for payload in stream_format.stream_start():
             yield sse_event(payload)

@@ -46,8 +46,9 @@ def create_worker_app():
     """The app factory each HTTP worker process calls (uvicorn `factory=True`)."""
     die_with_parent("http-worker")
     tm, server_args = init_multi_tokenizer()
-    logging.basicConfig(level=server_args.log_level.upper(),
-                        format=f"%(asctime)s [worker {os.getpid()}] %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=server_args.log_level.upper(), format=f"%(asctime)s [worker {os.getpid()}] %(levelname)s %(message)s"
+    )
     state = ServerState(server_args)
 
     @asynccontextmanager

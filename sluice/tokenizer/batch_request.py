@@ -69,8 +69,15 @@ async def _warm_prefixes(tm: RequestChannel, tokenized: list[TokenizedGenerateRe
     warmups = []
     for t in tokenized:
         params = msgspec.structs.replace(t.sampling_params, max_new_tokens=0, min_new_tokens=0)
-        warm = msgspec.structs.replace(t, rid=f"{t.rid}::prefix", sampling_params=params,
-                                       stream=False, return_logprob=False, top_logprobs_num=0, logprob_start_len=-1)
+        warm = msgspec.structs.replace(
+            t,
+            rid=f"{t.rid}::prefix",
+            sampling_params=params,
+            stream=False,
+            return_logprob=False,
+            top_logprobs_num=0,
+            logprob_start_len=-1,
+        )
         warmups.append((warm, tm.add_req_state(warm, "prefix_warmup")))
     tm.send(BatchTokenizedGenerateReqInput(reqs=[w for w, _ in warmups]))
     for _, state in warmups:

@@ -67,7 +67,9 @@ class GenerateReqInput(msgspec.Struct, kw_only=True):
         if size > max_items:
             raise ClientError(f"the request has {size} items, more than max_batch_items={max_items}", "text")
         if isinstance(self.sampling_params, list) and len(self.sampling_params) != size:
-            raise ClientError(f"'sampling_params' has {len(self.sampling_params)} entries for {size} prompts", "sampling_params")
+            raise ClientError(
+                f"'sampling_params' has {len(self.sampling_params)} entries for {size} prompts", "sampling_params"
+            )
         if isinstance(self.rid, list):
             if len(self.rid) != size:
                 raise ClientError(f"'rid' has {len(self.rid)} entries for {size} prompts", "rid")
@@ -113,8 +115,9 @@ class GenerateReqInput(msgspec.Struct, kw_only=True):
         if self.top_logprobs_num < 0:
             raise ClientError(f"top_logprobs_num must be >= 0, got {self.top_logprobs_num}", "top_logprobs_num")
         if self.top_logprobs_num > MAX_TOP_LOGPROBS:
-            raise ClientError(f"top_logprobs_num must be <= {MAX_TOP_LOGPROBS}, got {self.top_logprobs_num}",
-                              "top_logprobs_num")
+            raise ClientError(
+                f"top_logprobs_num must be <= {MAX_TOP_LOGPROBS}, got {self.top_logprobs_num}", "top_logprobs_num"
+            )
         if self.logprob_start_len < -1:
             raise ClientError(f"logprob_start_len must be >= -1, got {self.logprob_start_len}", "logprob_start_len")
 

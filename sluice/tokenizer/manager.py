@@ -59,8 +59,14 @@ class BackendError(RuntimeError):
 
 
 class TokenizerManager:
-    def __init__(self, server_args: ServerArgs, port_args: PortArgs, tokenizer, chat_template=None,
-                 http_worker_ipc: str | None = None):
+    def __init__(
+        self,
+        server_args: ServerArgs,
+        port_args: PortArgs,
+        tokenizer,
+        chat_template=None,
+        http_worker_ipc: str | None = None,
+    ):
         self.server_args = server_args
         self.tokenizer = tokenizer
         self.chat_template = chat_template
@@ -178,7 +184,9 @@ class TokenizerManager:
         if obj.batch_size * n > self.server_args.max_batch_items:
             raise ClientError(
                 f"{obj.batch_size} prompts x n={n} is {obj.batch_size * n} items, "
-                f"more than max_batch_items={self.server_args.max_batch_items}", "n")
+                f"more than max_batch_items={self.server_args.max_batch_items}",
+                "n",
+            )
         return n
 
     # ------------------------------------------------------------ what every path uses
@@ -257,8 +265,9 @@ class TokenizerManager:
             case SetPause():
                 asyncio.get_running_loop().create_task(self._set_pause(recv_obj.paused))
             case WorkerStatsReq():
-                self.send_to_scheduler.send(WorkerStats(rid_to_state_size=len(self.rid_to_state),
-                                                        http_worker_ipc=recv_obj.http_worker_ipc))
+                self.send_to_scheduler.send(
+                    WorkerStats(rid_to_state_size=len(self.rid_to_state), http_worker_ipc=recv_obj.http_worker_ipc)
+                )
             case _:
                 self._result_dispatcher(recv_obj)
 

@@ -74,7 +74,9 @@ class ReqState:
         del self.new_top_logprobs[keep:]
         self.num_output_ids = count
 
-    def _take_chunk(self, finish_reason: FinishReason | None, now: float, output: ReqOutput | None = None) -> GenerateChunk:
+    def _take_chunk(
+        self, finish_reason: FinishReason | None, now: float, output: ReqOutput | None = None
+    ) -> GenerateChunk:
         chunk = GenerateChunk(
             rid=self.rid,
             path=self.path,

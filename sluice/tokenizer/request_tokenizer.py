@@ -20,13 +20,17 @@ class RequestTokenizer:
         self.mm_processor: RequestImages | None = None  # a vision-language model's image pipeline
         self.scheduler_info: SchedulerReady | None = None  # the model's limits, once the back end is ready
 
-    async def tokenize(self, items: list[GenerateReqInput], live_rids: Container[str],
-                       label_items: bool = False) -> list[TokenizedGenerateReqInput]:
+    async def tokenize(
+        self, items: list[GenerateReqInput], live_rids: Container[str], label_items: bool = False
+    ) -> list[TokenizedGenerateReqInput]:
         """Tokenize and check every item; the first bad one fails them all (a ClientError
         that names the item when `label_items`)."""
         images = await asyncio.gather(*(self._process_images(item) for item in items))
-        texts = [self._text_with_placeholders(item.text, len(imgs))
-                 for item, imgs in zip(items, images) if item.input_ids is None]
+        texts = [
+            self._text_with_placeholders(item.text, len(imgs))
+            for item, imgs in zip(items, images)
+            if item.input_ids is None
+        ]
         # One tokenizer call for all texts: the fast tokenizer encodes a list in parallel Rust.
         encoded = iter(self.tokenizer(texts).input_ids) if texts else iter(())
         tokenized: list[TokenizedGenerateReqInput] = []
@@ -62,7 +66,9 @@ class RequestTokenizer:
     def _text_with_placeholders(self, text: str, num_images: int) -> str:
         return self.mm_processor.prompt_with_placeholders(text, num_images) if num_images else text
 
-    def _tokenized(self, obj: GenerateReqInput, input_ids: list[int], images: list[ImageInput]) -> TokenizedGenerateReqInput:
+    def _tokenized(
+        self, obj: GenerateReqInput, input_ids: list[int], images: list[ImageInput]
+    ) -> TokenizedGenerateReqInput:
         if images:
             self.mm_processor.check_tokens(input_ids, len(images))
         params = parse_sampling_params(obj.sampling_params)
@@ -92,8 +98,7 @@ class RequestTokenizer:
         max_input, context_len = self.scheduler_info.max_req_input_len, self.scheduler_info.context_len
         if num_input > max_input:
             raise ClientError(
-                f"The input has {num_input} tokens, more than the maximum input length "
-                f"max_req_input_len={max_input}",
+                f"The input has {num_input} tokens, more than the maximum input length max_req_input_len={max_input}",
                 "input_ids",
             )
         if num_input + params.max_new_tokens > context_len:

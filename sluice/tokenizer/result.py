@@ -151,7 +151,9 @@ class _EncodedSoFar:
             self.output_token_logprobs.extend(_token_logprobs(chunk.output_logprobs, chunk.output_ids))
             self.output_top_logprobs.extend(_top_logprobs(chunk.output_top_logprobs))
             if chunk.input_logprobs:
-                self.input_token_logprobs = msgspec.Raw(_encode(_token_logprobs(chunk.input_logprobs, chunk.input_token_ids)))
+                self.input_token_logprobs = msgspec.Raw(
+                    _encode(_token_logprobs(chunk.input_logprobs, chunk.input_token_ids))
+                )
                 self.input_top_logprobs = msgspec.Raw(_encode(_top_logprobs(chunk.input_top_logprobs)))
         # A stop string ended the text before tokens already streamed: they do not count.
         for encoded in (self.output_ids, self.output_token_logprobs, self.output_top_logprobs):

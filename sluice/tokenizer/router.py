@@ -103,9 +103,15 @@ class MultiTokenizerRouter:
         """End every item of the refused message at once, with a 400 naming the rid."""
         message = f"a request with rid '{sorted(duplicates)[0]}' is already running"
         reason = FinishReason(type="abort", message=message, status_code=400)
-        outputs = [StrOutput(text="", output=ReqOutput(rid=req.rid, new_token_ids=[], finish_reason=reason,
-                                                       http_worker_ipc=req.http_worker_ipc))
-                   for req in reqs]
+        outputs = [
+            StrOutput(
+                text="",
+                output=ReqOutput(
+                    rid=req.rid, new_token_ids=[], finish_reason=reason, http_worker_ipc=req.http_worker_ipc
+                ),
+            )
+            for req in reqs
+        ]
         self._distribute_result_to_workers(BatchStrOutput(outputs=outputs))
 
     def broadcast(self, message: Message) -> None:

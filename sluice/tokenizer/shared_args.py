@@ -29,8 +29,13 @@ def shared_args_path(main_pid: int) -> str:
 def write_shared_args(server_args: ServerArgs, port_args: PortArgs, scheduler_info: SchedulerReady) -> str:
     """Publish the arguments for the workers; returns the block's path. The main process
     removes it on exit, the router when the main process is killed."""
-    payload = msgspec.json.encode(MultiTokenizerArgs(
-        server_args=dataclasses.asdict(server_args), port_args=dataclasses.asdict(port_args), scheduler_info=scheduler_info))
+    payload = msgspec.json.encode(
+        MultiTokenizerArgs(
+            server_args=dataclasses.asdict(server_args),
+            port_args=dataclasses.asdict(port_args),
+            scheduler_info=scheduler_info,
+        )
+    )
     path = shared_args_path(os.getpid())
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # it names the IPC paths: owner only
     with os.fdopen(fd, "wb") as f:

@@ -30,7 +30,9 @@ def load_tokenizer_side(server_args: ServerArgs):
     return tokenizer, ChatTemplate.from_model(model_path, tokenizer)
 
 
-def load_multimodal_processor(server_args: ServerArgs, scheduler_info: SchedulerReady, tokenizer) -> RequestImages | None:
+def load_multimodal_processor(
+    server_args: ServerArgs, scheduler_info: SchedulerReady, tokenizer
+) -> RequestImages | None:
     """The image pipeline of a vision-language model; None for a text-only model."""
     if scheduler_info.image_token_id is None:
         return None
@@ -48,8 +50,9 @@ def load_multimodal_processor(server_args: ServerArgs, scheduler_info: Scheduler
 
 
 async def warm_up(tm: TokenizerManager, rid: str = "WARMUP") -> None:
-    obj = GenerateReqInput(text="The capital of France is", sampling_params={"max_new_tokens": 4, "temperature": 0},
-                           rid=rid)
+    obj = GenerateReqInput(
+        text="The capital of France is", sampling_params={"max_new_tokens": 4, "temperature": 0}, rid=rid
+    )
     async for chunk in tm.generate_request(obj):
         last = chunk
     logger.info("warm-up generated %r", last.text)

@@ -18,7 +18,9 @@ logger = logging.getLogger(__name__)
 
 
 class SoftWatchdog:
-    def __init__(self, timeout_s: float, in_flight: Callable[[], int], describe: Callable[[], str], clock=time.monotonic):
+    def __init__(
+        self, timeout_s: float, in_flight: Callable[[], int], describe: Callable[[], str], clock=time.monotonic
+    ):
         self.timeout_s = timeout_s
         self.in_flight = in_flight
         self.describe = describe
@@ -43,7 +45,11 @@ class SoftWatchdog:
         self.num_fired += 1
         logger.error(
             "soft watchdog: %d request(s) in flight and no output for %.1f s (limit %.1f s)\n%s\n%s",
-            self.in_flight(), silent_s, self.timeout_s, self.describe(), thread_stacks(),
+            self.in_flight(),
+            silent_s,
+            self.timeout_s,
+            self.describe(),
+            thread_stacks(),
         )
         return True
 

@@ -9,6 +9,7 @@ import httpx
 
 from tests.helpers import generate, greedy, internal_states, sse_events, wait_until_drained, wait_until_running
 
+
 def requests_received(base_url: str) -> dict[str, int]:
     counts = internal_states(base_url)["messages_received"]
     return {k: v for k, v in counts.items() if "GenerateReqInput" in k}
@@ -36,8 +37,12 @@ def test_batch_of_texts_is_one_message_and_matches_singles(base_url):
 
 def test_batch_of_input_ids_with_per_item_params_and_rids(base_url):
     ids = [[1, 9690, 198, 2683], [504, 3575, 282, 4649, 314]]
-    r = generate(base_url, input_ids=ids, rid=["a-1", "a-2"],
-                 sampling_params=[greedy(3, ignore_eos=True), greedy(5, ignore_eos=True)])
+    r = generate(
+        base_url,
+        input_ids=ids,
+        rid=["a-1", "a-2"],
+        sampling_params=[greedy(3, ignore_eos=True), greedy(5, ignore_eos=True)],
+    )
     results = r.json()
     assert [res["meta_info"]["id"] for res in results] == ["a-1", "a-2"]
     assert [res["meta_info"]["completion_tokens"] for res in results] == [3, 5]
@@ -58,7 +63,9 @@ def test_parallel_sampling_reuses_the_prefix(base_url):
 
 
 def test_batch_times_n_indexes(base_url):
-    r = generate(base_url, text=["1, 2, 3,", "a, b, c,"], sampling_params={"n": 3, "max_new_tokens": 3, "temperature": 0})
+    r = generate(
+        base_url, text=["1, 2, 3,", "a, b, c,"], sampling_params={"n": 3, "max_new_tokens": 3, "temperature": 0}
+    )
     results = r.json()
     assert [res["index"] for res in results] == list(range(6))
     # Greedy samples of the same prompt agree; index // n names the prompt.
@@ -75,8 +82,11 @@ def test_seeded_samples_differ_and_repeat(base_url):
 
 
 def test_streaming_batch_interleaves_and_ends_each_index_once(base_url):
-    body = {"text": ["Hello", "Goodbye"], "sampling_params": {"n": 2, "max_new_tokens": 5, "temperature": 0,
-                                                             "ignore_eos": True}, "stream": True}
+    body = {
+        "text": ["Hello", "Goodbye"],
+        "sampling_params": {"n": 2, "max_new_tokens": 5, "temperature": 0, "ignore_eos": True},
+        "stream": True,
+    }
     with httpx.stream("POST", base_url + "/generate", json=body, timeout=120) as r:
         events = sse_events(r)
     assert events.count("[DONE]") == 1 and events[-1] == "[DONE]"
@@ -110,8 +120,11 @@ def test_size_limits_are_checked_first(base_url):
 
 
 def test_aborting_the_parent_rid_aborts_every_child(base_url):
-    body = {"text": "Tell me a long story.", "rid": "parent-1",
-            "sampling_params": {"n": 3, "max_new_tokens": 4000, "ignore_eos": True}}
+    body = {
+        "text": "Tell me a long story.",
+        "rid": "parent-1",
+        "sampling_params": {"n": 3, "max_new_tokens": 4000, "ignore_eos": True},
+    }
     result = {}
     thread = threading.Thread(target=lambda: result.update(r=generate(base_url, **body)))
     thread.start()

@@ -39,8 +39,9 @@ def test_a_list_takes_the_batch_path_in_input_order(engine):
 
 
 def test_n_returns_every_sample_with_its_index(engine):
-    results = engine.generate("Once upon a time", {"n": 3, "max_new_tokens": 6, "temperature": 1.0, "seed": 7,
-                                                   "ignore_eos": True})
+    results = engine.generate(
+        "Once upon a time", {"n": 3, "max_new_tokens": 6, "temperature": 1.0, "seed": 7, "ignore_eos": True}
+    )
     assert [r["index"] for r in results] == [0, 1, 2]
     assert all(r["meta_info"]["path"] == "parallel_sample" and len(r["output_ids"]) == 6 for r in results)
     assert len({r["meta_info"]["id"] for r in results}) == 3

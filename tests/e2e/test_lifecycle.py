@@ -16,8 +16,12 @@ from tests.helpers import RunningServer, wait_until_running
 LONG = {"max_new_tokens": 3000, "ignore_eos": True}
 STREAMS = {
     "/generate": {"text": "Tell me a story.", "sampling_params": LONG, "stream": True},
-    "/v1/chat/completions": {"messages": [{"role": "user", "content": "Tell me a story."}], "max_tokens": 3000,
-                             "ignore_eos": True, "stream": True},
+    "/v1/chat/completions": {
+        "messages": [{"role": "user", "content": "Tell me a story."}],
+        "max_tokens": 3000,
+        "ignore_eos": True,
+        "stream": True,
+    },
     "/v1/completions": {"prompt": "Once upon a time", "max_tokens": 3000, "ignore_eos": True, "stream": True},
 }
 
@@ -41,7 +45,7 @@ class StreamReader(threading.Thread):
                 return
             for line in response.iter_lines():
                 if line.startswith("data: "):
-                    payload = line[len("data: "):]
+                    payload = line[len("data: ") :]
                     self.events.append(payload if payload == "[DONE]" else json.loads(payload))
                     self.first_event.set()
 
@@ -63,10 +67,14 @@ def test_dead_scheduler_fails_requests_then_sigterm_stops_everything():
 
         result = {}
         body = {"text": "Tell me a story.", "sampling_params": LONG}
-        thread = threading.Thread(target=lambda: result.update(r=httpx.post(server.base_url + "/generate", json=body, timeout=60)))
+        thread = threading.Thread(
+            target=lambda: result.update(r=httpx.post(server.base_url + "/generate", json=body, timeout=60))
+        )
         thread.start()
         # Two streams past their first token...
-        streaming = [StreamReader(server.base_url + path, STREAMS[path]) for path in ("/generate", "/v1/chat/completions")]
+        streaming = [
+            StreamReader(server.base_url + path, STREAMS[path]) for path in ("/generate", "/v1/chat/completions")
+        ]
         for reader in streaming:
             reader.start()
         for reader in streaming:

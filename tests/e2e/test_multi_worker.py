@@ -19,8 +19,9 @@ API_KEY, ADMIN_KEY = "test-key-123", "admin-key-456"
 
 @pytest.fixture(scope="module")
 def four_workers():
-    server = RunningServer("--max-total-tokens", "20000", "--tokenizer-worker-num", "4",
-                           "--api-key", API_KEY, "--admin-api-key", ADMIN_KEY)
+    server = RunningServer(
+        "--max-total-tokens", "20000", "--tokenizer-worker-num", "4", "--api-key", API_KEY, "--admin-api-key", ADMIN_KEY
+    )
     yield server
     server.stop()
 
@@ -69,8 +70,14 @@ def test_state_summed_over_workers_and_pause_broadcast(four_workers):
     assert httpx.post(url + "/pause_generation", headers=authed(ADMIN_KEY)).status_code == 200
     time.sleep(0.5)
     with ThreadPoolExecutor(8) as pool:
-        futures = [pool.submit(lambda: httpx.post(url + "/generate", json={"text": "Hi", "sampling_params": greedy(2)},
-                                                  headers=authed(), timeout=120)) for _ in range(8)]
+        futures = [
+            pool.submit(
+                lambda: httpx.post(
+                    url + "/generate", json={"text": "Hi", "sampling_params": greedy(2)}, headers=authed(), timeout=120
+                )
+            )
+            for _ in range(8)
+        ]
         time.sleep(2)
         assert not any(f.done() for f in futures)  # held on every worker
         states = httpx.get(url + "/get_server_info", headers=authed()).json()["internal_states"][0]
@@ -127,10 +134,13 @@ def test_granian_serves_the_same_app(workers):
     try:
         r = generate(server.base_url, text="The capital of France is", sampling_params=greedy(4))
         assert r.status_code == 200 and "Paris" in r.json()["text"]
-        stream = httpx.post(server.base_url + "/generate", timeout=60,
-                            json={"text": "Hi", "sampling_params": greedy(3), "stream": True})
+        stream = httpx.post(
+            server.base_url + "/generate", timeout=60, json={"text": "Hi", "sampling_params": greedy(3), "stream": True}
+        )
         assert stream.text.rstrip().endswith("data: [DONE]")
-        assert httpx.post(server.base_url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}).status_code == 200
+        assert (
+            httpx.post(server.base_url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}).status_code == 200
+        )
     finally:
         server.stop()
 

@@ -41,8 +41,16 @@ def media_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def vlm(tmp_path_factory, media_dir):
     folder = build_tiny_llava(tmp_path_factory.mktemp("tiny-llava"))
-    server = RunningServer("--model-path", str(folder), "--max-total-tokens", str(MAX_TOTAL_TOKENS),
-                           "--allowed-local-media-path", str(media_dir), "--max-images-per-request", "3")
+    server = RunningServer(
+        "--model-path",
+        str(folder),
+        "--max-total-tokens",
+        str(MAX_TOTAL_TOKENS),
+        "--allowed-local-media-path",
+        str(media_dir),
+        "--max-images-per-request",
+        "3",
+    )
     yield server
     server.stop()
 
@@ -75,11 +83,14 @@ def test_data_url_and_local_file(vlm, media_dir):
     assert by_url.json()["output_ids"] == by_path.json()["output_ids"]  # same pixels, same answer
 
 
-@pytest.mark.parametrize("image, words", [
-    ("/etc/passwd", "allowed"),
-    ("bm90IGFuIGltYWdl", "decoded"),
-    ("http://127.0.0.1:9/x.png", "remote"),
-])
+@pytest.mark.parametrize(
+    "image, words",
+    [
+        ("/etc/passwd", "allowed"),
+        ("bm90IGFuIGltYWdl", "decoded"),
+        ("http://127.0.0.1:9/x.png", "remote"),
+    ],
+)
 def test_bad_images_are_400(vlm, image, words):
     r = generate(vlm.base_url, text="Hi", image_data=image, sampling_params=greedy(2))
     assert r.status_code == 400, r.text
@@ -108,7 +119,9 @@ def assert_refused_by_the_scheduler(r: httpx.Response, limit: int) -> None:
 
 def test_expanded_prompt_too_long_is_aborted_by_the_scheduler(vlm):
     text, limit = too_long_prompt(vlm)
-    assert_refused_by_the_scheduler(generate(vlm.base_url, text=text, image_data=b64(4), sampling_params=greedy(2)), limit)
+    assert_refused_by_the_scheduler(
+        generate(vlm.base_url, text=text, image_data=b64(4), sampling_params=greedy(2)), limit
+    )
 
 
 def test_a_stream_the_scheduler_refuses_is_a_real_400_in_both_apis(vlm):
@@ -116,8 +129,19 @@ def test_a_stream_the_scheduler_refuses_is_a_real_400_in_both_apis(vlm):
     text, limit = too_long_prompt(vlm)
     chat_text, _ = too_long_prompt(vlm, margin=20)
     native = {"text": text, "image_data": b64(4), "sampling_params": greedy(2), "stream": True}
-    chat = {"max_tokens": 2, "stream": True, "messages": [{"role": "user", "content": [
-        {"type": "text", "text": chat_text}, {"type": "image_url", "image_url": {"url": "data:image/png;base64," + b64(4)}}]}]}
+    chat = {
+        "max_tokens": 2,
+        "stream": True,
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": chat_text},
+                    {"type": "image_url", "image_url": {"url": "data:image/png;base64," + b64(4)}},
+                ],
+            }
+        ],
+    }
     for path, body in (("/generate", native), ("/v1/chat/completions", chat)):
         assert_refused_by_the_scheduler(httpx.post(vlm.base_url + path, json=body, timeout=120), limit)
     info = httpx.get(vlm.base_url + "/get_server_info").json()
@@ -125,17 +149,29 @@ def test_a_stream_the_scheduler_refuses_is_a_real_400_in_both_apis(vlm):
 
 
 def test_openai_chat_with_image_parts(vlm):
-    body = {"model": "", "max_tokens": 4, "temperature": 0, "messages": [{"role": "user", "content": [
-        {"type": "text", "text": "What is in the image?"},
-        {"type": "image_url", "image_url": {"url": "data:image/png;base64," + b64(5)}}]}]}
+    body = {
+        "model": "",
+        "max_tokens": 4,
+        "temperature": 0,
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "What is in the image?"},
+                    {"type": "image_url", "image_url": {"url": "data:image/png;base64," + b64(5)}},
+                ],
+            }
+        ],
+    }
     r = httpx.post(vlm.base_url + "/v1/chat/completions", json=body, timeout=120)
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] == 4
 
 
 def test_batch_mixing_text_and_images_takes_the_sequential_path(vlm):
-    r = generate(vlm.base_url, text=["Just text.", "With a picture."], image_data=[[], [b64(6)]],
-                 sampling_params=greedy(3))
+    r = generate(
+        vlm.base_url, text=["Just text.", "With a picture."], image_data=[[], [b64(6)]], sampling_params=greedy(3)
+    )
     assert r.status_code == 200, r.text
     results = r.json()
     assert [res["meta_info"]["path"] for res in results] == ["batch_sequential"] * 2
@@ -143,8 +179,12 @@ def test_batch_mixing_text_and_images_takes_the_sequential_path(vlm):
 
 
 def test_parallel_sampling_with_an_image_reuses_the_image_prefix(vlm):
-    r = generate(vlm.base_url, text="Tell me about it.", image_data=b64(8),
-                 sampling_params={"n": 3, "max_new_tokens": 3, "temperature": 1.0})
+    r = generate(
+        vlm.base_url,
+        text="Tell me about it.",
+        image_data=b64(8),
+        sampling_params={"n": 3, "max_new_tokens": 3, "temperature": 1.0},
+    )
     assert r.status_code == 200, r.text
     for res in r.json():
         assert res["meta_info"]["cached_tokens"] >= res["meta_info"]["prompt_tokens"] - 1

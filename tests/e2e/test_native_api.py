@@ -13,8 +13,10 @@ from tests.helpers import generate, greedy, internal_states, sse_events, wait_un
 # "What is the capital of France?" is a near-tie for this model ("The" vs "L", 0.1 apart):
 # quantized arithmetic answers "L'Étoile, ...", as llama.cpp does on the same GGUF. This
 # wording has a clear margin (1.4+) in both the quantized and the float paths.
-CHAT_PROMPT = ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
-               "<|im_start|>user\nName the capital of France.<|im_end|>\n<|im_start|>assistant\n")
+CHAT_PROMPT = (
+    "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+    "<|im_start|>user\nName the capital of France.<|im_end|>\n<|im_start|>assistant\n"
+)
 
 
 def test_greedy_answer(base_url):
@@ -31,8 +33,12 @@ def test_greedy_answer(base_url):
 def test_stream_matches_non_stream(base_url):
     params = greedy(12, ignore_eos=True)
     whole = generate(base_url, text="Once upon a time", sampling_params=params).json()
-    with httpx.stream("POST", base_url + "/generate", json={"text": "Once upon a time", "sampling_params": params,
-                                                            "stream": True}, timeout=120) as r:
+    with httpx.stream(
+        "POST",
+        base_url + "/generate",
+        json={"text": "Once upon a time", "sampling_params": params, "stream": True},
+        timeout=120,
+    ) as r:
         assert r.status_code == 200
         events = sse_events(r)
     assert events[-1] == "[DONE]"
@@ -44,7 +50,29 @@ def test_stream_matches_non_stream(base_url):
 
 
 def test_input_ids_and_cached_tokens(base_url):
-    ids = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018, 411, 407, 19712, 8182, 2, 198]
+    ids = [
+        1,
+        9690,
+        198,
+        2683,
+        359,
+        253,
+        5356,
+        5646,
+        11173,
+        3365,
+        3511,
+        308,
+        34519,
+        28,
+        7018,
+        411,
+        407,
+        19712,
+        8182,
+        2,
+        198,
+    ]
     first = generate(base_url, input_ids=ids, sampling_params=greedy(4)).json()
     second = generate(base_url, input_ids=ids, sampling_params=greedy(4)).json()
     assert second["output_ids"] == first["output_ids"]
@@ -52,8 +80,14 @@ def test_input_ids_and_cached_tokens(base_url):
 
 
 def test_logprobs(base_url):
-    body = generate(base_url, text="The capital of France is", sampling_params=greedy(4), return_logprob=True,
-                    top_logprobs_num=3, logprob_start_len=0).json()
+    body = generate(
+        base_url,
+        text="The capital of France is",
+        sampling_params=greedy(4),
+        return_logprob=True,
+        top_logprobs_num=3,
+        logprob_start_len=0,
+    ).json()
     meta = body["meta_info"]
     assert len(meta["output_token_logprobs"]) == 4
     for (logprob, token_id, _), tops in zip(meta["output_token_logprobs"], meta["output_top_logprobs"]):
@@ -89,17 +123,20 @@ def test_skip_special_tokens(base_url):
     assert "<|im_end|>" in shown["text"] and "<|im_end|>" not in hidden["text"]
 
 
-@pytest.mark.parametrize("body, field", [
-    ({"text": "hi", "sampling_params": {"temperature": -1}}, "temperature"),
-    ({"text": "hi", "sampling_params": {"top_p": 1.5}}, "top_p"),
-    ({"text": "hi", "sampling_params": {"max_new_tokens": "many"}}, "max_new_tokens"),
-    ({"text": "hi", "sampling_params": {"top_k": 2**100}}, "top_k"),  # once a 500 and a leaked state
-    ({"text": "hi", "input_ids": [1, 2]}, "text"),
-    ({}, "text"),
-    ({"input_ids": [99999999]}, "input_ids"),
-    ({"text": ""}, "prompt"),
-    ({"text": 5}, "text"),
-])
+@pytest.mark.parametrize(
+    "body, field",
+    [
+        ({"text": "hi", "sampling_params": {"temperature": -1}}, "temperature"),
+        ({"text": "hi", "sampling_params": {"top_p": 1.5}}, "top_p"),
+        ({"text": "hi", "sampling_params": {"max_new_tokens": "many"}}, "max_new_tokens"),
+        ({"text": "hi", "sampling_params": {"top_k": 2**100}}, "top_k"),  # once a 500 and a leaked state
+        ({"text": "hi", "input_ids": [1, 2]}, "text"),
+        ({}, "text"),
+        ({"input_ids": [99999999]}, "input_ids"),
+        ({"text": ""}, "prompt"),
+        ({"text": 5}, "text"),
+    ],
+)
 def test_bad_input_is_400(base_url, body, field):
     r = generate(base_url, **body)
     assert r.status_code == 400, r.text
@@ -144,8 +181,15 @@ def test_health_and_info_routes(base_url):
     server_info = httpx.get(base_url + "/get_server_info").json()
     assert "api_key" not in server_info
     states = server_info["internal_states"][0]
-    for key in ("num_running_reqs", "num_waiting_reqs", "kv_tokens_total", "kv_tokens_free", "kv_tokens_cached",
-                "kv_tokens_in_use", "rid_to_state_size"):
+    for key in (
+        "num_running_reqs",
+        "num_waiting_reqs",
+        "kv_tokens_total",
+        "kv_tokens_free",
+        "kv_tokens_cached",
+        "kv_tokens_in_use",
+        "rid_to_state_size",
+    ):
         assert isinstance(states[key], int)
     assert states["kv_tokens_total"] == 20000
 
@@ -183,6 +227,7 @@ def test_pause_holds_new_requests(base_url):
 
 def test_disconnected_clients_are_aborted(base_url):
     """20 clients leave mid-generation: every request is aborted and its KV freed."""
+
     def leave_early(i: int, stream: bool):
         body = {"text": f"Story number {i}:", "sampling_params": greedy(400, ignore_eos=True), "stream": stream}
         try:

@@ -57,8 +57,9 @@ def test_completion_greedy_is_deterministic_and_reports_usage(client, model):
 
 
 def test_completion_max_tokens_ends_with_length(client, model):
-    result = client.completions.create(model=model, prompt=PROMPT, max_tokens=3, temperature=0,
-                                       extra_body={"ignore_eos": True})
+    result = client.completions.create(
+        model=model, prompt=PROMPT, max_tokens=3, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert result.usage.completion_tokens == 3
     assert result.choices[0].finish_reason == "length"
 
@@ -69,8 +70,15 @@ def test_completion_default_max_tokens_is_16(client, model):
 
 
 def test_completion_token_prompt_matches_text_prompt(client, model, http):
-    native = http.post("/generate", json={"text": PROMPT, "sampling_params": {"max_new_tokens": 1, "temperature": 0},
-                                          "return_logprob": True, "logprob_start_len": 0})
+    native = http.post(
+        "/generate",
+        json={
+            "text": PROMPT,
+            "sampling_params": {"max_new_tokens": 1, "temperature": 0},
+            "return_logprob": True,
+            "logprob_start_len": 0,
+        },
+    )
     assert native.status_code == 200, native.text
     prompt_ids = [token_id for _, token_id, _ in native.json()["meta_info"]["input_token_logprobs"]]
     by_text = client.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=0)
@@ -91,16 +99,20 @@ def test_completion_stop_string_ends_the_text(client, model):
 
 def test_completion_seed_reproduces_sampling(client, model):
     def sample(seed: int) -> str:
-        return client.completions.create(model=model, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=1.0,
-                                         seed=seed).choices[0].text
+        return (
+            client.completions.create(model=model, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=1.0, seed=seed)
+            .choices[0]
+            .text
+        )
 
     assert sample(1234) == sample(1234)
     assert len({sample(seed) for seed in (1, 2, 3)}) > 1
 
 
 def test_completion_logprobs(client, model):
-    result = client.completions.create(model=model, prompt=PROMPT, max_tokens=5, temperature=0, logprobs=3,
-                                       extra_body={"ignore_eos": True})
+    result = client.completions.create(
+        model=model, prompt=PROMPT, max_tokens=5, temperature=0, logprobs=3, extra_body={"ignore_eos": True}
+    )
     choice = result.choices[0]
     logprobs = choice.logprobs
     assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(logprobs.top_logprobs) == 5
@@ -141,8 +153,16 @@ def test_completion_echo_without_logprobs(client, model):
 
 def test_completion_stream_joins_to_the_full_text_with_usage(client, model):
     full = client.completions.create(model=model, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0)
-    chunks = list(client.completions.create(model=model, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0,
-                                            stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.completions.create(
+            model=model,
+            prompt=PROMPT,
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     text_chunks = [c for c in chunks if c.choices]
     assert "".join(c.choices[0].text for c in text_chunks) == full.choices[0].text
     assert text_chunks[-1].choices[0].finish_reason == full.choices[0].finish_reason
@@ -153,8 +173,11 @@ def test_completion_stream_joins_to_the_full_text_with_usage(client, model):
 
 def test_completion_stream_with_logprobs_and_echo(client, model):
     full = client.completions.create(model=model, prompt=PROMPT, max_tokens=6, temperature=0, echo=True, logprobs=2)
-    chunks = list(client.completions.create(model=model, prompt=PROMPT, max_tokens=6, temperature=0, echo=True,
-                                            logprobs=2, stream=True))
+    chunks = list(
+        client.completions.create(
+            model=model, prompt=PROMPT, max_tokens=6, temperature=0, echo=True, logprobs=2, stream=True
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks) == full.choices[0].text
     tokens = [t for c in chunks for t in c.choices[0].logprobs.tokens]
     offsets = [o for c in chunks for o in c.choices[0].logprobs.text_offset]
@@ -170,8 +193,15 @@ def greedy_text(client, model, prompt, max_tokens: int = 8) -> str:
 
 
 def prompt_ids(http, text: str) -> list[int]:
-    native = http.post("/generate", json={"text": text, "sampling_params": {"max_new_tokens": 1, "temperature": 0},
-                                          "return_logprob": True, "logprob_start_len": 0})
+    native = http.post(
+        "/generate",
+        json={
+            "text": text,
+            "sampling_params": {"max_new_tokens": 1, "temperature": 0},
+            "return_logprob": True,
+            "logprob_start_len": 0,
+        },
+    )
     assert native.status_code == 200, native.text
     return [token_id for _, token_id, _ in native.json()["meta_info"]["input_token_logprobs"]]
 
@@ -195,8 +225,9 @@ def test_completion_list_of_token_prompts_matches_text_prompts(client, model, ht
 
 
 def test_completion_list_with_echo_and_logprobs_is_per_choice(client, model):
-    result = client.completions.create(model=model, prompt=PROMPTS[:2], max_tokens=3, temperature=0, echo=True,
-                                       logprobs=1)
+    result = client.completions.create(
+        model=model, prompt=PROMPTS[:2], max_tokens=3, temperature=0, echo=True, logprobs=1
+    )
     for prompt, choice in zip(PROMPTS, result.choices):
         assert choice.text.startswith(prompt) and choice.text == "".join(choice.logprobs.tokens)
         assert choice.logprobs.token_logprobs[0] is None
@@ -227,8 +258,15 @@ def test_completion_list_times_n_indexes_prompt_then_sample(client, model):
 
 
 def test_completion_stream_list_times_n(http, client, model):
-    body = {"model": model, "prompt": PROMPTS[:2], "n": 2, "max_tokens": 5, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "model": model,
+        "prompt": PROMPTS[:2],
+        "n": 2,
+        "max_tokens": 5,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     with http.stream("POST", "/v1/completions", json=body) as response:
         assert response.status_code == 200
         events = sse_events(response)
@@ -253,8 +291,9 @@ def test_completion_stream_list_times_n(http, client, model):
 
 
 def chat(client, model, content: str, **kwargs):
-    return client.chat.completions.create(model=model, messages=[{"role": "user", "content": content}],
-                                          temperature=0, **kwargs)
+    return client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": content}], temperature=0, **kwargs
+    )
 
 
 def test_chat_answers_the_capital_of_france(client, model):
@@ -268,7 +307,9 @@ def test_chat_answers_the_capital_of_france(client, model):
 def test_chat_content_parts_equal_a_string(client, model):
     as_string = chat(client, model, "Say hello.", max_tokens=8)
     parts = client.chat.completions.create(
-        model=model, temperature=0, max_tokens=8,
+        model=model,
+        temperature=0,
+        max_tokens=8,
         messages=[{"role": "user", "content": [{"type": "text", "text": "Say "}, {"type": "text", "text": "hello."}]}],
     )
     assert parts.choices[0].message.content == as_string.choices[0].message.content
@@ -276,8 +317,16 @@ def test_chat_content_parts_equal_a_string(client, model):
 
 def test_chat_stream_deltas_join_to_the_full_text(client, model):
     full = chat(client, model, "What is the capital of France?", max_tokens=24)
-    chunks = list(chat(client, model, "What is the capital of France?", max_tokens=24, stream=True,
-                       stream_options={"include_usage": True}))
+    chunks = list(
+        chat(
+            client,
+            model,
+            "What is the capital of France?",
+            max_tokens=24,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     choice_chunks = [c for c in chunks if c.choices]
     assert "".join(c.choices[0].delta.content or "" for c in choice_chunks) == full.choices[0].message.content
@@ -308,16 +357,18 @@ def test_chat_n_greedy_choices_agree(client, model):
     single = chat(client, model, "Name a fruit.", max_tokens=8)
     result = chat(client, model, "Name a fruit.", max_tokens=8, n=2)
     assert [c.index for c in result.choices] == [0, 1]
-    assert all(c.message.role == "assistant" and c.message.content == single.choices[0].message.content
-               for c in result.choices)
+    assert all(
+        c.message.role == "assistant" and c.message.content == single.choices[0].message.content for c in result.choices
+    )
     assert result.usage.prompt_tokens == single.usage.prompt_tokens
     assert result.usage.completion_tokens == 2 * single.usage.completion_tokens
 
 
 def test_chat_stream_n_has_deltas_per_index(client, model):
     full = chat(client, model, "Name a fruit.", max_tokens=8, n=2)
-    chunks = list(chat(client, model, "Name a fruit.", max_tokens=8, n=2, stream=True,
-                       stream_options={"include_usage": True}))
+    chunks = list(
+        chat(client, model, "Name a fruit.", max_tokens=8, n=2, stream=True, stream_options={"include_usage": True})
+    )
     contents: dict[int, str] = {}
     first_delta: dict[int, object] = {}
     finishes: dict[int, int] = {}
@@ -350,9 +401,14 @@ def test_chat_system_message_reaches_the_model(client, model):
 
 def test_chat_multi_turn_with_assistant_message(client, model):
     result = client.chat.completions.create(
-        model=model, temperature=0, max_tokens=8,
-        messages=[{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"},
-                  {"role": "user", "content": "What is 2+2?"}],
+        model=model,
+        temperature=0,
+        max_tokens=8,
+        messages=[
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello!"},
+            {"role": "user", "content": "What is 2+2?"},
+        ],
     )
     assert result.choices[0].message.content
 
@@ -390,44 +446,56 @@ def test_unknown_model_is_404_with_the_envelope(http, client):
         client.chat.completions.create(model="gpt-17", messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
 
 
-@pytest.mark.parametrize(("path", "body", "param"), [
-    ("/v1/completions", {"prompt": "Hi", "max_tokens": "ten"}, "max_tokens"),
-    ("/v1/completions", {"prompt": "Hi", "temperature": "hot"}, "temperature"),
-    ("/v1/completions", {"prompt": 5}, "prompt"),
-    ("/v1/completions", {"prompt": "Hi", "stop": [1, 2]}, "stop[0]"),
-    ("/v1/completions", {"prompt": "Hi", "echo": "yes"}, "echo"),
-    ("/v1/chat/completions", {"messages": "Hi"}, "messages"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 3}]}, "messages[0].content"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "logprobs": 3}, "logprobs"),
-])
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/completions", {"prompt": "Hi", "max_tokens": "ten"}, "max_tokens"),
+        ("/v1/completions", {"prompt": "Hi", "temperature": "hot"}, "temperature"),
+        ("/v1/completions", {"prompt": 5}, "prompt"),
+        ("/v1/completions", {"prompt": "Hi", "stop": [1, 2]}, "stop[0]"),
+        ("/v1/completions", {"prompt": "Hi", "echo": "yes"}, "echo"),
+        ("/v1/chat/completions", {"messages": "Hi"}, "messages"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": 3}]}, "messages[0].content"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "logprobs": 3}, "logprobs"),
+    ],
+)
 def test_wrong_types_are_400_naming_the_field(http, path, body, param):
     assert_error(http.post(path, json=body), 400, param)
 
 
-@pytest.mark.parametrize(("path", "body", "param"), [
-    ("/v1/completions", {"prompt": "Hi", "temperature": -0.5}, "temperature"),
-    ("/v1/completions", {"prompt": "Hi", "top_p": 1.5}, "top_p"),
-    ("/v1/completions", {"prompt": "Hi", "max_tokens": -1}, "max_tokens"),
-    ("/v1/completions", {"prompt": "Hi", "max_tokens": 10**9}, "max_tokens"),
-    ("/v1/completions", {"prompt": "Hi", "logprobs": 6}, "logprobs"),
-    ("/v1/completions", {"prompt": "Hi", "n": 17}, "n"),
-    ("/v1/completions", {"prompt": "Hi", "n": 0}, "n"),
-    ("/v1/completions", {"prompt": ["Hi"] * 20, "n": 16}, "n"),
-    ("/v1/completions", {"prompt": ["Hi"] * 257}, "prompt"),
-    ("/v1/completions", {"prompt": ["Hi", [1, 2]]}, "prompt"),
-    ("/v1/completions", {"prompt": ["Hi", ""]}, "prompt"),
-    ("/v1/completions", {"prompt": [[1, 2], [99999999999]]}, "prompt"),
-    ("/v1/completions", {"prompt": "Hi", "frequency_penalty": 3}, "frequency_penalty"),
-    ("/v1/completions", {"prompt": "Hi", "max_tokens": 2, "min_tokens": 5}, "min_tokens"),
-    ("/v1/completions", {"prompt": ""}, "prompt"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "top_logprobs": 21,
-                              "logprobs": True}, "top_logprobs"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_completion_tokens": -3},
-     "max_completion_tokens"),
-    ("/v1/chat/completions", {"messages": []}, "messages"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "n": 17}, "n"),
-    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "Hi"}]}, "messages[0].role"),
-])
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/completions", {"prompt": "Hi", "temperature": -0.5}, "temperature"),
+        ("/v1/completions", {"prompt": "Hi", "top_p": 1.5}, "top_p"),
+        ("/v1/completions", {"prompt": "Hi", "max_tokens": -1}, "max_tokens"),
+        ("/v1/completions", {"prompt": "Hi", "max_tokens": 10**9}, "max_tokens"),
+        ("/v1/completions", {"prompt": "Hi", "logprobs": 6}, "logprobs"),
+        ("/v1/completions", {"prompt": "Hi", "n": 17}, "n"),
+        ("/v1/completions", {"prompt": "Hi", "n": 0}, "n"),
+        ("/v1/completions", {"prompt": ["Hi"] * 20, "n": 16}, "n"),
+        ("/v1/completions", {"prompt": ["Hi"] * 257}, "prompt"),
+        ("/v1/completions", {"prompt": ["Hi", [1, 2]]}, "prompt"),
+        ("/v1/completions", {"prompt": ["Hi", ""]}, "prompt"),
+        ("/v1/completions", {"prompt": [[1, 2], [99999999999]]}, "prompt"),
+        ("/v1/completions", {"prompt": "Hi", "frequency_penalty": 3}, "frequency_penalty"),
+        ("/v1/completions", {"prompt": "Hi", "max_tokens": 2, "min_tokens": 5}, "min_tokens"),
+        ("/v1/completions", {"prompt": ""}, "prompt"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "Hi"}], "top_logprobs": 21, "logprobs": True},
+            "top_logprobs",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "Hi"}], "max_completion_tokens": -3},
+            "max_completion_tokens",
+        ),
+        ("/v1/chat/completions", {"messages": []}, "messages"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "n": 17}, "n"),
+        ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "Hi"}]}, "messages[0].role"),
+    ],
+)
 def test_out_of_range_values_are_400_naming_the_field(http, path, body, param):
     assert_error(http.post(path, json=body), 400, param)
 
@@ -440,26 +508,53 @@ def test_images_are_refused_with_a_reason(http):
 
 
 def test_stream_errors_before_the_first_chunk_are_plain_400(http):
-    result = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}],
-                                                     "temperature": -1, "stream": True})
+    result = http.post(
+        "/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "Hi"}], "temperature": -1, "stream": True},
+    )
     assert_error(result, 400, "temperature")
 
 
 FUZZ_BODIES = [
-    b"", b"null", b"[]", b"[1, 2]", b"42", b'"text"', b"{", b"{}", b'{"prompt": null}', b'{"messages": null}',
-    b'{"prompt": "Hi", "max_tokens": 1e400}', b'{"prompt": "Hi", "max_tokens": 123456789012345678901234567890}',
-    b'{"prompt": "Hi", "temperature": 1e400}', b'{"prompt": "Hi", "seed": -1}', b'{"prompt": "Hi", "seed": 1e30}',
-    b'{"prompt": "Hi", "seed": 99999999999999999999}', b'{"prompt": "Hi", "top_k": 2624908444810720388203937792}',
-    b'{"prompt": [99999999999]}', b'{"prompt": [-1]}',
-    b'{"prompt": [[1, 2], "a"]}', b'{"prompt": [true]}', b'{"prompt": [[]]}', b'{"prompt": [{"a": 1}]}',
-    b'{"prompt": {"nested": {"junk": [1, {"x": null}]}}}', b'{"prompt": "Hi", "stop": ""}',
-    b'{"prompt": "Hi", "stop": {"a": 1}}', b'{"prompt": "Hi", "stream_options": "yes"}',
-    b'{"prompt": "Hi", "stop_token_ids": [-5]}', b'{"prompt": "Hi", "top_k": -7}',
-    b'{"prompt": "Hi", "logprobs": -1}', b'{"prompt": "Hi", "model": 7}', b'{"prompt": "\\ud800"}',
-    b'{"messages": [{}]}', b'{"messages": [null]}', b'{"messages": [{"role": "user"}]}',
+    b"",
+    b"null",
+    b"[]",
+    b"[1, 2]",
+    b"42",
+    b'"text"',
+    b"{",
+    b"{}",
+    b'{"prompt": null}',
+    b'{"messages": null}',
+    b'{"prompt": "Hi", "max_tokens": 1e400}',
+    b'{"prompt": "Hi", "max_tokens": 123456789012345678901234567890}',
+    b'{"prompt": "Hi", "temperature": 1e400}',
+    b'{"prompt": "Hi", "seed": -1}',
+    b'{"prompt": "Hi", "seed": 1e30}',
+    b'{"prompt": "Hi", "seed": 99999999999999999999}',
+    b'{"prompt": "Hi", "top_k": 2624908444810720388203937792}',
+    b'{"prompt": [99999999999]}',
+    b'{"prompt": [-1]}',
+    b'{"prompt": [[1, 2], "a"]}',
+    b'{"prompt": [true]}',
+    b'{"prompt": [[]]}',
+    b'{"prompt": [{"a": 1}]}',
+    b'{"prompt": {"nested": {"junk": [1, {"x": null}]}}}',
+    b'{"prompt": "Hi", "stop": ""}',
+    b'{"prompt": "Hi", "stop": {"a": 1}}',
+    b'{"prompt": "Hi", "stream_options": "yes"}',
+    b'{"prompt": "Hi", "stop_token_ids": [-5]}',
+    b'{"prompt": "Hi", "top_k": -7}',
+    b'{"prompt": "Hi", "logprobs": -1}',
+    b'{"prompt": "Hi", "model": 7}',
+    b'{"prompt": "\\ud800"}',
+    b'{"messages": [{}]}',
+    b'{"messages": [null]}',
+    b'{"messages": [{"role": "user"}]}',
     b'{"messages": [{"role": "user", "content": [{"type": "text"}]}]}',
     b'{"messages": [{"role": "user", "content": [{"type": "audio", "x": 1}]}]}',
-    b'{"messages": [{"role": "user", "content": [null]}]}', b'{"messages": [{"role": 1, "content": "x"}]}',
+    b'{"messages": [{"role": "user", "content": [null]}]}',
+    b'{"messages": [{"role": 1, "content": "x"}]}',
     b'{"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 99999999}',
     b'{"messages": [{"role": "user", "content": "Hi"}], "top_logprobs": -1}',
     b'{"messages": [{"role": "user", "content": "Hi"}], "n": 0}',
@@ -495,8 +590,14 @@ def test_stream_disconnect_aborts_the_request(http, model, shape):
 def test_a_request_aborted_on_the_server_ends_as_an_error(base_url, http, model, stream):
     """OpenAI names no finish_reason for it (stop, length, tool_calls, content_filter):
     a request aborted with /abort_request ends with the error envelope, 503."""
-    body = {"model": model, "prompt": PROMPT, "max_tokens": 2000, "temperature": 0, "ignore_eos": True,
-            "stream": stream}
+    body = {
+        "model": model,
+        "prompt": PROMPT,
+        "max_tokens": 2000,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": stream,
+    }
     result = {}
 
     def complete():

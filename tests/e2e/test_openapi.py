@@ -28,12 +28,17 @@ EXAMPLES_PER_ROUTE = 40
 def test_every_route_publishes_its_body_and_responses(base_url):
     document = httpx.get(base_url + "/openapi.json", timeout=30).json()
     paths, schemas = document["paths"], document["components"]["schemas"]
-    bodies = {path: operation["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"]
-              for path, operation in paths.items() if "requestBody" in operation.get("post", {})}
-    assert bodies == {"/generate": "#/components/schemas/GenerateReqInput",
-                      "/abort_request": "#/components/schemas/AbortRequestInput",
-                      "/v1/completions": "#/components/schemas/CompletionRequest",
-                      "/v1/chat/completions": "#/components/schemas/ChatCompletionRequest"}
+    bodies = {
+        path: operation["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+        for path, operation in paths.items()
+        if "requestBody" in operation.get("post", {})
+    }
+    assert bodies == {
+        "/generate": "#/components/schemas/GenerateReqInput",
+        "/abort_request": "#/components/schemas/AbortRequestInput",
+        "/v1/completions": "#/components/schemas/CompletionRequest",
+        "/v1/chat/completions": "#/components/schemas/ChatCompletionRequest",
+    }
     assert "temperature" in schemas["SamplingParams"]["properties"]
     assert "messages" in schemas["ChatCompletionRequest"]["required"]
     for path, operations in paths.items():
@@ -78,21 +83,50 @@ SAMPLING = {
 }
 NARROWED = {
     "SamplingParams": {**SAMPLING, "max_new_tokens": FEW_TOKENS, "min_new_tokens": FEW_TOKENS},
-    "CompletionRequest": {**SAMPLING, "max_tokens": FEW_TOKENS, "min_tokens": FEW_TOKENS,
-                          "prompt": {"anyOf": [TEXT, TEXTS, TOKEN_IDS]}, "logprobs": nullable(enum(range(6)))},
-    "ChatCompletionRequest": {**SAMPLING, "max_tokens": FEW_TOKENS, "max_completion_tokens": nullable(FEW_TOKENS),
-                              "min_tokens": FEW_TOKENS, "top_logprobs": nullable(enum(range(6))),
-                              "messages": {"type": "array", "items": {"$ref": "#/components/schemas/ChatMessage"},
-                                           "minItems": 1, "maxItems": 3}},
-    "ChatMessage": {"role": enum(["system", "developer", "user", "assistant"]),
-                    "content": {"anyOf": [TEXT, {"type": "array", "items": {"$ref": "#/components/schemas/ContentPart"},
-                                                 "minItems": 1, "maxItems": 2}]}},
+    "CompletionRequest": {
+        **SAMPLING,
+        "max_tokens": FEW_TOKENS,
+        "min_tokens": FEW_TOKENS,
+        "prompt": {"anyOf": [TEXT, TEXTS, TOKEN_IDS]},
+        "logprobs": nullable(enum(range(6))),
+    },
+    "ChatCompletionRequest": {
+        **SAMPLING,
+        "max_tokens": FEW_TOKENS,
+        "max_completion_tokens": nullable(FEW_TOKENS),
+        "min_tokens": FEW_TOKENS,
+        "top_logprobs": nullable(enum(range(6))),
+        "messages": {
+            "type": "array",
+            "items": {"$ref": "#/components/schemas/ChatMessage"},
+            "minItems": 1,
+            "maxItems": 3,
+        },
+    },
+    "ChatMessage": {
+        "role": enum(["system", "developer", "user", "assistant"]),
+        "content": {
+            "anyOf": [
+                TEXT,
+                {"type": "array", "items": {"$ref": "#/components/schemas/ContentPart"}, "minItems": 1, "maxItems": 2},
+            ]
+        },
+    },
     "ContentPart": {"type": enum(["text"]), "text": TEXT},
-    "GenerateReqInput": {"rid": {"type": "null"}, "image_data": {"type": "null"}, "top_logprobs_num": enum(range(6)),
-                         "logprob_start_len": enum(range(-1, 3))},
+    "GenerateReqInput": {
+        "rid": {"type": "null"},
+        "image_data": {"type": "null"},
+        "top_logprobs_num": enum(range(6)),
+        "logprob_start_len": enum(range(-1, 3)),
+    },
 }
-REQUIRED = {"SamplingParams": ["max_new_tokens"], "CompletionRequest": ["max_tokens"],
-            "ChatCompletionRequest": ["max_tokens"], "ChatMessage": ["content"], "ContentPart": ["text"]}
+REQUIRED = {
+    "SamplingParams": ["max_new_tokens"],
+    "CompletionRequest": ["max_tokens"],
+    "ChatCompletionRequest": ["max_tokens"],
+    "ChatMessage": ["content"],
+    "ContentPart": ["text"],
+}
 
 
 def bounded(document: dict, model_name: str) -> dict:
@@ -113,17 +147,26 @@ def bounded(document: dict, model_name: str) -> dict:
     generate["properties"]["sampling_params"] = {"anyOf": [params, {"type": "array", "items": params, "maxItems": 3}]}
     with_text, with_ids = copy.deepcopy(generate), copy.deepcopy(generate)
     with_text["properties"].update(text={"anyOf": [TEXT, TEXTS]}, input_ids={"type": "null"})
-    with_ids["properties"].update(input_ids={"anyOf": [TOKEN_IDS, {"type": "array", "items": TOKEN_IDS,
-                                                                   "minItems": 1, "maxItems": 3}]}, text={"type": "null"})
+    with_ids["properties"].update(
+        input_ids={"anyOf": [TOKEN_IDS, {"type": "array", "items": TOKEN_IDS, "minItems": 1, "maxItems": 3}]},
+        text={"type": "null"},
+    )
     with_text["required"], with_ids["required"] = ["text", "sampling_params"], ["input_ids", "sampling_params"]
     schemas["GenerateReqInput"] = {"anyOf": [with_text, with_ids]}
     return document
 
 
 # Every route but the admin ones (which pause, flush and abort for everyone).
-FUZZED_ROUTES = [("GET", "/health"), ("GET", "/health_generate"), ("POST", "/generate"), ("GET", "/get_model_info"),
-                 ("GET", "/get_server_info"), ("GET", "/v1/models"), ("POST", "/v1/completions"),
-                 ("POST", "/v1/chat/completions")]
+FUZZED_ROUTES = [
+    ("GET", "/health"),
+    ("GET", "/health_generate"),
+    ("POST", "/generate"),
+    ("GET", "/get_model_info"),
+    ("GET", "/get_server_info"),
+    ("GET", "/v1/models"),
+    ("POST", "/v1/completions"),
+    ("POST", "/v1/chat/completions"),
+]
 
 
 @pytest.fixture(scope="module")
@@ -131,8 +174,12 @@ def api_schema(server):
     if server.tokenizer_worker_num != 1:
         pytest.skip("the routes and their checks are the same behind two workers: fuzzed once, on one")
     document = httpx.get(server.base_url + "/openapi.json", timeout=30).json()
-    published = {(method.upper(), path) for path, operations in document["paths"].items() for method in operations
-                 if path not in ADMIN_PATHS}
+    published = {
+        (method.upper(), path)
+        for path, operations in document["paths"].items()
+        for method in operations
+        if path not in ADMIN_PATHS
+    }
     assert published == set(FUZZED_ROUTES)  # a new route joins the fuzzed ones
     model_name = httpx.get(server.base_url + "/v1/models", timeout=30).json()["data"][0]["id"]
     config = SchemathesisConfig.from_dict({"base-url": server.base_url})

@@ -43,8 +43,10 @@ def test_unknown_choices_are_refused():
 
 
 def test_without_usable_kernels_auto_falls_back_to_torch_ops_and_says_why():
-    script = ("from sluice.model.execution import choose_execution; e = choose_execution('auto'); "
-              "print(e.backend.name, e.why)")
+    script = (
+        "from sluice.model.execution import choose_execution; e = choose_execution('auto'); "
+        "print(e.backend.name, e.why)"
+    )
     env = {**os.environ, DISABLE_ENV: "avx512,avx2"}
     result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
     assert result.stdout.startswith("torch ") and "C kernels are unavailable" in result.stdout

@@ -166,7 +166,9 @@ def test_non_stream_returns_all_text_at_the_end(tokenizer):
     assert all(step.text == "" for step in steps[:-1])
     assert steps[-1] == DetokStep(text, None, len(ids))
     stopped = feed(IncrementalDetokenizer(tokenizer, stop=[","], stream=False), ids)
-    assert [(step.text, step.stop_matched) for step in stopped if step.text or step.stop_matched] == [("Hello 世界", ",")]
+    assert [(step.text, step.stop_matched) for step in stopped if step.text or step.stop_matched] == [
+        ("Hello 世界", ",")
+    ]
 
 
 def test_num_tokens_counts_only_tokens_whose_text_was_shown(tokenizer):

@@ -42,7 +42,9 @@ def random_value(rng: random.Random, depth: int):
     if depth > 0 and kind < 0.6:
         return {rng.choice(["a", "[", "{\\", '"]']): random_value(rng, depth - 1) for _ in range(rng.randint(0, 3))}
     if kind < 0.85:  # strings full of brackets, quotes and backslashes
-        return "".join(rng.choice(['[', ']', '{', '}', '"', "\\", "\\\\", '\\"', "x", " "]) for _ in range(rng.randint(0, 12)))
+        return "".join(
+            rng.choice(["[", "]", "{", "}", '"', "\\", "\\\\", '\\"', "x", " "]) for _ in range(rng.randint(0, 12))
+        )
     return rng.choice([0, 1.5, None, True])
 
 
@@ -65,12 +67,15 @@ def test_backslash_runs_across_chunk_boundaries():
         assert not nests_deeper_than(escaped, 1, chunk_bytes)
 
 
-@pytest.mark.parametrize("body", [
-    b'{"text": ' + b"[" * 50_000 + b"]" * 50_000 + b"}",
-    b"[" * 100_000 + b"]" * 100_000,
-    b"[" * 100_000,  # not even closed
-    b'{"a": ' * (MAX_JSON_DEPTH + 1) + b"1" + b"}" * (MAX_JSON_DEPTH + 1),
-])
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"text": ' + b"[" * 50_000 + b"]" * 50_000 + b"}",
+        b"[" * 100_000 + b"]" * 100_000,
+        b"[" * 100_000,  # not even closed
+        b'{"a": ' * (MAX_JSON_DEPTH + 1) + b"1" + b"}" * (MAX_JSON_DEPTH + 1),
+    ],
+)
 def test_deep_bodies_are_a_client_error_naming_the_limit(body):
     with pytest.raises(ClientError) as error:
         decode_json(body)

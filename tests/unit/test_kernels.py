@@ -21,8 +21,10 @@ from sluice.model.quantized_linear import BlockFormat, QuantizedLinearWeight
 SUPPORTED = [isa.name for isa in supported_isas()]
 # Where the CPU has an instruction set, its build must work (gcc is part of the set-up): a
 # failed build or self-test fails here instead of being skipped.
-ISA_PARAMS = [pytest.param(name, marks=pytest.mark.skipif(name not in SUPPORTED, reason=f"this CPU lacks {name}"))
-              for name in ISA_NAMES]
+ISA_PARAMS = [
+    pytest.param(name, marks=pytest.mark.skipif(name not in SUPPORTED, reason=f"this CPU lacks {name}"))
+    for name in ISA_NAMES
+]
 
 
 @pytest.fixture(params=ISA_PARAMS)
@@ -97,9 +99,14 @@ def test_wrappers_refuse_wrong_tensors_instead_of_reading_memory(ops):
     with pytest.raises(ValueError, match="norm weight"):
         ops.rms_norm(torch.randn(2, 64), torch.ones(32), 1e-5)
     with pytest.raises(TypeError, match="KV pool"):
-        ops.decode_attention(torch.randn(1, 2, 8), torch.zeros(4, 1, 8, dtype=torch.int32),
-                             torch.zeros(4, 1, 8, dtype=torch.int32), torch.zeros(1, dtype=torch.int64),
-                             torch.ones(1, dtype=torch.int64), 1)
+        ops.decode_attention(
+            torch.randn(1, 2, 8),
+            torch.zeros(4, 1, 8, dtype=torch.int32),
+            torch.zeros(4, 1, 8, dtype=torch.int32),
+            torch.zeros(1, dtype=torch.int64),
+            torch.ones(1, dtype=torch.int64),
+            1,
+        )
 
 
 def test_rms_norm_and_fused_add_match_torch(ops):
@@ -188,9 +195,14 @@ def test_a_library_that_disagrees_with_the_python_side_is_refused(ops, monkeypat
     monkeypatch.undo()
 
     fields = dict(contract.ModelDims._fields_)
-    swapped = [("hidden", fields["hidden"]), ("num_layers", fields["num_layers"]),
-               *[(name, kind) for name, kind in contract.ModelDims._fields_ if name not in ("hidden", "num_layers")]]
-    SwappedDims = type("SwappedDims", (contract.ctypes.Structure,), {"_c_name_": "sluice_model_dims", "_fields_": swapped})
+    swapped = [
+        ("hidden", fields["hidden"]),
+        ("num_layers", fields["num_layers"]),
+        *[(name, kind) for name, kind in contract.ModelDims._fields_ if name not in ("hidden", "num_layers")],
+    ]
+    SwappedDims = type(
+        "SwappedDims", (contract.ctypes.Structure,), {"_c_name_": "sluice_model_dims", "_fields_": swapped}
+    )
     monkeypatch.setattr(contract, "STRUCTS", (contract.LayerWeights, SwappedDims))
     with pytest.raises(contract.ContractMismatch, match="sluice_model_dims.hidden at offset 4 in C, 0 in Python"):
         contract.check(ops.lib)
@@ -208,8 +220,12 @@ def test_header_parsing_follows_a_changed_declaration():
 
 def _chosen_isa(disabled: str) -> str:
     env = {**os.environ, DISABLE_ENV: disabled}
-    result = subprocess.run([sys.executable, "-c", "from sluice.kernels.loader import load_kernels; "
-                             "print(load_kernels().describe())"], env=env, capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, "-c", "from sluice.kernels.loader import load_kernels; print(load_kernels().describe())"],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     return result.stdout.strip() or result.stderr
 
 

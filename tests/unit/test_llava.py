@@ -44,7 +44,9 @@ def sluice_prompt_logits(runner: ModelRunner, prompt: Prompt, pixels: torch.Tens
     image_embeds = runner.encode_images(pixels)[0]
     kv_buffers = runner.new_kv_buffers(len(prompt.sluice_ids) + 1)
     slots = torch.arange(1, len(prompt.sluice_ids) + 1)
-    return runner.forward(make_batch([(prompt.sluice_ids, slots, prompt.image_rows, image_embeds)], kv_buffers, all_logits=True))
+    return runner.forward(
+        make_batch([(prompt.sluice_ids, slots, prompt.image_rows, image_embeds)], kv_buffers, all_logits=True)
+    )
 
 
 def sluice_greedy(runner: ModelRunner, prompt: Prompt, pixels: torch.Tensor, num_tokens: int) -> list[int]:
@@ -120,8 +122,9 @@ def test_config_describes_the_vision_tower_and_image_token(folder: Path):
 def test_text_only_config_has_no_vision(tmp_path: Path):
     from transformers import LlamaConfig
 
-    LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
-                num_attention_heads=2).save_pretrained(tmp_path)
+    LlamaConfig(
+        vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2
+    ).save_pretrained(tmp_path)
     config = ModelConfig.from_path(tmp_path)
     assert config.vision is None and config.image_token_id is None and config.num_image_tokens == 0
 
@@ -135,9 +138,17 @@ def test_chat_template_and_image_processor_make_model_inputs(folder: Path, runne
     tokenizer = AutoTokenizer.from_pretrained(folder)
     template = ChatTemplate.from_model(str(folder), tokenizer)
     assert template.source == CHAT_TEMPLATE
-    messages = [{"role": "user", "content": [
-        {"type": "text", "text": "What is"}, {"type": "image_url", "image_url": {"url": "data:,"}},
-        {"type": "text", "text": "?"}, {"type": "image"}]}]
+    messages = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "What is"},
+                {"type": "image_url", "image_url": {"url": "data:,"}},
+                {"type": "text", "text": "?"},
+                {"type": "image"},
+            ],
+        }
+    ]
     text = template.render(messages)
     assert text == "<|im_start|>user\nWhat is<image>?<image><|im_end|>\n<|im_start|>assistant\n"
     assert tokenizer(text).input_ids.count(runner.config.image_token_id) == 2
@@ -157,7 +168,9 @@ def test_image_prompt_logits_and_greedy_tokens_match_transformers(runner, hf_mod
     logits = sluice_prompt_logits(runner, prompt, pixels)
     assert logits.shape == expected.shape
     assert relative_error(logits, expected) < 1e-4
-    assert sluice_greedy(runner, prompt, pixels, NUM_GREEDY_TOKENS) == hf_greedy(hf_model, prompt.hf_ids, pixels, NUM_GREEDY_TOKENS)
+    assert sluice_greedy(runner, prompt, pixels, NUM_GREEDY_TOKENS) == hf_greedy(
+        hf_model, prompt.hf_ids, pixels, NUM_GREEDY_TOKENS
+    )
 
 
 def test_different_images_give_different_logits(runner, prompt):
@@ -174,10 +187,15 @@ def test_batch_of_two_images_matches_each_alone(runner, prompt):
     embeds = runner.encode_images(pixels)
     ids = prompt.sluice_ids
     kv_buffers = runner.new_kv_buffers(2 * len(ids) + 1)
-    batched = runner.forward(make_batch([
-        (ids, torch.arange(1, len(ids) + 1), prompt.image_rows, embeds[0]),
-        (ids, torch.arange(len(ids) + 1, 2 * len(ids) + 1), prompt.image_rows, embeds[1]),
-    ], kv_buffers))
+    batched = runner.forward(
+        make_batch(
+            [
+                (ids, torch.arange(1, len(ids) + 1), prompt.image_rows, embeds[0]),
+                (ids, torch.arange(len(ids) + 1, 2 * len(ids) + 1), prompt.image_rows, embeds[1]),
+            ],
+            kv_buffers,
+        )
+    )
     for index in range(2):
         alone = sluice_prompt_logits(runner, prompt, pixels[index : index + 1])[-1]
         assert relative_error(batched[index], alone) < 1e-5
@@ -191,17 +209,24 @@ def test_text_only_prompt_on_a_llava_runner_matches_transformers(runner, hf_mode
     assert relative_error(logits, hf_logits(hf_model, ids, None)) < 1e-4
 
 
-@pytest.mark.parametrize("variant", [
-    dict(select_strategy="full", feature_layer=-1),
-    dict(feature_layer=[0, -2]),
-    dict(vision_model_type="siglip_vision_model", select_strategy="full", feature_layer=-1),
-], ids=["clip_full_last_layer", "clip_two_feature_layers", "siglip_full"])
+@pytest.mark.parametrize(
+    "variant",
+    [
+        dict(select_strategy="full", feature_layer=-1),
+        dict(feature_layer=[0, -2]),
+        dict(vision_model_type="siglip_vision_model", select_strategy="full", feature_layer=-1),
+    ],
+    ids=["clip_full_last_layer", "clip_two_feature_layers", "siglip_full"],
+)
 def test_vision_variants_match_transformers(variant, tmp_path: Path):
     folder = build_tiny_llava(tmp_path, seed=4, **variant)
     runner = ModelRunner(str(folder), torch.float32, kv_cache_dtype="float32")
     prompt = Prompt(runner.config, placeholder_id=0)
     pixels = random_pixels(seed=5)
-    assert relative_error(sluice_prompt_logits(runner, prompt, pixels), hf_logits(load_hf(folder), prompt.hf_ids, pixels)) < 1e-4
+    assert (
+        relative_error(sluice_prompt_logits(runner, prompt, pixels), hf_logits(load_hf(folder), prompt.hf_ids, pixels))
+        < 1e-4
+    )
 
 
 def test_bfloat16_runner_encodes_images_in_bfloat16(folder: Path, prompt):

@@ -18,7 +18,7 @@ from tests.forward_batches import make_batch
 PROMPTS = [
     "The capital of France is",
     "<|im_start|>user\nWrite a haiku about the sea and the wind over the old harbour.<|im_end|>\n<|im_start|>assistant\n",
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n    if n < 2:\n        return n\n    return",
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n    if n < 2:\n        return n\n    return',
 ]
 NUM_GREEDY_TOKENS = 32
 
@@ -93,10 +93,13 @@ def test_greedy_generation_matches_transformers(runner, hf_model, prompt_ids):
     for ids in prompt_ids:
         with torch.inference_mode():
             output = hf_model.generate(
-                torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.int64),
-                do_sample=False, max_new_tokens=NUM_GREEDY_TOKENS, pad_token_id=2,
+                torch.tensor([ids]),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.int64),
+                do_sample=False,
+                max_new_tokens=NUM_GREEDY_TOKENS,
+                pad_token_id=2,
             )
-        expected = output[0, len(ids):].tolist()
+        expected = output[0, len(ids) :].tolist()
         # transformers stops early at eos; sluice's loop does not, so compare what both made.
         assert sluice_greedy(runner, ids, NUM_GREEDY_TOKENS)[: len(expected)] == expected
 
@@ -123,15 +126,23 @@ def test_mixed_batch_of_decodes_prefill_and_prefix_extend_matches_transformers(r
     short_slots = torch.arange(300, 300 + len(short))
     chat_slots = torch.arange(400, 400 + len(chat))
     # Fill the caches: chat's first 10 tokens, code's first 20, and a 3-token prefix of short.
-    runner.forward(make_batch([(chat[:10], chat_slots[:10]), (code[:20], code_slots[:20]),
-                               (short[:3], short_slots[:3])], kv_buffers))
+    runner.forward(
+        make_batch(
+            [(chat[:10], chat_slots[:10]), (code[:20], code_slots[:20]), (short[:3], short_slots[:3])], kv_buffers
+        )
+    )
 
-    logits = runner.forward(make_batch([
-        (chat[10:11], chat_slots[:11]),  # decode at position 10
-        (code[20:21], code_slots[:21]),  # decode at position 20
-        (short[3:], short_slots),  # extend after a 3-token prefix
-        (chat, torch.arange(1, 1 + len(chat))),  # fresh prefill of the whole chat prompt
-    ], kv_buffers))
+    logits = runner.forward(
+        make_batch(
+            [
+                (chat[10:11], chat_slots[:11]),  # decode at position 10
+                (code[20:21], code_slots[:21]),  # decode at position 20
+                (short[3:], short_slots),  # extend after a 3-token prefix
+                (chat, torch.arange(1, 1 + len(chat))),  # fresh prefill of the whole chat prompt
+            ],
+            kv_buffers,
+        )
+    )
 
     chat_logits, code_logits, short_logits = hf_prompt_logits[1], hf_prompt_logits[2], hf_prompt_logits[0]
     assert relative_error(logits[0], chat_logits[10]) < 1e-3
@@ -170,8 +181,10 @@ def chat_prompt_ids(model_path: Path) -> list[list[int]]:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_path.parent, gguf_file=model_path.name)
-    texts = [tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                           add_generation_prompt=True) for prompt in CHAT_PROMPTS]
+    texts = [
+        tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
+        for prompt in CHAT_PROMPTS
+    ]
     return [tokenizer(text).input_ids for text in texts]
 
 
@@ -190,7 +203,8 @@ def greedy_choices_along(runner: ModelRunner, prompt_ids: list[int], tokens: lis
 
 
 def test_quantized_greedy_choices_match_the_dense_path_on_90_percent_of_tokens(
-        runner, quantized_runner, chat_prompt_ids):
+    runner, quantized_runner, chat_prompt_ids
+):
     same = total = 0
     for ids in chat_prompt_ids:
         dense = sluice_greedy(runner, ids, NUM_GREEDY_TOKENS)

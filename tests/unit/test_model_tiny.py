@@ -18,9 +18,16 @@ from sluice.model.model_runner import ModelRunner
 from tests.forward_batches import make_batch
 
 SHAPE = dict(
-    vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-    bos_token_id=None, eos_token_id=None, pad_token_id=None,  # no early stop in generate()
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=None,  # no early stop in generate()
 )
 PROMPT_IDS = [17, 200, 3, 99, 45, 45, 128, 7, 250, 64, 1, 33]
 NUM_GREEDY_TOKENS = 16
@@ -29,8 +36,14 @@ NUM_GREEDY_TOKENS = 16
 def llama_llama3_rope_untied():
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    rope = {"rope_type": "llama3", "rope_theta": 50000.0, "factor": 8.0, "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+    rope = {
+        "rope_type": "llama3",
+        "rope_theta": 50000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16,
+    }
     return LlamaForCausalLM(LlamaConfig(**SHAPE, tie_word_embeddings=False, rope_parameters=rope))
 
 
@@ -92,13 +105,19 @@ def test_logits_and_greedy_tokens_match_transformers(build, tmp_path: Path):
     runner = ModelRunner(str(tmp_path), torch.float32, kv_cache_dtype="float32")
 
     kv_buffers = runner.new_kv_buffers(len(PROMPT_IDS) + 1)
-    logits = runner.forward(make_batch([(PROMPT_IDS, torch.arange(1, len(PROMPT_IDS) + 1))], kv_buffers, all_logits=True))
+    logits = runner.forward(
+        make_batch([(PROMPT_IDS, torch.arange(1, len(PROMPT_IDS) + 1))], kv_buffers, all_logits=True)
+    )
     with torch.inference_mode():
         expected = hf_model(torch.tensor([PROMPT_IDS])).logits[0]
         generated = hf_model.generate(
-            torch.tensor([PROMPT_IDS]), attention_mask=torch.ones(1, len(PROMPT_IDS), dtype=torch.int64),
-            do_sample=False, max_new_tokens=NUM_GREEDY_TOKENS, min_new_tokens=NUM_GREEDY_TOKENS, pad_token_id=0,
-        )[0, len(PROMPT_IDS):].tolist()
+            torch.tensor([PROMPT_IDS]),
+            attention_mask=torch.ones(1, len(PROMPT_IDS), dtype=torch.int64),
+            do_sample=False,
+            max_new_tokens=NUM_GREEDY_TOKENS,
+            min_new_tokens=NUM_GREEDY_TOKENS,
+            pad_token_id=0,
+        )[0, len(PROMPT_IDS) :].tolist()
 
     assert ((logits - expected).abs().max() / expected.abs().max()).item() < 1e-4
     assert sluice_greedy(runner, PROMPT_IDS, NUM_GREEDY_TOKENS) == generated
@@ -182,7 +201,7 @@ def test_quantized_results_do_not_depend_on_chunking_or_batching(tmp_path: Path)
     kv_buffers = runner.new_kv_buffers(64)
     neighbour = ([9, 8, 7, 6, 5, 4, 3, 2, 1], torch.arange(40, 49))
     batched = runner.forward(make_batch([neighbour, (PROMPT_IDS, slots)], kv_buffers, all_logits=True))
-    assert torch.equal(batched[len(neighbour[0]):], whole)
+    assert torch.equal(batched[len(neighbour[0]) :], whole)
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["float16", "bfloat16"])
@@ -200,8 +219,11 @@ def test_a_16_bit_kv_cache_keeps_logits_close_and_the_greedy_tokens(dtype, kv_ca
     for runner in (reference, narrow):
         kv_buffers = runner.new_kv_buffers(2 * len(PROMPT_IDS) + 1)
         runner.forward(make_batch([(PROMPT_IDS[:-1], torch.arange(1, len(PROMPT_IDS)))], kv_buffers))
-        step_logits.append(runner.forward(make_batch([(PROMPT_IDS[-1:], torch.arange(1, len(PROMPT_IDS) + 1))],
-                                                     kv_buffers)))
+        step_logits.append(
+            runner.forward(make_batch([(PROMPT_IDS[-1:], torch.arange(1, len(PROMPT_IDS) + 1))], kv_buffers))
+        )
     tolerance = 1e-2 if dtype == torch.float32 else 5e-2
     assert ((step_logits[1] - step_logits[0]).abs().max() / step_logits[0].abs().max()).item() < tolerance
-    assert sluice_greedy(narrow, PROMPT_IDS, NUM_GREEDY_TOKENS) == sluice_greedy(reference, PROMPT_IDS, NUM_GREEDY_TOKENS)
+    assert sluice_greedy(narrow, PROMPT_IDS, NUM_GREEDY_TOKENS) == sluice_greedy(
+        reference, PROMPT_IDS, NUM_GREEDY_TOKENS
+    )

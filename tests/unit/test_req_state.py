@@ -13,8 +13,15 @@ LENGTH = FinishReason(type="length")
 
 def output(text: str, ids: list[int], total: int, finish: FinishReason | None = None, first: bool = False) -> StrOutput:
     """One detokenizer output: `ids` are new, `total` the output tokens so far; logprobs -id/10."""
-    req = ReqOutput(rid="r", new_token_ids=ids, finish_reason=finish, prompt_tokens=3, completion_tokens=total,
-                    output_logprobs=[-t / 10 for t in ids], output_top_logprobs=[[TokenLogprob(t, -t / 10)] for t in ids])
+    req = ReqOutput(
+        rid="r",
+        new_token_ids=ids,
+        finish_reason=finish,
+        prompt_tokens=3,
+        completion_tokens=total,
+        output_logprobs=[-t / 10 for t in ids],
+        output_top_logprobs=[[TokenLogprob(t, -t / 10)] for t in ids],
+    )
     if first:
         req.input_token_ids, req.input_logprobs = [7, 8, 9], [None, -0.5, -0.25]
         req.input_top_logprobs = [[], [TokenLogprob(8, -0.5)], [TokenLogprob(9, -0.25)]]
@@ -52,8 +59,14 @@ def test_streamed_events_add_up_to_the_non_streamed_result():
     assert events[0]["meta_info"]["output_token_logprobs"] == [[-0.1, 1, None], [-0.2, 2, None]]
     assert events[1]["meta_info"]["input_token_logprobs"] == events[0]["meta_info"]["input_token_logprobs"]
     assert events[-1]["text"] == final["text"] == 'Once upon "a"\n time'
-    assert events[-1] == {**final, "meta_info": {**final["meta_info"], "e2e_latency": events[-1]["meta_info"]["e2e_latency"],
-                                                 "ttft": events[-1]["meta_info"]["ttft"]}}
+    assert events[-1] == {
+        **final,
+        "meta_info": {
+            **final["meta_info"],
+            "e2e_latency": events[-1]["meta_info"]["e2e_latency"],
+            "ttft": events[-1]["meta_info"]["ttft"],
+        },
+    }
     assert events[-1]["output_ids"] == final["output_ids"] == [1, 2, 3, 4, 5]
     for key in ("output_token_logprobs", "output_top_logprobs", "input_token_logprobs", "input_top_logprobs"):
         assert events[-1]["meta_info"][key] == final["meta_info"][key], key

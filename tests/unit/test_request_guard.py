@@ -23,27 +23,33 @@ async def status(path: str, authorization: str | None, **keys) -> int:
         return (await client.get(path, headers=headers)).status_code
 
 
-@pytest.mark.parametrize("authorization, expected", [
-    (None, 401),
-    (API_KEY, 401),  # a bare key, without the scheme
-    (f"Basic {API_KEY}", 401),
-    (f"Bearer{API_KEY}", 401),
-    ("Bearer wrong", 401),
-    ("Bearer ", 401),
-    (f"Bearer {API_KEY}", 200),
-    (f"bearer {API_KEY}", 200),  # the scheme is case-insensitive in HTTP
-    (f"  Bearer   {API_KEY}  ", 200),
-    (f"Bearer {ADMIN_KEY}", 200),  # the admin key opens every route
-])
+@pytest.mark.parametrize(
+    "authorization, expected",
+    [
+        (None, 401),
+        (API_KEY, 401),  # a bare key, without the scheme
+        (f"Basic {API_KEY}", 401),
+        (f"Bearer{API_KEY}", 401),
+        ("Bearer wrong", 401),
+        ("Bearer ", 401),
+        (f"Bearer {API_KEY}", 200),
+        (f"bearer {API_KEY}", 200),  # the scheme is case-insensitive in HTTP
+        (f"  Bearer   {API_KEY}  ", 200),
+        (f"Bearer {ADMIN_KEY}", 200),  # the admin key opens every route
+    ],
+)
 async def test_only_a_bearer_key_opens_a_route(authorization, expected):
     assert await status("/generate", authorization, api_key=API_KEY, admin_api_key=ADMIN_KEY) == expected
 
 
-@pytest.mark.parametrize("authorization, expected", [
-    (ADMIN_KEY, 401),
-    (f"Bearer {API_KEY}", 401),
-    (f"Bearer {ADMIN_KEY}", 200),
-])
+@pytest.mark.parametrize(
+    "authorization, expected",
+    [
+        (ADMIN_KEY, 401),
+        (f"Bearer {API_KEY}", 401),
+        (f"Bearer {ADMIN_KEY}", 200),
+    ],
+)
 async def test_admin_routes_need_the_admin_key_as_bearer(authorization, expected):
     assert await status("/flush_cache", authorization, api_key=API_KEY, admin_api_key=ADMIN_KEY) == expected
 

@@ -63,6 +63,7 @@ def test_tiny_top_p_keeps_only_the_most_likely_token():
 
 def run_or_time_out(*args, **kwargs):
     """`run`, failing instead of hanging: a sampler that loops forever hangs the Scheduler."""
+
     def hung(signum, frame):
         raise TimeoutError("sampling did not end")
 
@@ -181,7 +182,9 @@ def test_top_k_and_top_p_rows_share_a_batch():
 # ---------------------------------------------------------------- seeds
 
 
-def seeded_tokens(logits_steps: list[torch.Tensor], params: SamplingParams, others: list[SamplingParams], position: int):
+def seeded_tokens(
+    logits_steps: list[torch.Tensor], params: SamplingParams, others: list[SamplingParams], position: int
+):
     """The tokens a seeded row gets over several steps when placed among `others`."""
     tokens: list[int] = []
     for logits_row in logits_steps:
@@ -237,7 +240,10 @@ def test_frequency_penalty_scales_with_the_count_in_the_output():
 
 def test_presence_penalty_applies_once_whatever_the_count():
     logits = torch.tensor([[3.0, 2.5, 0.0, -9.0]] * 2)
-    params = [SamplingParams(temperature=0.0, presence_penalty=0.4), SamplingParams(temperature=0.0, presence_penalty=0.6)]
+    params = [
+        SamplingParams(temperature=0.0, presence_penalty=0.4),
+        SamplingParams(temperature=0.0, presence_penalty=0.6),
+    ]
     out = run(logits, params, output_ids=[[0, 0, 0, 0], [0]])
     assert out.next_token_ids == [0, 1]
 

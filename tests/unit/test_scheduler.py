@@ -28,8 +28,24 @@ def runner():
 @pytest.fixture(scope="module")
 def prompts():
     tok = load_tokenizer(ServerArgs().resolved_model_path())
-    topics = ["the sea", "a red fox", "mountains", "the history of Rome", "bread", "a violin", "winter",
-              "robots", "the moon", "coffee", "a library", "trains", "gardens", "chess", "rain", "music"]
+    topics = [
+        "the sea",
+        "a red fox",
+        "mountains",
+        "the history of Rome",
+        "bread",
+        "a violin",
+        "winter",
+        "robots",
+        "the moon",
+        "coffee",
+        "a library",
+        "trains",
+        "gardens",
+        "chess",
+        "rain",
+        "music",
+    ]
     texts = [f"Write one sentence about {t}." + " Please be brief." * (i % 4) for i, t in enumerate(topics)]
     return [tok(text).input_ids for text in texts]
 

@@ -22,13 +22,21 @@ from sluice.tokenizer.result import GenerateChunk
 
 
 def chunk(text: str, finish: FinishReason | None = None, index: int | None = None) -> GenerateChunk:
-    return GenerateChunk(rid="r", path="single" if index is None else "batch", index=index, text=text,
-                         output_ids=[1] * len(text), finish_reason=finish, prompt_tokens=3,
-                         completion_tokens=len(text))
+    return GenerateChunk(
+        rid="r",
+        path="single" if index is None else "batch",
+        index=index,
+        text=text,
+        output_ids=[1] * len(text),
+        finish_reason=finish,
+        prompt_tokens=3,
+        completion_tokens=len(text),
+    )
 
 
-REFUSED = FinishReason(type="abort", message="Multimodal prompt is too long after expanding image tokens: 9 >= 8",
-                       status_code=400)
+REFUSED = FinishReason(
+    type="abort", message="Multimodal prompt is too long after expanding image tokens: 9 >= 8", status_code=400
+)
 
 
 class Chunks:

@@ -140,9 +140,7 @@ def _decode_base64(text: str, limits: MediaLimits, index: int) -> bytes:
     try:
         data = base64.b64decode(compact, validate=True)
     except (binascii.Error, ValueError):
-        raise refuse(
-            index, "is neither valid base64 nor a data URL, an absolute file path or an http(s) URL"
-        ) from None
+        raise refuse(index, "is neither valid base64 nor a data URL, an absolute file path or an http(s) URL") from None
     if not data:
         raise refuse(index, "is empty")
     return data

@@ -17,7 +17,9 @@ class RequestImages:
     async def process(self, refs: list[str]) -> list[ImageInput]:
         """Load and preprocess images off the event loop; pixels travel as raw bytes."""
         processed = await self.processor.process(refs)
-        return [ImageInput(pixel_values=p.pixel_values, dtype=p.dtype, shape=list(p.shape), hash=p.hash) for p in processed]
+        return [
+            ImageInput(pixel_values=p.pixel_values, dtype=p.dtype, shape=list(p.shape), hash=p.hash) for p in processed
+        ]
 
     def prompt_with_placeholders(self, text: str, num_images: int) -> str:
         """The prompt with one image token per image: the client's own, or put first."""
