@@ -11,6 +11,7 @@ contiguous q/k/v in float32. Prints microseconds per prompt token for one layer.
 from __future__ import annotations
 
 import argparse
+import functools
 import time
 
 import torch
@@ -52,7 +53,8 @@ def main() -> None:
         k = torch.randn(length, args.kv_heads, args.head_dim, generator=generator)
         v = torch.randn(length, args.kv_heads, args.head_dim, generator=generator)
         sdpa_s = timed(
-            lambda: F.scaled_dot_product_attention(
+            functools.partial(
+                F.scaled_dot_product_attention,
                 q.transpose(0, 1).unsqueeze(0),
                 k.transpose(0, 1).unsqueeze(0),
                 v.transpose(0, 1).unsqueeze(0),
@@ -67,7 +69,9 @@ def main() -> None:
             k_pool = torch.zeros(length + 1, args.kv_heads, args.head_dim, dtype=KV_DTYPES[name])
             v_pool = torch.zeros_like(k_pool)
             k_pool[slots], v_pool[slots] = k.to(k_pool.dtype), v.to(k_pool.dtype)
-            sluice_s = timed(lambda: ops.decode_attention(q, k_pool, v_pool, slots, seq_lens, length, slot_rows))
+            sluice_s = timed(
+                functools.partial(ops.decode_attention, q, k_pool, v_pool, slots, seq_lens, length, slot_rows)
+            )
             print(
                 f"{length:7d} {name:>9s} {sluice_s / length * 1e6:16.2f} {sdpa_s / length * 1e6:14.2f} "
                 f"{sluice_s / sdpa_s:6.2f}",

@@ -17,7 +17,6 @@ import random
 import time
 
 import httpx
-
 from bench_serving import make_prompt
 
 
@@ -73,11 +72,12 @@ async def run(args) -> None:
         print(f"(2) n={args.n} on a {prompt_tokens}-token prompt, {args.sample_len} tokens each")
         # The warm-up computes the prompt once; the children only their last token.
         print(
-            f"    n={args.n} (parallel sampling): {parallel_s:7.2f} s  prompt tokens computed by samples: {computed(parallel)}"
-            f" (+{prompt_tokens} once for the warm-up)"
+            f"    n={args.n} (parallel sampling): {parallel_s:7.2f} s  "
+            f"prompt tokens computed by samples: {computed(parallel)} (+{prompt_tokens} once for the warm-up)"
         )
         print(
-            f"    {args.n} independent requests:  {independent_s:7.2f} s  prompt tokens computed: {computed(independent)}"
+            f"    {args.n} independent requests:  {independent_s:7.2f} s  "
+            f"prompt tokens computed: {computed(independent)}"
         )
 
 

@@ -13,7 +13,6 @@ weights (it has no such path), so the `none` rows are the like-for-like comparis
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import random
 import time
 

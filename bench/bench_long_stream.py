@@ -17,6 +17,7 @@ every event. The server needs room for the whole sequence: the default model's c
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -62,7 +63,7 @@ def stream(base_url: str, body: dict, pids: dict[str, int]) -> tuple[list[float]
 
 
 def per_event(times: list[float], cpu: list[dict[str, float]], start: int, end: int) -> str:
-    gaps = [b - a for a, b in zip(times[start:end], times[start + 1 : end])]
+    gaps = [b - a for a, b in itertools.pairwise(times[start:end])]
     figures = [f"{statistics.mean(gaps) * 1000:8.2f} ms between events"]
     for name in cpu[0] if cpu else {}:
         figures.append(f"{name} {(cpu[end - 1][name] - cpu[start][name]) / (end - 1 - start) * 1000:6.2f}")

@@ -89,7 +89,7 @@ def percentiles(values: list[float]) -> tuple[float, float, float]:
     if not values:
         return (0.0, 0.0, 0.0)
     ordered = sorted(values)
-    p99 = ordered[min(len(ordered) - 1, int(round(0.99 * (len(ordered) - 1))))]
+    p99 = ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))]
     return statistics.fmean(ordered), statistics.median(ordered), p99
 
 

@@ -37,9 +37,9 @@ import httpx
 import psutil
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_serving import run as run_workload  # noqa: E402
+from bench_serving import run as run_workload
 
-from sluice.model_files import default_model_path  # noqa: E402
+from sluice.model_files import default_model_path
 
 REPO = Path(__file__).resolve().parent.parent
 PORT = 30100

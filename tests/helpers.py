@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -28,7 +29,7 @@ class RunningServer:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log_path = f"/tmp/sluice-test-server-{self.port}.log"
-        self.log = open(self.log_path, "w")
+        self.log = open(self.log_path, "w")  # noqa: SIM115 (the server writes to it until stop() closes it)
         cmd = [sys.executable, "-m", "sluice", "serve", "--port", str(self.port), *flags]
         self.process = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
         self._wait_ready()
@@ -76,15 +77,11 @@ class RunningServer:
     def stop(self) -> None:
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 self.process.wait(20)
-            except subprocess.TimeoutExpired:
-                pass
         # Whatever is left of its process group goes too: no test leaves a process behind.
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(self.process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
         # A server that had to be killed (and its router with it) could not remove its
         # shared-args block; a normal stop already has.
         remove_shared_args(self.process.pid)

@@ -113,8 +113,8 @@ def declared_signatures(header: str | None = None) -> dict[str, tuple[type | Non
     text = re.sub(r"/\*.*?\*/", " ", text, flags=re.S)
     text = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#"))
     signatures = {}
-    for return_type, stars, name, params in _DECLARATION.findall(text):
-        params = params.strip()
+    for return_type, stars, name, raw_params in _DECLARATION.findall(text):
+        params = raw_params.strip()
         argtypes = [] if params in ("", "void") else [_ctype(param) for param in params.split(",")]
         signatures[name] = (_ctype(return_type + stars), argtypes)
     return signatures

@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 SELF_TEST_TIMEOUT_S = 60
 _SELF_TEST = "import ctypes, sys; sys.exit(ctypes.CDLL(sys.argv[1]).sluice_self_test())"
 
-__all__ = ["Kernels", "KernelUnavailable", "load_kernels", "kernels_available"]
+__all__ = ["KernelUnavailable", "Kernels", "kernels_available", "load_kernels"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,7 +46,11 @@ class Kernels:
 def _self_test(library: str, isa: Isa) -> None:
     try:
         result = subprocess.run(
-            [sys.executable, "-c", _SELF_TEST, library], capture_output=True, text=True, timeout=SELF_TEST_TIMEOUT_S
+            [sys.executable, "-c", _SELF_TEST, library],
+            capture_output=True,
+            text=True,
+            timeout=SELF_TEST_TIMEOUT_S,
+            check=False,
         )
     except subprocess.TimeoutExpired:
         raise KernelUnavailable(f"the {isa.name} self-test did not finish in {SELF_TEST_TIMEOUT_S} s") from None

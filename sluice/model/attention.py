@@ -53,7 +53,7 @@ class AttentionMetadata:
         decode_seq_lens: list[int] = []
         prefills: list[PrefillSegment] = []
         token_start = 0
-        for extend_len, seq_len, kv_indices in zip(fb.extend_lens, fb.seq_lens, fb.kv_indices):
+        for extend_len, seq_len, kv_indices in zip(fb.extend_lens, fb.seq_lens, fb.kv_indices, strict=True):
             if extend_len == 1:
                 decode_rows.append(token_start)
                 decode_kv_indices.append(kv_indices)

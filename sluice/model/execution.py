@@ -92,7 +92,7 @@ def describe(execution: Execution, weight_formats: list[str]) -> dict[str, str]:
         dots = "AVX-512 VNNI vpdpbusd, 16-row groups" if isa == "avx512_vnni" else "AVX2 maddubs, 8-row groups"
         if weight_formats:
             gemv = f"{'+'.join(weight_formats)} blocks x int8 activations ({dots})"
-            gemm = f"the same kernel, 4 activation rows per weight load"
+            gemm = "the same kernel, 4 activation rows per weight load"
         else:
             gemv = gemm = dense
         attention = f"C kernel, every token at its position, {_dtype_name(execution.kv_dtype)} KV"

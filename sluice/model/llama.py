@@ -118,7 +118,7 @@ class LlamaForCausalLM(nn.Module):
             )
         else:
             pending = None
-            for layer, k_buffer, v_buffer in zip(self.layers, fb.k_buffers, fb.v_buffers):
+            for layer, k_buffer, v_buffer in zip(self.layers, fb.k_buffers, fb.v_buffers, strict=True):
                 hidden, pending = layer(
                     hidden, pending, self.rotary, cos, signed_sin, k_buffer, v_buffer, fb.out_cache_loc, metadata
                 )
@@ -215,7 +215,7 @@ class LlamaForCausalLM(nn.Module):
                 *weights,
                 qkv_bias=layer.qkv_proj.bias,
             )
-            for layer, weights in zip(self.layers, projections)
+            for layer, weights in zip(self.layers, projections, strict=True)
         ]
         return DecodeLayers(
             backend.ops,

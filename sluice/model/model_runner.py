@@ -14,7 +14,6 @@ from sluice.model.model_config import ModelConfig
 from sluice.model.quantization import quantization_plan
 from sluice.model.weights import load_weights
 
-
 logger = logging.getLogger(__name__)
 
 

@@ -102,9 +102,9 @@ def _interleave(quants: torch.Tensor, scales: list[torch.Tensor], row_group: int
         .reshape(groups, blocks, row_group * quant_bytes)
     ]
     for scale in scales:
-        scale = torch.nn.functional.pad(scale, (0, 0, 0, padding))
+        padded = torch.nn.functional.pad(scale, (0, 0, 0, padding))
         parts.append(
-            scale.view(groups, row_group, blocks)
+            padded.view(groups, row_group, blocks)
             .transpose(1, 2)
             .contiguous()
             .view(torch.uint8)

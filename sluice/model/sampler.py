@@ -159,7 +159,9 @@ def _sampled_rows(
     return SampledRows(
         rows=torch.tensor(rows, dtype=torch.long),
         temperatures=torch.tensor([[min(p.temperature, TEMPERATURE_MAX)] for p in group], dtype=torch.float32),
-        seed_keys=[None if p.seed is None else _seed_key(p.seed, len(output_ids[r])) for r, p in zip(rows, group)],
+        seed_keys=[
+            None if p.seed is None else _seed_key(p.seed, len(output_ids[r])) for r, p in zip(rows, group, strict=True)
+        ],
         min_ps=torch.tensor([p.min_p for p in group]) if any(p.min_p > 0 for p in group) else None,
         top_ks=torch.tensor(top_ks) if all(k < vocab_size for k in top_ks) else None,
         top_ps=torch.tensor([max(p.top_p, TOP_P_MIN) if p.top_p < 1 else TOP_P_OFF for p in group])
@@ -336,4 +338,4 @@ def _top_logprobs(logprobs_all: Tensor, nums: list[int]) -> list[list[tuple[int,
         return [[] for _ in nums]
     values, token_ids = logprobs_all.topk(most, -1)
     values_list, token_ids_list = values.tolist(), token_ids.tolist()
-    return [list(zip(token_ids_list[row][:n], values_list[row][:n])) for row, n in enumerate(nums)]
+    return [list(zip(token_ids_list[row][:n], values_list[row][:n], strict=True)) for row, n in enumerate(nums)]

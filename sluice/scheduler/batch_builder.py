@@ -27,18 +27,19 @@ class StepBatch:
     input_logprob_rows: list[tuple[int, int, int]]
 
     @classmethod
-    def allocate(cls, reqs: list[Req], extend_lens: list[int], kv: KVManager) -> "StepBatch":
+    def allocate(cls, reqs: list[Req], extend_lens: list[int], kv: KVManager) -> StepBatch:
         out_cache_loc = kv.alloc_tokens(sum(extend_lens))
         assert out_cache_loc is not None, "the scheduler admitted more tokens than the cache holds"
         starts = [r.kv_len for r in reqs]
         samples = [
-            r.kv_len + n == r.seq_len and r.sampling_params.max_new_tokens > 0 for r, n in zip(reqs, extend_lens)
+            r.kv_len + n == r.seq_len and r.sampling_params.max_new_tokens > 0
+            for r, n in zip(reqs, extend_lens, strict=True)
         ]
         logits_indices: list[int] = []
         sample_rows: list[int] = []
         input_rows: list[tuple[int, int, int]] = []
         offset = 0
-        for i, (req, n) in enumerate(zip(reqs, extend_lens)):
+        for i, (req, n) in enumerate(zip(reqs, extend_lens, strict=True)):
             if req.wants_input_logprobs:
                 first = max(req.logprob_start_len - 1, req.kv_len)
                 for pos in range(first, min(req.kv_len + n, len(req.prompt_ids) - 1)):
@@ -75,7 +76,9 @@ class StepBatch:
             req.input_logprobs.append(float(logprobs[k, token]))
             if req.top_logprobs_num:
                 values, ids = logprobs[k].topk(req.top_logprobs_num)
-                req.input_top_logprobs.append([TokenLogprob(int(t), float(v)) for t, v in zip(ids, values)])
+                req.input_top_logprobs.append(
+                    [TokenLogprob(int(t), float(v)) for t, v in zip(ids, values, strict=True)]
+                )
 
 
 def build_forward_batch(
@@ -88,7 +91,7 @@ def build_forward_batch(
     mm_rows: list[int] = []
     mm_embeds: list[torch.Tensor] = []
     offset = 0
-    for req, n, start in zip(batch.reqs, batch.extend_lens, batch.starts):
+    for req, n, start in zip(batch.reqs, batch.extend_lens, batch.starts, strict=True):
         if req.image_offsets and start < len(req.prompt_ids):
             rows, embeds = image_rows(req, start, n, runner.encode_images)
             mm_rows.extend(offset + row for row in rows)

@@ -30,7 +30,7 @@ def expand_image_tokens(req: Req, image_token_id: int, num_image_tokens: int, vo
     expanded: list[int] = []
     offsets: list[int] = []
     last = 0
-    for position, image in zip(positions, req.images):
+    for position, image in zip(positions, req.images, strict=True):
         expanded.extend(req.prompt_ids[last:position])
         offsets.append(len(expanded))
         expanded.extend([pad_value(image.hash, vocab_size)] * num_image_tokens)

@@ -7,7 +7,6 @@ import os
 import time
 import traceback
 
-import torch
 import zmq
 
 from sluice.config import PortArgs, ServerArgs
@@ -22,8 +21,8 @@ from sluice.messages import (
     Message,
     ProcessFailed,
     SchedulerReady,
-    TokenizedGenerateReqInput,
     TokenIDOutput,
+    TokenizedGenerateReqInput,
 )
 from sluice.procutil import become_child_process
 

@@ -31,9 +31,9 @@ class Req:
     output_ids: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
 
-    # KV state. The first `kv_len` tokens of the sequence (prompt then output) have KV in slots req_to_token[req_pool_idx, :kv_len];
-    # the first `locked_prefix_len` of them belong to the radix cache (locked through
-    # `last_node`), the rest to this request.
+    # KV state. The first `kv_len` tokens of the sequence (prompt then output) have KV in slots
+    # req_to_token[req_pool_idx, :kv_len]; the first `locked_prefix_len` of them belong to the radix
+    # cache (locked through `last_node`), the rest to this request.
     req_pool_idx: int | None = None
     kv_len: int = 0
     locked_prefix_len: int = 0
@@ -50,7 +50,7 @@ class Req:
     input_logprobs_sent: bool = False
 
     @classmethod
-    def from_message(cls, msg: TokenizedGenerateReqInput) -> "Req":
+    def from_message(cls, msg: TokenizedGenerateReqInput) -> Req:
         return cls(
             rid=msg.rid,
             prompt_ids=list(msg.input_ids),

@@ -19,8 +19,8 @@ from sluice.messages import (
     AbortReq,
     FinishReason,
     InternalState,
-    TokenizedGenerateReqInput,
     TokenIDOutput,
+    TokenizedGenerateReqInput,
 )
 from sluice.model.model_runner import ModelRunner
 from sluice.model.sampler import SamplingBatch, sample

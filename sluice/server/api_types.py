@@ -158,7 +158,7 @@ class CompletionChunk(OpenAIEnvelope, kw_only=True):
     null but in the last one."""
 
     choices: list[CompletionChoice]
-    usage: Usage | None | UnsetType = UNSET
+    usage: Usage | UnsetType | None = UNSET
 
 
 class TopLogprob(msgspec.Struct, kw_only=True):
@@ -211,4 +211,4 @@ class ChatCompletionChunk(OpenAIEnvelope, kw_only=True):
     """One event of a streaming chat completion; usage as in CompletionChunk."""
 
     choices: list[ChatChunkChoice]
-    usage: Usage | None | UnsetType = UNSET
+    usage: Usage | UnsetType | None = UNSET

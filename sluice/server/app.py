@@ -65,7 +65,7 @@ def create_app(state: ServerState, lifespan=None) -> FastAPI:
         )
         try:
             await asyncio.wait_for(_last(state.tm.generate_request(obj)), HEALTH_GENERATE_TIMEOUT_S)
-        except (asyncio.TimeoutError, BackendError) as e:
+        except (TimeoutError, BackendError) as e:
             return error_response(503, f"generation failed: {e or 'timed out'}")
         return Response(status_code=200)
 

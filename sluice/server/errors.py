@@ -95,5 +95,5 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):
-        logger.exception("unexpected error on %s", request.url.path)
+        logger.error("unexpected error on %s", request.url.path, exc_info=exc)
         return error_response(500, "internal server error")

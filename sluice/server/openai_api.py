@@ -23,14 +23,13 @@ from sluice.server.api_types import (
 )
 from sluice.server.errors import NotFoundError, error_response, failure_status
 from sluice.server.json_body import decode_json
-from sluice.server.openapi import ApiDocs
 from sluice.server.openai_protocol import ChatCompletionRequest, CompletionRequest
 from sluice.server.openai_views import ChatView, CompletionView, OpenAIView, TokenTexts, choice_index
+from sluice.server.openapi import ApiDocs
 from sluice.server.sse import stream_response
 from sluice.server.state import ServerState
 from sluice.tokenizer.io_struct import GenerateReqInput
 from sluice.tokenizer.manager import BackendError, TokenizerManager
-from sluice.tokenizer.result import GenerateChunk
 
 # The native checks name SGLang's fields; the client wrote OpenAI's.
 _OPENAI_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}

@@ -59,9 +59,10 @@ def logprob_entries(chunk: GenerateChunk, kind: str) -> list[LogprobEntry]:
         logprobs, token_ids, tops = chunk.output_logprobs, chunk.output_ids, chunk.output_top_logprobs
     else:
         logprobs, token_ids, tops = chunk.input_logprobs, chunk.input_token_ids, chunk.input_top_logprobs
+    # Without logprobs asked for, the chunk carries none: no entries.
     return [
         LogprobEntry(token_id, logprob, _alternatives(tops, i))
-        for i, (logprob, token_id) in enumerate(zip(logprobs, token_ids))
+        for i, (logprob, token_id) in enumerate(zip(logprobs, token_ids, strict=False))
     ]
 
 

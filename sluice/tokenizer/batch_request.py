@@ -107,7 +107,7 @@ async def merge_streams(streams: list[AsyncIterator[GenerateChunk]]) -> AsyncIte
         try:
             async for chunk in stream:
                 await queue.put(chunk)
-        except BaseException as e:  # handed to the consumer, who re-raises it
+        except BaseException as e:  # noqa: BLE001 (handed to the consumer, who re-raises it)
             await queue.put(e)
         finally:
             await queue.put(done)

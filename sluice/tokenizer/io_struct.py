@@ -80,7 +80,7 @@ class GenerateReqInput(msgspec.Struct, kw_only=True):
         else:
             self.rid = [uuid.uuid4().hex for _ in range(size)]
 
-    def item(self, i: int) -> "GenerateReqInput":
+    def item(self, i: int) -> GenerateReqInput:
         """Item i of a list request, as a single request."""
         params = self.sampling_params[i] if isinstance(self.sampling_params, list) else self.sampling_params
         return GenerateReqInput(

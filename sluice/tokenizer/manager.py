@@ -222,12 +222,12 @@ class TokenizerManager:
             while True:
                 try:
                     await asyncio.wait_for(state.event.wait(), DISCONNECT_POLL_S)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     if request is not None and await request.is_disconnected():
                         logger.info("client of %s disconnected: aborting", state.rid)
                         return
                     if self.backend_error:
-                        raise BackendError(self.backend_error)
+                        raise BackendError(self.backend_error) from None
                     continue
                 state.event.clear()
                 chunks, state.pending = state.pending, []
@@ -315,7 +315,7 @@ class TokenizerManager:
         self.send(request)
         try:
             return await asyncio.wait_for(future, timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise BackendError(f"the scheduler did not answer a {type(request).__name__} in {timeout_s} s") from None
 
     async def get_internal_state(self) -> InternalState:

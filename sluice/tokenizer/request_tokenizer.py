@@ -28,14 +28,14 @@ class RequestTokenizer:
         images = await asyncio.gather(*(self._process_images(item) for item in items))
         texts = [
             self._text_with_placeholders(item.text, len(imgs))
-            for item, imgs in zip(items, images)
+            for item, imgs in zip(items, images, strict=True)
             if item.input_ids is None
         ]
         # One tokenizer call for all texts: the fast tokenizer encodes a list in parallel Rust.
         encoded = iter(self.tokenizer(texts).input_ids) if texts else iter(())
         tokenized: list[TokenizedGenerateReqInput] = []
         seen: set[str] = set()
-        for i, (item, item_images) in enumerate(zip(items, images)):
+        for i, (item, item_images) in enumerate(zip(items, images, strict=True)):
             ids = list(item.input_ids) if item.input_ids is not None else next(encoded)
             try:
                 if item.rid in seen or item.rid in live_rids:

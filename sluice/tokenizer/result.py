@@ -165,7 +165,7 @@ _encode = msgspec.json.Encoder().encode
 
 def _token_logprobs(logprobs: list[float | None], token_ids: list[int]) -> list[list[Any]]:
     # SGLang's [logprob, token_id, token_text]; the text is never filled in.
-    return [[logprob, token_id, None] for logprob, token_id in zip(logprobs, token_ids)]
+    return [[logprob, token_id, None] for logprob, token_id in zip(logprobs, token_ids, strict=False)]
 
 
 def _top_logprobs(tops: list[list[TokenLogprob]]) -> list[list[list[Any]]]:

@@ -24,8 +24,8 @@ from sluice.ipc import Receiver, Sender
 from sluice.messages import (
     AbortReq,
     BatchStrOutput,
-    FinishReason,
     BatchTokenizedGenerateReqInput,
+    FinishReason,
     FlushCacheReq,
     GetInternalStateReq,
     Message,

@@ -3,6 +3,7 @@ server arguments, IPC names and the Scheduler's start-up info, as msgspec JSON."
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 
@@ -50,7 +51,5 @@ def read_shared_args(main_pid: int) -> tuple[ServerArgs, PortArgs, SchedulerRead
 
 
 def remove_shared_args(main_pid: int) -> None:
-    try:
+    with contextlib.suppress(FileNotFoundError):
         os.unlink(shared_args_path(main_pid))
-    except FileNotFoundError:
-        pass

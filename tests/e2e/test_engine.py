@@ -22,7 +22,7 @@ def test_generate_one_and_many(engine):
     assert "Paris" in one["text"]
     assert one["meta_info"]["path"] == "single" and "index" not in one
     many = engine.generate(["The capital of France is", "1, 2, 3,"], greedy(8))
-    assert [m["text"] for m in many][0] == one["text"]
+    assert many[0]["text"] == one["text"]
     assert many[1]["meta_info"]["completion_tokens"] == 8
 
 
@@ -33,7 +33,7 @@ def test_a_list_takes_the_batch_path_in_input_order(engine):
     assert [r["index"] for r in results] == [0, 1, 2]
     assert [r["meta_info"]["completion_tokens"] for r in results] == [2, 3, 4]
     assert all(r["meta_info"]["path"] == "batch" for r in results)
-    assert [r["text"] for r in results] == [engine.generate(p, q)["text"] for p, q in zip(prompts, params)]
+    assert [r["text"] for r in results] == [engine.generate(p, q)["text"] for p, q in zip(prompts, params, strict=True)]
     ids = engine.generate([r["output_ids"] for r in results], greedy(1, ignore_eos=True))
     assert [r["index"] for r in ids] == [0, 1, 2] and all(len(r["output_ids"]) == 1 for r in ids)
 

@@ -90,7 +90,7 @@ def test_logprobs(base_url):
     ).json()
     meta = body["meta_info"]
     assert len(meta["output_token_logprobs"]) == 4
-    for (logprob, token_id, _), tops in zip(meta["output_token_logprobs"], meta["output_top_logprobs"]):
+    for (logprob, token_id, _), tops in zip(meta["output_token_logprobs"], meta["output_top_logprobs"], strict=True):
         assert logprob <= 0 and len(tops) == 3
         assert tops[0][1] == token_id  # greedy picks the most likely token
     assert meta["input_token_logprobs"][0][0] is None

@@ -117,8 +117,11 @@ def test_completion_logprobs(client, model):
     logprobs = choice.logprobs
     assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(logprobs.top_logprobs) == 5
     assert "".join(logprobs.tokens) == choice.text
-    assert all(choice.text[offset:].startswith(token) for offset, token in zip(logprobs.text_offset, logprobs.tokens))
-    for token, logprob, top in zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs):
+    assert all(
+        choice.text[offset:].startswith(token)
+        for offset, token in zip(logprobs.text_offset, logprobs.tokens, strict=True)
+    )
+    for token, logprob, top in zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs, strict=True):
         assert logprob <= 0
         assert token in top and 3 <= len(top) <= 4
         # Greedy: the chosen token is the most likely one.
@@ -228,7 +231,7 @@ def test_completion_list_with_echo_and_logprobs_is_per_choice(client, model):
     result = client.completions.create(
         model=model, prompt=PROMPTS[:2], max_tokens=3, temperature=0, echo=True, logprobs=1
     )
-    for prompt, choice in zip(PROMPTS, result.choices):
+    for prompt, choice in zip(PROMPTS[:2], result.choices, strict=True):
         assert choice.text.startswith(prompt) and choice.text == "".join(choice.logprobs.tokens)
         assert choice.logprobs.token_logprobs[0] is None
 

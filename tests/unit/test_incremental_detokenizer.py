@@ -15,7 +15,7 @@ IM_START, IM_END = 1, 2
 UNICODE_TEXTS = [
     "héllo 世界 🎉👍🏽 naïve café",
     "日本語のテキストと中文混合。",
-    "family: 👨‍👩‍👧‍👦, flags: 🇫🇷🇯🇵, math: ∀x∈ℝ",
+    "family: 👨‍👩‍👧‍👦, flags: 🇫🇷🇯🇵, math: ∀x∈ℝ",  # noqa: RUF001 (the point of the test)
     "Ελληνικά, русский, עברית, हिन्दी, 한국어",
 ]
 
@@ -73,7 +73,7 @@ def test_stream_adds_up_to_the_whole_decode(tokenizer, seed, skip_special_tokens
 
 
 def test_special_tokens_skipped_or_shown(tokenizer):
-    ids = tokenizer.encode("Hi there") + [IM_END]
+    ids = [*tokenizer.encode("Hi there"), IM_END]
 
     def text_of(**options) -> str:
         return joined(feed(IncrementalDetokenizer(tokenizer, **options), ids))
@@ -126,7 +126,10 @@ def test_held_text_is_released_once_it_cannot_be_a_stop_string(tokenizer):
         shown_after_each.append(shown)
     decoded_after_each = [tokenizer.decode(ids[: count + 1]) for count in range(len(ids))]
     # "##" was held back while it could start "###", and shown once " b" ruled that out.
-    assert any("##" in decoded and "#" not in shown for decoded, shown in zip(decoded_after_each, shown_after_each))
+    assert any(
+        "##" in decoded and "#" not in shown
+        for decoded, shown in zip(decoded_after_each, shown_after_each, strict=True)
+    )
     assert shown == "a ## b "  # the trailing "#" may still become "###"
     final = detokenizer.step([], True)
     assert shown + final.text == text and final.stop_matched is None

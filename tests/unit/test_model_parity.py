@@ -17,7 +17,8 @@ from tests.forward_batches import make_batch
 
 PROMPTS = [
     "The capital of France is",
-    "<|im_start|>user\nWrite a haiku about the sea and the wind over the old harbour.<|im_end|>\n<|im_start|>assistant\n",
+    "<|im_start|>user\nWrite a haiku about the sea and the wind over the old harbour.<|im_end|>\n"
+    "<|im_start|>assistant\n",
     'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n    if n < 2:\n        return n\n    return',
 ]
 NUM_GREEDY_TOKENS = 32
@@ -80,7 +81,7 @@ def hf_prompt_logits(hf_model, prompt_ids: list[list[int]]) -> list[torch.Tensor
 
 
 def test_prompt_logits_match_transformers_at_every_position(runner, prompt_ids, hf_prompt_logits):
-    for ids, expected in zip(prompt_ids, hf_prompt_logits):
+    for ids, expected in zip(prompt_ids, hf_prompt_logits, strict=True):
         kv_buffers = runner.new_kv_buffers(len(ids) + 1)
         slots = torch.arange(1, len(ids) + 1)
         logits = runner.forward(make_batch([(ids, slots)], kv_buffers, all_logits=True))
@@ -209,7 +210,7 @@ def test_quantized_greedy_choices_match_the_dense_path_on_90_percent_of_tokens(
     for ids in chat_prompt_ids:
         dense = sluice_greedy(runner, ids, NUM_GREEDY_TOKENS)
         quantized = greedy_choices_along(quantized_runner, ids, dense)
-        same += sum(a == b for a, b in zip(dense, quantized))
+        same += sum(a == b for a, b in zip(dense, quantized, strict=True))
         total += len(dense)
     assert same / total >= 0.9
 

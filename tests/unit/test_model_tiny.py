@@ -170,14 +170,18 @@ def test_one_call_layers_equal_the_per_op_path(build, tmp_path: Path):
     def run(use_one_call: bool) -> list[torch.Tensor]:
         runner.model.decode_layers = fused if use_one_call else None
         kv_buffers = runner.new_kv_buffers(81)
-        step_logits = [runner.forward(make_batch([(ids, s[: len(ids)]) for ids, s in zip(prompts, slots)], kv_buffers))]
+        step_logits = [
+            runner.forward(
+                make_batch([(ids, s[: len(ids)]) for ids, s in zip(prompts, slots, strict=True)], kv_buffers)
+            )
+        ]
         for step in range(5):
-            new = [([3 + step], s[: len(ids) + step + 1]) for ids, s in zip(prompts, slots)]
+            new = [([3 + step], s[: len(ids) + step + 1]) for ids, s in zip(prompts, slots, strict=True)]
             step_logits.append(runner.forward(make_batch(new, kv_buffers)))
         runner.model.decode_layers = fused
         return step_logits
 
-    for one_call, per_op in zip(run(True), run(False)):
+    for one_call, per_op in zip(run(True), run(False), strict=True):
         assert torch.equal(one_call, per_op)
 
 

@@ -11,11 +11,12 @@ import os
 import shutil
 import socket
 import ssl
-import subprocess
 import struct
+import subprocess
 import threading
 import zlib
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import ClassVar
 
 import httpx
 import msgspec
@@ -250,9 +251,9 @@ def test_a_name_with_any_private_address_is_refused(monkeypatch, no_connections)
 
 
 class ImageServer(BaseHTTPRequestHandler):
-    requests_seen: list[dict] = []
+    requests_seen: ClassVar[list[dict]] = []
 
-    def do_GET(self):  # noqa: N802
+    def do_GET(self):
         ImageServer.requests_seen.append({"path": self.path, "host": self.headers["Host"]})
         if self.path == "/redirect":
             self.send_response(302)

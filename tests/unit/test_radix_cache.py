@@ -338,7 +338,7 @@ def test_randomized_requests_keep_every_slot_accounted_for(seed):
             abort(rng.choice(running))
         else:
             cache.evict(rng.randint(1, 30))
-        check_match(rng.choice(system_prompts) + [rng.randrange(50)])
+        check_match([*rng.choice(system_prompts), rng.randrange(50)])
         for req in running:
             check_match(req.token_ids)
         assert_all_slots_accounted(allocator, cache, held_outside=sum(r.owned() for r in running))

@@ -188,7 +188,7 @@ def seeded_tokens(
     """The tokens a seeded row gets over several steps when placed among `others`."""
     tokens: list[int] = []
     for logits_row in logits_steps:
-        batch_params = others[:position] + [params] + others[position:]
+        batch_params = [*others[:position], params, *others[position:]]
         logits = torch.randn(len(batch_params), logits_row.shape[0])
         logits[position] = logits_row
         outputs = [[7] * len(tokens) for _ in batch_params]
@@ -281,7 +281,7 @@ def test_logprobs_are_the_models_own_at_the_chosen_token():
     ]
     out = run(logits, params, output_ids=[[], [], [], [1, 2, 3]])
     expected = torch.log_softmax(logits, -1)
-    for row, (token, logprob) in enumerate(zip(out.next_token_ids, out.logprobs)):
+    for row, (token, logprob) in enumerate(zip(out.next_token_ids, out.logprobs, strict=True)):
         assert logprob == pytest.approx(expected[row, token].item(), abs=1e-5)
 
 
