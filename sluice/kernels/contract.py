@@ -107,12 +107,12 @@ def _ctype(declaration: str) -> type | None:
     return _SCALARS[scalar]
 
 
-def declared_signatures(header: str | None = None) -> dict[str, tuple[type | None, list[type]]]:
+def declared_signatures(header: str | None = None) -> dict[str, tuple[type | None, list[type | None]]]:
     """Every function kernels.h declares: name -> (restype, argtypes)."""
     text = HEADER.read_text() if header is None else header
     text = re.sub(r"/\*.*?\*/", " ", text, flags=re.S)
     text = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#"))
-    signatures = {}
+    signatures: dict[str, tuple[type | None, list[type | None]]] = {}
     for return_type, stars, name, raw_params in _DECLARATION.findall(text):
         params = raw_params.strip()
         argtypes = [] if params in ("", "void") else [_ctype(param) for param in params.split(",")]
@@ -146,7 +146,7 @@ def check(lib: ctypes.CDLL) -> None:
             problems.append(
                 f"sizeof {struct._c_name_}: C {value(f'sizeof {struct._c_name_}')}, Python {ctypes.sizeof(struct)}"
             )
-        for field, _ in struct._fields_:
+        for field, *_ in struct._fields_:
             c_offset, py_offset = value(f"{struct._c_name_}.{field}"), getattr(struct, field).offset
             if c_offset != py_offset:
                 problems.append(f"{struct._c_name_}.{field} at offset {c_offset} in C, {py_offset} in Python")

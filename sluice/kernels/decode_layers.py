@@ -20,8 +20,11 @@ from sluice.kernels.ops import KV_DTYPES, KernelOps
 class QuantizedProjection(Protocol):
     """What the C loop reads of a block-quantized projection (a QuantizedLinearWeight)."""
 
-    format: int  # BlockFormat
-    packed: torch.Tensor  # uint8, qgemm.c's row-group layout
+    @property
+    def format(self) -> int: ...  # a BlockFormat
+
+    @property
+    def packed(self) -> torch.Tensor: ...  # uint8, qgemm.c's row-group layout
 
 
 @dataclass(slots=True)
@@ -35,8 +38,8 @@ class LayerTensors:
     qkv_bias: torch.Tensor | None
 
 
-_FLOAT_P = dict(LayerWeights._fields_)["input_norm"]
-_BYTE_P = dict(LayerWeights._fields_)["qkv"]
+_FLOAT_P = next(kind for name, kind, *_ in LayerWeights._fields_ if name == "input_norm")
+_BYTE_P = next(kind for name, kind, *_ in LayerWeights._fields_ if name == "qkv")
 
 
 def _pointer(tensor: torch.Tensor | None, pointer_type: type) -> ctypes._Pointer | None:

@@ -104,6 +104,20 @@ class AttentionMetadata:
         )
 
     @property
+    def decode_slots(self) -> torch.Tensor:
+        """decode_kv_slots of a batch that has decoding tokens."""
+        if self.decode_kv_slots is None:
+            raise ValueError("no token of this batch decodes")
+        return self.decode_kv_slots
+
+    @property
+    def decode_lens(self) -> torch.Tensor:
+        """decode_seq_lens of a batch that has decoding tokens."""
+        if self.decode_seq_lens is None:
+            raise ValueError("no token of this batch decodes")
+        return self.decode_seq_lens
+
+    @property
     def decode_only(self) -> bool:
         """Every token decodes, so decode rows are exactly 0..num_tokens-1 in order."""
         return not self.prefills
@@ -153,8 +167,8 @@ def _decode_attention(
     num_requests, num_heads, head_dim = q.shape
     num_kv_heads = k_buffer.shape[1]
     gathered_shape = (num_requests, metadata.decode_max_seq_len, num_kv_heads, head_dim)
-    keys = k_buffer.index_select(0, metadata.decode_kv_slots).to(q.dtype).view(gathered_shape).transpose(1, 2)
-    values = v_buffer.index_select(0, metadata.decode_kv_slots).to(q.dtype).view(gathered_shape).transpose(1, 2)
+    keys = k_buffer.index_select(0, metadata.decode_slots).to(q.dtype).view(gathered_shape).transpose(1, 2)
+    values = v_buffer.index_select(0, metadata.decode_slots).to(q.dtype).view(gathered_shape).transpose(1, 2)
     # The query heads sharing a KV head become that head's "query positions": all sit at the
     # same position, so one mask row serves them, and no KV repeat is needed (SDPA's own
     # GQA path is several times slower in bf16 on CPU).

@@ -90,8 +90,8 @@ class KernelBackend:
             q,
             k_buffer,
             v_buffer,
-            metadata.decode_kv_slots,
-            metadata.decode_seq_lens,
+            metadata.decode_slots,
+            metadata.decode_lens,
             metadata.decode_max_seq_len,
             metadata.decode_slot_rows,
         )
@@ -137,7 +137,7 @@ class TorchBackend:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         num_qk_heads = num_heads + num_kv_heads
         # q and k are rotated together: one set of ops instead of two.
-        qk = rotary.apply(qkv[:, :num_qk_heads], cos.unsqueeze(1), signed_sin.unsqueeze(1))
+        qk = rotary.rotate(qkv[:, :num_qk_heads], cos.unsqueeze(1), signed_sin.unsqueeze(1))
         q, k = qk[:, :num_heads], qk[:, num_heads:]
         k_buffer.index_copy_(0, out_cache_loc, k.to(k_buffer.dtype))
         v_buffer.index_copy_(0, out_cache_loc, qkv[:, num_qk_heads:].to(v_buffer.dtype))

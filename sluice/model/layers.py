@@ -97,6 +97,9 @@ class RotaryEmbedding(nn.Module):
     un-permuted GGUF weights apply as they are.
     """
 
+    cos: torch.Tensor  # buffers, [context_len, head_dim]
+    signed_sin: torch.Tensor
+
     def __init__(
         self,
         head_dim: int,
@@ -119,20 +122,21 @@ class RotaryEmbedding(nn.Module):
         """cos and signed sin for each token, [num_tokens, head_dim] (unsqueeze(1) broadcasts over heads)."""
         return self.cos[positions], self.signed_sin[positions]
 
-    def apply(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    def rotate(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
         """Rotate x of shape [num_tokens, num_heads, head_dim]."""
         return torch.addcmul(x * cos, torch.roll(x, self.half_dim, dims=-1), signed_sin)
 
 
 def _scaled_inv_freq(head_dim: int, rope_theta: float, rope_scaling: dict[str, Any] | None) -> torch.Tensor:
     inv_freq = 1.0 / (rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    rope_type = (rope_scaling or {}).get("rope_type", "default")
+    scaling = rope_scaling or {}
+    rope_type = scaling.get("rope_type", "default")
     if rope_type == "default":
         return inv_freq
     if rope_type == "linear":
-        return inv_freq / rope_scaling["factor"]
+        return inv_freq / scaling["factor"]
     if rope_type == "llama3":
-        return _llama3_inv_freq(inv_freq, rope_scaling)
+        return _llama3_inv_freq(inv_freq, scaling)
     raise ValueError(f"rope_scaling.rope_type {rope_type!r} is not supported; supported: linear, llama3")
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -98,6 +99,10 @@ class LlamaForCausalLM(nn.Module):
         # Set by quantize() when every projection is quantized: all layers run in one C call.
         self.decode_layers: DecodeLayers | None = None
 
+    @property
+    def decoder_layers(self) -> list[DecoderLayer]:
+        return cast(list[DecoderLayer], list(self.layers))  # nn.ModuleList holds them untyped
+
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         """float32 logits of shape [len(fb.logits_indices), vocab_size]."""
         metadata = AttentionMetadata.build(fb, every_token_decodes=self.backend.every_token_decodes)
@@ -109,9 +114,9 @@ class LlamaForCausalLM(nn.Module):
                 cos,
                 signed_sin,
                 fb.out_cache_loc,
-                metadata.decode_kv_slots,
+                metadata.decode_slots,
                 metadata.decode_slot_rows,
-                metadata.decode_seq_lens,
+                metadata.decode_lens,
                 metadata.decode_max_seq_len,
                 fb.k_buffers,
                 fb.v_buffers,
@@ -122,6 +127,7 @@ class LlamaForCausalLM(nn.Module):
                 hidden, pending = layer(
                     hidden, pending, self.rotary, cos, signed_sin, k_buffer, v_buffer, fb.out_cache_loc, metadata
                 )
+            assert pending is not None, "a model has at least one layer"
             hidden = hidden + pending
         # Norm and LM head only for the rows whose logits are wanted: the rest are never read.
         last_hidden = self.norm(hidden[fb.logits_indices])
@@ -132,6 +138,7 @@ class LlamaForCausalLM(nn.Module):
             return F.embedding(fb.input_ids, self.embed_tokens)
         # Image rows hold placeholder ids that may lie outside the vocabulary: look up id 0
         # there, then overwrite those rows. Other rows keep the out-of-range check.
+        assert fb.mm_embeds is not None, "image rows come with their embeddings"
         input_ids = fb.input_ids.index_fill(0, fb.mm_rows, 0)
         hidden = F.embedding(input_ids, self.embed_tokens)
         return hidden.index_copy_(0, fb.mm_rows, fb.mm_embeds.to(hidden))
@@ -145,7 +152,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = self.embed_tokens
         else:
             self.lm_head = nn.Parameter(weights["lm_head.weight"].to(self.dtype), requires_grad=False)
-        for index, layer in enumerate(self.layers):
+        for index, layer in enumerate(self.decoder_layers):
             _load_layer(layer, weights, f"model.layers.{index}.")
 
     @torch.no_grad()
@@ -169,7 +176,7 @@ class LlamaForCausalLM(nn.Module):
             setattr(module, dense_name, nn.Parameter(torch.empty(0, dtype=self.dtype), requires_grad=False))
             return quantized
 
-        for index, layer in enumerate(self.layers):
+        for index, layer in enumerate(self.decoder_layers):
             prefix = f"model.layers.{index}."
             layer.qkv_proj.quantized = quantize_in_place(
                 layer.qkv_proj, "weight", [prefix + name for name in _QKV_SOURCES]
@@ -190,7 +197,7 @@ class LlamaForCausalLM(nn.Module):
 
     def quantized_weights(self) -> list[QuantizedLinearWeight]:
         weights = [self.lm_head_quantized]
-        for layer in self.layers:
+        for layer in self.decoder_layers:
             weights += [
                 layer.qkv_proj.quantized,
                 layer.o_proj.quantized,
@@ -201,22 +208,28 @@ class LlamaForCausalLM(nn.Module):
 
     def _fused_decode_layers(self, backend: KernelBackend) -> DecodeLayers | None:
         """The one-call path, when every layer's four projections are quantized."""
-        projections = [
-            (layer.qkv_proj.quantized, layer.o_proj.quantized, layer.mlp.gate_up_quantized, layer.mlp.down_quantized)
-            for layer in self.layers
-        ]
-        if any(weight is None for layer in projections for weight in layer):
-            return None
-        config = self.config
-        tensors = [
-            LayerTensors(
-                layer.input_layernorm.weight,
-                layer.post_attention_layernorm.weight,
-                *weights,
-                qkv_bias=layer.qkv_proj.bias,
+        tensors: list[LayerTensors] = []
+        for layer in self.decoder_layers:
+            qkv, o, gate_up, down = (
+                layer.qkv_proj.quantized,
+                layer.o_proj.quantized,
+                layer.mlp.gate_up_quantized,
+                layer.mlp.down_quantized,
             )
-            for layer, weights in zip(self.layers, projections, strict=True)
-        ]
+            if qkv is None or o is None or gate_up is None or down is None:
+                return None
+            tensors.append(
+                LayerTensors(
+                    layer.input_layernorm.weight,
+                    layer.post_attention_layernorm.weight,
+                    qkv,
+                    o,
+                    gate_up,
+                    down,
+                    qkv_bias=layer.qkv_proj.bias,
+                )
+            )
+        config = self.config
         return DecodeLayers(
             backend.ops,
             tensors,

@@ -168,7 +168,7 @@ def _gguf_rope_scaling(field, arch_name: str) -> dict[str, Any] | None:
 
 def _from_hf_folder(folder: Path) -> ModelConfig:
     config = json.loads((folder / "config.json").read_text())
-    architectures = config.get("architectures") or [_ARCHITECTURE_BY_MODEL_TYPE.get(config.get("model_type"), "")]
+    architectures = config.get("architectures") or [_ARCHITECTURE_BY_MODEL_TYPE.get(config.get("model_type", ""), "")]
     if architectures[0] in SUPPORTED_VLM_ARCHITECTURES:
         return _llava_config(folder, config)
     return ModelConfig(**_text_fields(config), eos_token_ids=_hf_eos_token_ids(folder, [config]))
@@ -176,7 +176,7 @@ def _from_hf_folder(folder: Path) -> ModelConfig:
 
 def _text_fields(config: dict[str, Any]) -> dict[str, Any]:
     """The ModelConfig fields of a causal LM's `config.json` (or a VLM's `text_config`)."""
-    architectures = config.get("architectures") or [_ARCHITECTURE_BY_MODEL_TYPE.get(config.get("model_type"), "")]
+    architectures = config.get("architectures") or [_ARCHITECTURE_BY_MODEL_TYPE.get(config.get("model_type", ""), "")]
     architecture = architectures[0]
     if architecture not in SUPPORTED_ARCHITECTURES:
         raise ValueError(f"architecture {architecture!r} is not supported; supported: {list(SUPPORTED_ARCHITECTURES)}")

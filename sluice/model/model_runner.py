@@ -31,6 +31,7 @@ class ModelRunner:
         self.execution = choose_execution(dtype, kv_cache_dtype)
         self.dtype = self.execution.dtype
         self.kv_dtype = self.execution.kv_dtype
+        self.model: LlamaForCausalLM | LlavaForConditionalGeneration
         if self.config.vision is None:
             self.model = LlamaForCausalLM(self.config, self.dtype, self.execution.backend, self.kv_dtype)
         else:
@@ -40,14 +41,18 @@ class ModelRunner:
         self.model.load_weights(load_weights(model_path, self.config, self.dtype))
         self.quantized = plan is not None
         if plan is not None:
-            self.model.quantize(plan)
+            self.language_model.quantize(plan)
         self.model.eval()
         self.execution_info = describe(self.execution, self._weight_formats())
         logger.info("execution: %s", "; ".join(f"{key}: {value}" for key, value in self.execution_info.items()))
 
+    @property
+    def language_model(self) -> LlamaForCausalLM:
+        model = self.model
+        return model.language_model if isinstance(model, LlavaForConditionalGeneration) else model
+
     def _weight_formats(self) -> list[str]:
-        language_model = getattr(self.model, "language_model", self.model)
-        formats = {weight.format.name.lower() for weight in language_model.quantized_weights()}
+        formats = {weight.format.name.lower() for weight in self.language_model.quantized_weights()}
         return sorted(formats)
 
     @torch.inference_mode()
@@ -59,7 +64,7 @@ class ModelRunner:
     def encode_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """[N, C, H, W] preprocessed pixels -> [N, config.num_image_tokens, hidden] in the model dtype,
         ready to be a ForwardBatch's `mm_embeds` (flattened over images)."""
-        if self.config.vision is None:
+        if not isinstance(self.model, LlavaForConditionalGeneration):
             raise ValueError("this model has no vision tower: it takes no images")
         return self.model.encode_images(pixel_values)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -97,7 +98,9 @@ class EncoderLayer(nn.Module):
         attn = prefix + "self_attn."
         self.layer_norm1.load(weights, prefix + "layer_norm1.")
         self.qkv_proj.weight.copy_(torch.cat([weights[f"{attn}{name}_proj.weight"] for name in "qkv"]))
-        self.qkv_proj.bias.copy_(torch.cat([weights[f"{attn}{name}_proj.bias"] for name in "qkv"]))
+        bias = self.qkv_proj.bias
+        assert bias is not None, "the vision tower's qkv projection has a bias"
+        bias.copy_(torch.cat([weights[f"{attn}{name}_proj.bias"] for name in "qkv"]))
         self.out_proj.load(weights, attn + "out_proj.")
         self.layer_norm2.load(weights, prefix + "layer_norm2.")
         self.fc1.load(weights, prefix + "mlp.fc1.")
@@ -158,7 +161,7 @@ class VisionTower(nn.Module):
         self.position_embedding.copy_(weights[embeddings + "position_embedding.weight"])
         if self.pre_layernorm is not None:
             self.pre_layernorm.load(weights, prefix + "pre_layrnorm.")  # sic: HF's spelling
-        for index, layer in enumerate(self.layers):
+        for index, layer in enumerate(cast(list[EncoderLayer], list(self.layers))):  # nn.ModuleList is untyped
             layer.load(weights, f"{prefix}encoder.layers.{index}.")
 
 

@@ -159,7 +159,7 @@ def test_rope_and_store_matches_the_torch_rotation_and_copy(ops, kv_dtype):
     slots = torch.tensor([9, 2, 5, 1, 7])
     k_pool, v_pool = (torch.zeros(10, kv_heads, head_dim, dtype=kv_dtype) for _ in range(2))
 
-    expected_qk = rotary.apply(qkv[:, : heads + kv_heads], cos.unsqueeze(1), signed_sin.unsqueeze(1))
+    expected_qk = rotary.rotate(qkv[:, : heads + kv_heads], cos.unsqueeze(1), signed_sin.unsqueeze(1))
     expected_v = qkv[:, heads + kv_heads :].clone()
     ops.rope_and_store(qkv, heads, cos, signed_sin, k_pool, v_pool, slots)
 
