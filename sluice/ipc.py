@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 import zmq
 import zmq.asyncio
@@ -20,8 +22,7 @@ def decode(data: bytes) -> Message:
     return _decoder.decode(data)
 
 
-def _socket(context: zmq.Context, kind: int, address: str, bind: bool) -> zmq.Socket:
-    sock = context.socket(kind)
+def _connect(sock: zmq.Socket[Any], kind: int, address: str, bind: bool) -> None:
     sock.setsockopt(zmq.LINGER, 0)
     if kind == zmq.PUSH:
         sock.setsockopt(zmq.SNDHWM, 0)
@@ -31,14 +32,14 @@ def _socket(context: zmq.Context, kind: int, address: str, bind: bool) -> zmq.So
         sock.bind(address)
     else:
         sock.connect(address)
-    return sock
 
 
 class Receiver:
     """The PULL end a process binds as its inbox."""
 
-    def __init__(self, context: zmq.Context, address: str):
-        self.sock = _socket(context, zmq.PULL, address, bind=True)
+    def __init__(self, context: zmq.Context[Any], address: str) -> None:
+        self.sock: zmq.Socket[bytes] = context.socket(zmq.PULL)
+        _connect(self.sock, zmq.PULL, address, bind=True)
 
     def recv(self, timeout_ms: int | None = None) -> Message | None:
         if timeout_ms is not None and not self.sock.poll(timeout_ms):
@@ -52,7 +53,7 @@ class Receiver:
             return None
 
     def drain(self) -> list[Message]:
-        messages = []
+        messages: list[Message] = []
         while (message := self.recv_nowait()) is not None:
             messages.append(message)
         return messages
@@ -64,8 +65,9 @@ class Receiver:
 class Sender:
     """A PUSH socket connected to another process's inbox."""
 
-    def __init__(self, context: zmq.Context, address: str):
-        self.sock = _socket(context, zmq.PUSH, address, bind=False)
+    def __init__(self, context: zmq.Context[Any], address: str) -> None:
+        self.sock: zmq.Socket[bytes] = context.socket(zmq.PUSH)
+        _connect(self.sock, zmq.PUSH, address, bind=False)
 
     def send(self, message: Message) -> None:
         self.sock.send(encode(message))
@@ -75,8 +77,9 @@ class Sender:
 
 
 class AsyncReceiver:
-    def __init__(self, context: zmq.asyncio.Context, address: str):
-        self.sock = _socket(context, zmq.PULL, address, bind=True)
+    def __init__(self, context: zmq.asyncio.Context, address: str) -> None:
+        self.sock: zmq.asyncio.Socket = context.socket(zmq.PULL)
+        _connect(self.sock, zmq.PULL, address, bind=True)
 
     async def recv(self) -> Message:
         return decode(await self.sock.recv())

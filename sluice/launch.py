@@ -14,16 +14,17 @@ from typing import Any
 
 import msgspec
 import zmq
+import zmq.asyncio
 
 from sluice.config import PortArgs, ServerArgs
-from sluice.ipc import Sender
-from sluice.messages import ProcessFailed
+from sluice.ipc import AsyncReceiver, Sender
+from sluice.messages import ProcessFailed, SchedulerReady
 from sluice.sampling import ClientError
 from sluice.server.app import ServerState, create_app
 from sluice.server.errors import failure_status
 from sluice.server.http import serve_http
 from sluice.tokenizer.io_struct import GenerateReqInput
-from sluice.tokenizer.manager import BackendError, TokenizerManager
+from sluice.tokenizer.manager import BackendError, TokenizerManager, wait_for_backend
 from sluice.tokenizer.result import native_json
 from sluice.tokenizer.router import run_router_process
 from sluice.tokenizer.shared_args import remove_shared_args, write_shared_args
@@ -79,8 +80,8 @@ async def start_tokenizer_manager(server_args: ServerArgs, backend: Backend):
     """Build the TokenizerManager, wait for the back end, start handle_loop, warm up."""
     tokenizer, chat_template = await asyncio.to_thread(load_tokenizer_side, server_args)
     tm = TokenizerManager(server_args, backend.port_args, tokenizer, chat_template)
-    await tm.wait_for_backend()
-    tm.mm_processor = await asyncio.to_thread(load_multimodal_processor, server_args, tm.scheduler_info, tokenizer)
+    scheduler_info = await tm.wait_for_backend()
+    tm.mm_processor = await asyncio.to_thread(load_multimodal_processor, server_args, scheduler_info, tokenizer)
     tm.start_handle_loop()
     asyncio.get_running_loop().create_task(_watch_backend(tm, backend))
     if not server_args.skip_warmup:
@@ -119,8 +120,7 @@ def _launch_single_worker_server(server_args: ServerArgs) -> None:
         except BaseException:
             backend.shutdown()
             raise
-        state.tm = tm
-        state.ready = True
+        state.serve_with(tm)
         logger.info(
             "ready in %.1f s on http://%s:%d", time.perf_counter() - started, server_args.host, server_args.port
         )
@@ -141,7 +141,7 @@ def _launch_worker_processes_server(server_args: ServerArgs) -> None:
     port_args = PortArgs.create()
     backend = Backend(server_args, port_args)
     try:
-        scheduler_info = asyncio.run(_wait_for_backend_ready(server_args, port_args))
+        scheduler_info = asyncio.run(_wait_for_backend_ready(port_args))
         if server_args.tokenizer_worker_num > 1:
             # The router takes over the tokenizer inbox the back end reported to.
             backend.start(run_router_process, "sluice-router")
@@ -174,13 +174,15 @@ def _report_dead_backend(backend: Backend) -> None:
         time.sleep(1.0)
 
 
-async def _wait_for_backend_ready(server_args: ServerArgs, port_args: PortArgs):
+async def _wait_for_backend_ready(port_args: PortArgs) -> SchedulerReady:
     """Receive the back end's ready messages on the tokenizer inbox, then give it up."""
-    tm = TokenizerManager(server_args, port_args, tokenizer=None)
+    context = zmq.asyncio.Context(1)
+    inbox = AsyncReceiver(context, port_args.tokenizer_input)
     try:
-        return await tm.wait_for_backend()
+        return await wait_for_backend(inbox)
     finally:
-        tm.close()
+        inbox.close()
+        context.term()
 
 
 class Engine:

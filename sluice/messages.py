@@ -7,6 +7,8 @@ per-request messages: splitting a result by request needs no hand-written code.
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 
@@ -94,8 +96,8 @@ class FinishReason(msgspec.Struct, kw_only=True):
     message: str | None = None
     status_code: int | None = None
 
-    def to_json(self) -> dict:
-        out: dict = {"type": self.type, "matched": self.matched}
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"type": self.type, "matched": self.matched}
         if self.message is not None:
             out["message"] = self.message
         if self.status_code is not None:

@@ -18,7 +18,7 @@ import time
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any
 
 import jinja2
 import jinja2.ext
@@ -26,7 +26,7 @@ import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ def default_tokenizer_cache_dir() -> Path:
     return Path.home() / ".cache" / "sluice" / "tokenizers"
 
 
-def load_tokenizer(model_path: str, cache_dir: str | None = None) -> PreTrainedTokenizerFast:
+def load_tokenizer(model_path: str, cache_dir: str | None = None) -> PreTrainedTokenizerBase:
     """The fast tokenizer of a `.gguf` file or a HF folder.
 
     Converting a GGUF vocabulary takes seconds, so the result is saved under `cache_dir`
@@ -81,7 +81,7 @@ def _gguf_cache_key(path: Path) -> str:
     return f"{path.stem}-{hashlib.sha256(identity.encode()).hexdigest()[:16]}"
 
 
-def _publish_cache(tokenizer: PreTrainedTokenizerFast, cached: Path) -> None:
+def _publish_cache(tokenizer: PreTrainedTokenizerBase, cached: Path) -> None:
     """Saves into a private temporary folder, then renames it into place in one step.
 
     A process that loses the race to another one's rename keeps its own copy in memory
@@ -103,7 +103,7 @@ def _publish_cache(tokenizer: PreTrainedTokenizerFast, cached: Path) -> None:
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def load_chat_template(model_path: str, tokenizer: PreTrainedTokenizerFast | None = None) -> str | None:
+def load_chat_template(model_path: str, tokenizer: PreTrainedTokenizerBase | None = None) -> str | None:
     """The model's Jinja chat template, or None when it has none.
 
     Looks in the tokenizer, then in the GGUF metadata, then in a HF folder's
@@ -208,7 +208,7 @@ class ChatTemplate:
         self._special_tokens = dict(special_tokens or {})
 
     @classmethod
-    def from_model(cls, model_path: str, tokenizer: PreTrainedTokenizerFast) -> ChatTemplate | None:
+    def from_model(cls, model_path: str, tokenizer: PreTrainedTokenizerBase) -> ChatTemplate | None:
         source = load_chat_template(model_path, tokenizer)
         if source is None:
             return None
@@ -248,7 +248,7 @@ class _GenerationBlock(jinja2.ext.Extension):
     that contain it must still compile here.
     """
 
-    tags: ClassVar[set[str]] = {"generation"}
+    tags = {"generation"}  # noqa: RUF012 (jinja2.ext.Extension declares it as a plain set attribute)
 
     def parse(self, parser: jinja2.parser.Parser) -> list[jinja2.nodes.Node]:
         next(parser.stream)

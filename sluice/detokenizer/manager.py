@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import traceback
+from typing import TYPE_CHECKING
 
 import msgspec
 import zmq
@@ -30,11 +31,14 @@ from sluice.messages import (
 from sluice.procutil import become_child_process
 from sluice.tokenizer_files import load_tokenizer
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 logger = logging.getLogger(__name__)
 
 
 class DetokenizerManager:
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
         self.tokenizer = tokenizer
         self.decoders: dict[str, IncrementalDetokenizer] = {}
         # Requests finished by a stop string whose final scheduler output has not come yet.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -11,6 +12,9 @@ from sluice.model.forward_batch import ForwardBatch
 from sluice.scheduler.kv_manager import KVManager
 from sluice.scheduler.multimodal import image_rows
 from sluice.scheduler.req import Req
+
+if TYPE_CHECKING:
+    from sluice.model.model_runner import ModelRunner
 
 
 @dataclass(slots=True)
@@ -82,7 +86,11 @@ class StepBatch:
 
 
 def build_forward_batch(
-    batch: StepBatch, req_to_token: torch.Tensor, k_buffers, v_buffers, runner=None
+    batch: StepBatch,
+    req_to_token: torch.Tensor,
+    k_buffers: list[torch.Tensor],
+    v_buffers: list[torch.Tensor],
+    runner: ModelRunner | None = None,
 ) -> ForwardBatch:
     input_ids: list[int] = []
     positions: list[int] = []
@@ -93,6 +101,8 @@ def build_forward_batch(
     offset = 0
     for req, n, start in zip(batch.reqs, batch.extend_lens, batch.starts, strict=True):
         if req.image_offsets and start < len(req.prompt_ids):
+            if runner is None:
+                raise ValueError("a request with images needs the model runner to embed them")
             rows, embeds = image_rows(req, start, n, runner.encode_images)
             mm_rows.extend(offset + row for row in rows)
             mm_embeds.extend(embeds)

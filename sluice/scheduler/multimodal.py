@@ -10,9 +10,12 @@ image per request, and only if a prefill chunk actually computes that image's po
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
+from sluice.messages import ImageInput
 from sluice.scheduler.req import Req
 
 PAD_VALUE_RANGE = 1 << 30
@@ -42,7 +45,9 @@ def expand_image_tokens(req: Req, image_token_id: int, num_image_tokens: int, vo
     return None
 
 
-def image_rows(req: Req, start: int, length: int, encode_images) -> tuple[list[int], list[torch.Tensor]]:
+def image_rows(
+    req: Req, start: int, length: int, encode_images: Callable[[torch.Tensor], torch.Tensor]
+) -> tuple[list[int], list[torch.Tensor]]:
     """For the chunk of positions [start, start + length): the chunk-relative rows that are
     image positions, and their embeddings (computing an image's embedding on first use)."""
     rows: list[int] = []
@@ -59,6 +64,6 @@ def image_rows(req: Req, start: int, length: int, encode_images) -> tuple[list[i
     return rows, embeds
 
 
-def pixels(image) -> torch.Tensor:
+def pixels(image: ImageInput) -> torch.Tensor:
     array = np.frombuffer(image.pixel_values, dtype=np.dtype(image.dtype)).reshape(image.shape)
     return torch.from_numpy(array.copy())

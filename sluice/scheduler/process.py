@@ -6,6 +6,7 @@ import logging
 import os
 import time
 import traceback
+from typing import TYPE_CHECKING
 
 import zmq
 
@@ -26,6 +27,9 @@ from sluice.messages import (
 )
 from sluice.procutil import become_child_process
 
+if TYPE_CHECKING:
+    from sluice.scheduler.scheduler import Scheduler
+
 logger = logging.getLogger(__name__)
 
 IDLE_POLL_MS = 1000
@@ -43,7 +47,7 @@ def default_max_total_tokens(args: ServerArgs, kv_bytes_per_token: int, context_
     return max(min(by_memory, context_len * args.max_running_requests), 256)
 
 
-def build_scheduler(args: ServerArgs):
+def build_scheduler(args: ServerArgs) -> Scheduler:
     # Imported in the scheduler process only: the main process imports this module for
     # its entry point and must not load the model code.
     from sluice.model.model_runner import ModelRunner
@@ -57,7 +61,7 @@ def build_scheduler(args: ServerArgs):
 class SchedulerLoop:
     """Owns the sockets; feeds messages to the Scheduler and sends what it produces."""
 
-    def __init__(self, scheduler, port_args: PortArgs):
+    def __init__(self, scheduler: Scheduler, port_args: PortArgs):
         self.scheduler = scheduler
         self.context = zmq.Context(1)
         self.inbox = Receiver(self.context, port_args.scheduler_input)

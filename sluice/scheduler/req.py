@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from sluice.messages import FinishReason, SamplingParams, TokenizedGenerateReqInput, TokenLogprob
+from sluice.messages import FinishReason, ImageInput, SamplingParams, TokenizedGenerateReqInput, TokenLogprob
 
 
 @dataclass(slots=True, eq=False)
@@ -20,7 +20,7 @@ class Req:
     top_logprobs_num: int = 0
     logprob_start_len: int = -1
     http_worker_ipc: str | None = None
-    images: list = field(default_factory=list)  # ImageInput, in prompt order
+    images: list[ImageInput] = field(default_factory=list)  # in prompt order
 
     # Where each image's positions start in prompt_ids once expanded, and its embedding
     # once computed (kept until the request ends, so a retraction does not recompute it).

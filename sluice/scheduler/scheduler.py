@@ -21,9 +21,10 @@ from sluice.messages import (
     InternalState,
     TokenIDOutput,
     TokenizedGenerateReqInput,
+    TokenLogprob,
 )
 from sluice.model.model_runner import ModelRunner
-from sluice.model.sampler import SamplingBatch, sample
+from sluice.model.sampler import SampleOutput, SamplingBatch, sample
 from sluice.scheduler.batch_builder import StepBatch, build_forward_batch
 from sluice.scheduler.kv_manager import KVManager
 from sluice.scheduler.multimodal import expand_image_tokens
@@ -77,12 +78,10 @@ class Scheduler:
     def _expand_images(self, req: Req) -> str | None:
         if not req.images:
             return None
-        vision = self.config.vision
-        if vision is None:
+        image_token_id = self.config.image_token_id
+        if self.config.vision is None or image_token_id is None:
             return "this model does not accept images"
-        error = expand_image_tokens(
-            req, self.config.image_token_id, self.config.num_image_tokens, self.config.vocab_size
-        )
+        error = expand_image_tokens(req, image_token_id, self.config.num_image_tokens, self.config.vocab_size)
         if error is None and len(req.prompt_ids) >= self.max_req_input_len:
             error = (
                 f"Multimodal prompt is too long after expanding image tokens: "
@@ -245,9 +244,8 @@ class Scheduler:
         sample_pos = {row: k for k, row in enumerate(sampling_rows)}
         for i, req in enumerate(batch.reqs):
             req.kv_len += batch.extend_lens[i]
-            if i in sample_pos:
-                k = sample_pos[i]
-                self._append_token(req, next_tokens, k)
+            if next_tokens is not None and i in sample_pos:
+                self._append_token(req, next_tokens, sample_pos[i])
             elif req.kv_len == req.seq_len and req.sampling_params.max_new_tokens == 0:
                 # A prefill-only request (parallel sampling's prefix warm-up).
                 req.finish_reason = FinishReason(type="length", matched=None)
@@ -263,12 +261,12 @@ class Scheduler:
                 outputs.append(make_output(req))
         return outputs
 
-    def _append_token(self, req: Req, next_tokens, k: int) -> None:
+    def _append_token(self, req: Req, next_tokens: SampleOutput, k: int) -> None:
         req.output_ids.append(next_tokens.next_token_ids[k])
         if req.return_logprob:
             req.output_logprobs.append(next_tokens.logprobs[k])
             if req.top_logprobs_num:
-                req.output_top_logprobs.append(next_tokens.top_logprobs[k])
+                req.output_top_logprobs.append([TokenLogprob(*top) for top in next_tokens.top_logprobs[k]])
         req.check_finished(self.eos_token_ids)
         if not req.finished and req.seq_len >= self.config.context_len:
             req.finish_reason = FinishReason(type="length", matched=None)

@@ -145,7 +145,7 @@ async def serve_generate(tm: TokenizerManager, obj: GenerateReqInput, request: R
         return await stream_response(generator, NativeStreamFormat())
     if obj.is_single and obj.sample_count() == 1:
         return finished_response(await _last(generator))
-    results = sorted([chunk async for chunk in generator], key=lambda chunk: chunk.index)
+    results = sorted([chunk async for chunk in generator], key=lambda chunk: chunk.index or 0)
     for result in results:
         if status_code := failure_status(result):
             return error_response(status_code, native_error_message(result))

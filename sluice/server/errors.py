@@ -51,7 +51,8 @@ def failure_status(chunk: GenerateChunk) -> int | None:
 
 def failure_message(chunk: GenerateChunk) -> str:
     """Why a chunk that `failure_status` flags failed."""
-    return chunk.finish_reason.message if chunk.finish_reason is not None else "the request failed"
+    reason = chunk.finish_reason
+    return reason.message if reason is not None and reason.message is not None else "the request failed"
 
 
 class BodyTooLarge(Exception):

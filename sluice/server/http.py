@@ -26,6 +26,7 @@ def serve_http(server_args: ServerArgs, app, workers: int = 1) -> None:
 def _serve_granian(server_args: ServerArgs, app_factory: str, workers: int) -> None:
     from granian import Granian
     from granian.constants import Interfaces
+    from granian.log import LogLevels
 
     Granian(
         app_factory,
@@ -34,5 +35,5 @@ def _serve_granian(server_args: ServerArgs, app_factory: str, workers: int) -> N
         interface=Interfaces.ASGI,
         workers=workers,
         factory=True,
-        log_level="warning",
+        log_level=LogLevels.warning,
     ).serve()

@@ -12,7 +12,7 @@ depth (about 0.1 s for the largest body --max-request-body-bytes allows).
 from __future__ import annotations
 
 import re
-from typing import Any, Final, TypeVar
+from typing import Final, TypeVar
 
 import msgspec
 import numpy as np
@@ -64,7 +64,7 @@ def nests_deeper_than(body: bytes, limit: int, chunk_bytes: int = SCAN_CHUNK_BYT
     return False
 
 
-def decode_json(body: bytes, kind: type[T] = Any) -> T:
+def decode_json(body: bytes, kind: type[T]) -> T:
     """Decode a request body into `kind`; anything wrong with it is a ClientError naming the
     field where msgspec can tell it."""
     if nests_deeper_than(body, MAX_JSON_DEPTH):

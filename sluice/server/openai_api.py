@@ -74,11 +74,10 @@ def install_openai_routes(app: FastAPI, state: ServerState, docs: ApiDocs) -> No
             logprob_start_len=0 if wants_logprobs and body.echo else -1,
             rid=request_id if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))],
         )
-        native_prompt = prompts[0] if len(prompts) == 1 else prompts
         if isinstance(prompts[0], str):
-            obj.text = native_prompt
+            obj.text = prompts[0] if len(prompts) == 1 else prompts
         else:
-            obj.input_ids = native_prompt
+            obj.input_ids = [*prompts[0]] if len(prompts) == 1 else [*prompts]
         view = CompletionView(state.model_name, request_id, token_texts, body, prompts)
         return await serve(tm, obj, request, view, "prompt")
 
@@ -100,13 +99,13 @@ def install_openai_routes(app: FastAPI, state: ServerState, docs: ApiDocs) -> No
         if max_new_tokens is None:
             max_new_tokens = max(tm.context_len - len(input_ids), 0)
         obj = GenerateReqInput(
-            input_ids=input_ids,
+            input_ids=[*input_ids],
             sampling_params=body.sampling_params(max_new_tokens),
             stream=body.stream,
             return_logprob=body.logprobs,
             top_logprobs_num=(body.top_logprobs or 0) if body.logprobs else 0,
             rid=uuid.uuid4().hex,
-            image_data=image_urls or None,
+            image_data=[*image_urls] or None,
         )
         view = ChatView(state.model_name, obj.rid, token_texts, body)
         return await serve(tm, obj, request, view, "messages")

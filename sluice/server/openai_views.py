@@ -8,14 +8,18 @@ previous chunk, so a stream delta is the chunk itself.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sluice.messages import TokenLogprob
 from sluice.server.errors import failure_message
 from sluice.server.openai_protocol import ChatCompletionRequest, CompletionRequest
 from sluice.tokenizer.manager import BackendError
 from sluice.tokenizer.result import GenerateChunk
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 def choice_index(chunk: GenerateChunk) -> int:
@@ -28,22 +32,27 @@ def choice_index(chunk: GenerateChunk) -> int:
 class TokenTexts:
     """The text of single tokens, cached: logprobs name every token and its top alternatives."""
 
-    def __init__(self):
-        self._tokenizer = None
+    def __init__(self) -> None:
+        self._tokenizer: PreTrainedTokenizerBase | None = None
         self._texts: dict[int, str] = {}
 
-    def bind(self, tokenizer) -> None:
+    def bind(self, tokenizer: PreTrainedTokenizerBase) -> None:
         if tokenizer is not self._tokenizer:
             self._tokenizer, self._texts = tokenizer, {}
 
     def __call__(self, token_id: int) -> str:
         text = self._texts.get(token_id)
         if text is None:
-            text = self._texts[token_id] = self._tokenizer.decode([token_id])
+            text = self._texts[token_id] = self.decode([token_id])
         return text
 
     def decode(self, token_ids: list[int]) -> str:
-        return self._tokenizer.decode(token_ids)
+        if self._tokenizer is None:
+            raise RuntimeError("TokenTexts.bind() names the tokenizer before any text is asked for")
+        text = self._tokenizer.decode(token_ids)
+        if not isinstance(text, str):  # a list of lists would decode to several texts
+            raise TypeError(f"decoding one sequence gave {type(text).__name__}")
+        return text
 
 
 @dataclass(slots=True)
@@ -55,6 +64,7 @@ class LogprobEntry:
 
 def logprob_entries(chunk: GenerateChunk, kind: str) -> list[LogprobEntry]:
     """kind "output" or "input": the chunk's token logprobs with their top alternatives."""
+    logprobs: Sequence[float | None]
     if kind == "output":
         logprobs, token_ids, tops = chunk.output_logprobs, chunk.output_ids, chunk.output_top_logprobs
     else:
@@ -72,7 +82,9 @@ def _alternatives(tops: list[list[TokenLogprob]], position: int) -> list[tuple[i
 
 def completion_logprobs(entries: list[LogprobEntry], texts: TokenTexts, first_offset: int) -> dict[str, Any]:
     """OpenAI's completions format; text_offset indexes the choice's text."""
-    tokens, offsets, top_logprobs = [], [], []
+    tokens: list[str] = []
+    offsets: list[int] = []
+    top_logprobs: list[dict[str, float] | None] = []
     offset = first_offset
     for entry in entries:
         text = texts(entry.token_id)
@@ -95,7 +107,7 @@ def completion_logprobs(entries: list[LogprobEntry], texts: TokenTexts, first_of
 
 
 def chat_logprobs(entries: list[LogprobEntry], texts: TokenTexts, top_count: int) -> list[dict[str, Any]]:
-    def token_info(token_id: int, logprob: float) -> dict[str, Any]:
+    def token_info(token_id: int, logprob: float | None) -> dict[str, Any]:
         text = texts(token_id)
         return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 

@@ -21,7 +21,7 @@ _REF_TEMPLATE = "#/components/schemas/{name}"
 
 
 class ApiDocs:
-    def __init__(self):
+    def __init__(self) -> None:
         self.components: dict[str, Any] = {}
         self.field_schemas: dict[tuple[str, str], dict[str, Any]] = {}
 
@@ -98,4 +98,4 @@ class ApiDocs:
                 app.openapi_schema = document
             return app.openapi_schema
 
-        app.openapi = openapi
+        app.openapi = openapi  # type: ignore[method-assign]  # FastAPI's documented way to extend its document

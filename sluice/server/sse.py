@@ -12,7 +12,7 @@ of its status), then `data: [DONE]`.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any, Protocol
 
 import msgspec
@@ -44,7 +44,7 @@ class StreamFormat(Protocol):
         """The message of a chunk that failed."""
 
 
-async def stream_response(chunks: AsyncIterator[GenerateChunk], stream_format: StreamFormat) -> Response:
+async def stream_response(chunks: AsyncGenerator[GenerateChunk, None], stream_format: StreamFormat) -> Response:
     """Errors raised before the first chunk (ClientError, BackendError) propagate to the
     caller and the app's handlers; a first chunk that failed is answered with its status."""
     first = await anext(chunks, None)
@@ -57,12 +57,12 @@ async def stream_response(chunks: AsyncIterator[GenerateChunk], stream_format: S
 
 
 async def _events(
-    first: GenerateChunk, rest: AsyncIterator[GenerateChunk], stream_format: StreamFormat
+    first: GenerateChunk, rest: AsyncGenerator[GenerateChunk, None], stream_format: StreamFormat
 ) -> AsyncIterator[bytes]:
     try:
         for payload in stream_format.stream_start():
             yield sse_event(payload)
-        chunk = first
+        chunk: GenerateChunk | None = first
         while chunk is not None:
             if status_code := failure_status(chunk):
                 yield sse_event(error_body(status_code, stream_format.error_message(chunk)))

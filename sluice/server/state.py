@@ -3,17 +3,33 @@ started, and whether the server is ready. Both the native and the OpenAI routes 
 
 from __future__ import annotations
 
-from sluice.tokenizer.manager import TokenizerManager
+from sluice.config import ServerArgs
+from sluice.tokenizer.manager import BackendError, TokenizerManager
 
 
 class ServerState:
-    def __init__(self, server_args, tokenizer_manager: TokenizerManager | None = None):
+    def __init__(self, server_args: ServerArgs) -> None:
         self.server_args = server_args
         self.model_name = server_args.model_name()
-        self.tm = tokenizer_manager
-        self.ready = tokenizer_manager is not None
+        self._tm: TokenizerManager | None = None
+
+    def serve_with(self, tm: TokenizerManager) -> None:
+        """The TokenizerManager is started: the routes may use it."""
+        self._tm = tm
+
+    @property
+    def ready(self) -> bool:
+        return self._tm is not None
+
+    @property
+    def tm(self) -> TokenizerManager:
+        # The HTTP server serves only after the lifespan started it; a route that ran
+        # earlier would get the same 503 as /health.
+        if self._tm is None:
+            raise BackendError("the server is starting")
+        return self._tm
 
     def unavailable(self) -> str | None:
-        if not self.ready:
+        if self._tm is None:
             return "the server is starting"
-        return self.tm.backend_error or self.tm.health_error
+        return self._tm.backend_error or self._tm.health_error

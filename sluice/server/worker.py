@@ -57,8 +57,7 @@ def create_worker_app():
         tm.start_handle_loop()
         if not server_args.skip_warmup:
             await asyncio.wait_for(warm_up(tm, rid=f"WARMUP-{os.getpid()}"), WARMUP_TIMEOUT_S)
-        state.tm = tm
-        state.ready = True
+        state.serve_with(tm)
         logger.info("worker ready in %.1f s", time.perf_counter() - started)
         yield
 

@@ -22,7 +22,7 @@ import msgspec
 
 from sluice.messages import BatchTokenizedGenerateReqInput, Message, TokenizedGenerateReqInput
 from sluice.tokenizer.io_struct import GenerateReqInput
-from sluice.tokenizer.req_state import ReqState
+from sluice.tokenizer.req_state import ClientConnection, ReqState
 from sluice.tokenizer.request_tokenizer import RequestTokenizer
 from sluice.tokenizer.result import GenerateChunk
 
@@ -37,10 +37,14 @@ class RequestChannel(Protocol):
 
     def send(self, message: Message) -> None: ...
 
-    def wait_response(self, state: ReqState, request=None) -> AsyncIterator[GenerateChunk]: ...
+    def wait_response(
+        self, state: ReqState, request: ClientConnection | None = None
+    ) -> AsyncIterator[GenerateChunk]: ...
 
 
-async def handle_batch_request(tm: RequestChannel, obj: GenerateReqInput, request) -> AsyncIterator[GenerateChunk]:
+async def handle_batch_request(
+    tm: RequestChannel, obj: GenerateReqInput, request: ClientConnection | None
+) -> AsyncIterator[GenerateChunk]:
     """Yields every item's chunks, each tagged with its `index`, as they come: streaming,
     each with what is new; else one per item, with everything."""
     items = [obj.item(i) for i in range(obj.batch_size)] if not obj.is_single else [obj]
@@ -64,7 +68,9 @@ async def handle_batch_request(tm: RequestChannel, obj: GenerateReqInput, reques
         yield chunk
 
 
-async def _warm_prefixes(tm: RequestChannel, tokenized: list[TokenizedGenerateReqInput], request) -> None:
+async def _warm_prefixes(
+    tm: RequestChannel, tokenized: list[TokenizedGenerateReqInput], request: ClientConnection | None
+) -> None:
     """Prefill each prompt once so that its n children find it in the RadixCache."""
     warmups = []
     for t in tokenized:
@@ -100,24 +106,24 @@ def _expand_samples(tokenized: list[TokenizedGenerateReqInput], n: int) -> list[
 async def merge_streams(streams: list[AsyncIterator[GenerateChunk]]) -> AsyncIterator[GenerateChunk]:
     """Interleave several generators' chunks as they come. Closing the merged stream
     cancels the rest, and each generator's cleanup aborts its request."""
-    queue: asyncio.Queue = asyncio.Queue()
-    done = object()
+    # Each stream's chunks, then its exception if it raised one, then None.
+    queue: asyncio.Queue[GenerateChunk | BaseException | None] = asyncio.Queue()
 
-    async def pump(stream):
+    async def pump(stream: AsyncIterator[GenerateChunk]) -> None:
         try:
             async for chunk in stream:
                 await queue.put(chunk)
         except BaseException as e:  # noqa: BLE001 (handed to the consumer, who re-raises it)
             await queue.put(e)
         finally:
-            await queue.put(done)
+            await queue.put(None)
 
     tasks = [asyncio.create_task(pump(s)) for s in streams]
     remaining = len(tasks)
     try:
         while remaining:
             item = await queue.get()
-            if item is done:
+            if item is None:
                 remaining -= 1
             elif isinstance(item, BaseException):
                 raise item

@@ -35,7 +35,39 @@ class GenerateReqInput(msgspec.Struct, kw_only=True):
 
     @property
     def batch_size(self) -> int:
-        return 1 if self.is_single else len(self.text if self.text is not None else self.input_ids)
+        if self.is_single:
+            return 1
+        return len(self.text) if self.text is not None else len(self.input_ids or [])
+
+    # A single request's fields (the request itself when is_single, or an item()), in the
+    # shape normalize() and item() give them.
+
+    @property
+    def single_rid(self) -> str:
+        if not isinstance(self.rid, str):
+            raise TypeError(f"a single request has one rid, not {self.rid!r}")
+        return self.rid
+
+    @property
+    def single_text(self) -> str | None:
+        if isinstance(self.text, list):
+            raise TypeError("a single request has one text, not a list")
+        return self.text
+
+    @property
+    def single_input_ids(self) -> list[int] | None:
+        if self.input_ids is None:
+            return None
+        ids = [token for token in self.input_ids if isinstance(token, int)]
+        if len(ids) != len(self.input_ids):
+            raise TypeError("a single request has one list of token ids, not a list of lists")
+        return ids
+
+    @property
+    def single_sampling_params(self) -> dict[str, Any] | None:
+        if isinstance(self.sampling_params, list):
+            raise TypeError("a single request has one sampling_params object, not a list")
+        return self.sampling_params
 
     def sample_count(self) -> int:
         """`n` of the request: one value for every item, or a ClientError."""
@@ -52,8 +84,10 @@ class GenerateReqInput(msgspec.Struct, kw_only=True):
         """The images of a single request, as a list."""
         if self.image_data is None:
             return []
-        refs = [self.image_data] if isinstance(self.image_data, str) else self.image_data
-        if not all(isinstance(ref, str) for ref in refs):
+        if isinstance(self.image_data, str):
+            return [self.image_data]
+        refs = [ref for ref in self.image_data if isinstance(ref, str)]
+        if len(refs) != len(self.image_data):
             raise ClientError("'image_data' must be a string or a list of strings for one prompt", "image_data")
         return refs
 
@@ -83,11 +117,24 @@ class GenerateReqInput(msgspec.Struct, kw_only=True):
     def item(self, i: int) -> GenerateReqInput:
         """Item i of a list request, as a single request."""
         params = self.sampling_params[i] if isinstance(self.sampling_params, list) else self.sampling_params
+        if not isinstance(self.rid, list):
+            raise TypeError("normalize_batch() gives every item of a list request a rid")
+        # Copies typed as the fields are (msgspec takes one list type: see input_ids).
+        input_ids: list[int | list[int]] | None = None
+        if self.input_ids is not None:
+            ids = self.input_ids[i]
+            if isinstance(ids, int):
+                raise TypeError("the items of a list request are lists of token ids")
+            input_ids = [*ids]
+        image_data = self.image_data
+        if isinstance(image_data, list):
+            image = image_data[i]
+            image_data = image if isinstance(image, str) else [*image]
         return GenerateReqInput(
             text=self.text[i] if self.text is not None else None,
-            input_ids=self.input_ids[i] if self.input_ids is not None else None,
+            input_ids=input_ids,
             sampling_params=params,
-            image_data=self.image_data[i] if isinstance(self.image_data, list) else self.image_data,
+            image_data=image_data,
             rid=self.rid[i],
             stream=self.stream,
             return_logprob=self.return_logprob,

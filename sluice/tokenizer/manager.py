@@ -12,8 +12,8 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import TYPE_CHECKING, TypeVar
 
 import zmq
 import zmq.asyncio
@@ -42,11 +42,16 @@ from sluice.sampling import ClientError
 from sluice.tokenizer.batch_request import handle_batch_request
 from sluice.tokenizer.io_struct import GenerateReqInput
 from sluice.tokenizer.multimodal.request_images import RequestImages
-from sluice.tokenizer.req_state import ReqState
+from sluice.tokenizer.req_state import ClientConnection, ReqState
 from sluice.tokenizer.request_tokenizer import RequestTokenizer
 from sluice.tokenizer.result import GenerateChunk
 from sluice.tokenizer.rwlock import RWLock
 from sluice.tokenizer.watchdog import SoftWatchdog
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from sluice.tokenizer_files import ChatTemplate
 
 logger = logging.getLogger(__name__)
 
@@ -58,15 +63,37 @@ class BackendError(RuntimeError):
     """The Scheduler or DetokenizerManager is gone or not answering."""
 
 
+async def wait_for_backend(inbox: AsyncReceiver, timeout_s: float = 600.0) -> SchedulerReady:
+    """Wait on the tokenizer inbox until the Scheduler and DetokenizerManager report ready."""
+    info: SchedulerReady | None = None
+    detokenizer_ready = False
+    deadline = time.monotonic() + timeout_s
+    while info is None or not detokenizer_ready:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise BackendError("the back end did not become ready in time")
+        message = await asyncio.wait_for(inbox.recv(), remaining)
+        if isinstance(message, SchedulerReady):
+            info = message
+        elif isinstance(message, DetokenizerReady):
+            detokenizer_ready = True
+        elif isinstance(message, ProcessFailed):
+            raise BackendError(f"the {message.process} failed to start:\n{message.error}")
+    return info
+
+
+Reply = TypeVar("Reply", bound=Message)
+
+
 class TokenizerManager:
     def __init__(
         self,
         server_args: ServerArgs,
         port_args: PortArgs,
-        tokenizer,
-        chat_template=None,
+        tokenizer: PreTrainedTokenizerBase,
+        chat_template: ChatTemplate | None = None,
         http_worker_ipc: str | None = None,
-    ):
+    ) -> None:
         self.server_args = server_args
         self.tokenizer = tokenizer
         self.chat_template = chat_template
@@ -91,8 +118,8 @@ class TokenizerManager:
         self.backend_error: str | None = None  # the back end is gone: requests fail
         self.health_error: str | None = None  # something else is wrong: /health says so
         self.last_receive_tstamp = time.time()
-        self._control_waiters: dict[type, deque[asyncio.Future]] = {}
-        self._handle_loop_task: asyncio.Task | None = None
+        self._control_waiters: dict[type[Message], deque[asyncio.Future[Message]]] = {}
+        self._handle_loop_task: asyncio.Task[None] | None = None
         self.soft_watchdog = SoftWatchdog(
             server_args.soft_watchdog_timeout, lambda: len(self.rid_to_state), self._describe_state
         )
@@ -100,22 +127,9 @@ class TokenizerManager:
     # ------------------------------------------------------------ start-up
 
     async def wait_for_backend(self, timeout_s: float = 600.0) -> SchedulerReady:
-        """Wait until the Scheduler and DetokenizerManager report ready."""
-        ready: set[str] = set()
-        deadline = time.monotonic() + timeout_s
-        while len(ready) < 2:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise BackendError("the back end did not become ready in time")
-            message = await asyncio.wait_for(self.recv_from_detokenizer.recv(), remaining)
-            if isinstance(message, SchedulerReady):
-                self.scheduler_info = message
-                ready.add("scheduler")
-            elif isinstance(message, DetokenizerReady):
-                ready.add("detokenizer")
-            elif isinstance(message, ProcessFailed):
-                raise BackendError(f"the {message.process} failed to start:\n{message.error}")
-        return self.scheduler_info
+        """Wait until the Scheduler and DetokenizerManager report ready; keep the model's limits."""
+        self.scheduler_info = info = await wait_for_backend(self.recv_from_detokenizer, timeout_s)
+        return info
 
     def close(self) -> None:
         self.soft_watchdog.stop()
@@ -148,16 +162,25 @@ class TokenizerManager:
         self.inputs.mm_processor = processor
 
     @property
+    def limits(self) -> SchedulerReady:
+        """The model's limits; a BackendError before the back end reported them."""
+        if self.scheduler_info is None:
+            raise BackendError("the back end is not ready")
+        return self.scheduler_info
+
+    @property
     def max_req_input_len(self) -> int:
-        return self.scheduler_info.max_req_input_len
+        return self.limits.max_req_input_len
 
     @property
     def context_len(self) -> int:
-        return self.scheduler_info.context_len
+        return self.limits.context_len
 
     # ------------------------------------------------------------ the request path
 
-    async def generate_request(self, obj: GenerateReqInput, request=None) -> AsyncIterator[GenerateChunk]:
+    async def generate_request(
+        self, obj: GenerateReqInput, request: ClientConnection | None = None
+    ) -> AsyncGenerator[GenerateChunk, None]:
         if self.backend_error:
             raise BackendError(self.backend_error)
         obj.normalize()
@@ -214,7 +237,9 @@ class TokenizerManager:
         elif hasattr(message, "http_worker_ipc"):
             message.http_worker_ipc = self.http_worker_ipc
 
-    async def wait_response(self, state: ReqState, request=None) -> AsyncIterator[GenerateChunk]:
+    async def wait_response(
+        self, state: ReqState, request: ClientConnection | None = None
+    ) -> AsyncIterator[GenerateChunk]:
         """The chunks of one request (streaming: each with what is new; else one with
         everything). Leaving early (the client went away, the consumer stopped) aborts it."""
         finished = False
@@ -309,14 +334,17 @@ class TokenizerManager:
         # children, or (with several workers) belong to another worker.
         self.send(AbortReq(rid=rid, abort_all=abort_all))
 
-    async def _control(self, request: Message, reply_type: type, timeout_s: float = 30.0) -> Any:
-        future = asyncio.get_running_loop().create_future()
+    async def _control(self, request: Message, reply_type: type[Reply], timeout_s: float = 30.0) -> Reply:
+        future: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
         self._control_waiters.setdefault(reply_type, deque()).append(future)
         self.send(request)
         try:
-            return await asyncio.wait_for(future, timeout_s)
+            reply = await asyncio.wait_for(future, timeout_s)
         except TimeoutError:
             raise BackendError(f"the scheduler did not answer a {type(request).__name__} in {timeout_s} s") from None
+        if not isinstance(reply, reply_type):  # the dispatcher hands each waiter its own type
+            raise BackendError(f"the scheduler answered a {type(request).__name__} with a {type(reply).__name__}")
+        return reply
 
     async def get_internal_state(self) -> InternalState:
         return await self._control(GetInternalStateReq(), InternalState)

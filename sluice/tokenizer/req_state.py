@@ -10,9 +10,16 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from sluice.messages import FinishReason, ReqOutput, StrOutput, TokenLogprob
 from sluice.tokenizer.result import GenerateChunk
+
+
+class ClientConnection(Protocol):
+    """What the request path asks of the client's HTTP request: whether it went away."""
+
+    async def is_disconnected(self) -> bool: ...
 
 
 @dataclass(slots=True, eq=False)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Container
+from typing import TYPE_CHECKING
 
 from sluice.config import ServerArgs
 from sluice.messages import ImageInput, SamplingParams, SchedulerReady, TokenizedGenerateReqInput
@@ -12,9 +13,12 @@ from sluice.sampling import ClientError, validate_sampling_params
 from sluice.tokenizer.io_struct import GenerateReqInput, parse_sampling_params
 from sluice.tokenizer.multimodal.request_images import RequestImages
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 
 class RequestTokenizer:
-    def __init__(self, server_args: ServerArgs, tokenizer):
+    def __init__(self, server_args: ServerArgs, tokenizer: PreTrainedTokenizerBase) -> None:
         self.server_args = server_args
         self.tokenizer = tokenizer
         self.mm_processor: RequestImages | None = None  # a vision-language model's image pipeline
@@ -27,7 +31,7 @@ class RequestTokenizer:
         that names the item when `label_items`)."""
         images = await asyncio.gather(*(self._process_images(item) for item in items))
         texts = [
-            self._text_with_placeholders(item.text, len(imgs))
+            self._text_with_placeholders(item.single_text or "", len(imgs))
             for item, imgs in zip(items, images, strict=True)
             if item.input_ids is None
         ]
@@ -36,11 +40,13 @@ class RequestTokenizer:
         tokenized: list[TokenizedGenerateReqInput] = []
         seen: set[str] = set()
         for i, (item, item_images) in enumerate(zip(items, images, strict=True)):
-            ids = list(item.input_ids) if item.input_ids is not None else next(encoded)
+            given_ids = item.single_input_ids
+            ids: list[int] = given_ids if given_ids is not None else next(encoded)
             try:
-                if item.rid in seen or item.rid in live_rids:
-                    raise ClientError(f"a request with rid '{item.rid}' is already running", "rid")
-                seen.add(item.rid)
+                rid = item.single_rid
+                if rid in seen or rid in live_rids:
+                    raise ClientError(f"a request with rid '{rid}' is already running", "rid")
+                seen.add(rid)
                 tokenized.append(self._tokenized(item, ids, item_images))
             except ClientError as e:
                 if not label_items:
@@ -59,25 +65,33 @@ class RequestTokenizer:
         refs = obj.image_refs()
         if not refs:
             return []
+        return await self._images().process(refs)
+
+    def _images(self) -> RequestImages:
         if self.mm_processor is None:
             raise ClientError(f"the model {self.server_args.model_name()} does not accept images", "image_data")
-        return await self.mm_processor.process(refs)
+        return self.mm_processor
+
+    def _limits(self) -> SchedulerReady:
+        if self.scheduler_info is None:
+            raise RuntimeError("the back end has not reported the model's limits yet")
+        return self.scheduler_info
 
     def _text_with_placeholders(self, text: str, num_images: int) -> str:
-        return self.mm_processor.prompt_with_placeholders(text, num_images) if num_images else text
+        return self._images().prompt_with_placeholders(text, num_images) if num_images else text
 
     def _tokenized(
         self, obj: GenerateReqInput, input_ids: list[int], images: list[ImageInput]
     ) -> TokenizedGenerateReqInput:
         if images:
-            self.mm_processor.check_tokens(input_ids, len(images))
-        params = parse_sampling_params(obj.sampling_params)
+            self._images().check_tokens(input_ids, len(images))
+        params = parse_sampling_params(obj.single_sampling_params)
         self._check_lengths(input_ids, params)
         validate_sampling_params(params, len(self.tokenizer))
         if obj.return_logprob and obj.logprob_start_len >= len(input_ids):
             obj.logprob_start_len = -1
         return TokenizedGenerateReqInput(
-            rid=obj.rid,
+            rid=obj.single_rid,
             input_ids=input_ids,
             sampling_params=params,
             stream=obj.stream,
@@ -95,7 +109,8 @@ class RequestTokenizer:
         vocab = len(self.tokenizer)
         if any(not isinstance(t, int) or not 0 <= t < vocab for t in input_ids):
             raise ClientError(f"input_ids must be token ids in [0, {vocab})", "input_ids")
-        max_input, context_len = self.scheduler_info.max_req_input_len, self.scheduler_info.context_len
+        limits = self._limits()
+        max_input, context_len = limits.max_req_input_len, limits.context_len
         if num_input > max_input:
             raise ClientError(
                 f"The input has {num_input} tokens, more than the maximum input length max_req_input_len={max_input}",

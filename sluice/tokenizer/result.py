@@ -8,6 +8,7 @@ request gets a single chunk with everything. /generate's JSON (`native_json`,
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
@@ -163,7 +164,7 @@ class _EncodedSoFar:
 _encode = msgspec.json.Encoder().encode
 
 
-def _token_logprobs(logprobs: list[float | None], token_ids: list[int]) -> list[list[Any]]:
+def _token_logprobs(logprobs: Sequence[float | None], token_ids: list[int]) -> list[list[Any]]:
     # SGLang's [logprob, token_id, token_text]; the text is never filled in.
     return [[logprob, token_id, None] for logprob, token_id in zip(logprobs, token_ids, strict=False)]
 

@@ -90,13 +90,16 @@ class MultiTokenizerRouter:
 
     def router_worker_obj(self, message: Message) -> None:
         """A worker's request or control message: on to the Scheduler."""
-        reqs = message.reqs if isinstance(message, BatchTokenizedGenerateReqInput) else [message]
-        if isinstance(reqs[0], TokenizedGenerateReqInput):
-            duplicates = [req for req in reqs if req.rid in self.live_rids]
-            if duplicates:
-                self._refuse_duplicates(reqs, {req.rid for req in duplicates})
-                return
-            self.live_rids.update(req.rid for req in reqs)
+        reqs: list[TokenizedGenerateReqInput] = []
+        if isinstance(message, BatchTokenizedGenerateReqInput):
+            reqs = message.reqs
+        elif isinstance(message, TokenizedGenerateReqInput):
+            reqs = [message]
+        duplicates = {req.rid for req in reqs if req.rid in self.live_rids}
+        if duplicates:
+            self._refuse_duplicates(reqs, duplicates)
+            return
+        self.live_rids.update(req.rid for req in reqs)
         self.to_scheduler.send(message)
 
     def _refuse_duplicates(self, reqs: list[TokenizedGenerateReqInput], duplicates: set[str]) -> None:
@@ -120,7 +123,7 @@ class MultiTokenizerRouter:
 
     def _distribute_result_to_workers(self, message: Message) -> None:
         if isinstance(message, BatchStrOutput):
-            by_worker = defaultdict(list)
+            by_worker: dict[str | None, list[StrOutput]] = defaultdict(list)
             for out in message.outputs:
                 by_worker[out.output.http_worker_ipc].append(out)
                 if out.output.finish_reason is not None:

@@ -4,6 +4,7 @@ flush writes and waits for them to drain."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 
@@ -14,7 +15,7 @@ class RWLock:
         self._writer = False
 
     @asynccontextmanager
-    async def reader_lock(self):
+    async def reader_lock(self) -> AsyncIterator[None]:
         async with self._cond:
             await self._cond.wait_for(lambda: not self._writer)
             self._readers += 1
@@ -26,7 +27,7 @@ class RWLock:
                 self._cond.notify_all()
 
     @asynccontextmanager
-    async def writer_lock(self):
+    async def writer_lock(self) -> AsyncIterator[None]:
         async with self._cond:
             await self._cond.wait_for(lambda: not self._writer)
             self._writer = True

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+from typing import Any
 
 import msgspec
 
@@ -16,8 +17,8 @@ SHM_PREFIX = "sluice_multi_tokenizer_args_"
 
 
 class MultiTokenizerArgs(msgspec.Struct):
-    server_args: dict
-    port_args: dict
+    server_args: dict[str, Any]
+    port_args: dict[str, Any]
     scheduler_info: SchedulerReady
 
 

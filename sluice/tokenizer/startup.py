@@ -5,7 +5,7 @@ process (`launch`) and every HTTP worker process (`server/worker`)."""
 from __future__ import annotations
 
 import logging
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 from sluice.config import ServerArgs
 from sluice.messages import SchedulerReady
@@ -16,6 +16,9 @@ from sluice.tokenizer.multimodal.processor import ImageProcessor, MultimodalProc
 from sluice.tokenizer.multimodal.request_images import RequestImages
 from sluice.tokenizer_files import ChatTemplate, load_tokenizer
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 logger = logging.getLogger(__name__)
 
 # The warm-up generation runs the model once end to end; on a busy CPU its first step
@@ -23,7 +26,7 @@ logger = logging.getLogger(__name__)
 WARMUP_TIMEOUT_S: Final = 120.0
 
 
-def load_tokenizer_side(server_args: ServerArgs):
+def load_tokenizer_side(server_args: ServerArgs) -> tuple[PreTrainedTokenizerBase, ChatTemplate | None]:
     """The tokenizer and chat template of the served model: (tokenizer, ChatTemplate | None)."""
     model_path = server_args.resolved_model_path()
     tokenizer = load_tokenizer(model_path)
@@ -31,7 +34,7 @@ def load_tokenizer_side(server_args: ServerArgs):
 
 
 def load_multimodal_processor(
-    server_args: ServerArgs, scheduler_info: SchedulerReady, tokenizer
+    server_args: ServerArgs, scheduler_info: SchedulerReady, tokenizer: PreTrainedTokenizerBase
 ) -> RequestImages | None:
     """The image pipeline of a vision-language model; None for a text-only model."""
     if scheduler_info.image_token_id is None:

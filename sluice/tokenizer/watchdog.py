@@ -19,8 +19,12 @@ logger = logging.getLogger(__name__)
 
 class SoftWatchdog:
     def __init__(
-        self, timeout_s: float, in_flight: Callable[[], int], describe: Callable[[], str], clock=time.monotonic
-    ):
+        self,
+        timeout_s: float,
+        in_flight: Callable[[], int],
+        describe: Callable[[], str],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.timeout_s = timeout_s
         self.in_flight = in_flight
         self.describe = describe

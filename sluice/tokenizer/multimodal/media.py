@@ -101,9 +101,9 @@ def decode_image(data: bytes, limits: MediaLimits, index: int = 0) -> Image.Imag
         image.load()  # the first frame of an animation
         if image.mode == "RGB":
             return image
-        if "transparency" in image.info:  # PIL converts palette transparency via RGBA only
-            image = image.convert("RGBA")
-        return image.convert("RGB")
+        # PIL converts palette transparency via RGBA only.
+        opaque = image.convert("RGBA") if "transparency" in image.info else image
+        return opaque.convert("RGB")
     except Image.DecompressionBombError as error:
         raise refuse(index, f"has too many pixels: {error}") from None
     except Exception as error:  # noqa: BLE001
@@ -208,7 +208,7 @@ def resolve_public_address(host: str, port: int, index: int = 0) -> str:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except (socket.gaierror, UnicodeError, OSError):
         raise refuse(index, f"host {host!r} could not be resolved") from None
-    addresses = [info[4][0] for info in infos]
+    addresses = [str(info[4][0]) for info in infos]
     if not addresses:
         raise refuse(index, f"host {host!r} could not be resolved")
     for address in addresses:
@@ -225,7 +225,7 @@ def address_problem(address: str) -> str | None:
         ip = ipaddress.ip_address(address.split("%", 1)[0])  # drop an IPv6 scope id
     except ValueError:
         return "malformed"
-    candidates = []
+    candidates: list[ipaddress.IPv4Address | ipaddress.IPv6Address] = []
     if isinstance(ip, ipaddress.IPv6Address):
         # IPv4 addresses carried inside IPv6 reach the IPv4 host they embed.
         candidates += [a for a in (ip.ipv4_mapped, ip.sixtofour) if a is not None]
@@ -256,7 +256,7 @@ def _fetch_pinned(
     headers = {"Host": host_header, "Accept": "image/*", "Accept-Encoding": "identity"}
     # TLS: SNI and certificate checks use the real host name, the TCP connection the IP.
     extensions = {"sni_hostname": host} if scheme == "https" else {}
-    cap = limits.remote_max_bytes
+    cap = limits.max_image_bytes if limits.remote_max_bytes is None else limits.remote_max_bytes
     deadline = time.monotonic() + limits.remote_timeout_s
     try:
         with httpx.Client(timeout=limits.remote_timeout_s, follow_redirects=False, trust_env=False) as client:

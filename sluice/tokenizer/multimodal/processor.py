@@ -24,6 +24,7 @@ from sluice.tokenizer.multimodal.media import MediaLimits
 
 if TYPE_CHECKING:
     import torch
+    from transformers.image_processing_utils import BaseImageProcessor
 
 # A model folder holds its image processor's settings in one of these.
 _PROCESSOR_CONFIG_FILES = ("preprocessor_config.json", "processor_config.json")
@@ -54,7 +55,7 @@ def image_hash(image: Image.Image) -> int:
 class ImageProcessor:
     """The model's HF image processor, returning one float32 [N, 3, H, W] array."""
 
-    def __init__(self, hf_processor) -> None:
+    def __init__(self, hf_processor: BaseImageProcessor) -> None:
         self.hf_processor = hf_processor
 
     @classmethod

@@ -3,16 +3,24 @@ TokenizerManager's `mm_processor`."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from sluice.messages import ImageInput
 from sluice.sampling import ClientError
 from sluice.tokenizer.multimodal.processor import MultimodalProcessor
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 
 class RequestImages:
-    def __init__(self, processor: MultimodalProcessor, tokenizer, image_token_id: int):
+    def __init__(self, processor: MultimodalProcessor, tokenizer: PreTrainedTokenizerBase, image_token_id: int) -> None:
         self.processor = processor
         self.image_token_id = image_token_id
-        self.image_token = tokenizer.convert_ids_to_tokens(image_token_id)
+        image_token = tokenizer.convert_ids_to_tokens(image_token_id)
+        if not isinstance(image_token, str):
+            raise ValueError(f"the image token id {image_token_id} is not one token of the vocabulary")
+        self.image_token = image_token
 
     async def process(self, refs: list[str]) -> list[ImageInput]:
         """Load and preprocess images off the event loop; pixels travel as raw bytes."""
