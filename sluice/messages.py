@@ -200,6 +200,9 @@ class InternalState(Message):
     last_step_ms: float = 0.0
     # Messages the scheduler received, by type name (a batch counts once).
     messages_received: dict[str, int] = {}
+    # Requests the scheduler ended, by finish_reason type ("stop", "length", "abort"); a
+    # request a stop string ended in the detokenizer counts as "stop".
+    finished_reqs: dict[str, int] = {}
     http_worker_ipc: str | None = None
 
 
@@ -229,6 +232,7 @@ class WorkerStatsReq(Message):
 class WorkerStats(Message):
     rid_to_state_size: int
     http_worker_ipc: str  # the worker that asked
+    num_paused_reqs: int = 0  # requests held until generation continues
 
 
 class WorkerDied(Message):

@@ -50,6 +50,7 @@ class Scheduler:
         self.waiting: list[Req] = []
         self.running: list[Req] = []  # admitted: decoding, or prefilling in chunks
         self.received_by_type: Counter[str] = Counter()
+        self.finished_by_reason: Counter[str] = Counter()
         self.last_step_ms = 0.0
         self.num_retractions = 0
 
@@ -61,7 +62,7 @@ class Scheduler:
         error = self._check_request(req) or self._expand_images(req)
         if error is not None:
             req.finish_reason = FinishReason(type="abort", message=error, status_code=400)
-            return make_output(req)
+            return self._final_output(req)
         self.waiting.append(req)
         return None
 
@@ -95,17 +96,28 @@ class Scheduler:
         def targeted(req: Req) -> bool:
             return msg.abort_all or req.rid == msg.rid or req.rid.startswith(msg.rid + "::")
 
+        # A request a stop string ended is finished, not aborted: the detokenizer drops this
+        # last output and has sent the client the final one already.
+        reason = (
+            FinishReason(type="stop") if msg.finished_by_stop_string else FinishReason(type="abort", message="aborted")
+        )
         outputs = []
         for req in [r for r in self.waiting if targeted(r)]:
             self.waiting.remove(req)
-            req.finish_reason = FinishReason(type="abort", message="aborted")
-            outputs.append(make_output(req))
+            req.finish_reason = reason
+            outputs.append(self._final_output(req))
         for req in [r for r in self.running if targeted(r)]:
             self.running.remove(req)
             self.kv.release(req, keep_in_cache=True)
-            req.finish_reason = FinishReason(type="abort", message="aborted")
-            outputs.append(make_output(req))
+            req.finish_reason = reason
+            outputs.append(self._final_output(req))
         return outputs
+
+    def _final_output(self, req: Req) -> TokenIDOutput:
+        """The last output of a request that has ended, counted by how it ended."""
+        if req.finish_reason is not None:
+            self.finished_by_reason[req.finish_reason.type] += 1
+        return make_output(req)
 
     def flush_cache(self) -> bool:
         if self.waiting or self.running:
@@ -122,6 +134,7 @@ class Scheduler:
             kv_tokens_in_use=self.kv.in_use(),
             last_step_ms=self.last_step_ms,
             messages_received=dict(self.received_by_type),
+            finished_reqs=dict(self.finished_by_reason),
         )
 
     @property
@@ -252,7 +265,7 @@ class Scheduler:
             if req.finished:
                 self.running.remove(req)
                 self.kv.release(req, keep_in_cache=True)
-                outputs.append(make_output(req))
+                outputs.append(self._final_output(req))
                 continue
             if batch.was_prefill[i] and req.is_decoding:
                 # The prompt (or a resumed sequence) is fully prefilled: share it.

@@ -86,9 +86,10 @@ class ModelInfo(msgspec.Struct, kw_only=True):
 
 class SchedulerStates(InternalState, tag=False, kw_only=True):
     """The Scheduler's InternalState (less its routing fields), and the live request states
-    of every HTTP worker."""
+    of every HTTP worker and the requests a pause holds there."""
 
     rid_to_state_size: int
+    num_paused_reqs: int
 
 
 class ServerInfo(msgspec.Struct, kw_only=True):

@@ -101,7 +101,9 @@ def create_app(state: ServerState, lifespan=None) -> FastAPI:
         states = msgspec.to_builtins(internal)
         states.pop("type", None)
         states.pop("http_worker_ipc", None)
-        states["rid_to_state_size"] = await state.tm.rid_to_state_size_total()
+        workers = await state.tm.worker_stats_total()
+        states["rid_to_state_size"] = workers.rid_to_state_size
+        states["num_paused_reqs"] = workers.num_paused_reqs
         return {**args.public_dict(), "execution": state.tm.scheduler_info.execution, "internal_states": [states]}
 
     flush_docs = docs.operation(response=Success, errors=(400, *_ANY_ROUTE))

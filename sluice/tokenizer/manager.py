@@ -115,6 +115,7 @@ class TokenizerManager:
         self.model_update_lock = RWLock()
         self.is_pause = False
         self.is_pause_cond = asyncio.Condition()
+        self.num_paused_reqs = 0  # requests waiting for generation to continue
         self.backend_error: str | None = None  # the back end is gone: requests fail
         self.health_error: str | None = None  # something else is wrong: /health says so
         self.last_receive_tstamp = time.time()
@@ -290,9 +291,7 @@ class TokenizerManager:
             case SetPause():
                 asyncio.get_running_loop().create_task(self._set_pause(recv_obj.paused))
             case WorkerStatsReq():
-                self.send_to_scheduler.send(
-                    WorkerStats(rid_to_state_size=len(self.rid_to_state), http_worker_ipc=recv_obj.http_worker_ipc)
-                )
+                self.send_to_scheduler.send(self._worker_stats(recv_obj.http_worker_ipc))
             case _:
                 self._result_dispatcher(recv_obj)
 
@@ -368,22 +367,39 @@ class TokenizerManager:
             self.is_pause = paused
             self.is_pause_cond.notify_all()
 
-    async def rid_to_state_size_total(self) -> int:
-        """Live request states in this process, or summed over every HTTP worker."""
+    def _worker_stats(self, asked_by: str) -> WorkerStats:
+        return WorkerStats(
+            rid_to_state_size=len(self.rid_to_state), num_paused_reqs=self.num_paused_reqs, http_worker_ipc=asked_by
+        )
+
+    async def worker_stats_total(self) -> WorkerStats:
+        """Live request states and requests held by a pause in this process, or summed over
+        every HTTP worker (those that answer within 5 s)."""
         if self.http_worker_ipc is None:
-            return len(self.rid_to_state)
+            return self._worker_stats("")
         workers = self.server_args.tokenizer_worker_num
-        futures = [asyncio.get_running_loop().create_future() for _ in range(workers)]
+        futures: list[asyncio.Future[Message]] = [asyncio.get_running_loop().create_future() for _ in range(workers)]
         self._control_waiters.setdefault(WorkerStats, deque()).extend(futures)
         self.send(WorkerStatsReq(http_worker_ipc=self.http_worker_ipc))
         done, pending = await asyncio.wait(futures, timeout=5.0)
         for future in pending:
             future.cancel()
-        return sum(f.result().rid_to_state_size for f in done)
+        answers = [reply for future in done if isinstance(reply := future.result(), WorkerStats)]
+        return WorkerStats(
+            rid_to_state_size=sum(stats.rid_to_state_size for stats in answers),
+            num_paused_reqs=sum(stats.num_paused_reqs for stats in answers),
+            http_worker_ipc=self.http_worker_ipc,
+        )
 
     async def _wait_while_paused(self) -> None:
         async with self.is_pause_cond:
-            await self.is_pause_cond.wait_for(lambda: not self.is_pause)
+            if not self.is_pause:
+                return
+            self.num_paused_reqs += 1
+            try:
+                await self.is_pause_cond.wait_for(lambda: not self.is_pause)
+            finally:
+                self.num_paused_reqs -= 1
 
     def _describe_state(self) -> str:
         # Runs on the watchdog's thread: copy before reading, the loop may change the dict.

@@ -86,8 +86,10 @@ def alone(runner, prompts):
 
 
 def test_batch_of_16_matches_alone(runner, prompts, alone):
-    tokens = run(make_scheduler(runner, disable_radix_cache=True), prompts)
+    scheduler = make_scheduler(runner, disable_radix_cache=True)
+    tokens = run(scheduler, prompts)
     assert [tokens[f"r{i}"] for i in range(16)] == alone
+    assert scheduler.internal_state().finished_reqs == {"length": 16}
 
 
 def test_prefix_from_radix_cache_matches(runner, prompts, alone):
@@ -140,11 +142,16 @@ def test_abort_frees_waiting_and_running(runner, prompts):
     outs = scheduler.abort(AbortReq(rid="r0")) + scheduler.abort(AbortReq(rid="r3"))
     assert {o.output.rid for o in outs} == {"r0", "r3"}
     assert all(o.output.finish_reason.type == "abort" for o in outs)
+    # The detokenizer matched a stop string: the request is released as finished, not aborted.
+    [released] = scheduler.abort(AbortReq(rid="r1", finished_by_stop_string=True))
+    assert released.output.finish_reason.type == "stop"
     outs = scheduler.abort(AbortReq(abort_all=True))
-    assert {o.output.rid for o in outs} == {"r1", "r2"}
+    assert {o.output.rid for o in outs} == {"r2"}
     assert scheduler.is_idle
     scheduler.check_integrity()
-    assert scheduler.internal_state().kv_tokens_in_use == 0
+    state = scheduler.internal_state()
+    assert state.kv_tokens_in_use == 0
+    assert state.finished_reqs == {"abort": 3, "stop": 1}
 
 
 def test_bad_request_is_refused_before_scheduling(runner):
@@ -152,6 +159,7 @@ def test_bad_request_is_refused_before_scheduling(runner):
     out = scheduler.add_request(TokenizedGenerateReqInput(rid="x", input_ids=[10**9], sampling_params=SamplingParams()))
     assert out.output.finish_reason.type == "abort" and out.output.finish_reason.status_code == 400
     assert scheduler.is_idle
+    assert scheduler.internal_state().finished_reqs == {"abort": 1}
 
 
 def test_fill_slice_reads_prompt_then_output():
