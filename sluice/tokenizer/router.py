@@ -148,7 +148,7 @@ class MultiTokenizerRouter:
                 continue
             self.dead_pids.add(pid)
             logger.error("HTTP worker %d died; the server reports unhealthy", pid)
-            del self.workers[ipc]
+            self.workers.pop(ipc).close()
             self.broadcast(WorkerDied(pid=pid))
 
 
