@@ -1,11 +1,14 @@
-"""RequestGuard's API-key check: only `Authorization: Bearer KEY` opens a route; the admin
-key opens the admin routes; /health is open to all."""
+"""RequestGuard, the checks every request passes: only `Authorization: Bearer KEY` opens a
+route, the admin key opens the admin routes, /health is open to all; a body larger than
+--max-request-body-bytes is refused with 413, declared or chunked."""
 
 from __future__ import annotations
 
 import httpx
 import pytest
+from fastapi import FastAPI, Request
 
+from sluice.server.errors import install_error_handlers
 from sluice.server.guard import RequestGuard
 
 API_KEY, ADMIN_KEY = "api-key-1", "admin-key-2"
@@ -66,3 +69,61 @@ async def test_health_is_open_and_the_refusal_says_how_to_send_the_key():
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=guard), base_url="http://guard") as client:
         error = (await client.get("/v1/models", headers={"Authorization": API_KEY})).json()["error"]
     assert error["type"] == "AuthenticationError" and "Authorization: Bearer KEY" in error["message"]
+
+
+# ------------------------------------------------------------------ body size
+
+
+def sized_app(max_body_bytes: int) -> FastAPI:
+    """A route that reads its body, behind the guard and the app's error handlers."""
+    app = FastAPI()
+    install_error_handlers(app)
+    app.add_middleware(RequestGuard, max_body_bytes=max_body_bytes)
+
+    @app.post("/echo")
+    async def echo(request: Request):
+        return {"size": len(await request.body())}
+
+    return app
+
+
+async def post(app, content, headers: dict[str, str] | None = None) -> httpx.Response:
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://guard") as client:
+        return await client.post("/echo", content=content, headers=headers)
+
+
+async def test_a_body_within_the_limit_reaches_the_route():
+    response = await post(sized_app(1024), b"x" * 1024)
+    assert response.status_code == 200 and response.json() == {"size": 1024}
+
+
+async def test_a_declared_length_over_the_limit_is_refused_before_the_route():
+    response = await post(sized_app(1024), b"x" * 1025)
+    assert response.status_code == 413
+    error = response.json()["error"]
+    assert error["type"] == "RequestTooLarge" and error["message"] == "request body larger than 1024 bytes"
+
+
+async def test_a_length_that_is_not_a_number_is_refused():
+    response = await post(sized_app(1024), b"{}", headers={"content-length": "12abc"})
+    assert response.status_code == 413
+
+
+async def test_a_chunked_body_is_counted_as_it_arrives():
+    async def pieces():
+        for _ in range(5):
+            yield b"x" * 300
+
+    response = await post(sized_app(1024), pieces())  # no content-length: chunked
+    assert response.status_code == 413
+    assert response.json()["error"]["message"] == "request body larger than 1024 bytes"
+
+
+async def test_other_scopes_pass_through_untouched():
+    seen = []
+
+    async def app(scope, receive, send):
+        seen.append(scope["type"])
+
+    await RequestGuard(app, max_body_bytes=1, api_key=API_KEY)({"type": "lifespan"}, None, None)
+    assert seen == ["lifespan"]

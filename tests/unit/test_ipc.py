@@ -1,0 +1,164 @@
+"""The one wire format between processes: every message type survives encode/decode with
+every field, a frame that is not a message is refused, and the sockets carry messages."""
+
+from __future__ import annotations
+
+import typing
+
+import msgspec
+import pytest
+import zmq
+
+from sluice.ipc import Receiver, Sender, decode, encode
+from sluice.messages import (
+    AbortReq,
+    AnyMessage,
+    BatchStrOutput,
+    BatchTokenIDOutput,
+    BatchTokenizedGenerateReqInput,
+    DetokenizerReady,
+    FinishReason,
+    FlushCacheReq,
+    FlushCacheReqOutput,
+    GetInternalStateReq,
+    ImageInput,
+    InternalState,
+    ProcessFailed,
+    RegisterWorker,
+    ReqOutput,
+    SamplingParams,
+    SchedulerReady,
+    SetPause,
+    StrOutput,
+    TokenIDOutput,
+    TokenizedGenerateReqInput,
+    TokenLogprob,
+    WorkerDied,
+    WorkerStats,
+    WorkerStatsReq,
+)
+
+WORKER = "ipc:///tmp/sluice-test/worker-1"
+
+REQUEST = TokenizedGenerateReqInput(
+    rid="r-1",
+    input_ids=[1, 2, 3],
+    sampling_params=SamplingParams(max_new_tokens=7, temperature=0.5, stop=["\n"], seed=3, top_k=4),
+    stream=True,
+    return_logprob=True,
+    top_logprobs_num=2,
+    logprob_start_len=1,
+    input_text="a b c",
+    images=[ImageInput(pixel_values=b"\x00\x01\x02\x03", dtype="uint8", shape=[1, 2, 2], hash=-12345)],
+    http_worker_ipc=WORKER,
+)
+OUTPUT = ReqOutput(
+    rid="r-1",
+    new_token_ids=[5, 6],
+    finish_reason=FinishReason(type="stop", matched="\n"),
+    prompt_tokens=3,
+    completion_tokens=2,
+    cached_tokens=2,
+    image_tokens=1,
+    output_logprobs=[-0.5, -1.25],
+    output_top_logprobs=[[TokenLogprob(5, -0.5)], [TokenLogprob(6, -1.25), TokenLogprob(7, -2.0)]],
+    input_token_ids=[2, 3],
+    input_logprobs=[None, -3.0],
+    input_top_logprobs=[[], [TokenLogprob(3, -3.0)]],
+    http_worker_ipc=WORKER,
+)
+
+# One of each message, every field away from its default.
+EXAMPLES = [
+    REQUEST,
+    BatchTokenizedGenerateReqInput(reqs=[REQUEST, msgspec.structs.replace(REQUEST, rid="r-2", images=[])]),
+    AbortReq(rid="r-1", abort_all=True, finished_by_stop_string=True, http_worker_ipc=WORKER),
+    FlushCacheReq(http_worker_ipc=WORKER),
+    GetInternalStateReq(http_worker_ipc=WORKER),
+    BatchTokenIDOutput(
+        outputs=[
+            TokenIDOutput(
+                output=OUTPUT,
+                skip_special_tokens=False,
+                spaces_between_special_tokens=False,
+                stop=["\n", "###"],
+                no_stop_trim=True,
+                stream=True,
+            )
+        ]
+    ),
+    BatchStrOutput(outputs=[StrOutput(output=OUTPUT, text="héllo 🎉")]),
+    SchedulerReady(
+        max_req_input_len=100,
+        context_len=128,
+        max_total_tokens=4000,
+        eos_token_ids=[2, 7],
+        image_token_id=99,
+        num_image_tokens=16,
+        execution={"backend": "kernels"},
+    ),
+    DetokenizerReady(),
+    ProcessFailed(process="scheduler", error="Traceback ..."),
+    FlushCacheReqOutput(success=False, message="requests are running", http_worker_ipc=WORKER),
+    InternalState(
+        num_running_reqs=1,
+        num_waiting_reqs=2,
+        kv_tokens_total=100,
+        kv_tokens_free=50,
+        kv_tokens_cached=20,
+        kv_tokens_in_use=30,
+        last_step_ms=1.5,
+        messages_received={"AbortReq": 3},
+        finished_reqs={"abort": 1, "length": 2},
+        http_worker_ipc=WORKER,
+    ),
+    RegisterWorker(http_worker_ipc=WORKER, pid=4242),
+    SetPause(paused=True, http_worker_ipc=WORKER),
+    WorkerStatsReq(http_worker_ipc=WORKER),
+    WorkerStats(rid_to_state_size=3, http_worker_ipc=WORKER, num_paused_reqs=1),
+    WorkerDied(pid=4242),
+]
+
+
+def test_the_examples_cover_every_message_type():
+    assert {type(message) for message in EXAMPLES} == set(typing.get_args(AnyMessage))
+
+
+@pytest.mark.parametrize("message", EXAMPLES, ids=lambda message: type(message).__name__)
+def test_every_message_survives_the_wire(message):
+    decoded = decode(encode(message))
+    assert type(decoded) is type(message)
+    assert decoded == message
+
+
+def test_a_frame_that_is_not_a_message_is_refused():
+    with pytest.raises(msgspec.DecodeError):
+        decode(b"\xc1 not msgpack")
+    with pytest.raises(msgspec.ValidationError):  # valid msgpack, unknown tag
+        decode(msgspec.msgpack.encode({"type": "LaunchMissiles", "target": "moon"}))
+    with pytest.raises(msgspec.ValidationError):  # a known tag with a field of the wrong type
+        decode(msgspec.msgpack.encode({"type": "AbortReq", "rid": 5}))
+    with pytest.raises(msgspec.DecodeError):  # cut short
+        decode(encode(REQUEST)[:-3])
+
+
+def test_messages_cross_the_sockets_in_order(tmp_path):
+    context = zmq.Context(1)
+    address = f"ipc://{tmp_path}/inbox"
+    inbox = Receiver(context, address)
+    sender = Sender(context, address)
+    try:
+        assert inbox.recv(timeout_ms=10) is None  # nothing yet: no wait past the timeout
+        for message in EXAMPLES[:3]:
+            sender.send(message)
+        assert inbox.recv(timeout_ms=5000) == EXAMPLES[0]
+        drained = []
+        while len(drained) < 2:
+            assert inbox.sock.poll(5000), "the rest never arrived"
+            drained.extend(inbox.drain())
+        assert drained == EXAMPLES[1:3]
+        assert inbox.recv_nowait() is None
+    finally:
+        sender.close()
+        inbox.close()
+        context.term()

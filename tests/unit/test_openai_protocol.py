@@ -1,0 +1,213 @@
+"""The OpenAI request bodies (openai_protocol): prompt shapes, ranges, the native
+sampling_params they become, and chat messages as the chat template takes them."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import msgspec
+import pytest
+
+from sluice.sampling import ClientError
+from sluice.server.json_body import decode_json
+from sluice.server.openai_protocol import (
+    DEFAULT_COMPLETION_MAX_TOKENS,
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    ContentPart,
+    ImageURL,
+)
+
+IMAGE = "<image>"
+
+
+def completion(**fields) -> CompletionRequest:
+    return decode_json(msgspec.json.encode({"prompt": "Hi", **fields}), CompletionRequest)
+
+
+def chat(*messages: ChatMessage, **fields) -> ChatCompletionRequest:
+    return ChatCompletionRequest(messages=list(messages), **fields)
+
+
+@contextmanager
+def refused(param: str, message: str) -> Iterator[None]:
+    """A ClientError naming `param`, whose message contains `message`, must be raised inside."""
+    with pytest.raises(ClientError) as info:
+        yield
+    assert info.value.param == param
+    assert message in info.value.message, info.value.message
+
+
+# ------------------------------------------------------------------ completions
+
+
+@pytest.mark.parametrize(
+    "prompt, prompts",
+    [
+        ("Hi", ["Hi"]),
+        ([1, 2, 3], [[1, 2, 3]]),
+        (["a", "b"], ["a", "b"]),
+        ([[1], [2, 3]], [[1], [2, 3]]),
+    ],
+)
+def test_every_prompt_shape_becomes_a_list_of_prompts(prompt, prompts):
+    assert completion(prompt=prompt).prompts() == prompts
+
+
+@pytest.mark.parametrize("prompt", [["a", [1]], [[1], "a"], [1, "a"], [True, 2], [1.5], [[1, 2.5]]])
+def test_mixed_or_odd_prompts_are_refused(prompt):
+    with refused("prompt", "prompt must be a string, a list of token ids, or a list of strings or of token-id"):
+        completion(prompt=prompt).prompts()
+
+
+def test_an_empty_prompt_list_is_refused():
+    with refused("prompt", "prompt must not be empty"):
+        completion(prompt=[]).prompts()
+
+
+@pytest.mark.parametrize(
+    "fields, param, message",
+    [
+        ({"max_tokens": -1}, "max_tokens", "max_tokens must be >= 0, got -1"),
+        ({"logprobs": 6}, "logprobs", "logprobs must be in [0, 5], got 6"),
+        ({"logprobs": -1}, "logprobs", "logprobs must be in [0, 5], got -1"),
+        ({"n": 0}, "n", "n must be >= 1, got 0"),
+    ],
+)
+def test_out_of_range_completion_fields_name_the_field_and_range(fields, param, message):
+    with refused(param, message):
+        completion(**fields).check()
+
+
+def test_a_wrong_type_names_the_field_and_unknown_fields_are_ignored():
+    with refused("temperature", "Expected `float | null`"):
+        completion(temperature="hot")
+    assert completion(user="someone", suffix="!", logit_bias={"1": 2}).prompt == "Hi"
+
+
+def test_completion_defaults_are_openais():
+    body = completion()
+    body.check()
+    assert body.max_new_tokens == DEFAULT_COMPLETION_MAX_TOKENS == 16
+    assert completion(max_tokens=0).max_new_tokens == 0
+    assert body.sample_count == 1 and not body.include_usage
+    assert completion(stream=True, stream_options={"include_usage": True}).include_usage
+
+
+def test_only_the_fields_the_client_gave_become_sampling_params():
+    assert completion().sampling_params(16) == {"max_new_tokens": 16}
+    body = completion(
+        n=2,
+        temperature=0.5,
+        top_p=0.9,
+        top_k=5,
+        min_p=0.1,
+        seed=3,
+        stop="\n",
+        min_tokens=2,
+        repetition_penalty=1.1,
+        frequency_penalty=0.2,
+        presence_penalty=0.3,
+        ignore_eos=True,
+        stop_token_ids=[7],
+        skip_special_tokens=False,
+        spaces_between_special_tokens=False,
+        no_stop_trim=True,
+    )
+    assert body.sampling_params(4) == {
+        "n": 2,
+        "max_new_tokens": 4,
+        "min_new_tokens": 2,
+        "temperature": 0.5,
+        "top_p": 0.9,
+        "top_k": 5,
+        "min_p": 0.1,
+        "repetition_penalty": 1.1,
+        "frequency_penalty": 0.2,
+        "presence_penalty": 0.3,
+        "seed": 3,
+        "stop": ["\n"],
+        "stop_token_ids": [7],
+        "ignore_eos": True,
+        "skip_special_tokens": False,
+        "spaces_between_special_tokens": False,
+        "no_stop_trim": True,
+    }
+    assert completion(stop=["a", "b"]).sampling_params(1)["stop"] == ["a", "b"]
+
+
+# ------------------------------------------------------------------ chat
+
+
+def test_chat_ranges_and_max_tokens():
+    with refused("messages", "messages must not be empty"):
+        chat().check()
+    with refused("top_logprobs", "top_logprobs must be in [0, 20], got 21"):
+        chat(ChatMessage(role="user", content="Hi"), top_logprobs=21).check()
+    with refused("max_completion_tokens", "max_completion_tokens must be >= 0, got -2"):
+        chat(ChatMessage(role="user", content="Hi"), max_completion_tokens=-2).check()
+    assert chat(max_tokens=5).requested_max_tokens == 5
+    assert chat(max_tokens=5, max_completion_tokens=7).requested_max_tokens == 7  # the newer name wins
+    assert chat().requested_max_tokens is None
+
+
+def test_messages_become_template_messages_with_openais_roles():
+    body = chat(
+        ChatMessage(role="developer", content="Be brief."),
+        ChatMessage(role="system", content="You are kind."),
+        ChatMessage(role="user", content="Hi"),
+        ChatMessage(role="assistant", content=None),
+    )
+    messages, images = body.template_messages(None, "m")
+    assert messages == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "system", "content": "You are kind."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": ""},
+    ]
+    assert images == []
+
+
+def test_content_parts_join_with_one_image_token_per_image_in_order():
+    parts = [
+        ContentPart(type="text", text="Compare "),
+        ContentPart(type="image_url", image_url=ImageURL(url="data:image/png;base64,AAA")),
+        ContentPart(type="text", text=" and "),
+        ContentPart(type="input_image", image_url="https://example.com/b.png"),
+    ]
+    messages, images = chat(ChatMessage(role="user", content=parts)).template_messages(IMAGE, "m")
+    assert messages == [{"role": "user", "content": f"Compare {IMAGE} and {IMAGE}"}]
+    assert images == ["data:image/png;base64,AAA", "https://example.com/b.png"]
+
+
+@pytest.mark.parametrize(
+    "message, image_token, param, text",
+    [
+        (ChatMessage(role="tool", content="x"), IMAGE, "messages[0].role", "'tool' is not supported"),
+        (ChatMessage(role="user"), IMAGE, "messages[0].content", "is required for role 'user'"),
+        (ChatMessage(role="user", content=[ContentPart(type="text")]), IMAGE, "messages[0].content[0].text", "text"),
+        (
+            ChatMessage(role="user", content=[ContentPart(type="image_url", image_url=ImageURL(url="x"))]),
+            None,
+            "messages[0].content[0]",
+            "the model m does not accept images",
+        ),
+        (
+            ChatMessage(role="user", content=[ContentPart(type="image_url")]),
+            IMAGE,
+            "messages[0].content[0].image_url",
+            "is required for an image part",
+        ),
+        (
+            ChatMessage(role="user", content=[ContentPart(type="audio", text="x")]),
+            IMAGE,
+            "messages[0].content[0].type",
+            "'audio' is not supported",
+        ),
+    ],
+)
+def test_bad_messages_name_where_they_are_wrong(message, image_token, param, text):
+    with refused(param, text):
+        chat(message).template_messages(image_token, "m")

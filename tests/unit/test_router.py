@@ -1,0 +1,189 @@
+"""The MultiTokenizerRouter on real ZMQ sockets, without processes: requests go on to the
+Scheduler, each result (each item of a batch result) goes back to the worker that owns it,
+a rid live on any worker is refused, control messages reach every worker."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+import zmq
+
+from sluice.config import PortArgs
+from sluice.ipc import Receiver
+from sluice.messages import (
+    AbortReq,
+    BatchStrOutput,
+    BatchTokenizedGenerateReqInput,
+    FinishReason,
+    InternalState,
+    Message,
+    RegisterWorker,
+    ReqOutput,
+    SamplingParams,
+    SetPause,
+    StrOutput,
+    TokenizedGenerateReqInput,
+    WorkerDied,
+)
+from sluice.tokenizer.router import MultiTokenizerRouter
+
+WAIT_MS = 5000
+
+
+class Hub:
+    """A router with a fake Scheduler inbox and two registered worker inboxes."""
+
+    def __init__(self, folder: str):
+        self.context = zmq.Context(1)
+        ports = PortArgs(
+            ipc_dir=folder,
+            scheduler_input=f"ipc://{folder}/scheduler",
+            detokenizer_input=f"ipc://{folder}/detokenizer",
+            tokenizer_input=f"ipc://{folder}/router",
+        )
+        self.scheduler = Receiver(self.context, ports.scheduler_input)
+        self.router = MultiTokenizerRouter(ports)
+        self.addresses = {name: f"ipc://{folder}/{name}" for name in ("a", "b")}
+        self.workers = {name: Receiver(self.context, address) for name, address in self.addresses.items()}
+        for pid, address in enumerate(self.addresses.values(), start=1):
+            self.router.dispatch(RegisterWorker(http_worker_ipc=address, pid=pid))
+
+    def received(self, inbox: Receiver) -> Message:
+        message = inbox.recv(timeout_ms=WAIT_MS)
+        assert message is not None, "nothing arrived"
+        return message
+
+    def nothing_for(self, *inboxes: Receiver) -> bool:
+        # Sends are done before dispatch returns, so a message would already be queued.
+        return all(not inbox.sock.poll(50) for inbox in inboxes)
+
+    def close(self) -> None:
+        for sender in self.router.workers.values():
+            sender.close()
+        self.router.to_scheduler.close()
+        self.router.inbox.close()
+        self.router.context.term()
+        for inbox in [self.scheduler, *self.workers.values()]:
+            inbox.close()
+        self.context.term()
+
+
+@pytest.fixture
+def hub(tmp_path):
+    hub = Hub(str(tmp_path))
+    yield hub
+    hub.close()
+
+
+def request(rid: str, worker: str) -> TokenizedGenerateReqInput:
+    return TokenizedGenerateReqInput(
+        rid=rid, input_ids=[1, 2], sampling_params=SamplingParams(), http_worker_ipc=worker
+    )
+
+
+def result(rid: str, worker: str, text: str, finished: bool = False) -> StrOutput:
+    reason = FinishReason(type="length") if finished else None
+    return StrOutput(
+        output=ReqOutput(rid=rid, new_token_ids=[3], finish_reason=reason, http_worker_ipc=worker), text=text
+    )
+
+
+def test_requests_and_control_messages_go_on_to_the_scheduler(hub):
+    a = hub.addresses["a"]
+    batch = BatchTokenizedGenerateReqInput(reqs=[request("x", a), request("y", a)])
+    for message in (request("w", a), batch, AbortReq(rid="w", http_worker_ipc=a)):
+        hub.router.dispatch(message)
+        assert hub.received(hub.scheduler) == message
+    assert hub.router.live_rids == {"w", "x", "y"}
+
+
+def test_a_batch_result_is_split_by_worker_in_order(hub):
+    a, b = hub.addresses["a"], hub.addresses["b"]
+    outputs = [result("a1", a, "one"), result("b1", b, "two"), result("a2", a, "three", finished=True)]
+    hub.router.dispatch(BatchStrOutput(outputs=outputs))
+    to_a, to_b = hub.received(hub.workers["a"]), hub.received(hub.workers["b"])
+    assert to_a == BatchStrOutput(outputs=[outputs[0], outputs[2]])
+    assert to_b == BatchStrOutput(outputs=[outputs[1]])
+    assert hub.nothing_for(*hub.workers.values())
+
+
+def test_the_heartbeat_reaches_every_worker(hub):
+    hub.router.dispatch(BatchStrOutput(outputs=[]))
+    for inbox in hub.workers.values():
+        assert hub.received(inbox) == BatchStrOutput(outputs=[])
+
+
+def test_a_rid_live_on_one_worker_is_refused_on_another_until_it_finishes(hub):
+    a, b = hub.addresses["a"], hub.addresses["b"]
+    hub.router.dispatch(request("same", a))
+    assert hub.received(hub.scheduler).rid == "same"
+
+    # Another worker's batch that reuses the rid: every item ends at once with a 400.
+    hub.router.dispatch(BatchTokenizedGenerateReqInput(reqs=[request("fresh", b), request("same", b)]))
+    refused = hub.received(hub.workers["b"])
+    assert [out.output.rid for out in refused.outputs] == ["fresh", "same"]
+    for out in refused.outputs:
+        reason = out.output.finish_reason
+        assert reason.type == "abort" and reason.status_code == 400
+        assert reason.message == "a request with rid 'same' is already running"
+    assert hub.nothing_for(hub.scheduler, hub.workers["a"])
+    assert "fresh" not in hub.router.live_rids
+
+    # Once its final result went back, the rid is free again.
+    hub.router.dispatch(BatchStrOutput(outputs=[result("same", a, "done", finished=True)]))
+    assert hub.received(hub.workers["a"]).outputs[0].output.rid == "same"
+    hub.router.dispatch(request("same", b))
+    assert hub.received(hub.scheduler).http_worker_ipc == b
+
+
+def internal_state(worker: str) -> InternalState:
+    return InternalState(
+        num_running_reqs=0,
+        num_waiting_reqs=0,
+        kv_tokens_total=1,
+        kv_tokens_free=1,
+        kv_tokens_cached=0,
+        kv_tokens_in_use=0,
+        http_worker_ipc=worker,
+    )
+
+
+def test_control_replies_go_to_the_worker_that_asked(hub):
+    state = internal_state(hub.addresses["b"])
+    hub.router.dispatch(state)
+    assert hub.received(hub.workers["b"]) == state
+    assert hub.nothing_for(hub.workers["a"])
+
+
+def test_what_belongs_to_no_known_worker_is_dropped(hub):
+    workers = dict(hub.router.workers)
+    hub.router.dispatch(BatchStrOutput(outputs=[result("q", "ipc:///nowhere", "lost")]))
+    hub.router.dispatch(internal_state("ipc:///nowhere"))
+    assert hub.router.workers == workers  # no socket opened to an address a message named
+    assert hub.nothing_for(*hub.workers.values())
+
+
+def test_broadcasts_reach_every_worker(hub):
+    pause = SetPause(paused=True, http_worker_ipc=hub.addresses["a"])
+    hub.router.dispatch(pause)
+    for inbox in hub.workers.values():
+        assert hub.received(inbox) == pause
+
+
+def test_a_dead_worker_is_reported_to_the_others_and_to_late_comers(hub, tmp_path):
+    exited = subprocess.Popen(["true"])
+    exited.wait()  # reaped: its pid names no process now
+    c = f"ipc://{tmp_path}/c"
+    hub.router.dispatch(RegisterWorker(http_worker_ipc=c, pid=exited.pid))
+    hub.router.check_workers_alive()
+    for inbox in hub.workers.values():
+        assert hub.received(inbox) == WorkerDied(pid=exited.pid)
+    assert c not in hub.router.workers
+    # A worker that registers later hears of the loss too.
+    late = Receiver(hub.context, f"ipc://{tmp_path}/d")
+    try:
+        hub.router.dispatch(RegisterWorker(http_worker_ipc=f"ipc://{tmp_path}/d", pid=99))
+        assert hub.received(late) == WorkerDied(pid=exited.pid)
+    finally:
+        late.close()
