@@ -290,6 +290,8 @@ class TokenizerManager:
                 self.health_error = f"HTTP worker {recv_obj.pid} died"
             case SetPause():
                 asyncio.get_running_loop().create_task(self._set_pause(recv_obj.paused))
+                if recv_obj.http_worker_ipc == self.http_worker_ipc:
+                    self._result_dispatcher(recv_obj)  # this worker's own, back from the router
             case WorkerStatsReq():
                 self.send_to_scheduler.send(self._worker_stats(recv_obj.http_worker_ipc))
             case _:
@@ -354,13 +356,18 @@ class TokenizerManager:
 
     async def pause_generation(self) -> None:
         await self._set_pause(True)
-        if self.http_worker_ipc is not None:
-            self.send(SetPause(paused=True))  # the router tells every worker
+        await self._tell_every_worker(SetPause(paused=True))
 
     async def continue_generation(self) -> None:
         await self._set_pause(False)
+        await self._tell_every_worker(SetPause(paused=False))
+
+    async def _tell_every_worker(self, message: SetPause) -> None:
+        """Through the router; returns once the router sent it to every other worker (it
+        sends this worker's copy last), so a request that any worker takes after the
+        route answered sees the change."""
         if self.http_worker_ipc is not None:
-            self.send(SetPause(paused=False))
+            await self._control(message, SetPause)
 
     async def _set_pause(self, paused: bool) -> None:
         async with self.is_pause_cond:

@@ -118,8 +118,14 @@ class MultiTokenizerRouter:
         self._distribute_result_to_workers(BatchStrOutput(outputs=outputs))
 
     def broadcast(self, message: Message) -> None:
-        for sender in self.workers.values():
-            sender.send(message)
+        # The worker that sent it hears last: its copy coming back means that every other
+        # worker's copy is already queued before it.
+        origin = getattr(message, "http_worker_ipc", None)
+        for ipc, sender in self.workers.items():
+            if ipc != origin:
+                sender.send(message)
+        if origin in self.workers:
+            self.workers[origin].send(message)
 
     def _distribute_result_to_workers(self, message: Message) -> None:
         if isinstance(message, BatchStrOutput):

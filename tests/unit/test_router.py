@@ -187,3 +187,26 @@ def test_a_dead_worker_is_reported_to_the_others_and_to_late_comers(hub, tmp_pat
         assert hub.received(late) == WorkerDied(pid=exited.pid)
     finally:
         late.close()
+
+
+def test_the_worker_that_sent_a_broadcast_hears_it_last(hub):
+    """Its copy coming back tells it that every other worker's copy is on its way: a
+    worker's /pause_generation answers only then."""
+    a, b = hub.addresses["a"], hub.addresses["b"]
+    order: list[str] = []
+
+    class Recorder:
+        def __init__(self, address: str) -> None:
+            self.address = address
+
+        def send(self, message: Message) -> None:
+            order.append(self.address)
+
+    senders = hub.router.workers
+    hub.router.workers = {address: Recorder(address) for address in senders}  # registered a, then b
+    try:
+        hub.router.dispatch(SetPause(paused=True, http_worker_ipc=a))
+        hub.router.dispatch(SetPause(paused=False, http_worker_ipc=b))
+    finally:
+        hub.router.workers = senders
+    assert order == [b, a, a, b]
