@@ -54,9 +54,21 @@ async def handle_batch_request(
         path = "batch" if tm.inputs.can_send_as_one_batch(items) else "batch_sequential"
         children = list(enumerate(tokenized))
     else:
-        await _warm_prefixes(tm, tokenized, request)
+        ends = await _warm_prefixes(tm, tokenized, request)
+        if ends is None:
+            return  # the client left during the warm-up, which was aborted
         path = "parallel_sample"
-        children = _expand_samples(tokenized, n)
+        children = []
+        for index, child in _expand_samples(tokenized, n):
+            end = ends[index // n]
+            if end.finish_reason is not None and end.finish_reason.type == "abort":
+                # The prompt's prefill was aborted (its parent rid) or refused: so are its
+                # samples, which are never sent.
+                yield msgspec.structs.replace(end, rid=child.rid, path=path, index=index)
+            else:
+                children.append((index, child))
+        if not children:
+            return
     states = [tm.add_req_state(t, path, index) for index, t in children]
     if path == "batch_sequential":
         for _, t in children:
@@ -70,8 +82,9 @@ async def handle_batch_request(
 
 async def _warm_prefixes(
     tm: RequestChannel, tokenized: list[TokenizedGenerateReqInput], request: ClientConnection | None
-) -> None:
-    """Prefill each prompt once so that its n children find it in the RadixCache."""
+) -> list[GenerateChunk] | None:
+    """Prefill each prompt once so that its n children find it in the RadixCache. Returns
+    each prompt's final warm-up chunk, or None when the client left before they all came."""
     warmups = []
     for t in tokenized:
         params = msgspec.structs.replace(t.sampling_params, max_new_tokens=0, min_new_tokens=0)
@@ -86,9 +99,12 @@ async def _warm_prefixes(
         )
         warmups.append((warm, tm.add_req_state(warm, "prefix_warmup")))
     tm.send(BatchTokenizedGenerateReqInput(reqs=[w for w, _ in warmups]))
+    ends: list[GenerateChunk] = []
     for _, state in warmups:
-        async for _ in tm.wait_response(state, request):
-            pass
+        async for chunk in tm.wait_response(state, request):
+            if chunk.finished:
+                ends.append(chunk)
+    return ends if len(ends) == len(warmups) else None
 
 
 def _expand_samples(tokenized: list[TokenizedGenerateReqInput], n: int) -> list[tuple[int, TokenizedGenerateReqInput]]:

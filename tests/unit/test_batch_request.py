@@ -103,9 +103,10 @@ class WordTokenizer:
 
 class Channel:
     """The TokenizerManager as the batch path sees it: every request ends with one chunk
-    whose text is its rid."""
+    whose text is its rid; those in `aborted` end aborted."""
 
-    def __init__(self, tokenizer: WordTokenizer) -> None:
+    def __init__(self, tokenizer: WordTokenizer, aborted: frozenset[str] = frozenset()) -> None:
+        self.aborted = aborted
         self.inputs = RequestTokenizer(ServerArgs(), tokenizer)
         self.inputs.scheduler_info = SchedulerReady(
             max_req_input_len=100, context_len=200, max_total_tokens=1000, eos_token_ids=[0]
@@ -125,7 +126,10 @@ class Channel:
         self, state: ReqState, request: ClientConnection | None = None
     ) -> AsyncIterator[GenerateChunk]:
         del self.rid_to_state[state.rid]
-        yield chunk(state.rid, state.rid, state.index, finished=True, path=state.path)
+        end = chunk(state.rid, state.rid, state.index, finished=True, path=state.path)
+        if state.rid in self.aborted:
+            end.finish_reason = FinishReason(type="abort", message="aborted")
+        yield end
 
 
 async def results(channel: Channel, obj: GenerateReqInput) -> list[GenerateChunk]:
@@ -182,3 +186,26 @@ async def test_a_bad_item_fails_the_request_before_anything_is_sent():
     with pytest.raises(ClientError, match=r"item 1: .*temperature"):
         await results(channel, obj)
     assert channel.sent == [] and channel.rid_to_state == {}
+
+
+async def test_samples_of_a_prompt_whose_warm_up_was_aborted_are_never_sent():
+    """/abort_request of the parent rid during the prompt's prefill ends its samples too."""
+    channel = Channel(WordTokenizer(), aborted=frozenset({"p::prefix"}))
+    obj = GenerateReqInput(text=["a b c", "one two"], rid=["p", "q"], sampling_params={"n": 2})
+    chunks = await results(channel, obj)
+    _, children = channel.sent
+    assert [r.rid for r in children.reqs] == ["q::0", "q::1"]
+    ends = {c.index: (c.rid, c.finish_reason.type) for c in chunks}
+    assert ends == {0: ("p::0", "abort"), 1: ("p::1", "abort"), 2: ("q::0", "length"), 3: ("q::1", "length")}
+    assert not channel.rid_to_state
+
+
+async def test_nothing_is_sent_when_every_warm_up_was_aborted():
+    channel = Channel(WordTokenizer(), aborted=frozenset({"p::prefix"}))
+    chunks = await results(channel, GenerateReqInput(text="a b", rid="p", sampling_params={"n": 3}))
+    assert len(channel.sent) == 1  # the warm-up only
+    assert [(c.index, c.finish_reason.type, c.path) for c in chunks] == [
+        (0, "abort", "parallel_sample"),
+        (1, "abort", "parallel_sample"),
+        (2, "abort", "parallel_sample"),
+    ]
