@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 
 import httpx
 
@@ -109,23 +110,36 @@ def sse_events(response: httpx.Response) -> list:
     return events
 
 
-def internal_states(base_url: str) -> dict:
-    return httpx.get(base_url + "/get_server_info", timeout=30).json()["internal_states"][0]
+def internal_states(base_url: str, headers: dict | None = None) -> dict:
+    return httpx.get(base_url + "/get_server_info", headers=headers, timeout=30).json()["internal_states"][0]
+
+
+def wait_for_states(
+    base_url: str, condition: Callable[[dict], bool], what: str, timeout_s: float = 30, headers: dict | None = None
+) -> dict:
+    """Poll the server's internal states until `condition` holds; fail naming `what` if it
+    does not within `timeout_s`. Returns the states that satisfied it."""
+    deadline = time.monotonic() + timeout_s
+    while not condition(states := internal_states(base_url, headers)):
+        assert time.monotonic() < deadline, f"{what}: not within {timeout_s} s; last states {states}"
+        time.sleep(0.05)
+    return states
 
 
 def wait_until_running(base_url: str, timeout_s: float = 60) -> None:
     """Until the scheduler reports a running request (one launched from another thread)."""
-    deadline = time.monotonic() + timeout_s
-    while internal_states(base_url)["num_running_reqs"] == 0:
-        assert time.monotonic() < deadline, "the request never started running"
-        time.sleep(0.05)
+    wait_for_states(base_url, lambda states: states["num_running_reqs"] > 0, "a request running", timeout_s)
+
+
+def is_drained(states: dict) -> bool:
+    return states["num_running_reqs"] == 0 and states["num_waiting_reqs"] == 0 and states["rid_to_state_size"] == 0
 
 
 def wait_until_drained(base_url: str, timeout_s: float = 30) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        states = internal_states(base_url)
-        idle = states["num_running_reqs"] == 0 and states["num_waiting_reqs"] == 0 and states["rid_to_state_size"] == 0
-        if idle or time.monotonic() > deadline:
-            return states
-        time.sleep(0.3)
+    """Until no request is running, waiting or live in any HTTP worker; fails otherwise."""
+    return wait_for_states(base_url, is_drained, "every request drained", timeout_s)
+
+
+def finished_count(states: dict, reason: str) -> int:
+    """Requests the Scheduler has ended with this finish reason ("abort", "length", "stop")."""
+    return states["finished_reqs"].get(reason, 0)

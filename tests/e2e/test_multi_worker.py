@@ -12,7 +12,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.helpers import RunningServer, generate, greedy
+from tests.helpers import RunningServer, generate, greedy, internal_states, wait_for_states
 
 API_KEY, ADMIN_KEY = "test-key-123", "admin-key-456"
 
@@ -65,25 +65,31 @@ def test_api_keys_on_every_worker(four_workers):
 
 def test_state_summed_over_workers_and_pause_broadcast(four_workers):
     url = four_workers.base_url
-    states = httpx.get(url + "/get_server_info", headers=authed()).json()["internal_states"][0]
-    assert states["rid_to_state_size"] == 0
+    states = internal_states(url, authed())
+    assert states["rid_to_state_size"] == 0 and states["num_paused_reqs"] == 0
+    # Once the route answers, every worker holds new requests (fresh connections spread them).
     assert httpx.post(url + "/pause_generation", headers=authed(ADMIN_KEY)).status_code == 200
-    time.sleep(0.5)
-    with ThreadPoolExecutor(8) as pool:
-        futures = [
-            pool.submit(
-                lambda: httpx.post(
-                    url + "/generate", json={"text": "Hi", "sampling_params": greedy(2)}, headers=authed(), timeout=120
+    try:
+        with ThreadPoolExecutor(8) as pool:
+            futures = [
+                pool.submit(
+                    lambda: httpx.post(
+                        url + "/generate",
+                        json={"text": "Hi", "sampling_params": greedy(2)},
+                        headers=authed(),
+                        timeout=120,
+                    )
                 )
-            )
-            for _ in range(8)
-        ]
-        time.sleep(2)
-        assert not any(f.done() for f in futures)  # held on every worker
-        states = httpx.get(url + "/get_server_info", headers=authed()).json()["internal_states"][0]
-        assert states["num_running_reqs"] == 0
-        assert httpx.post(url + "/continue_generation", headers=authed(ADMIN_KEY)).status_code == 200
-        assert all(f.result().status_code == 200 for f in futures)
+                for _ in range(8)
+            ]
+            held = wait_for_states(url, lambda s: s["num_paused_reqs"] == 8, "8 requests held", headers=authed())
+            assert held["num_running_reqs"] == 0 and held["rid_to_state_size"] == 0
+            assert not any(f.done() for f in futures)
+            assert httpx.post(url + "/continue_generation", headers=authed(ADMIN_KEY)).status_code == 200
+            assert all(f.result().status_code == 200 for f in futures)
+    finally:
+        httpx.post(url + "/continue_generation", headers=authed(ADMIN_KEY))
+    assert internal_states(url, authed())["num_paused_reqs"] == 0
 
 
 def test_kill_9_main_process_leaves_nothing_behind():
@@ -94,9 +100,10 @@ def test_kill_9_main_process_leaves_nothing_behind():
     shm = f"/dev/shm/sluice_multi_tokenizer_args_{main.pid}"
     assert os.path.exists(shm)
     os.kill(main.pid, signal.SIGKILL)
-    time.sleep(10)
     try:
-        alive = [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+        # Each child notices its parent is gone and exits; reaped or a zombie, it is gone.
+        _, alive = psutil.wait_procs(children, timeout=10)
+        alive = [c for c in alive if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
         assert not alive, [c.name() for c in alive]
         with socket.socket() as s:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

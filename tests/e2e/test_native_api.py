@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 import threading
-import time
 
 import httpx
 import pytest
 
-from tests.helpers import generate, greedy, internal_states, sse_events, wait_until_drained, wait_until_running
+from tests.helpers import (
+    finished_count,
+    generate,
+    greedy,
+    internal_states,
+    sse_events,
+    wait_for_states,
+    wait_until_drained,
+    wait_until_running,
+)
 
 # "What is the capital of France?" is a near-tie for this model ("The" vs "L", 0.1 apart):
 # quantized arithmetic answers "L'Étoile, ...", as llama.cpp does on the same GGUF. This
@@ -179,19 +187,14 @@ def test_health_and_info_routes(base_url):
     info = httpx.get(base_url + "/get_model_info").json()
     assert info["context_len"] == 8192 and info["is_generation"]
     server_info = httpx.get(base_url + "/get_server_info").json()
-    assert "api_key" not in server_info
-    states = server_info["internal_states"][0]
-    for key in (
-        "num_running_reqs",
-        "num_waiting_reqs",
-        "kv_tokens_total",
-        "kv_tokens_free",
-        "kv_tokens_cached",
-        "kv_tokens_in_use",
-        "rid_to_state_size",
-    ):
-        assert isinstance(states[key], int)
-    assert states["kv_tokens_total"] == 20000
+    assert "api_key" not in server_info and server_info["max_total_tokens"] == 20000
+    states = wait_until_drained(base_url)
+    # Idle: nothing in use, every slot free or holding evictable cached prefixes.
+    assert states["kv_tokens_total"] == 20000 and states["kv_tokens_in_use"] == 0
+    assert states["kv_tokens_free"] + states["kv_tokens_cached"] == states["kv_tokens_total"]
+    assert states["num_paused_reqs"] == 0
+    # At least every worker's warm-up and the generation /health_generate just ran have ended.
+    assert sum(states["finished_reqs"].values()) >= 1 + server_info["tokenizer_worker_num"]
 
 
 def test_flush_cache(base_url):
@@ -217,19 +220,24 @@ def test_pause_holds_new_requests(base_url):
     assert httpx.post(base_url + "/pause_generation").status_code == 200
     result = {}
     thread = threading.Thread(target=lambda: result.update(r=generate(base_url, text="Hi", sampling_params=greedy(2))))
-    thread.start()
-    time.sleep(1.5)
-    assert "r" not in result  # waiting while paused
-    assert httpx.post(base_url + "/continue_generation").status_code == 200
+    try:
+        thread.start()
+        states = wait_for_states(base_url, lambda s: s["num_paused_reqs"] == 1, "the request held by the pause")
+        assert "r" not in result and states["rid_to_state_size"] == 0 and states["num_running_reqs"] == 0
+    finally:
+        assert httpx.post(base_url + "/continue_generation").status_code == 200
     thread.join(60)
-    assert result["r"].status_code == 200
+    assert result["r"].status_code == 200 and result["r"].json()["meta_info"]["completion_tokens"] == 2
+    assert internal_states(base_url)["num_paused_reqs"] == 0
 
 
 def test_disconnected_clients_are_aborted(base_url):
-    """20 clients leave mid-generation: every request is aborted and its KV freed."""
+    """20 clients leave mid-generation: every request is aborted, long before it could have
+    finished (2,000 tokens each), and its KV freed."""
+    before = wait_until_drained(base_url)
 
     def leave_early(i: int, stream: bool):
-        body = {"text": f"Story number {i}:", "sampling_params": greedy(400, ignore_eos=True), "stream": stream}
+        body = {"text": f"Story number {i}:", "sampling_params": greedy(2000, ignore_eos=True), "stream": stream}
         try:
             with httpx.stream("POST", base_url + "/generate", json=body, timeout=3) as r:
                 for _ in r.iter_lines():
@@ -242,9 +250,10 @@ def test_disconnected_clients_are_aborted(base_url):
         t.start()
     for t in threads:
         t.join()
-    states = wait_until_drained(base_url)
-    assert states["num_running_reqs"] == 0 and states["num_waiting_reqs"] == 0
-    assert states["rid_to_state_size"] == 0
+    aborted = finished_count(before, "abort") + 20
+    states = wait_for_states(base_url, lambda s: finished_count(s, "abort") == aborted, "20 aborts", timeout_s=5)
+    assert finished_count(states, "length") == finished_count(before, "length")  # none ran to its end
+    states = wait_until_drained(base_url, timeout_s=5)
     assert states["kv_tokens_in_use"] == 0
 
 
@@ -252,4 +261,4 @@ def test_rid_to_state_is_empty_after_every_ending(base_url):
     generate(base_url, text="Hi", sampling_params=greedy(2))  # final chunk
     generate(base_url, text="Hi", sampling_params={"top_k": -5})  # error before dispatch
     generate(base_url, input_ids=[100] * 9000)  # refused by validation
-    assert wait_until_drained(base_url)["rid_to_state_size"] == 0
+    wait_until_drained(base_url)

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 
 import httpx
 import openai
 import pytest
 
-from tests.helpers import sse_events, wait_until_running
+from tests.helpers import finished_count, sse_events, wait_for_states, wait_until_drained, wait_until_running
 
 MAX_TOKENS = 16
 PROMPT = "The quick brown fox"
@@ -53,7 +52,8 @@ def test_completion_greedy_is_deterministic_and_reports_usage(client, model):
     usage = first.usage
     assert usage.completion_tokens <= MAX_TOKENS and usage.prompt_tokens > 0
     assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
-    assert usage.prompt_tokens_details.cached_tokens >= 0
+    # The same prompt again: all of it but its last token comes from the radix cache.
+    assert second.usage.prompt_tokens_details.cached_tokens == second.usage.prompt_tokens - 1
 
 
 def test_completion_max_tokens_ends_with_length(client, model):
@@ -575,18 +575,21 @@ def test_no_input_gives_a_500(http, path):
             assert result.json()["error"]["message"], body
 
 
-@pytest.mark.parametrize("shape", [{"prompt": PROMPT}, {"prompt": PROMPTS, "n": 2}])
-def test_stream_disconnect_aborts_the_request(http, model, shape):
-    body = {"model": model, **shape, "max_tokens": 1000, "temperature": 0, "ignore_eos": True, "stream": True}
+@pytest.mark.parametrize("shape, choices", [({"prompt": PROMPT}, 1), ({"prompt": PROMPTS, "n": 2}, 6)])
+def test_stream_disconnect_aborts_the_request(base_url, http, model, shape, choices):
+    """Every choice is aborted within seconds of the client leaving; none could have run its
+    2,000 tokens by then."""
+    before = wait_until_drained(base_url)
+    body = {"model": model, **shape, "max_tokens": 2000, "temperature": 0, "ignore_eos": True, "stream": True}
     with http.stream("POST", "/v1/completions", json=body) as response:
         assert response.status_code == 200
         next(response.iter_lines())
-    deadline = time.monotonic() + 15
-    while time.monotonic() < deadline:
-        if http.get("/get_server_info").json()["internal_states"][0]["rid_to_state_size"] == 0:
-            return
-        time.sleep(0.2)
-    pytest.fail("the request kept running after its client went away")
+    aborted = finished_count(before, "abort") + choices
+    states = wait_for_states(base_url, lambda s: finished_count(s, "abort") == aborted, "every choice aborted", 5)
+    # n > 1 prefills each prompt once first (max_new_tokens 0): those end with "length".
+    warmups = len(PROMPTS) if "n" in shape else 0
+    assert finished_count(states, "length") == finished_count(before, "length") + warmups
+    assert wait_until_drained(base_url, timeout_s=5)["kv_tokens_in_use"] == 0
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -5,7 +5,6 @@ conforms to the schema the document gives it."""
 from __future__ import annotations
 
 import copy
-import time
 
 import httpx
 import pytest
@@ -17,7 +16,7 @@ from schemathesis.specs.openapi.checks import response_schema_conformance
 
 from sluice.sampling import MAX_TOP_K
 from sluice.server.guard import ADMIN_PATHS
-from tests.helpers import internal_states
+from tests.helpers import wait_until_drained
 
 # Generated requests stay cheap: every generative body asks for at most this many tokens.
 MAX_GENERATED_TOKENS = 4
@@ -194,11 +193,4 @@ def test_no_generated_request_gets_a_server_error(api_schema, method, path):
         case.call_and_validate(checks=[not_a_server_error, response_schema_conformance], timeout=60)
 
     no_server_error()
-    assert_no_request_left(api_schema.config.base_url)
-
-
-def assert_no_request_left(base_url: str, timeout_s: float = 30) -> None:
-    deadline = time.monotonic() + timeout_s
-    while (states := internal_states(base_url))["rid_to_state_size"] or states["num_running_reqs"]:
-        assert time.monotonic() < deadline, f"requests left behind: {states}"
-        time.sleep(0.2)
+    wait_until_drained(api_schema.config.base_url)
