@@ -99,9 +99,10 @@ static float reference_output(int format, const uint8_t *packed, int n, int K, c
     return acc;
 }
 
-/* Every tile height, a partial row group and both formats: the result must be exact. */
+/* Every tile height (and two 16-row AMX tiles plus a remainder), a partial row group and both
+ * formats: the result must be exact. */
 static int check_qgemm(int format) {
-    enum { M = 7, N = 2 * SLUICE_ROW_GROUP + 3, K = 96 };
+    enum { M = 37, N = 2 * SLUICE_ROW_GROUP + 3, K = 96 }; /* M: every tile height, and AMX's 16-row tiles */
     const int groups = (N + SLUICE_ROW_GROUP - 1) / SLUICE_ROW_GROUP;
     const int block_bytes = format == SLUICE_Q8_0 ? SLUICE_Q8_0_GROUP_BLOCK_BYTES : SLUICE_Q4_1_GROUP_BLOCK_BYTES;
     const int quant_bytes = format == SLUICE_Q8_0 ? SLUICE_BLOCK : SLUICE_BLOCK / 2;

@@ -24,13 +24,16 @@ class Isa:
     compiler_flags: tuple[str, ...]
 
 
-# Best first. AVX-512 needs F (foundation), BW (byte/word ops), VL and VNNI (vpdpbusd).
+_AVX512_FLAGS = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mavx2", "-mfma", "-mf16c")
+# Best first. AVX-512 needs F (foundation), BW (byte/word ops), VL and VNNI (vpdpbusd); the
+# AMX build adds tile multiplies for batches of 16+ rows to it.
 ISAS = (
     Isa(
-        "avx512_vnni",
-        ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "fma", "f16c"),
-        ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mavx2", "-mfma", "-mf16c"),
+        "amx_int8",
+        ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "fma", "f16c", "amx_tile", "amx_int8"),
+        (*_AVX512_FLAGS, "-mamx-tile", "-mamx-int8"),
     ),
+    Isa("avx512_vnni", ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "fma", "f16c"), _AVX512_FLAGS),
     Isa("avx2", ("avx2", "fma", "f16c"), ("-mavx2", "-mfma", "-mf16c")),
 )
 ISA_NAMES = tuple(isa.name for isa in ISAS)
@@ -78,9 +81,11 @@ def cpu_model() -> str:
 
 def disabled_isas() -> frozenset[str]:
     names = {name.strip() for name in os.environ.get(DISABLE_ENV, "").split(",") if name.strip()}
-    # "avx512" is the short name users reach for; it covers every AVX-512 build.
+    # Short names users reach for: "avx512" covers every AVX-512 build (AMX's included), "amx" the AMX one.
     if "avx512" in names:
-        names |= {isa for isa in ISA_NAMES if isa.startswith("avx512")}
+        names |= {isa for isa in ISA_NAMES if isa != "avx2"}
+    if "amx" in names:
+        names.add("amx_int8")
     return frozenset(names)
 
 

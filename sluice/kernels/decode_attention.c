@@ -218,7 +218,8 @@ ALWAYS_INLINE void group_values(const int G, const int width, const int kv_dtype
                 acc[g][j] = t0 == 0 ? vzero() : vmul(vload(out + g * head_dim + c + VLEN * j), vset1(correction[g]));
         for (int t = t0; t < t1; t++) {
             const char *vt = kv_row(values, req_slots, t) + c * elem;
-            if (t + PREFETCH_AHEAD < len) _mm_prefetch(kv_row(values, req_slots, t + PREFETCH_AHEAD) + c * elem, _MM_HINT_T0);
+            if (t + PREFETCH_AHEAD < len)
+                prefetch_row(kv_row(values, req_slots, t + PREFETCH_AHEAD) + c * elem, (size_t)VLEN * width * elem);
             vec v[4];
             for (int j = 0; j < width; j++) v[j] = load_kv(vt + VLEN * j * elem, kv_dtype);
             for (int g = 0; g < G; g++) {

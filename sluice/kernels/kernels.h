@@ -26,6 +26,14 @@
 #define SLUICE_ISA_NAME "avx2"
 #endif
 
+/* AMX-INT8 on top of AVX-512 VNNI: batches of 16+ activation rows through tile multiplies.
+ * A 16-row group's q8_0 block is exactly an AMX B tile (8 rows of 64 bytes). */
+#if defined(SLUICE_AVX512_VNNI) && defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#define SLUICE_AMX 1
+#undef SLUICE_ISA_NAME
+#define SLUICE_ISA_NAME "amx_int8"
+#endif
+
 /* Bytes of one row group's block: the quants of every row, then float16 scales (and q4_1's
  * float16 minimums), one per row. */
 #define SLUICE_Q8_0_GROUP_BLOCK_BYTES (SLUICE_ROW_GROUP * (SLUICE_BLOCK + 2))
@@ -59,7 +67,8 @@ long sluice_contract_value(const char *name);
 int sluice_self_test(void);
 
 /* qgemm.c: out[M, N] = x[M, K] @ W^T with W in row groups. K must be a multiple of 32;
- * returns 0, or -1 for a K or a format it cannot take. */
+ * returns 0, or -1 for a K or a format it cannot take. On an AMX build, -2 when the OS
+ * refuses this process the tile registers. */
 size_t sluice_qgemm_scratch_bytes(int M, int K);
 int sluice_qgemm(int M, int N, int K, const float *x, int weight_type, const uint8_t *packed, float *out,
                  void *scratch);

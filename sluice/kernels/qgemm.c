@@ -25,12 +25,17 @@
  * M, the tile or the thread split. So a row's result never depends on the other rows in the
  * batch, and the AVX2 and AVX-512 builds give the same bits.
  */
+#define _GNU_SOURCE /* syscall() for the AMX permission */
+#include "kernels.h"
+
 #include <immintrin.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
-
-#include "kernels.h"
+#ifdef SLUICE_AMX
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #define QK SLUICE_BLOCK
 #define GROUP SLUICE_ROW_GROUP
@@ -264,10 +269,96 @@ static quantized_rows scratch_rows(void *scratch, int M, int K) {
 /* Bytes of scratch sluice_qgemm needs: the int8 activations and three 4-byte values per block. */
 size_t sluice_qgemm_scratch_bytes(int M, int K) { return (size_t)M * ((size_t)K + 3 * 4 * (size_t)(K / QK)); }
 
+#ifdef SLUICE_AMX
+/* ------------------------------------------------------------ AMX-INT8: 16 activation rows a tile
+ *
+ * Per 32-weight block: C[16 x 16] int32 = A (16 activation rows x 32 int8) . B (the row
+ * group's block, 8 tile rows of 4 bytes x 16 weight rows), then the same float steps as
+ * group_q8_0 / group_q4_1 with one 16-lane accumulator per activation row. The integer
+ * dots are exact, so the results are those of the VNNI path, bit for bit. */
+#define AMX_ROWS 16
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+typedef struct {
+    uint8_t palette_id, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+/* Linux gives a process the tile registers only when it asks (once per process). */
+static int amx_permitted(void) {
+    static int state; /* 0 not asked, 1 granted, -1 refused */
+    int seen = __atomic_load_n(&state, __ATOMIC_ACQUIRE);
+    if (seen == 0) {
+        seen = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : -1;
+        __atomic_store_n(&state, seen, __ATOMIC_RELEASE);
+    }
+    return seen == 1;
+}
+
+/* Tiles: 0 = C (16 x 16 int32), 1 = A (16 rows x 32 bytes), 2 = B (8 rows x 64 bytes). */
+static void configure_tiles(void) {
+    tile_config config = {0};
+    config.palette_id = 1;
+    config.rows[0] = AMX_ROWS, config.colsb[0] = 64;
+    config.rows[1] = AMX_ROWS, config.colsb[1] = QK;
+    config.rows[2] = QK / 4, config.colsb[2] = 64;
+    _tile_loadconfig(&config);
+}
+
+/* Activation rows [r0, r0 + 16) against one row group. */
+static void amx_group(int weight_type, const uint8_t *w, int K, int r0, const quantized_rows *x, __m512 *acc) {
+    const int nb = K / QK;
+    int32_t dots[AMX_ROWS][16] __attribute__((aligned(64)));
+    uint8_t unpacked[8 * 64] __attribute__((aligned(64)));
+    const __m512i nibble = _mm512_set1_epi8(0x0F);
+    const int block_bytes = weight_type == SLUICE_Q8_0 ? SLUICE_Q8_0_GROUP_BLOCK_BYTES : SLUICE_Q4_1_GROUP_BLOCK_BYTES;
+    for (int r = 0; r < AMX_ROWS; r++) acc[r] = _mm512_setzero_ps();
+    for (int b = 0; b < nb; b++, w += block_bytes) {
+        _tile_zero(0);
+        _tile_loadd(1, x->q + (size_t)r0 * K + b * QK, K);
+        if (weight_type == SLUICE_Q8_0) {
+            _tile_loadd(2, w, 64);
+            _tile_dpbssd(0, 1, 2);
+        } else {
+            /* Tile row g < 4: the low nibbles of word g (weights 4g..4g+3); g >= 4: the high ones. */
+            for (int j = 0; j < 4; j++) {
+                const __m512i raw = _mm512_loadu_si512((const void *)(w + 64 * j));
+                _mm512_store_si512((void *)(unpacked + 64 * j), _mm512_and_si512(raw, nibble));
+                _mm512_store_si512((void *)(unpacked + 64 * (j + 4)), _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble));
+            }
+            _tile_loadd(2, unpacked, 64);
+            _tile_dpbsud(0, 1, 2);
+        }
+        _tile_stored(0, dots, 64);
+        const __m512 d = load_halves(w + (weight_type == SLUICE_Q8_0 ? 32 : 16) * GROUP);
+        for (int r = 0; r < AMX_ROWS; r++) {
+            const size_t index = (size_t)(r0 + r) * nb + b;
+            const __m512 row_dots = _mm512_cvtepi32_ps(_mm512_load_si512((const void *)dots[r]));
+            acc[r] = _mm512_fmadd_ps(row_dots, _mm512_mul_ps(d, _mm512_set1_ps(x->d[index])), acc[r]);
+            if (weight_type == SLUICE_Q4_1)
+                acc[r] = _mm512_fmadd_ps(load_halves(w + 18 * GROUP), _mm512_set1_ps(x->dsum[index]), acc[r]);
+        }
+    }
+}
+#endif
+
 /* Activation rows [r_begin, r_end) against one row group: out columns n0 .. n0 + width. */
 static void multiply_group(int weight_type, const uint8_t *w, int n0, int width, int N, int K, int r_begin,
-                           int r_end, const quantized_rows *x, float *out) {
+                           int r_end, const quantized_rows *x, float *out, int use_tiles) {
     const int nb = K / QK;
+#ifdef SLUICE_AMX
+    if (use_tiles) {
+        for (; r_begin + AMX_ROWS <= r_end; r_begin += AMX_ROWS) {
+            __m512 acc[AMX_ROWS];
+            amx_group(weight_type, w, K, r_begin, x, acc);
+            for (int r = 0; r < AMX_ROWS; r++) store_group(out + (size_t)(r_begin + r) * N + n0, width, acc[r]);
+        }
+    }
+#else
+    (void)use_tiles;
+#endif
     for (int r0 = r_begin; r0 < r_end; r0 += TILE) {
         const int rows = r_end - r0 < TILE ? r_end - r0 : TILE;
         const int8_t *xq_tile = x->q + (size_t)r0 * K;
@@ -296,9 +387,19 @@ int sluice_qgemm(int M, int N, int K, const float *x, int weight_type, const uin
     const size_t group_bytes =
         (size_t)nb * (weight_type == SLUICE_Q8_0 ? SLUICE_Q8_0_GROUP_BLOCK_BYTES : SLUICE_Q4_1_GROUP_BLOCK_BYTES);
     const quantized_rows rows = scratch_rows(scratch, M, K);
+    int use_tiles = 0;
+#ifdef SLUICE_AMX
+    if (M >= AMX_ROWS) {
+        if (!amx_permitted()) return -2;
+        use_tiles = 1;
+    }
+#endif
 
 #pragma omp parallel
     {
+#ifdef SLUICE_AMX
+        if (use_tiles) configure_tiles();
+#endif
 #pragma omp for schedule(static)
         for (int r = 0; r < M; r++) {
             const size_t first_block = (size_t)r * nb;
@@ -312,9 +413,12 @@ int sluice_qgemm(int M, int N, int K, const float *x, int weight_type, const uin
             for (int group = 0; group < groups; group++) {
                 const int n0 = group * GROUP;
                 multiply_group(weight_type, packed + (size_t)group * group_bytes, n0, N - n0 < GROUP ? N - n0 : GROUP,
-                               N, K, chunk, chunk_end, &rows, out);
+                               N, K, chunk, chunk_end, &rows, out, use_tiles);
             }
         }
+#ifdef SLUICE_AMX
+        if (use_tiles) _tile_release();
+#endif
     }
     return 0;
 }

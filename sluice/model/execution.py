@@ -89,10 +89,14 @@ def describe(execution: Execution, weight_formats: list[str]) -> dict[str, str]:
     dense = f"dense {_dtype_name(execution.dtype)} torch F.linear"
     if isinstance(execution.backend, KernelBackend):
         isa = execution.backend.isa
-        dots = "AVX-512 VNNI vpdpbusd, 16-row groups" if isa == "avx512_vnni" else "AVX2 maddubs, 8-row groups"
+        dots = "AVX2 maddubs, 8-row groups" if isa == "avx2" else "AVX-512 VNNI vpdpbusd, 16-row groups"
         if weight_formats:
             gemv = f"{'+'.join(weight_formats)} blocks x int8 activations ({dots})"
-            gemm = "the same kernel, 4 activation rows per weight load"
+            gemm = (
+                "AMX-INT8 tiles for every 16 activation rows, the rest as GEMV"
+                if isa == "amx_int8"
+                else "the GEMV kernel, 4 activation rows per weight load"
+            )
         else:
             gemv = gemm = dense
         attention = f"C kernel, every token at its position, {_dtype_name(execution.kv_dtype)} KV"

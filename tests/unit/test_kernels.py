@@ -221,6 +221,35 @@ def test_header_parsing_follows_a_changed_declaration():
     assert signatures["sluice_g"] == (None, [])
 
 
+@pytest.mark.skipif("avx512_vnni" not in SUPPORTED, reason="needs AVX-512 VNNI, the base of the AMX build")
+def test_an_amx_build_runs_its_self_test_in_a_child_and_never_kills_the_caller():
+    """Where the CPU (or the OS) has no AMX tiles, the AMX build's self-test fails cleanly
+    (the kernel refuses the tile permission) and the loader passes it over; where it has
+    them, the tile path must give the VNNI path's bits (the self-test compares exactly)."""
+    from sluice.kernels.build import built_library
+    from sluice.kernels.cpu import isa_by_name
+
+    library = str(built_library(isa_by_name("amx_int8")))
+    result = subprocess.run(
+        [sys.executable, "-c", "import ctypes, sys; sys.exit(ctypes.CDLL(sys.argv[1]).sluice_self_test())", library],
+        capture_output=True,
+        check=False,
+    )
+    assert result.returncode >= 0, "the self-test child died by a signal"
+    if "amx_int8" not in SUPPORTED:
+        assert result.returncode != 0, "the AMX self-test passed on a CPU without AMX"
+    elif result.returncode != 0:
+        if not _os_grants_tile_data():
+            pytest.skip("the CPU has AMX but the kernel refuses this process the tile registers")
+        pytest.fail(f"the AMX build failed its self-test (code {result.returncode}) where AMX is granted")
+
+
+def _os_grants_tile_data() -> bool:
+    """Ask Linux for the AMX tile registers (arch_prctl ARCH_REQ_XCOMP_PERM, XTILEDATA) in a child."""
+    probe = "import ctypes, sys; sys.exit(ctypes.CDLL(None).syscall(158, 0x1023, 18) != 0)"
+    return subprocess.run([sys.executable, "-c", probe], check=False).returncode == 0
+
+
 def _chosen_isa(disabled: str) -> str:
     env = {**os.environ, DISABLE_ENV: disabled}
     result = subprocess.run(
