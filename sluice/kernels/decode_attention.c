@@ -33,8 +33,13 @@
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 #define MAX_GROUP 8
-#define QUERY_BLOCK 16 /* consecutive queries of one request sharing each K/V tile */
+#define QUERY_BLOCK 32 /* consecutive queries of one request sharing each K/V tile */
 #define KV_TILE 64     /* K/V rows a block walks together: 16 KB of float32 at head_dim 64 */
+static const int64_t TILE_ROWS[KV_TILE] = {0,  1,  2,  3,  4,  5,  6,  7,  8,  9,  10, 11, 12, 13, 14, 15,
+                                           16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31,
+                                           32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47,
+                                           48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 62, 63};
+#define TRANSPOSED_KEYS_FROM 4 /* queries in a block from which its K tiles are transposed once */
 /* Tokens ahead whose K/V rows are prefetched: a slot list is not a stream the hardware
  * prefetcher follows across pages (measured: -30% time at 128 cached tokens). */
 #define PREFETCH_AHEAD 8
@@ -69,6 +74,41 @@ ALWAYS_INLINE __m512 load_kv(const char *p, const int kv_dtype) {
     default: return _mm512_loadu_ps((const float *)p);
     }
 }
+ALWAYS_INLINE __m512 unpacklo_pairs(__m512 a, __m512 b) {
+    return _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(a), _mm512_castps_pd(b)));
+}
+ALWAYS_INLINE __m512 unpackhi_pairs(__m512 a, __m512 b) {
+    return _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(a), _mm512_castps_pd(b)));
+}
+/* r[i][j] becomes r[j][i]. After the two unpack rounds u[4m + c] holds, in its 128-bit lane L,
+ * column 4L + c of rows 4m..4m+3; two rounds of 128-bit lane shuffles gather the four m. */
+ALWAYS_INLINE void transpose_square(__m512 r[16]) {
+    __m512 t[16], u[16];
+    for (int k = 0; k < 8; k++) {
+        t[2 * k] = _mm512_unpacklo_ps(r[2 * k], r[2 * k + 1]);
+        t[2 * k + 1] = _mm512_unpackhi_ps(r[2 * k], r[2 * k + 1]);
+    }
+    for (int m = 0; m < 4; m++) {
+        u[4 * m] = unpacklo_pairs(t[4 * m], t[4 * m + 2]);
+        u[4 * m + 1] = unpackhi_pairs(t[4 * m], t[4 * m + 2]);
+        u[4 * m + 2] = unpacklo_pairs(t[4 * m + 1], t[4 * m + 3]);
+        u[4 * m + 3] = unpackhi_pairs(t[4 * m + 1], t[4 * m + 3]);
+    }
+    for (int c = 0; c < 4; c++) {
+        const __m512 even_a = _mm512_shuffle_f32x4(u[c], u[4 + c], 0x88), odd_a = _mm512_shuffle_f32x4(u[c], u[4 + c], 0xDD);
+        const __m512 even_b = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0x88);
+        const __m512 odd_b = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0xDD);
+        r[c] = _mm512_shuffle_f32x4(even_a, even_b, 0x88);
+        r[8 + c] = _mm512_shuffle_f32x4(even_a, even_b, 0xDD);
+        r[4 + c] = _mm512_shuffle_f32x4(odd_a, odd_b, 0x88);
+        r[12 + c] = _mm512_shuffle_f32x4(odd_a, odd_b, 0xDD);
+    }
+}
+/* The sum of lanes l and l + 8 of a vector, as half_sum gives it to vsum4, for 16 vectors of
+ * which p[l] holds lane l's partial sums of 16 keys: h[l] = p[l] + p[l + 8]. */
+ALWAYS_INLINE void half_sums(const __m512 p[16], __m512 h[8]) {
+    for (int l = 0; l < 8; l++) h[l] = _mm512_add_ps(p[l], p[l + 8]);
+}
 #else
 #define VLEN 8
 #define MAX_ACCUMULATORS 12 /* of 16 registers */
@@ -97,6 +137,35 @@ ALWAYS_INLINE __m256 load_kv(const char *p, const int kv_dtype) {
         return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
     default: return _mm256_loadu_ps((const float *)p);
     }
+}
+ALWAYS_INLINE __m256 unpacklo_pairs(__m256 a, __m256 b) {
+    return _mm256_castpd_ps(_mm256_unpacklo_pd(_mm256_castps_pd(a), _mm256_castps_pd(b)));
+}
+ALWAYS_INLINE __m256 unpackhi_pairs(__m256 a, __m256 b) {
+    return _mm256_castpd_ps(_mm256_unpackhi_pd(_mm256_castps_pd(a), _mm256_castps_pd(b)));
+}
+/* r[i][j] becomes r[j][i]: after the unpack rounds u[4m + c] holds, in its 128-bit lane L,
+ * column 4L + c of rows 4m..4m+3; one 128-bit lane permute joins m = 0 and 1. */
+ALWAYS_INLINE void transpose_square(__m256 r[8]) {
+    __m256 t[8], u[8];
+    for (int k = 0; k < 4; k++) {
+        t[2 * k] = _mm256_unpacklo_ps(r[2 * k], r[2 * k + 1]);
+        t[2 * k + 1] = _mm256_unpackhi_ps(r[2 * k], r[2 * k + 1]);
+    }
+    for (int m = 0; m < 2; m++) {
+        u[4 * m] = unpacklo_pairs(t[4 * m], t[4 * m + 2]);
+        u[4 * m + 1] = unpackhi_pairs(t[4 * m], t[4 * m + 2]);
+        u[4 * m + 2] = unpacklo_pairs(t[4 * m + 1], t[4 * m + 3]);
+        u[4 * m + 3] = unpackhi_pairs(t[4 * m + 1], t[4 * m + 3]);
+    }
+    for (int c = 0; c < 4; c++) {
+        r[c] = _mm256_permute2f128_ps(u[c], u[4 + c], 0x20);
+        r[4 + c] = _mm256_permute2f128_ps(u[c], u[4 + c], 0x31);
+    }
+}
+/* half_sum is the identity at 8 lanes. */
+ALWAYS_INLINE void half_sums(const __m256 p[8], __m256 h[8]) {
+    for (int l = 0; l < 8; l++) h[l] = p[l];
 }
 #endif
 
@@ -204,18 +273,70 @@ ALWAYS_INLINE void group_scores(const int G, const int kv_dtype, const float *q,
     }
 }
 
+/* The K rows [t0, t0 + n) of one head widened and transposed: kt[d * KV_TILE + t - t0]; the
+ * rows from n up to the next multiple of VLEN are zero. Rows up to `len` may be prefetched. */
+ALWAYS_INLINE void transpose_keys(const int kv_dtype, int head_dim, int t0, int n, int len, kv_rows keys,
+                                  const int64_t *req_slots, float *kt) {
+    const size_t elem = kv_element_bytes(kv_dtype);
+    for (int tb = 0; tb < n; tb += VLEN) {
+        const char *rows[VLEN];
+        for (int r = 0; r < VLEN; r++) {
+            const int t = t0 + tb + r;
+            rows[r] = tb + r < n ? kv_row(keys, req_slots, t) : NULL;
+            if (t + KV_TILE < len) prefetch_row(kv_row(keys, req_slots, t + KV_TILE), head_dim * elem);
+        }
+        for (int i = 0; i < head_dim; i += VLEN) {
+            vec square[VLEN];
+            for (int r = 0; r < VLEN; r++) square[r] = rows[r] != NULL ? load_kv(rows[r] + i * elem, kv_dtype) : vzero();
+            transpose_square(square);
+            for (int r = 0; r < VLEN; r++) vstore(kt + (size_t)(i + r) * KV_TILE + tb, square[r]);
+        }
+    }
+}
+
+/* The V rows [t0, t0 + n) of one head widened to float32: vt[(t - t0) * head_dim + d]. */
+ALWAYS_INLINE void widen_values(const int kv_dtype, int head_dim, int t0, int n, kv_rows values,
+                                const int64_t *req_slots, float *vt) {
+    const size_t elem = kv_element_bytes(kv_dtype);
+    for (int t = 0; t < n; t++) {
+        const char *row = kv_row(values, req_slots, t0 + t);
+        for (int i = 0; i < head_dim; i += VLEN) vstore(vt + (size_t)t * head_dim + i, load_kv(row + i * elem, kv_dtype));
+    }
+}
+
+/* group_scores over keys transposed by transpose_keys, VLEN keys to a vector: for n keys
+ * (rounded up to VLEN). Each key's dot product is summed in group_scores' order: its lane l
+ * partial sums (p[l] here, a chain over d = l, l + VLEN, ...) meet by the same tree as
+ * vsum4's, so a query's scores are the same bits whichever of the two computed them. What
+ * this saves is the horizontal reduction per key and the widening of K per query. */
+ALWAYS_INLINE void group_scores_transposed(const int G, const float *q, int head_dim, int n, float scale,
+                                           const float *kt, float *scores, size_t stride) {
+    for (int g = 0; g < G; g++) {
+        const float *qg = q + g * head_dim;
+        for (int tb = 0; tb < n; tb += VLEN) {
+            vec p[VLEN], h[8];
+            for (int l = 0; l < VLEN; l++) p[l] = vzero();
+            for (int i = 0; i < head_dim; i += VLEN)
+                for (int l = 0; l < VLEN; l++) p[l] = vfmadd(vset1(qg[i + l]), vload(kt + (size_t)(i + l) * KV_TILE + tb), p[l]);
+            half_sums(p, h);
+            const vec sum = vadd(vadd(vadd(h[0], h[1]), vadd(h[2], h[3])), vadd(vadd(h[4], h[5]), vadd(h[6], h[7])));
+            vstore(scores + (size_t)g * stride + tb, vmul(sum, vset1(scale)));
+        }
+    }
+}
+
 /* out_g = out_g * correction_g + sum_t p_g[t - t0] * v_t over t in [t0, t1) (out_g starts
  * at zero when t0 is 0), a slice of `width` vectors of the head at a time with the G heads'
  * slices in registers (G * width <= MAX_ACCUMULATORS leaves room for the V vectors). */
 ALWAYS_INLINE void group_values(const int G, const int width, const int kv_dtype, const float *p, size_t stride,
-                                const float *correction, int head_dim, int t0, int t1, int len, kv_rows values,
-                                const int64_t *req_slots, float *out) {
+                                const float *correction, int head_dim, int first_tile, int t0, int t1, int len,
+                                kv_rows values, const int64_t *req_slots, float *out) {
     const size_t elem = kv_element_bytes(kv_dtype);
     for (int c = 0; c < head_dim; c += VLEN * width) {
         vec acc[MAX_GROUP][4];
         for (int g = 0; g < G; g++)
             for (int j = 0; j < width; j++)
-                acc[g][j] = t0 == 0 ? vzero() : vmul(vload(out + g * head_dim + c + VLEN * j), vset1(correction[g]));
+                acc[g][j] = first_tile ? vzero() : vmul(vload(out + g * head_dim + c + VLEN * j), vset1(correction[g]));
         for (int t = t0; t < t1; t++) {
             const char *vt = kv_row(values, req_slots, t) + c * elem;
             if (t + PREFETCH_AHEAD < len)
@@ -234,7 +355,9 @@ ALWAYS_INLINE void group_values(const int G, const int width, const int kv_dtype
 
 /* A block of `count` consecutive queries of one request (lens[i] = lens[0] + i) against one
  * KV head, tile by tile: scores, online softmax, values; then each head's values divided by
- * its softmax sum. scratch: count * G * KV_TILE floats. */
+ * its softmax sum. A block of TRANSPOSED_KEYS_FROM queries or more widens and transposes
+ * each K tile once for all of them. scratch: count * G * KV_TILE floats, then the
+ * transposed tile (head_dim * KV_TILE). */
 ALWAYS_INLINE void attend_block(const int G, const int width, const int kv_dtype, int count, const float *q,
                                 long q_stride, int head_dim, const int64_t *lens, float scale, kv_rows keys,
                                 kv_rows values, const int64_t *req_slots, float *scratch, float *out,
@@ -243,16 +366,31 @@ ALWAYS_INLINE void attend_block(const int G, const int width, const int kv_dtype
     for (int i = 0; i < count; i++)
         for (int g = 0; g < G; g++) running_max[i][g] = -INFINITY, running_sum[i][g] = 0.0f;
     const int longest = (int)lens[count - 1];
+    const int transposed = count >= TRANSPOSED_KEYS_FROM;
+    float *kt = scratch + (size_t)QUERY_BLOCK * G * KV_TILE, *vt = kt + (size_t)head_dim * KV_TILE;
+    const kv_rows widened_values = {(const char *)vt, sizeof(float) * head_dim};
     for (int t0 = 0; t0 < longest; t0 += KV_TILE) {
+        if (transposed) {
+            const int n = t0 + KV_TILE < longest ? KV_TILE : longest - t0;
+            transpose_keys(kv_dtype, head_dim, t0, n, longest, keys, req_slots, kt);
+            widen_values(kv_dtype, head_dim, t0, n, values, req_slots, vt);
+        }
         for (int i = 0; i < count; i++) {
             const int len = (int)lens[i], t1 = t0 + KV_TILE < len ? t0 + KV_TILE : len;
             if (t1 <= t0) continue;
             float *tile = scratch + (size_t)i * G * KV_TILE, correction[MAX_GROUP];
-            group_scores(G, kv_dtype, q + (size_t)i * q_stride, head_dim, t0, t1, len, scale, keys, req_slots, tile,
-                         KV_TILE);
+            if (transposed)
+                group_scores_transposed(G, q + (size_t)i * q_stride, head_dim, t1 - t0, scale, kt, tile, KV_TILE);
+            else
+                group_scores(G, kv_dtype, q + (size_t)i * q_stride, head_dim, t0, t1, len, scale, keys, req_slots,
+                             tile, KV_TILE);
             for (int g = 0; g < G; g++)
                 correction[g] = softmax_tile(tile + (size_t)g * KV_TILE, t1 - t0, &running_max[i][g], &running_sum[i][g]);
-            group_values(G, width, kv_dtype, tile, KV_TILE, correction, head_dim, t0, t1, len, values, req_slots,
+            if (transposed)
+                group_values(G, width, SLUICE_KV_FLOAT32, tile, KV_TILE, correction, head_dim, t0 == 0, 0, t1 - t0, 0,
+                             widened_values, TILE_ROWS, out + (size_t)i * out_stride);
+            else
+                group_values(G, width, kv_dtype, tile, KV_TILE, correction, head_dim, t0 == 0, t0, t1, len, values, req_slots,
                          out + (size_t)i * out_stride);
         }
     }
@@ -329,15 +467,16 @@ int sluice_decode_attention(int queries, int heads, int kv_heads, int head_dim, 
     const int width = value_width(group, head_dim);
     const size_t elem = kv_element_bytes(kv_dtype);
     const size_t slot_bytes = (size_t)kv_heads * head_dim * elem;
-    /* Per thread: a block's tile scores, or one head's scores on the scalar path. */
-    const size_t scratch_floats = vectorized ? (size_t)QUERY_BLOCK * group * KV_TILE : (size_t)(max_len > 0 ? max_len : 1);
+    /* Per thread: a block's tile scores and its transposed K tile, or one head's scores on the scalar path. */
+    const size_t scratch_floats = vectorized ? (size_t)(QUERY_BLOCK * group + 2 * head_dim) * KV_TILE
+                                             : (size_t)(max_len > 0 ? max_len : 1);
     int *starts = malloc(sizeof(int) * ((size_t)queries + 1));
     if (starts == NULL) return -1;
     const int blocks = query_blocks(queries, slot_rows, seq_lens, starts);
     int failed = 0;
 #pragma omp parallel
     {
-        float *scores = malloc(sizeof(float) * scratch_floats);
+        float *scores = aligned_alloc(64, (sizeof(float) * scratch_floats + 63) / 64 * 64);
         if (scores == NULL) {
 #pragma omp atomic write
             failed = 1;

@@ -150,6 +150,43 @@ def test_decode_attention_reads_each_request_slots_in_place(ops, heads, kv_heads
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(9, 3, 64), (16, 2, 64), (8, 2, 128), (4, 4, 32), (4, 1, 20)])
+def test_prompt_attention_gives_each_token_the_bits_of_a_decode_step_at_its_position(
+    ops, heads, kv_heads, head_dim, kv_dtype
+):
+    """Prompt tokens go in blocks that share each K/V tile (their keys transposed once); each
+    token's result must be the bits it gets alone, as a decode step, and causal attention."""
+    generator = torch.Generator().manual_seed(4)
+    lengths = [150, 7]  # a long prompt (full and partial blocks and tiles) and a short one beside it
+    num_slots = sum(lengths) + 1
+    k_pool = torch.randn(num_slots, kv_heads, head_dim, generator=generator).to(kv_dtype)
+    v_pool = torch.randn(num_slots, kv_heads, head_dim, generator=generator).to(kv_dtype)
+    request_slots = list(torch.randperm(num_slots - 1, generator=generator).add(1).split(lengths))
+    max_len = max(lengths)
+    padded = torch.zeros(len(lengths), max_len, dtype=torch.int64)
+    for row, slots in enumerate(request_slots):
+        padded[row, : len(slots)] = slots
+    q = torch.randn(sum(lengths), heads, head_dim, generator=generator)
+    slot_rows = torch.cat([torch.full((n,), row) for row, n in enumerate(lengths)])
+    seq_lens = torch.cat([torch.arange(1, n + 1) for n in lengths])
+
+    together = ops.decode_attention(q, k_pool, v_pool, padded.view(-1), seq_lens, max_len, slot_rows)
+
+    for i in range(len(q)):
+        alone_slots = padded[slot_rows[i]].clone()
+        alone = ops.decode_attention(q[i : i + 1], k_pool, v_pool, alone_slots, seq_lens[i : i + 1], max_len)
+        assert torch.equal(together[i], alone[0]), f"query {i}"
+    first = 0
+    for slots in request_slots:
+        n = len(slots)
+        keys = k_pool[slots].float().repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)
+        values = v_pool[slots].float().repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)
+        expected = F.scaled_dot_product_attention(q[first : first + n].transpose(0, 1), keys, values, is_causal=True)
+        torch.testing.assert_close(together[first : first + n], expected.transpose(0, 1), rtol=1e-4, atol=1e-5)
+        first += n
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_rope_and_store_matches_the_torch_rotation_and_copy(ops, kv_dtype):
     generator = torch.Generator().manual_seed(3)
     heads, kv_heads, head_dim, tokens = 4, 2, 64, 5
