@@ -16,12 +16,14 @@
  * would be, so a request's results do not depend on how its prompt was split into chunks,
  * on its cached prefix or on its batch neighbours.
  *
- * What is shared is memory traffic. A decode step reads all of its requests' cached K/V, so
- * it is bound by memory: the query heads of a group are done together, each K and V row read
- * once for all of them, and a 16-bit pool halves the bytes. A prompt's consecutive tokens go
- * in blocks of up to QUERY_BLOCK queries that walk the K/V rows in tiles of KV_TILE: a tile
- * comes from memory once and serves the whole block from L1, where one query at a time
- * would stream a long prompt's K/V from L3 once per token.
+ * What is shared is memory traffic and widening. A decode step reads all of its requests'
+ * cached K/V, so it is bound by memory: the query heads of a group are done together, each K
+ * and V row read once for all of them, and a 16-bit pool halves the bytes. A prompt's
+ * consecutive tokens go in blocks of up to QUERY_BLOCK queries that walk the K/V rows in
+ * tiles of KV_TILE: a tile comes from memory once, is widened to float32 once (K transposed,
+ * so that a vector holds the scores of VLEN keys and no score needs a horizontal sum) and
+ * serves the whole block from cache. Both ways sum each score's dot product in the same
+ * order (see group_scores), which is what keeps a prompt token's bits those of a decode step.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -48,8 +50,19 @@ static const int64_t TILE_ROWS[KV_TILE] = {0,  1,  2,  3,  4,  5,  6,  7,  8,  9
  * and value sums run VLEN lanes at a time, so the two builds sum in different orders (their
  * attention agrees to rounding, not bit for bit; within a build every query is computed the
  * same way). */
+/* 8 K/V elements widened to float32. */
+ALWAYS_INLINE __m256 load_kv8(const char *p, const int kv_dtype) {
+    switch (kv_dtype) {
+    case SLUICE_KV_FLOAT16: return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+    case SLUICE_KV_BFLOAT16:
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+    default: return _mm256_loadu_ps((const float *)p);
+    }
+}
+
 #ifdef SLUICE_AVX512_VNNI
 #define VLEN 16
+#define SCORE_QUERIES 3 /* queries whose scores share each transposed K load: 24 accumulators */
 #define MAX_ACCUMULATORS 24 /* of 32 registers */
 typedef __m512 vec;
 #define vzero _mm512_setzero_ps
@@ -104,11 +117,6 @@ ALWAYS_INLINE void transpose_square(__m512 r[16]) {
         r[12 + c] = _mm512_shuffle_f32x4(odd_a, odd_b, 0xDD);
     }
 }
-/* The sum of lanes l and l + 8 of a vector, as half_sum gives it to vsum4, for 16 vectors of
- * which p[l] holds lane l's partial sums of 16 keys: h[l] = p[l] + p[l + 8]. */
-ALWAYS_INLINE void half_sums(const __m512 p[16], __m512 h[8]) {
-    for (int l = 0; l < 8; l++) h[l] = _mm512_add_ps(p[l], p[l + 8]);
-}
 #else
 #define VLEN 8
 #define MAX_ACCUMULATORS 12 /* of 16 registers */
@@ -130,14 +138,8 @@ ALWAYS_INLINE float vreduce_max(__m256 v) {
     m = _mm_max_ss(m, _mm_movehdup_ps(m));
     return _mm_cvtss_f32(m);
 }
-ALWAYS_INLINE __m256 load_kv(const char *p, const int kv_dtype) {
-    switch (kv_dtype) {
-    case SLUICE_KV_FLOAT16: return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
-    case SLUICE_KV_BFLOAT16:
-        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
-    default: return _mm256_loadu_ps((const float *)p);
-    }
-}
+#define SCORE_QUERIES 1
+ALWAYS_INLINE __m256 load_kv(const char *p, const int kv_dtype) { return load_kv8(p, kv_dtype); }
 ALWAYS_INLINE __m256 unpacklo_pairs(__m256 a, __m256 b) {
     return _mm256_castpd_ps(_mm256_unpacklo_pd(_mm256_castps_pd(a), _mm256_castps_pd(b)));
 }
@@ -163,10 +165,6 @@ ALWAYS_INLINE void transpose_square(__m256 r[8]) {
         r[4 + c] = _mm256_permute2f128_ps(u[c], u[4 + c], 0x31);
     }
 }
-/* half_sum is the identity at 8 lanes. */
-ALWAYS_INLINE void half_sums(const __m256 p[8], __m256 h[8]) {
-    for (int l = 0; l < 8; l++) h[l] = p[l];
-}
 #endif
 
 /* Sums of up to 4 vectors, each by the same tree (its halves added lane by lane down to 8
@@ -182,14 +180,15 @@ static inline float vsum(vec v) { return _mm_cvtss_f32(vsum4(v, v, v, v)); }
 /* One tile of a query head's online softmax: s[0..n) = exp(s - m) with m the running
  * maximum after this tile; the running sum is rescaled and extended. Returns the factor
  * exp(old m - new m) by which the values accumulated so far must be rescaled. */
-static float softmax_tile(float *s, int n, float *running_max, float *running_sum) {
+ALWAYS_INLINE float softmax_tile(float *s, int n, float *running_max, float *running_sum) {
     vec maxes = vset1(-INFINITY);
     int t = 0;
     for (; t + VLEN <= n; t += VLEN) maxes = vmax(maxes, vload(s + t));
     float tile_max = vreduce_max(maxes);
     for (; t < n; t++) tile_max = s[t] > tile_max ? s[t] : tile_max;
     const float new_max = tile_max > *running_max ? tile_max : *running_max;
-    const float correction = expf(*running_max - new_max); /* 0 for the first tile (-inf) */
+    /* 0 for the first tile (exp of -inf, clamped, is 0 when multiplied by a running sum of 0). */
+    const float correction = _mm_cvtss_f32(_mm256_castps256_ps128(exp256(_mm256_set1_ps(*running_max - new_max))));
     const vec max_vec = vset1(new_max);
     vec sums = vzero();
     t = 0;
@@ -247,26 +246,37 @@ ALWAYS_INLINE void prefetch_row(const char *row, size_t bytes) {
     for (size_t byte = 0; byte < bytes; byte += 64) _mm_prefetch(row + byte, _MM_HINT_T0);
 }
 
+/* Every score is one dot product summed the same way in both builds and by both score
+ * functions: 8 partial sums, sum l over d = l, l + 8, l + 16, ... in order (fused multiply-
+ * adds from zero), which then meet as ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7)), and
+ * the total times `scale`. */
+ALWAYS_INLINE __m128 sum8x4(__m256 a, __m256 b, __m256 c, __m256 d) {
+    /* hadd pairs neighbours: lane 0 of the result is ((a0+a1)+(a2+a3)) + ((a4+a5)+(a6+a7)). */
+    const __m256 pairs = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+    return _mm_add_ps(_mm256_castps256_ps128(pairs), _mm256_extractf128_ps(pairs, 1));
+}
+
 /* scores[g * stride + t - t0] = scale * q_g . k_t for t in [t0, t1), the G heads of one
- * group (head_dim % VLEN == 0). Rows up to `len` may be prefetched. */
+ * group (head_dim % 8 == 0), with the partial sums in the lanes of a vector. Rows up to
+ * `len` may be prefetched. */
 ALWAYS_INLINE void group_scores(const int G, const int kv_dtype, const float *q, int head_dim, int t0, int t1, int len,
                                 float scale, kv_rows keys, const int64_t *req_slots, float *scores, size_t stride) {
     const size_t elem = kv_element_bytes(kv_dtype);
     for (int t = t0; t < t1; t++) {
         const char *kt = kv_row(keys, req_slots, t);
         if (t + PREFETCH_AHEAD < len) prefetch_row(kv_row(keys, req_slots, t + PREFETCH_AHEAD), head_dim * elem);
-        vec acc[MAX_GROUP];
-        for (int g = 0; g < G; g++) acc[g] = vzero();
-        for (int i = 0; i < head_dim; i += VLEN) {
-            const vec k = load_kv(kt + i * elem, kv_dtype);
-            for (int g = 0; g < G; g++) acc[g] = vfmadd(vload(q + g * head_dim + i), k, acc[g]);
+        __m256 acc[MAX_GROUP];
+        for (int g = 0; g < G; g++) acc[g] = _mm256_setzero_ps();
+        for (int i = 0; i < head_dim; i += 8) {
+            const __m256 k = load_kv8(kt + i * elem, kv_dtype);
+            for (int g = 0; g < G; g++) acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * head_dim + i), k, acc[g]);
         }
         for (int g0 = 0; g0 < G; g0 += 4) {
             const int n = G - g0 < 4 ? G - g0 : 4;
-            const vec zero = vzero();
+            const __m256 zero = _mm256_setzero_ps();
             float sums[4];
-            _mm_storeu_ps(sums, _mm_mul_ps(vsum4(acc[g0], n > 1 ? acc[g0 + 1] : zero, n > 2 ? acc[g0 + 2] : zero,
-                                                 n > 3 ? acc[g0 + 3] : zero),
+            _mm_storeu_ps(sums, _mm_mul_ps(sum8x4(acc[g0], n > 1 ? acc[g0 + 1] : zero, n > 2 ? acc[g0 + 2] : zero,
+                                                  n > 3 ? acc[g0 + 3] : zero),
                                            _mm_set1_ps(scale)));
             for (int g = 0; g < n; g++) scores[(size_t)(g0 + g) * stride + (t - t0)] = sums[g];
         }
@@ -294,33 +304,42 @@ ALWAYS_INLINE void transpose_keys(const int kv_dtype, int head_dim, int t0, int 
     }
 }
 
-/* The V rows [t0, t0 + n) of one head widened to float32: vt[(t - t0) * head_dim + d]. */
-ALWAYS_INLINE void widen_values(const int kv_dtype, int head_dim, int t0, int n, kv_rows values,
+/* The V rows [t0, t0 + n) of one head widened to float32: vt[(t - t0) * head_dim + d]. Rows
+ * up to `len` may be prefetched. */
+ALWAYS_INLINE void widen_values(const int kv_dtype, int head_dim, int t0, int n, int len, kv_rows values,
                                 const int64_t *req_slots, float *vt) {
     const size_t elem = kv_element_bytes(kv_dtype);
     for (int t = 0; t < n; t++) {
         const char *row = kv_row(values, req_slots, t0 + t);
+        if (t0 + t + KV_TILE < len) prefetch_row(kv_row(values, req_slots, t0 + t + KV_TILE), head_dim * elem);
         for (int i = 0; i < head_dim; i += VLEN) vstore(vt + (size_t)t * head_dim + i, load_kv(row + i * elem, kv_dtype));
     }
 }
 
-/* group_scores over keys transposed by transpose_keys, VLEN keys to a vector: for n keys
- * (rounded up to VLEN). Each key's dot product is summed in group_scores' order: its lane l
- * partial sums (p[l] here, a chain over d = l, l + VLEN, ...) meet by the same tree as
- * vsum4's, so a query's scores are the same bits whichever of the two computed them. What
- * this saves is the horizontal reduction per key and the widening of K per query. */
-ALWAYS_INLINE void group_scores_transposed(const int G, const float *q, int head_dim, int n, float scale,
-                                           const float *kt, float *scores, size_t stride) {
+/* group_scores over keys transposed by transpose_keys, VLEN keys to a vector, for NQ
+ * consecutive queries at once (q_stride apart; their scores query_stride apart) which share
+ * each load of K: n keys, rounded up to VLEN. Each key's dot product is summed as
+ * group_scores sums it (its partial sum l is chain p[l] here, then the same tree), so a
+ * query's scores are the same bits whichever of the two computed them. What this saves is
+ * the horizontal sums per key and the widening of K per query. */
+ALWAYS_INLINE void group_scores_transposed(const int NQ, const int G, const float *q, long q_stride, int head_dim,
+                                           int n, float scale, const float *kt, float *scores, size_t query_stride) {
     for (int g = 0; g < G; g++) {
-        const float *qg = q + g * head_dim;
         for (int tb = 0; tb < n; tb += VLEN) {
-            vec p[VLEN], h[8];
-            for (int l = 0; l < VLEN; l++) p[l] = vzero();
-            for (int i = 0; i < head_dim; i += VLEN)
-                for (int l = 0; l < VLEN; l++) p[l] = vfmadd(vset1(qg[i + l]), vload(kt + (size_t)(i + l) * KV_TILE + tb), p[l]);
-            half_sums(p, h);
-            const vec sum = vadd(vadd(vadd(h[0], h[1]), vadd(h[2], h[3])), vadd(vadd(h[4], h[5]), vadd(h[6], h[7])));
-            vstore(scores + (size_t)g * stride + tb, vmul(sum, vset1(scale)));
+            vec p[SCORE_QUERIES][8];
+            for (int j = 0; j < NQ; j++)
+                for (int l = 0; l < 8; l++) p[j][l] = vzero();
+            for (int i = 0; i < head_dim; i += 8)
+                for (int l = 0; l < 8; l++) {
+                    const vec k = vload(kt + (size_t)(i + l) * KV_TILE + tb);
+                    for (int j = 0; j < NQ; j++)
+                        p[j][l] = vfmadd(vset1(q[(size_t)j * q_stride + (size_t)g * head_dim + i + l]), k, p[j][l]);
+                }
+            for (int j = 0; j < NQ; j++) {
+                const vec sum = vadd(vadd(vadd(p[j][0], p[j][1]), vadd(p[j][2], p[j][3])),
+                                     vadd(vadd(p[j][4], p[j][5]), vadd(p[j][6], p[j][7])));
+                vstore(scores + (size_t)j * query_stride + (size_t)g * KV_TILE + tb, vmul(sum, vset1(scale)));
+            }
         }
     }
 }
@@ -373,15 +392,28 @@ ALWAYS_INLINE void attend_block(const int G, const int width, const int kv_dtype
         if (transposed) {
             const int n = t0 + KV_TILE < longest ? KV_TILE : longest - t0;
             transpose_keys(kv_dtype, head_dim, t0, n, longest, keys, req_slots, kt);
-            widen_values(kv_dtype, head_dim, t0, n, values, req_slots, vt);
+            widen_values(kv_dtype, head_dim, t0, n, longest, values, req_slots, vt);
+        }
+        if (transposed) {
+            int i = 0;
+            for (; i + SCORE_QUERIES <= count; i += SCORE_QUERIES) {
+                const int last = (int)lens[i + SCORE_QUERIES - 1], n = t0 + KV_TILE < last ? KV_TILE : last - t0;
+                if (n > 0)
+                    group_scores_transposed(SCORE_QUERIES, G, q + (size_t)i * q_stride, q_stride, head_dim, n, scale,
+                                            kt, scratch + (size_t)i * G * KV_TILE, (size_t)G * KV_TILE);
+            }
+            for (; i < count; i++) {
+                const int len = (int)lens[i], n = t0 + KV_TILE < len ? KV_TILE : len - t0;
+                if (n > 0)
+                    group_scores_transposed(1, G, q + (size_t)i * q_stride, q_stride, head_dim, n, scale, kt,
+                                            scratch + (size_t)i * G * KV_TILE, (size_t)G * KV_TILE);
+            }
         }
         for (int i = 0; i < count; i++) {
             const int len = (int)lens[i], t1 = t0 + KV_TILE < len ? t0 + KV_TILE : len;
             if (t1 <= t0) continue;
             float *tile = scratch + (size_t)i * G * KV_TILE, correction[MAX_GROUP];
-            if (transposed)
-                group_scores_transposed(G, q + (size_t)i * q_stride, head_dim, t1 - t0, scale, kt, tile, KV_TILE);
-            else
+            if (!transposed)
                 group_scores(G, kv_dtype, q + (size_t)i * q_stride, head_dim, t0, t1, len, scale, keys, req_slots,
                              tile, KV_TILE);
             for (int g = 0; g < G; g++)
