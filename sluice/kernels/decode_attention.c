@@ -87,6 +87,20 @@ ALWAYS_INLINE __m512 load_kv(const char *p, const int kv_dtype) {
     default: return _mm512_loadu_ps((const float *)p);
     }
 }
+/* 8 elements of row a in the low half, 8 of row b in the high half, widened. */
+ALWAYS_INLINE __m512 load_kv8_pair(const char *a, const char *b, const int kv_dtype) {
+    switch (kv_dtype) {
+    case SLUICE_KV_FLOAT16:
+        return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)a)),
+                                                       _mm_loadu_si128((const __m128i *)b), 1));
+    case SLUICE_KV_BFLOAT16: {
+        const __m256i halves = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)a)),
+                                                       _mm_loadu_si128((const __m128i *)b), 1);
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16));
+    }
+    default: return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps((const float *)a)), _mm256_loadu_ps((const float *)b), 1);
+    }
+}
 ALWAYS_INLINE __m512 unpacklo_pairs(__m512 a, __m512 b) {
     return _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(a), _mm512_castps_pd(b)));
 }
@@ -262,7 +276,34 @@ ALWAYS_INLINE __m128 sum8x4(__m256 a, __m256 b, __m256 c, __m256 d) {
 ALWAYS_INLINE void group_scores(const int G, const int kv_dtype, const float *q, int head_dim, int t0, int t1, int len,
                                 float scale, kv_rows keys, const int64_t *req_slots, float *scores, size_t stride) {
     const size_t elem = kv_element_bytes(kv_dtype);
-    for (int t = t0; t < t1; t++) {
+    int t = t0;
+#ifdef SLUICE_AVX512_VNNI
+    /* Two keys at once, one in each half of a 512-bit vector: the same chains, half the ops. */
+    for (; t + 2 <= t1; t += 2) {
+        const char *ka = kv_row(keys, req_slots, t), *kb = kv_row(keys, req_slots, t + 1);
+        for (int ahead = t + PREFETCH_AHEAD; ahead < t + PREFETCH_AHEAD + 2 && ahead < len; ahead++)
+            prefetch_row(kv_row(keys, req_slots, ahead), head_dim * elem);
+        __m512 acc[MAX_GROUP];
+        for (int g = 0; g < G; g++) acc[g] = _mm512_setzero_ps();
+        for (int i = 0; i < head_dim; i += 8) {
+            const __m512 k = load_kv8_pair(ka + i * elem, kb + i * elem, kv_dtype);
+            for (int g = 0; g < G; g++) acc[g] = _mm512_fmadd_ps(_mm512_broadcast_f32x8(_mm256_loadu_ps(q + g * head_dim + i)), k, acc[g]);
+        }
+        for (int g0 = 0; g0 < G; g0 += 2) {
+            const int n = G - g0 < 2 ? G - g0 : 2;
+            const __m512 other = n > 1 ? acc[g0 + 1] : _mm512_setzero_ps();
+            float sums[4]; /* g0 at t, g0 at t + 1, g0 + 1 at t, g0 + 1 at t + 1 */
+            _mm_storeu_ps(sums, _mm_mul_ps(sum8x4(_mm512_castps512_ps256(acc[g0]), _mm512_extractf32x8_ps(acc[g0], 1),
+                                                  _mm512_castps512_ps256(other), _mm512_extractf32x8_ps(other, 1)),
+                                           _mm_set1_ps(scale)));
+            for (int g = 0; g < n; g++) {
+                scores[(size_t)(g0 + g) * stride + (t - t0)] = sums[2 * g];
+                scores[(size_t)(g0 + g) * stride + (t + 1 - t0)] = sums[2 * g + 1];
+            }
+        }
+    }
+#endif
+    for (; t < t1; t++) {
         const char *kt = kv_row(keys, req_slots, t);
         if (t + PREFETCH_AHEAD < len) prefetch_row(kv_row(keys, req_slots, t + PREFETCH_AHEAD), head_dim * elem);
         __m256 acc[MAX_GROUP];
