@@ -124,9 +124,11 @@ def test_stream_never_shows_partial_stop_string(base_url):
 
 
 def test_skip_special_tokens(base_url):
-    ids = [1, 4093, 198, 19556, 2, 198, 1, 520, 9531, 198]
-    shown = generate(base_url, input_ids=ids, sampling_params=greedy(30, skip_special_tokens=False)).json()
-    hidden = generate(base_url, input_ids=ids, sampling_params=greedy(30)).json()
+    # A chat turn the model closes with <|im_end|> (id 2) by a wide margin (2.8 nats over the
+    # runner-up at its last step), so the test does not hang on one greedy near-tie.
+    text = "<|im_start|>user\nSay OK.<|im_end|>\n<|im_start|>assistant\n"
+    shown = generate(base_url, text=text, sampling_params=greedy(60, skip_special_tokens=False)).json()
+    hidden = generate(base_url, text=text, sampling_params=greedy(60)).json()
     assert shown["output_ids"][-1] == 2
     assert "<|im_end|>" in shown["text"] and "<|im_end|>" not in hidden["text"]
 
