@@ -30,6 +30,8 @@ static const struct {
     FIELD(sluice_layer_weights, gate_up_format),
     FIELD(sluice_layer_weights, down_format),
     FIELD(sluice_layer_weights, qkv_bias),
+    FIELD(sluice_layer_weights, q_norm),
+    FIELD(sluice_layer_weights, k_norm),
     SIZE(sluice_model_dims),
     FIELD(sluice_model_dims, num_layers),
     FIELD(sluice_model_dims, hidden),

@@ -53,6 +53,8 @@ class LayerWeights(ctypes.Structure):
         ("gate_up_format", ctypes.c_int),
         ("down_format", ctypes.c_int),
         ("qkv_bias", _float_p),
+        ("q_norm", _float_p),
+        ("k_norm", _float_p),
     ]
 
 

@@ -52,6 +52,13 @@ int sluice_decode_layers(const sluice_model_dims *d, const sluice_layer_weights 
         if (w->qkv_bias != NULL)
             for (int r = 0; r < M; r++)
                 for (int c = 0; c < qkv_cols; c++) qkv[(size_t)r * qkv_cols + c] += w->qkv_bias[c];
+        if (w->q_norm != NULL) /* each head's row normalized in place, as the per-op path does */
+            for (int r = 0; r < M; r++) {
+                float *row = qkv + (size_t)r * qkv_cols;
+                sluice_rmsnorm(d->heads, d->head_dim, row, w->q_norm, d->eps, row);
+                sluice_rmsnorm(d->kv_heads, d->head_dim, row + (size_t)d->heads * d->head_dim, w->k_norm, d->eps,
+                               row + (size_t)d->heads * d->head_dim);
+            }
         sluice_rope_store(M, d->heads, d->kv_heads, d->head_dim, qkv, cos, signed_sin, k_pools[l], v_pools[l],
                           d->kv_dtype, out_slots);
         status |= sluice_decode_attention(M, d->heads, d->kv_heads, d->head_dim, max_len, d->attention_scale, qkv, qkv_cols,

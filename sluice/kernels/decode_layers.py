@@ -36,6 +36,8 @@ class LayerTensors:
     gate_up: QuantizedProjection
     down: QuantizedProjection
     qkv_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None = None  # per-head RMSNorm of q and k (Qwen3)
+    k_norm: torch.Tensor | None = None
 
 
 _FLOAT_P = next(kind for name, kind, *_ in LayerWeights._fields_ if name == "input_norm")
@@ -95,6 +97,8 @@ class DecodeLayers:
                     gate_up_format=layer.gate_up.format,
                     down_format=layer.down.format,
                     qkv_bias=_pointer(layer.qkv_bias, _FLOAT_P),
+                    q_norm=_pointer(layer.q_norm, _FLOAT_P),
+                    k_norm=_pointer(layer.k_norm, _FLOAT_P),
                 )
                 for layer in layers
             ]

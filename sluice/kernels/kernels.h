@@ -49,7 +49,8 @@ typedef struct {
     const float *input_norm, *post_attention_norm;
     const uint8_t *qkv, *o, *gate_up, *down; /* qgemm's row-group layout */
     int qkv_format, o_format, gate_up_format, down_format;
-    const float *qkv_bias; /* NULL when the model has none */
+    const float *qkv_bias;       /* NULL when the model has none */
+    const float *q_norm, *k_norm; /* per-head RMSNorm weights [head_dim] (Qwen3); NULL when none */
 } sluice_layer_weights;
 
 typedef struct {

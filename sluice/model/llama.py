@@ -1,4 +1,4 @@
-"""Llama-family causal LM (Llama, SmolLM2, Mistral without sliding window, Qwen2)."""
+"""Llama-family causal LM (Llama, SmolLM2, Mistral without sliding window, Qwen2, Qwen3)."""
 
 from __future__ import annotations
 
@@ -39,6 +39,9 @@ class DecoderLayer(nn.Module):
             dtype=dtype,
             backend=backend,
         )
+        # Qwen3: every q and k head is RMS-normalized (one weight per head_dim) before rotation.
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype, backend) if config.qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype, backend) if config.qk_norm else None
         self.o_proj = Linear(config.num_heads * config.head_dim, config.hidden_size, dtype, backend)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, backend)
         self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size, dtype, backend)
@@ -63,12 +66,19 @@ class DecoderLayer(nn.Module):
             hidden, normed = self.input_layernorm.add_and_norm(hidden, pending)
         num_qk_heads = self.num_heads + self.num_kv_heads
         qkv = self.qkv_proj(normed).view(-1, num_qk_heads + self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            self._norm_heads(qkv[:, : self.num_heads], self.q_norm)
+            self._norm_heads(qkv[:, self.num_heads : num_qk_heads], self.k_norm)
         q, k = self.backend.rotate_and_store(
             qkv, self.num_heads, self.num_kv_heads, rotary, cos, signed_sin, k_buffer, v_buffer, out_cache_loc
         )
         attn = self.backend.attention(q, k, qkv[:, num_qk_heads:], k_buffer, v_buffer, metadata)
         hidden, normed = self.post_attention_layernorm.add_and_norm(hidden, self.o_proj(attn))
         return hidden, self.mlp(normed)
+
+    def _norm_heads(self, heads: torch.Tensor, norm: RMSNorm) -> None:
+        """RMS-normalize each head_dim row of heads [tokens, n, head_dim] (a view into qkv) in place."""
+        heads.copy_(norm(heads.reshape(-1, self.head_dim)).view_as(heads))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -227,6 +237,8 @@ class LlamaForCausalLM(nn.Module):
                     gate_up,
                     down,
                     qkv_bias=layer.qkv_proj.bias,
+                    q_norm=None if layer.q_norm is None else layer.q_norm.weight,
+                    k_norm=None if layer.k_norm is None else layer.k_norm.weight,
                 )
             )
         config = self.config
@@ -251,6 +263,9 @@ def _load_layer(layer: DecoderLayer, weights: dict[str, torch.Tensor], prefix: s
     if layer.qkv_proj.bias is not None:
         layer.qkv_proj.bias.copy_(torch.cat([weights[f"{attn}{name}_proj.bias"] for name in "qkv"]))
     layer.o_proj.weight.copy_(weights[attn + "o_proj.weight"])
+    if layer.q_norm is not None and layer.k_norm is not None:
+        layer.q_norm.weight.copy_(weights[attn + "q_norm.weight"])
+        layer.k_norm.weight.copy_(weights[attn + "k_norm.weight"])
     mlp = prefix + "mlp."
     layer.mlp.gate_up_weight.copy_(torch.cat([weights[mlp + "gate_proj.weight"], weights[mlp + "up_proj.weight"]]))
     layer.mlp.down_weight.copy_(weights[mlp + "down_proj.weight"])

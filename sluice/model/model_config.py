@@ -8,15 +8,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
 # Vision-language architectures: a vision tower and projector in front of one of the above.
 SUPPORTED_VLM_ARCHITECTURES = ("LlavaForConditionalGeneration",)
 
 # GGUF `general.architecture` and HF `model_type` values, mapped to the HF class name.
-_ARCHITECTURE_BY_GGUF_NAME = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+_ARCHITECTURE_BY_GGUF_NAME = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 _ARCHITECTURE_BY_MODEL_TYPE = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
     "mistral": "MistralForCausalLM",
 }
 
@@ -78,6 +79,7 @@ class ModelConfig:
     rms_norm_eps: float
     tie_word_embeddings: bool
     attention_bias: bool  # q/k/v projections carry a bias (Qwen2)
+    qk_norm: bool  # each q and k head is RMS-normalized before the rotation (Qwen3)
     context_len: int  # max_position_embeddings
     eos_token_ids: list[int]
     # Vision-language models only; the fields above then describe the language model.
@@ -153,6 +155,7 @@ def _from_gguf(path: Path) -> ModelConfig:
         rms_norm_eps=float(field(f"{arch_name}.attention.layer_norm_rms_epsilon", 1e-5)),
         tie_word_embeddings="output.weight" not in tensor_names,
         attention_bias="blk.0.attn_q.bias" in tensor_names,
+        qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
         context_len=int(field(f"{arch_name}.context_length", 2048)),
         eos_token_ids=list(dict.fromkeys(eos_token_ids)),
     )
@@ -206,6 +209,7 @@ def _text_fields(config: dict[str, Any]) -> dict[str, Any]:
         rms_norm_eps=config.get("rms_norm_eps", 1e-6),
         tie_word_embeddings=config.get("tie_word_embeddings", False),
         attention_bias=config.get("attention_bias", architecture == "Qwen2ForCausalLM"),
+        qk_norm=architecture == "Qwen3ForCausalLM",
         context_len=config.get("max_position_embeddings", 2048),
     )
 

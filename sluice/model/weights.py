@@ -21,6 +21,8 @@ _GGUF_LAYER_NAMES = {
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
@@ -70,9 +72,9 @@ def _load_gguf(path: Path, config: ModelConfig, dtype: torch.dtype) -> dict[str,
     import gguf
 
     reader = open_gguf(str(path))
-    # llama.cpp's converter permutes Q/K rows of llama models for its rotary layout; Qwen2
-    # uses the NeoX layout there and is stored unpermuted.
-    unpermute_qk = config.architecture != "Qwen2ForCausalLM"
+    # llama.cpp's converter permutes Q/K rows of llama models for its rotary layout; Qwen2 and
+    # Qwen3 use the NeoX layout there and are stored unpermuted.
+    unpermute_qk = config.architecture not in ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
     weights: dict[str, torch.Tensor] = {}
     for tensor in reader.tensors:
         name = _hf_name(tensor.name)

@@ -16,6 +16,7 @@ from sluice.kernels.loader import kernels_available
 from sluice.model.model_config import ModelConfig
 from sluice.model.model_runner import ModelRunner
 from tests.forward_batches import make_batch
+from tests.gguf_files import write_gguf
 
 SHAPE = dict(
     vocab_size=256,
@@ -60,6 +61,13 @@ def qwen2_with_qkv_bias():
     return Qwen2ForCausalLM(Qwen2Config(**SHAPE, tie_word_embeddings=False))
 
 
+def qwen3_with_qk_norm():
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    # Per-head q/k RMSNorm; head_dim * heads != hidden_size, as in Qwen3's own sizes.
+    return Qwen3ForCausalLM(Qwen3Config(**SHAPE, head_dim=32, tie_word_embeddings=True))
+
+
 def mistral_wide_heads():
     from transformers import MistralConfig, MistralForCausalLM
 
@@ -67,7 +75,13 @@ def mistral_wide_heads():
     return MistralForCausalLM(MistralConfig(**SHAPE, head_dim=32, sliding_window=None))
 
 
-VARIANTS = [llama_llama3_rope_untied, llama_linear_rope_tied, qwen2_with_qkv_bias, mistral_wide_heads]
+VARIANTS = [
+    llama_llama3_rope_untied,
+    llama_linear_rope_tied,
+    qwen2_with_qkv_bias,
+    qwen3_with_qk_norm,
+    mistral_wide_heads,
+]
 
 
 def save_random_model(build, folder: Path):
@@ -99,6 +113,18 @@ def sluice_greedy(runner: ModelRunner, prompt_ids: list[int], num_tokens: int) -
     return generated
 
 
+def hf_greedy(hf_model) -> list[int]:
+    with torch.inference_mode():
+        return hf_model.generate(
+            torch.tensor([PROMPT_IDS]),
+            attention_mask=torch.ones(1, len(PROMPT_IDS), dtype=torch.int64),
+            do_sample=False,
+            max_new_tokens=NUM_GREEDY_TOKENS,
+            min_new_tokens=NUM_GREEDY_TOKENS,
+            pad_token_id=0,
+        )[0, len(PROMPT_IDS) :].tolist()
+
+
 @pytest.mark.parametrize("build", VARIANTS, ids=lambda build: build.__name__)
 def test_logits_and_greedy_tokens_match_transformers(build, tmp_path: Path):
     hf_model = save_random_model(build, tmp_path)
@@ -121,6 +147,56 @@ def test_logits_and_greedy_tokens_match_transformers(build, tmp_path: Path):
 
     assert ((logits - expected).abs().max() / expected.abs().max()).item() < 1e-4
     assert sluice_greedy(runner, PROMPT_IDS, NUM_GREEDY_TOKENS) == generated
+
+
+GGUF_VARIANTS = [(qwen3_with_qk_norm, "qwen3"), (qwen2_with_qkv_bias, "qwen2")]
+
+
+@pytest.mark.parametrize("build, arch", GGUF_VARIANTS, ids=[arch for _, arch in GGUF_VARIANTS])
+def test_a_gguf_of_the_same_weights_matches_transformers(build, arch, tmp_path: Path):
+    """The GGUF path (metadata, tensor names, layout) gives the folder's model: float32
+    tensors, so logits match transformers as closely as the folder's do."""
+    hf_model = save_random_model(build, tmp_path / "hf")
+    runner = ModelRunner(
+        str(write_gguf(hf_model, tmp_path / "model.gguf", arch)), torch.float32, kv_cache_dtype="float32"
+    )
+    assert runner.config.architecture == type(hf_model).__name__
+
+    kv_buffers = runner.new_kv_buffers(len(PROMPT_IDS) + 1)
+    logits = runner.forward(
+        make_batch([(PROMPT_IDS, torch.arange(1, len(PROMPT_IDS) + 1))], kv_buffers, all_logits=True)
+    )
+    with torch.inference_mode():
+        expected = hf_model(torch.tensor([PROMPT_IDS])).logits[0]
+    assert ((logits - expected).abs().max() / expected.abs().max()).item() < 1e-4
+    assert sluice_greedy(runner, PROMPT_IDS, NUM_GREEDY_TOKENS) == hf_greedy(hf_model)
+
+
+@pytest.mark.skipif(not kernels_available(), reason="the C kernels need an x86-64 CPU with AVX2 and gcc")
+def test_a_q8_0_qwen3_gguf_runs_its_blocks_and_stays_invariant(tmp_path: Path):
+    """Q8_0 matrices go through qgemm, decode steps through the one-call path with the
+    per-head q/k norm; logits stay near the float model's and do not depend on chunking,
+    batching or which path ran."""
+    hf_model = save_random_model(qwen3_with_qk_norm, tmp_path / "hf")
+    runner = ModelRunner(str(write_gguf(hf_model, tmp_path / "q8.gguf", "qwen3", "Q8_0")), torch.float32, "auto")
+    assert runner.model.quantized_weights() and runner.model.decode_layers is not None
+    slots = torch.arange(1, len(PROMPT_IDS) + 1)
+
+    kv_buffers = runner.new_kv_buffers(64)
+    whole = runner.forward(make_batch([(PROMPT_IDS, slots)], kv_buffers, all_logits=True))
+    with torch.inference_mode():
+        expected = hf_model(torch.tensor([PROMPT_IDS])).logits[0]
+    assert ((whole - expected).abs().max() / expected.abs().max()).item() < 0.05
+
+    kv_buffers = runner.new_kv_buffers(64)
+    first = runner.forward(make_batch([(PROMPT_IDS[:5], slots[:5])], kv_buffers, all_logits=True))
+    rest = runner.forward(make_batch([(PROMPT_IDS[5:], slots)], kv_buffers, all_logits=True))
+    assert torch.equal(torch.cat([first, rest]), whole)
+
+    kv_buffers = runner.new_kv_buffers(64)
+    neighbour = ([9, 8, 7, 6, 5, 4, 3, 2, 1], torch.arange(40, 49))
+    batched = runner.forward(make_batch([neighbour, (PROMPT_IDS, slots)], kv_buffers, all_logits=True))
+    assert torch.equal(batched[len(neighbour[0]) :], whole)
 
 
 def test_bfloat16_forward_gives_finite_float32_logits(tmp_path: Path):

@@ -1,0 +1,83 @@
+"""Write a Hugging Face causal LM's weights as a GGUF file, laid out as llama.cpp's
+`convert_hf_to_gguf.py` lays them out, so sluice's GGUF path can be checked against the same
+weights loaded from the folder (and against transformers)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+# HF parameter name (after "model.layers.{i}.") -> GGUF tensor name (after "blk.{i}.").
+LAYER_NAMES = {
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+TOP_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+# llama.cpp interleaves the rotary halves of each Q/K head of these architectures.
+PERMUTED_QK = {"llama"}
+
+
+def gguf_name(hf_name: str) -> str:
+    stem, _, suffix = hf_name.rpartition(".")
+    if stem.startswith("model.layers."):
+        layer, part = stem.removeprefix("model.layers.").split(".", 1)
+        return f"blk.{layer}.{LAYER_NAMES[part]}.{suffix}"
+    return f"{TOP_NAMES[stem]}.{suffix}"
+
+
+def _interleave_rotary_halves(array: np.ndarray, num_heads: int) -> np.ndarray:
+    head_dim = array.shape[0] // num_heads
+    return array.reshape(num_heads, 2, head_dim // 2, *array.shape[1:]).swapaxes(1, 2).reshape(array.shape)
+
+
+def write_gguf(model: torch.nn.Module, path: Path, arch: str, quantize_matrices: str | None = None) -> Path:
+    """Save `model` (a transformers causal LM) at `path` as GGUF architecture `arch`. Matrices
+    are float32, or `quantize_matrices` ("Q8_0", "Q4_1", ...) blocks; norms stay float32."""
+    import gguf
+
+    config = model.config
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    rope_theta = getattr(config, "rope_theta", None) or config.rope_parameters["rope_theta"]
+    writer.add_rope_freq_base(float(rope_theta))
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list([f"<t{i}>" for i in range(config.vocab_size)])
+    block_type = None if quantize_matrices is None else gguf.GGMLQuantizationType[quantize_matrices]
+    for hf_name, parameter in model.state_dict().items():
+        if hf_name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        array = parameter.detach().float().numpy()
+        if arch in PERMUTED_QK and hf_name.endswith("self_attn.q_proj.weight"):
+            array = _interleave_rotary_halves(array, heads)
+        elif arch in PERMUTED_QK and hf_name.endswith("self_attn.k_proj.weight"):
+            array = _interleave_rotary_halves(array, kv_heads)
+        if block_type is not None and array.ndim == 2:
+            writer.add_tensor(gguf_name(hf_name), gguf.quants.quantize(array, block_type), raw_dtype=block_type)
+        else:
+            writer.add_tensor(gguf_name(hf_name), np.ascontiguousarray(array, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
