@@ -109,13 +109,18 @@ class RotaryEmbedding(nn.Module):
         dtype: torch.dtype,
     ) -> None:
         super().__init__()
-        inv_freq = _scaled_inv_freq(head_dim, rope_theta, rope_scaling)
         positions = torch.arange(context_len, dtype=torch.float32)
-        freqs = torch.outer(positions, inv_freq)
+        scale = 1.0
+        if (rope_scaling or {}).get("rope_type") == "longrope":
+            freqs, scale = _longrope_freqs(head_dim, rope_theta, rope_scaling or {}, positions)
+        else:
+            freqs = torch.outer(positions, _scaled_inv_freq(head_dim, rope_theta, rope_scaling))
         # The sign of rotate_half is folded into sin: rotate_half(x) * sin ==
         # roll(x, half) * [-sin, sin], which saves a negation and a concat per layer.
-        self.register_buffer("cos", torch.cat((freqs, freqs), dim=-1).cos().to(dtype), persistent=False)
-        self.register_buffer("signed_sin", torch.cat((-freqs, freqs), dim=-1).sin().to(dtype), persistent=False)
+        cos = torch.cat((freqs, freqs), dim=-1).cos() * scale
+        signed_sin = torch.cat((-freqs, freqs), dim=-1).sin() * scale
+        self.register_buffer("cos", cos.to(dtype), persistent=False)
+        self.register_buffer("signed_sin", signed_sin.to(dtype), persistent=False)
         self.half_dim = head_dim // 2
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -137,7 +142,27 @@ def _scaled_inv_freq(head_dim: int, rope_theta: float, rope_scaling: dict[str, A
         return inv_freq / scaling["factor"]
     if rope_type == "llama3":
         return _llama3_inv_freq(inv_freq, scaling)
-    raise ValueError(f"rope_scaling.rope_type {rope_type!r} is not supported; supported: linear, llama3")
+    raise ValueError(f"rope_scaling.rope_type {rope_type!r} is not supported; supported: linear, llama3, longrope")
+
+
+def _longrope_freqs(
+    head_dim: int, rope_theta: float, rope_scaling: dict[str, Any], positions: torch.Tensor
+) -> tuple[torch.Tensor, float]:
+    """Phi-3's LongRoPE: each frequency divided by a per-dimension factor, the short factors at
+    positions below original_max_position_embeddings and the long ones from there on, and
+    cos/sin scaled by the attention factor. Chosen per position (as vLLM does), so a token's
+    rotation never depends on how long its sequence has grown; transformers instead switches
+    every position to the long factors once a sequence passes that length."""
+    original = rope_scaling["original_max_position_embeddings"]
+    factor = rope_scaling["factor"]
+    scale = rope_scaling.get("attention_factor") or (
+        1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    )
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    short = 1.0 / (torch.tensor(rope_scaling["short_factor"], dtype=torch.float32) * rope_theta**exponents)
+    long = 1.0 / (torch.tensor(rope_scaling["long_factor"], dtype=torch.float32) * rope_theta**exponents)
+    inv_freq = torch.where((positions < original).unsqueeze(1), short, long)
+    return positions.unsqueeze(1) * inv_freq, float(scale)
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, rope_scaling: dict[str, Any]) -> torch.Tensor:

@@ -8,7 +8,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "MistralForCausalLM",
+    "Phi3ForCausalLM",
+)
 # Vision-language architectures: a vision tower and projector in front of one of the above.
 SUPPORTED_VLM_ARCHITECTURES = ("LlavaForConditionalGeneration",)
 
@@ -19,6 +25,7 @@ _ARCHITECTURE_BY_MODEL_TYPE = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "mistral": "MistralForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
 
 
@@ -191,6 +198,24 @@ def _text_fields(config: dict[str, Any]) -> dict[str, Any]:
     rope_parameters.pop("rope_theta", None)
     if "type" in rope_parameters:
         rope_parameters.setdefault("rope_type", rope_parameters.pop("type"))
+    if rope_parameters.get("rope_type") in ("su", "yarn") and architecture == "Phi3ForCausalLM":
+        rope_parameters["rope_type"] = "longrope"  # Phi-3's older names for it
+    if rope_parameters.get("rope_type") == "longrope":
+        # Phi-3 keeps these at the top level; the default attention factor derives from them.
+        rope_parameters.setdefault(
+            "original_max_position_embeddings", config.get("original_max_position_embeddings", 4096)
+        )
+        rope_parameters.setdefault(
+            "factor", config["max_position_embeddings"] / rope_parameters["original_max_position_embeddings"]
+        )
+    for partial_rotary_factor in (
+        rope_parameters.pop("partial_rotary_factor", None),
+        config.get("partial_rotary_factor"),
+    ):
+        if partial_rotary_factor not in (None, 1, 1.0):
+            raise ValueError(
+                f"partial_rotary_factor {partial_rotary_factor} is not supported: rotary embedding over part of a head"
+            )
     rope_scaling = rope_parameters if rope_parameters.get("rope_type", "default") != "default" else None
 
     hidden_size = config["hidden_size"]

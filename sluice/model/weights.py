@@ -44,6 +44,25 @@ def load_weights(path: str | Path, config: ModelConfig, dtype: torch.dtype) -> d
     weights = _load_safetensors_folder(Path(path), dtype)
     if config.vision is not None:
         weights = {_llava_name(name): tensor for name, tensor in weights.items()}
+    return _split_fused_projections(weights, config)
+
+
+def _split_fused_projections(weights: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+    """Phi-3 stores q/k/v as one `qkv_proj` and gate/up as one `gate_up_proj`: split them into
+    the names every other model uses (the model fuses them again its own way)."""
+    q_rows, kv_rows = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    for name in [name for name in weights if name.endswith(("self_attn.qkv_proj.weight", "mlp.gate_up_proj.weight"))]:
+        fused = weights.pop(name)
+        prefix = name.removesuffix("qkv_proj.weight").removesuffix("gate_up_proj.weight")
+        if name.endswith("qkv_proj.weight"):
+            if fused.shape[0] != q_rows + 2 * kv_rows:
+                raise ValueError(f"{name} has {fused.shape[0]} rows, not q + k + v = {q_rows + 2 * kv_rows}")
+            for part, tensor in zip("qkv", fused.split([q_rows, kv_rows, kv_rows]), strict=True):
+                weights[f"{prefix}{part}_proj.weight"] = tensor
+        else:
+            if fused.shape[0] != 2 * config.intermediate_size:
+                raise ValueError(f"{name} has {fused.shape[0]} rows, not 2 x intermediate_size")
+            weights[prefix + "gate_proj.weight"], weights[prefix + "up_proj.weight"] = fused.chunk(2)
     return weights
 
 

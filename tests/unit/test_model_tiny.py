@@ -68,6 +68,22 @@ def qwen3_with_qk_norm():
     return Qwen3ForCausalLM(Qwen3Config(**SHAPE, head_dim=32, tie_word_embeddings=True))
 
 
+def phi3_longrope():
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    # Fused qkv_proj / gate_up_proj; LongRoPE (the short factors below 64 tokens, cos/sin
+    # scaled by sqrt(1 + ln 8 / ln 64)). pad_token_id must be a real id for Phi3Config.
+    half = 64 // 4 // 2
+    rope = {
+        "rope_type": "longrope",
+        "rope_theta": 10000.0,
+        "short_factor": [1.0 + 0.25 * i for i in range(half)],
+        "long_factor": [2.0 + i for i in range(half)],
+    }
+    shape = {**SHAPE, "pad_token_id": 0}
+    return Phi3ForCausalLM(Phi3Config(**shape, original_max_position_embeddings=64, rope_parameters=rope))
+
+
 def mistral_wide_heads():
     from transformers import MistralConfig, MistralForCausalLM
 
@@ -80,6 +96,7 @@ VARIANTS = [
     llama_linear_rope_tied,
     qwen2_with_qkv_bias,
     qwen3_with_qk_norm,
+    phi3_longrope,
     mistral_wide_heads,
 ]
 
@@ -197,6 +214,40 @@ def test_a_q8_0_qwen3_gguf_runs_its_blocks_and_stays_invariant(tmp_path: Path):
     neighbour = ([9, 8, 7, 6, 5, 4, 3, 2, 1], torch.arange(40, 49))
     batched = runner.forward(make_batch([neighbour, (PROMPT_IDS, slots)], kv_buffers, all_logits=True))
     assert torch.equal(batched[len(neighbour[0]) :], whole)
+
+
+def test_longrope_takes_the_long_factors_from_the_original_length_on_per_position():
+    """A token's rotation depends on its position only (as in vLLM), never on how long its
+    sequence has grown, so the KV cache and batching stay valid past the original length."""
+    from sluice.model.layers import RotaryEmbedding
+
+    head_dim, theta, original = 8, 10000.0, 16
+    scaling = {
+        "rope_type": "longrope",
+        "original_max_position_embeddings": original,
+        "factor": 4.0,
+        "short_factor": [1.0, 1.5, 2.0, 2.5],
+        "long_factor": [3.0, 5.0, 7.0, 9.0],
+    }
+    rotary = RotaryEmbedding(head_dim, theta, scaling, context_len=64, dtype=torch.float32)
+    scale = (1 + torch.log(torch.tensor(4.0)) / torch.log(torch.tensor(16.0))).sqrt()
+    base = theta ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    for position, factors in [
+        (original - 1, scaling["short_factor"]),
+        (original, scaling["long_factor"]),
+        (63, scaling["long_factor"]),
+    ]:
+        angles = position / (torch.tensor(factors) * base)
+        cos, _ = rotary.lookup(torch.tensor([position]))
+        torch.testing.assert_close(cos[0], torch.cat([angles, angles]).cos() * scale)
+
+
+def test_partial_rotary_is_refused_with_the_field_named(tmp_path: Path):
+    save_random_model(phi3_longrope, tmp_path)
+    config_path = tmp_path / "config.json"
+    config_path.write_text(json.dumps({**json.loads(config_path.read_text()), "partial_rotary_factor": 0.75}))
+    with pytest.raises(ValueError, match="partial_rotary_factor"):
+        ModelConfig.from_path(tmp_path)
 
 
 def test_bfloat16_forward_gives_finite_float32_logits(tmp_path: Path):
