@@ -4,6 +4,7 @@ weights loaded from the folder (and against transformers)."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +18,8 @@ LAYER_NAMES = {
     "self_attn.k_proj": "attn_k",
     "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output",
+    "self_attn.qkv_proj": "attn_qkv",
+    "mlp.gate_up_proj": "ffn_up",  # Phi-3: gate and up in one tensor, under llama's "up" name
     "self_attn.q_norm": "attn_q_norm",
     "self_attn.k_norm": "attn_k_norm",
     "mlp.gate_proj": "ffn_gate",
@@ -61,6 +64,17 @@ def write_gguf(model: torch.nn.Module, path: Path, arch: str, quantize_matrices:
     rope_theta = getattr(config, "rope_theta", None) or config.rope_parameters["rope_theta"]
     writer.add_rope_freq_base(float(rope_theta))
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    rope = dict(getattr(config, "rope_parameters", None) or {})
+    if rope.get("rope_type") == "longrope":  # Phi-3: the factors as tensors, as llama.cpp writes them
+        original = config.original_max_position_embeddings
+        factor = config.max_position_embeddings / original
+        writer.add_rope_dimension_count(head_dim)
+        writer.add_rope_scaling_orig_ctx_len(original)
+        writer.add_rope_scaling_attn_factors(
+            math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 else 1.0
+        )
+        writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
+        writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
     writer.add_tokenizer_model("gpt2")
     writer.add_token_list([f"<t{i}>" for i in range(config.vocab_size)])
     block_type = None if quantize_matrices is None else gguf.GGMLQuantizationType[quantize_matrices]

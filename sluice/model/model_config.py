@@ -19,7 +19,12 @@ SUPPORTED_ARCHITECTURES = (
 SUPPORTED_VLM_ARCHITECTURES = ("LlavaForConditionalGeneration",)
 
 # GGUF `general.architecture` and HF `model_type` values, mapped to the HF class name.
-_ARCHITECTURE_BY_GGUF_NAME = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_ARCHITECTURE_BY_GGUF_NAME = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+}
 _ARCHITECTURE_BY_MODEL_TYPE = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
@@ -142,6 +147,13 @@ def _from_gguf(path: Path) -> ModelConfig:
     tensor_names = {tensor.name for tensor in reader.tensors}
     hidden_size = int(field(f"{arch_name}.embedding_length"))
     num_heads = int(field(f"{arch_name}.attention.head_count"))
+    head_dim = int(field(f"{arch_name}.attention.key_length", hidden_size // num_heads))
+    rotary_dims = field(f"{arch_name}.rope.dimension_count")
+    if rotary_dims is not None and int(rotary_dims) != head_dim:
+        raise ValueError(
+            f"{arch_name}.rope.dimension_count {rotary_dims} is not supported: rotary embedding over part of "
+            f"a head of {head_dim}"
+        )
     tokens = reader.fields["tokenizer.ggml.tokens"]
     eos_token_ids = [
         int(token_id)
@@ -156,9 +168,9 @@ def _from_gguf(path: Path) -> ModelConfig:
         num_layers=int(field(f"{arch_name}.block_count")),
         num_heads=num_heads,
         num_kv_heads=int(field(f"{arch_name}.attention.head_count_kv", num_heads)),
-        head_dim=int(field(f"{arch_name}.attention.key_length", hidden_size // num_heads)),
+        head_dim=head_dim,
         rope_theta=float(field(f"{arch_name}.rope.freq_base", 10000.0)),
-        rope_scaling=_gguf_rope_scaling(field, arch_name),
+        rope_scaling=_gguf_rope_scaling(field, arch_name, reader),
         rms_norm_eps=float(field(f"{arch_name}.attention.layer_norm_rms_epsilon", 1e-5)),
         tie_word_embeddings="output.weight" not in tensor_names,
         attention_bias="blk.0.attn_q.bias" in tensor_names,
@@ -168,7 +180,19 @@ def _from_gguf(path: Path) -> ModelConfig:
     )
 
 
-def _gguf_rope_scaling(field, arch_name: str) -> dict[str, Any] | None:
+def _gguf_rope_scaling(field, arch_name: str, reader) -> dict[str, Any] | None:
+    factors = {tensor.name: tensor for tensor in reader.tensors if tensor.name.startswith("rope_factors_")}
+    if "rope_factors_long.weight" in factors and "rope_factors_short.weight" in factors:
+        # Phi-3's LongRoPE, as llama.cpp's converter writes it: the factors as tensors.
+        original = int(field(f"{arch_name}.rope.scaling.original_context_length"))
+        return {
+            "rope_type": "longrope",
+            "original_max_position_embeddings": original,
+            "factor": int(field(f"{arch_name}.context_length")) / original,
+            "attention_factor": field(f"{arch_name}.rope.scaling.attn_factor"),
+            "long_factor": [float(x) for x in factors["rope_factors_long.weight"].data],
+            "short_factor": [float(x) for x in factors["rope_factors_short.weight"].data],
+        }
     # Only linear scaling is described by metadata; llama3-style scaling is baked into a
     # `rope_freqs` tensor by llama.cpp and is not read here.
     if field(f"{arch_name}.rope.scaling.type") != "linear":

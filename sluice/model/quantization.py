@@ -46,7 +46,7 @@ def quantization_plan(model_path: str | Path, config: ModelConfig, mode: str, ba
         return lambda name: BlockFormat.Q8_0
     if not is_gguf(model_path):
         return None
-    types = gguf_tensor_types(model_path)
+    types = gguf_tensor_types(model_path, config)
     if all(kind in _FLOAT_GGUF_TYPES for kind in types.values()):
         return None
 

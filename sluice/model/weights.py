@@ -21,6 +21,7 @@ _GGUF_LAYER_NAMES = {
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_qkv": "self_attn.qkv_proj",  # Phi-3: q, k and v in one tensor
     "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj",
@@ -91,12 +92,12 @@ def _load_gguf(path: Path, config: ModelConfig, dtype: torch.dtype) -> dict[str,
     import gguf
 
     reader = open_gguf(str(path))
-    # llama.cpp's converter permutes Q/K rows of llama models for its rotary layout; Qwen2 and
-    # Qwen3 use the NeoX layout there and are stored unpermuted.
-    unpermute_qk = config.architecture not in ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
+    # llama.cpp's converter permutes Q/K rows of llama models for its rotary layout; Qwen2,
+    # Qwen3 and Phi-3 use the NeoX layout there and are stored unpermuted.
+    unpermute_qk = config.architecture not in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM")
     weights: dict[str, torch.Tensor] = {}
     for tensor in reader.tensors:
-        name = _hf_name(tensor.name)
+        name = _hf_name(tensor.name, config)
         if name is None:
             continue
         # dequantize returns the array in row-major HF order ([out, in] for a linear).
@@ -109,25 +110,38 @@ def _load_gguf(path: Path, config: ModelConfig, dtype: torch.dtype) -> dict[str,
         weights[name] = torch.from_numpy(np.require(array, requirements=["C", "W"])).to(dtype)
     # Weight loading is the reader's last use; its parsed tokenizer arrays are tens of MB.
     open_gguf.cache_clear()
-    return weights
+    return _split_fused_projections(weights, config)
 
 
-def gguf_tensor_types(path: str | Path) -> dict[str, str]:
+def gguf_tensor_types(path: str | Path, config: ModelConfig) -> dict[str, str]:
     """HF weight name -> the GGUF storage type of that tensor ("Q4_1", "Q8_0", "F32", ...)."""
     reader = open_gguf(str(path))
     types = {}
     for tensor in reader.tensors:
-        name = _hf_name(tensor.name)
-        if name is not None:
-            types[name] = tensor.tensor_type.name
+        name = _hf_name(tensor.name, config)
+        if name is None:
+            continue
+        # A fused tensor's parts (as _split_fused_projections names them) share its type.
+        for fused, parts in _FUSED_PARTS.items():
+            if name.endswith(fused):
+                types.update({name.removesuffix(fused) + part: tensor.tensor_type.name for part in parts})
+        types[name] = tensor.tensor_type.name
     return types
 
 
-def _hf_name(gguf_name: str) -> str | None:
+_FUSED_PARTS = {
+    "qkv_proj.weight": ("q_proj.weight", "k_proj.weight", "v_proj.weight"),
+    "gate_up_proj.weight": ("gate_proj.weight", "up_proj.weight"),
+}
+
+
+def _hf_name(gguf_name: str, config: ModelConfig) -> str | None:
     stem, _, suffix = gguf_name.rpartition(".")  # suffix: "weight" or "bias"
     if stem.startswith("blk."):
         _, layer, part = stem.split(".", 2)
         hf_part = _GGUF_LAYER_NAMES.get(part)
+        if part == "ffn_up" and config.architecture == "Phi3ForCausalLM":
+            hf_part = "mlp.gate_up_proj"  # Phi-3's ffn_up holds gate and up, one above the other
         return None if hf_part is None else f"model.layers.{layer}.{hf_part}.{suffix}"
     hf_stem = _GGUF_TOP_NAMES.get(stem)
     return None if hf_stem is None else f"{hf_stem}.{suffix}"

@@ -166,7 +166,7 @@ def test_logits_and_greedy_tokens_match_transformers(build, tmp_path: Path):
     assert sluice_greedy(runner, PROMPT_IDS, NUM_GREEDY_TOKENS) == generated
 
 
-GGUF_VARIANTS = [(qwen3_with_qk_norm, "qwen3"), (qwen2_with_qkv_bias, "qwen2")]
+GGUF_VARIANTS = [(qwen3_with_qk_norm, "qwen3"), (qwen2_with_qkv_bias, "qwen2"), (phi3_longrope, "phi3")]
 
 
 @pytest.mark.parametrize("build, arch", GGUF_VARIANTS, ids=[arch for _, arch in GGUF_VARIANTS])
@@ -190,13 +190,15 @@ def test_a_gguf_of_the_same_weights_matches_transformers(build, arch, tmp_path: 
 
 
 @pytest.mark.skipif(not kernels_available(), reason="the C kernels need an x86-64 CPU with AVX2 and gcc")
-def test_a_q8_0_qwen3_gguf_runs_its_blocks_and_stays_invariant(tmp_path: Path):
-    """Q8_0 matrices go through qgemm, decode steps through the one-call path with the
-    per-head q/k norm; logits stay near the float model's and do not depend on chunking,
-    batching or which path ran."""
-    hf_model = save_random_model(qwen3_with_qk_norm, tmp_path / "hf")
-    runner = ModelRunner(str(write_gguf(hf_model, tmp_path / "q8.gguf", "qwen3", "Q8_0")), torch.float32, "auto")
-    assert runner.model.quantized_weights() and runner.model.decode_layers is not None
+@pytest.mark.parametrize("build, arch", [(qwen3_with_qk_norm, "qwen3"), (phi3_longrope, "phi3")], ids=["qwen3", "phi3"])
+def test_a_q8_0_gguf_runs_its_blocks_and_stays_invariant(build, arch, tmp_path: Path):
+    """Q8_0 matrices (Phi-3's fused ones too) go through qgemm, decode steps through the
+    one-call path (with Qwen3's per-head q/k norm); logits stay near the float model's and
+    do not depend on chunking, batching or which path ran."""
+    hf_model = save_random_model(build, tmp_path / "hf")
+    runner = ModelRunner(str(write_gguf(hf_model, tmp_path / "q8.gguf", arch, "Q8_0")), torch.float32, "auto")
+    assert len(runner.model.quantized_weights()) == 4 * 2 + 1  # every projection and the LM head
+    assert runner.model.decode_layers is not None
     slots = torch.arange(1, len(PROMPT_IDS) + 1)
 
     kv_buffers = runner.new_kv_buffers(64)
