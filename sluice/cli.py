@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from sluice.config import ServerArgs
+from sluice.model.model_config import check_servable
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -20,7 +21,8 @@ def main(argv: list[str] | None = None) -> None:
     ns = build_parser().parse_args(argv)
     try:
         server_args = ServerArgs.from_cli_args(ns)
-    except ValueError as e:
+        check_servable(server_args.resolved_model_path())
+    except (ValueError, OSError) as e:
         sys.exit(f"sluice: {e}")
     from sluice.launch import launch_server
 

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from sluice.model.gguf_header import read_architecture
+
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
     "Qwen2ForCausalLM",
@@ -112,6 +114,22 @@ class ModelConfig:
         if (path / "config.json").is_file():
             return _from_hf_folder(path)
         raise FileNotFoundError(f"model path {str(path)!r} is neither a .gguf file nor a folder with config.json")
+
+
+def check_servable(path: str | Path) -> None:
+    """Refuse a model this server cannot load, with one line naming what is wrong (a missing
+    path, an unsupported architecture), before any process starts. Cheap: a GGUF's first
+    metadata or a folder's config.json."""
+    path = Path(path)
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise FileNotFoundError(f"model path {str(path)!r}: no such file")
+        arch_name = read_architecture(path)
+        if arch_name not in _ARCHITECTURE_BY_GGUF_NAME:
+            supported = sorted(_ARCHITECTURE_BY_GGUF_NAME)
+            raise ValueError(f"{path}: GGUF architecture {arch_name!r} is not supported; supported: {supported}")
+        return
+    ModelConfig.from_path(path)
 
 
 def is_gguf(path: str | Path) -> bool:

@@ -1,0 +1,84 @@
+"""Models the server cannot load are refused before any process starts, in one line that
+names what is wrong, with a non-zero exit."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from sluice.model.gguf_header import GGUFHeaderError, read_architecture
+from sluice.model.model_config import check_servable
+from tests.gguf_files import write_gguf
+from tests.unit.test_model_tiny import qwen3_with_qk_norm, save_random_model
+
+
+@pytest.fixture(scope="module")
+def qwen3_gguf(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("qwen3")
+    return write_gguf(save_random_model(qwen3_with_qk_norm, folder / "hf"), folder / "model.gguf", "qwen3", "Q8_0")
+
+
+def write_unsupported(path: Path) -> Path:
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), "gemma3")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def serve(model_path: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "sluice", "serve", "--model-path", str(model_path), "--port", "1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+def test_the_header_gives_the_architecture_of_a_whole_file(qwen3_gguf):
+    assert read_architecture(qwen3_gguf) == "qwen3"
+    check_servable(qwen3_gguf)
+
+
+def test_a_truncated_file_is_refused_naming_the_tensor_past_its_end(qwen3_gguf, tmp_path):
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(qwen3_gguf.read_bytes()[: qwen3_gguf.stat().st_size - 100])
+    with pytest.raises(GGUFHeaderError, match=r"truncated: tensor \S+ ends at byte"):
+        read_architecture(truncated)
+    header_only = tmp_path / "header.gguf"
+    header_only.write_bytes(qwen3_gguf.read_bytes()[:30])
+    with pytest.raises(GGUFHeaderError, match="truncated"):
+        read_architecture(header_only)
+
+
+def test_a_file_that_is_not_gguf_is_refused(tmp_path):
+    path = tmp_path / "model.gguf"
+    path.write_bytes(b"PK\x03\x04 not a gguf")
+    with pytest.raises(GGUFHeaderError, match="not a GGUF file"):
+        read_architecture(path)
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda tmp: write_unsupported(tmp / "gemma.gguf"), "GGUF architecture 'gemma3' is not supported"),
+        (lambda tmp: tmp / "missing.gguf", "no such file"),
+        (lambda tmp: tmp, "neither a .gguf file nor a folder with config.json"),
+    ],
+    ids=["unsupported-architecture", "missing-file", "empty-folder"],
+)
+def test_serve_refuses_in_one_line_and_exits_non_zero(make, message, tmp_path):
+    result = serve(make(tmp_path))
+    assert result.returncode != 0
+    assert result.stderr.strip().splitlines() == [result.stderr.strip()], result.stderr
+    assert message in result.stderr and "Traceback" not in result.stderr
