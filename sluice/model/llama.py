@@ -1,4 +1,4 @@
-"""Llama-family causal LM (Llama, SmolLM2, Mistral without sliding window, Qwen2, Qwen3)."""
+"""Llama-family causal LM (Llama, SmolLM2, Mistral, Qwen2, Qwen3, Phi-3)."""
 
 from __future__ import annotations
 

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from sluice.model.gguf_header import read_architecture
+
+logger = logging.getLogger(__name__)
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -193,7 +196,9 @@ def _from_gguf(path: Path) -> ModelConfig:
         tie_word_embeddings="output.weight" not in tensor_names,
         attention_bias="blk.0.attn_q.bias" in tensor_names,
         qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
-        context_len=int(field(f"{arch_name}.context_length", 2048)),
+        context_len=_within_sliding_window(
+            int(field(f"{arch_name}.context_length", 2048)), field(f"{arch_name}.attention.sliding_window") or None
+        ),
         eos_token_ids=list(dict.fromkeys(eos_token_ids)),
     )
 
@@ -262,6 +267,7 @@ def _text_fields(config: dict[str, Any]) -> dict[str, Any]:
 
     hidden_size = config["hidden_size"]
     num_heads = config["num_attention_heads"]
+    context_len = config.get("max_position_embeddings", 2048)
     return dict(
         architecture=architecture,
         vocab_size=config["vocab_size"],
@@ -277,8 +283,26 @@ def _text_fields(config: dict[str, Any]) -> dict[str, Any]:
         tie_word_embeddings=config.get("tie_word_embeddings", False),
         attention_bias=config.get("attention_bias", architecture == "Qwen2ForCausalLM"),
         qk_norm=architecture == "Qwen3ForCausalLM",
-        context_len=config.get("max_position_embeddings", 2048),
+        context_len=_within_sliding_window(
+            context_len, config.get("sliding_window") if config.get("use_sliding_window", True) else None
+        ),
     )
+
+
+def _within_sliding_window(context_len: int, sliding_window: int | None) -> int:
+    """The attention kernels attend over the whole sequence; a model whose layers see only
+    the last `sliding_window` tokens gets the same answers only while sequences fit in the
+    window, so the context is capped there (as vLLM does on backends without windows)."""
+    if sliding_window is None or sliding_window >= context_len:
+        return context_len
+    logger.warning(
+        "the model attends over a sliding window of %d tokens, which sluice does not implement: "
+        "serving a context of %d tokens instead of %d, where full attention is the same",
+        sliding_window,
+        sliding_window,
+        context_len,
+    )
+    return int(sliding_window)
 
 
 # Old llava-hf checkpoints (llava-1.5) store only the fields that differ from these

@@ -218,6 +218,18 @@ def test_a_q8_0_gguf_runs_its_blocks_and_stays_invariant(build, arch, tmp_path: 
     assert torch.equal(batched[len(neighbour[0]) :], whole)
 
 
+def test_a_sliding_window_caps_the_context_where_full_attention_is_the_same(tmp_path: Path):
+    save_random_model(mistral_wide_heads, tmp_path)
+    config_path = tmp_path / "config.json"
+    config = json.loads(config_path.read_text())
+    config_path.write_text(json.dumps({**config, "sliding_window": 64}))
+    assert ModelConfig.from_path(tmp_path).context_len == 64
+    config_path.write_text(json.dumps({**config, "sliding_window": 64, "use_sliding_window": False}))
+    assert ModelConfig.from_path(tmp_path).context_len == 512
+    config_path.write_text(json.dumps({**config, "sliding_window": 4096}))
+    assert ModelConfig.from_path(tmp_path).context_len == 512
+
+
 def test_longrope_takes_the_long_factors_from_the_original_length_on_per_position():
     """A token's rotation depends on its position only (as in vLLM), never on how long its
     sequence has grown, so the KV cache and batching stay valid past the original length."""
