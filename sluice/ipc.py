@@ -72,8 +72,9 @@ class Sender:
     def send(self, message: Message) -> None:
         self.sock.send(encode(message))
 
-    def close(self) -> None:
-        self.sock.close()
+    def close(self, linger_ms: int = 0) -> None:
+        """linger_ms: how long what is still queued may take to leave (a process's last words)."""
+        self.sock.close(linger=linger_ms)
 
 
 class AsyncReceiver:

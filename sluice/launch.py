@@ -7,6 +7,7 @@ import logging
 import multiprocessing as mp
 import os
 import shutil
+import sys
 import threading
 import time
 from contextlib import asynccontextmanager
@@ -117,6 +118,11 @@ def _launch_single_worker_server(server_args: ServerArgs) -> None:
     async def lifespan(app):
         try:
             tm = await start_tokenizer_manager(server_args, backend)
+        except BackendError as e:
+            # The back end said why it could not start: that line, not a traceback, and exit 1.
+            backend.shutdown()
+            logger.error("%s", e)
+            os._exit(1)
         except BaseException:
             backend.shutdown()
             raise
@@ -141,7 +147,11 @@ def _launch_worker_processes_server(server_args: ServerArgs) -> None:
     port_args = PortArgs.create()
     backend = Backend(server_args, port_args)
     try:
-        scheduler_info = asyncio.run(_wait_for_backend_ready(port_args))
+        try:
+            scheduler_info = asyncio.run(_wait_for_backend_ready(port_args))
+        except BackendError as e:
+            logger.error("%s", e)
+            sys.exit(1)
         if server_args.tokenizer_worker_num > 1:
             # The router takes over the tokenizer inbox the back end reported to.
             backend.start(run_router_process, "sluice-router")

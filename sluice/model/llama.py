@@ -155,13 +155,15 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.no_grad()
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        """Copy HF-named weights in, fusing q/k/v and gate/up. Raises on a missing weight."""
-        self.embed_tokens.copy_(weights["model.embed_tokens.weight"])
-        self.norm.weight.copy_(weights["model.norm.weight"])
+        """Copy HF-named weights in, fusing q/k/v and gate/up. ValueError naming a weight that
+        is missing or whose shape disagrees with the config."""
+        _copy_in(self.embed_tokens, weights, "model.embed_tokens.weight")
+        _copy_in(self.norm.weight, weights, "model.norm.weight")
         if self.config.tie_word_embeddings or "lm_head.weight" not in weights:
             self.lm_head = self.embed_tokens
         else:
-            self.lm_head = nn.Parameter(weights["lm_head.weight"].to(self.dtype), requires_grad=False)
+            self.lm_head = nn.Parameter(torch.empty_like(self.embed_tokens), requires_grad=False)
+            _copy_in(self.lm_head, weights, "lm_head.weight")
         for index, layer in enumerate(self.decoder_layers):
             _load_layer(layer, weights, f"model.layers.{index}.")
 
@@ -257,15 +259,28 @@ class LlamaForCausalLM(nn.Module):
 
 def _load_layer(layer: DecoderLayer, weights: dict[str, torch.Tensor], prefix: str) -> None:
     attn = prefix + "self_attn."
-    layer.input_layernorm.weight.copy_(weights[prefix + "input_layernorm.weight"])
-    layer.post_attention_layernorm.weight.copy_(weights[prefix + "post_attention_layernorm.weight"])
-    layer.qkv_proj.weight.copy_(torch.cat([weights[f"{attn}{name}_proj.weight"] for name in "qkv"]))
+    _copy_in(layer.input_layernorm.weight, weights, prefix + "input_layernorm.weight")
+    _copy_in(layer.post_attention_layernorm.weight, weights, prefix + "post_attention_layernorm.weight")
+    _copy_in(layer.qkv_proj.weight, weights, *[f"{attn}{name}_proj.weight" for name in "qkv"])
     if layer.qkv_proj.bias is not None:
-        layer.qkv_proj.bias.copy_(torch.cat([weights[f"{attn}{name}_proj.bias"] for name in "qkv"]))
-    layer.o_proj.weight.copy_(weights[attn + "o_proj.weight"])
+        _copy_in(layer.qkv_proj.bias, weights, *[f"{attn}{name}_proj.bias" for name in "qkv"])
+    _copy_in(layer.o_proj.weight, weights, attn + "o_proj.weight")
     if layer.q_norm is not None and layer.k_norm is not None:
-        layer.q_norm.weight.copy_(weights[attn + "q_norm.weight"])
-        layer.k_norm.weight.copy_(weights[attn + "k_norm.weight"])
+        _copy_in(layer.q_norm.weight, weights, attn + "q_norm.weight")
+        _copy_in(layer.k_norm.weight, weights, attn + "k_norm.weight")
     mlp = prefix + "mlp."
-    layer.mlp.gate_up_weight.copy_(torch.cat([weights[mlp + "gate_proj.weight"], weights[mlp + "up_proj.weight"]]))
-    layer.mlp.down_weight.copy_(weights[mlp + "down_proj.weight"])
+    _copy_in(layer.mlp.gate_up_weight, weights, mlp + "gate_proj.weight", mlp + "up_proj.weight")
+    _copy_in(layer.mlp.down_weight, weights, mlp + "down_proj.weight")
+
+
+def _copy_in(target: torch.Tensor, weights: dict[str, torch.Tensor], *names: str) -> None:
+    """target <- the named weights, stacked by rows; ValueError naming a weight that is missing
+    or whose shape disagrees with what the config implies (copy_ alone would broadcast)."""
+    missing = [name for name in names if name not in weights]
+    if missing:
+        raise ValueError(f"weight {missing[0]} is missing from the model files")
+    parts = [weights[name] for name in names]
+    if any(part.shape[1:] != target.shape[1:] for part in parts) or sum(len(p) for p in parts) != len(target):
+        shapes = ", ".join(f"{name} {list(part.shape)}" for name, part in zip(names, parts, strict=True))
+        raise ValueError(f"{shapes}: the config implies {list(target.shape)} in all")
+    target.copy_(parts[0] if len(parts) == 1 else torch.cat(parts))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
 import traceback
 from typing import TYPE_CHECKING
@@ -31,6 +32,7 @@ if TYPE_CHECKING:
     from sluice.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
+LAST_WORDS_MS = 5000  # a failure report may take this long to leave before the process exits
 
 IDLE_POLL_MS = 1000
 # While requests run, something goes to the detokenizer at least this often, so the
@@ -134,8 +136,15 @@ def run_scheduler_process(server_args_data: bytes, port_args_data: bytes) -> Non
             )
         )
         loop.run_forever()
+    except ValueError as e:
+        # A model it cannot load (a weight the config does not fit, ...): one line says why.
+        logger.error("scheduler failed: %s", e)
+        to_tokenizer.send(ProcessFailed(process="scheduler", error=str(e)))
+        to_tokenizer.close(linger_ms=LAST_WORDS_MS)
+        sys.exit(1)
     except Exception:
         error = traceback.format_exc()
         logger.error("scheduler failed:\n%s", error)
         to_tokenizer.send(ProcessFailed(process="scheduler", error=error))
+        to_tokenizer.close(linger_ms=LAST_WORDS_MS)
         raise

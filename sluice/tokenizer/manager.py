@@ -78,7 +78,8 @@ async def wait_for_backend(inbox: AsyncReceiver, timeout_s: float = 600.0) -> Sc
         elif isinstance(message, DetokenizerReady):
             detokenizer_ready = True
         elif isinstance(message, ProcessFailed):
-            raise BackendError(f"the {message.process} failed to start:\n{message.error}")
+            separator = "\n" if "\n" in message.error else " "  # a traceback, or one line saying why
+            raise BackendError(f"the {message.process} failed to start:{separator}{message.error}")
     return info
 
 

@@ -3,6 +3,7 @@ names what is wrong, with a non-zero exit."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +14,7 @@ import pytest
 from sluice.model.gguf_header import GGUFHeaderError, read_architecture
 from sluice.model.model_config import check_servable
 from tests.gguf_files import write_gguf
+from tests.tiny_lms import build_tiny_model
 from tests.unit.test_model_tiny import qwen3_with_qk_norm, save_random_model
 
 
@@ -82,3 +84,15 @@ def test_serve_refuses_in_one_line_and_exits_non_zero(make, message, tmp_path):
     assert result.returncode != 0
     assert result.stderr.strip().splitlines() == [result.stderr.strip()], result.stderr
     assert message in result.stderr and "Traceback" not in result.stderr
+
+
+def test_weights_the_config_does_not_fit_are_refused_naming_the_weight(tmp_path):
+    """The check happens where the weights load (the Scheduler); the server still exits
+    promptly with status 1 and says which weight, in a line, not a traceback."""
+    build_tiny_model(tmp_path, "qwen3")
+    config_path = tmp_path / "config.json"
+    config_path.write_text(json.dumps({**json.loads(config_path.read_text()), "intermediate_size": 96}))
+    result = serve(tmp_path)
+    assert result.returncode == 1
+    assert "model.layers.0.mlp.gate_proj.weight [128, 64]" in result.stderr
+    assert "the config implies [192, 64]" in result.stderr and "Traceback" not in result.stderr
