@@ -22,6 +22,9 @@ def decode(data: bytes) -> Message:
     return _decoder.decode(data)
 
 
+LAST_WORDS_MS = 5000  # how long a dying process lets its failure report take to leave
+
+
 def _connect(sock: zmq.Socket[Any], kind: int, address: str, bind: bool) -> None:
     sock.setsockopt(zmq.LINGER, 0)
     if kind == zmq.PUSH:

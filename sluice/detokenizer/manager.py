@@ -17,7 +17,7 @@ import zmq
 
 from sluice.config import PortArgs, ServerArgs
 from sluice.detokenizer.incremental import IncrementalDetokenizer
-from sluice.ipc import Receiver, Sender
+from sluice.ipc import LAST_WORDS_MS, Receiver, Sender
 from sluice.messages import (
     AbortReq,
     BatchStrOutput,
@@ -112,4 +112,5 @@ def run_detokenizer_process(server_args_data: bytes, port_args_data: bytes) -> N
         error = traceback.format_exc()
         logger.error("detokenizer failed:\n%s", error)
         to_tokenizer.send(ProcessFailed(process="detokenizer", error=error))
+        to_tokenizer.close(linger_ms=LAST_WORDS_MS)  # the report must leave before the process ends
         raise

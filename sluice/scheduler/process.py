@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import zmq
 
 from sluice.config import PortArgs, ServerArgs
-from sluice.ipc import Receiver, Sender
+from sluice.ipc import LAST_WORDS_MS, Receiver, Sender
 from sluice.messages import (
     AbortReq,
     BatchTokenIDOutput,
@@ -32,7 +32,6 @@ if TYPE_CHECKING:
     from sluice.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
-LAST_WORDS_MS = 5000  # a failure report may take this long to leave before the process exits
 
 IDLE_POLL_MS = 1000
 # While requests run, something goes to the detokenizer at least this often, so the
