@@ -106,6 +106,9 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, self.backend)
         self.lm_head = self.embed_tokens  # replaced by load_weights when the model is untied
         self.lm_head_quantized: QuantizedLinearWeight | None = None
+        # Set by quantize() for a tied table whose blocks give back its values exactly: token
+        # lookup then reads them, and the float32 copy of the table is freed.
+        self.embedding_blocks: QuantizedLinearWeight | None = None
         # Set by quantize() when every projection is quantized: all layers run in one C call.
         self.decode_layers: DecodeLayers | None = None
 
@@ -145,13 +148,21 @@ class LlamaForCausalLM(nn.Module):
 
     def _embed(self, fb: ForwardBatch) -> torch.Tensor:
         if fb.mm_rows is None:
-            return F.embedding(fb.input_ids, self.embed_tokens)
+            return self.lookup(fb.input_ids)
         # Image rows hold placeholder ids that may lie outside the vocabulary: look up id 0
         # there, then overwrite those rows. Other rows keep the out-of-range check.
         assert fb.mm_embeds is not None, "image rows come with their embeddings"
         input_ids = fb.input_ids.index_fill(0, fb.mm_rows, 0)
-        hidden = F.embedding(input_ids, self.embed_tokens)
+        hidden = self.lookup(input_ids)
         return hidden.index_copy_(0, fb.mm_rows, fb.mm_embeds.to(hidden))
+
+    def lookup(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The embeddings of `input_ids` [tokens] -> [tokens, hidden]."""
+        if self.embedding_blocks is None:
+            return F.embedding(input_ids, self.embed_tokens)
+        if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.config.vocab_size):
+            raise IndexError(f"token ids must lie in [0, {self.config.vocab_size})")
+        return self.embedding_blocks.rows(input_ids).to(self.dtype)
 
     @torch.no_grad()
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
@@ -203,6 +214,13 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head_quantized = (
                 None if format is None else QuantizedLinearWeight.quantize(self.lm_head, format, ops)
             )
+            if self.lm_head_quantized is not None and torch.equal(
+                self.lm_head_quantized.dequantize(), self.embed_tokens.float()
+            ):
+                # The blocks are the table (a GGUF's own Q8_0/Q4_1 embedding): look tokens up there.
+                self.embedding_blocks = self.lm_head_quantized
+                self.embed_tokens = nn.Parameter(torch.empty(0, dtype=self.dtype), requires_grad=False)
+                self.lm_head = self.embed_tokens
         else:
             self.lm_head_quantized = quantize_in_place(self, "lm_head", ["lm_head"])
         self.decode_layers = self._fused_decode_layers(self.backend)

@@ -76,6 +76,28 @@ class QuantizedLinearWeight:
         d, m = (scale.float().unsqueeze(-1) for scale in scales)
         return (q * d + m).reshape(shape)
 
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """float32 [len(ids), in]: rows `ids` of the weight these blocks stand for, read from
+        the packed layout (an embedding lookup from a tied, quantized table)."""
+        quant_bytes = BLOCK if self.format is BlockFormat.Q8_0 else BLOCK // 2
+        group, blocks = self.ops.row_group, self.in_features // BLOCK
+        groups = -(-self.out_features // group)
+        picked = self.packed.view(groups, blocks, -1)[ids // group]  # [n, blocks, a row group's block bytes]
+        within = ids % group
+        n = len(ids)
+        every = torch.arange(n)
+        quants = picked[..., : group * quant_bytes].reshape(n, blocks, quant_bytes // 4, group, 4)
+        quants = quants.permute(0, 3, 1, 2, 4)[every, within].reshape(n, blocks, quant_bytes)
+        scales = [
+            picked[..., start : start + 2 * group].contiguous().view(torch.float16).transpose(1, 2)[every, within]
+            for start in range(group * quant_bytes, picked.shape[-1], 2 * group)
+        ]
+        if self.format is BlockFormat.Q8_0:
+            return (quants.view(torch.int8).float() * scales[0].float().unsqueeze(-1)).reshape(n, self.in_features)
+        q = torch.cat((quants & 0x0F, quants >> 4), dim=-1).float()
+        d, m = (scale.float().unsqueeze(-1) for scale in scales)
+        return (q * d + m).reshape(n, self.in_features)
+
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [rows, in] @ weight.T -> float32 [rows, out]; x is quantized to int8 blocks on the way."""
         if x.shape[-1] != self.in_features:

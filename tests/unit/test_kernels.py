@@ -305,3 +305,15 @@ def test_the_best_instruction_set_is_chosen_and_can_be_switched_off():
         chosen = _chosen_isa("avx512")
         assert chosen.startswith("avx2") and "avx512_vnni disabled" in chosen
     assert "AVX2" in _chosen_isa("avx512,avx2")  # none left: KernelUnavailable says what is needed
+
+
+@pytest.mark.parametrize("format_name", ["Q8_0", "Q4_1"])
+def test_rows_read_from_the_packed_layout_are_the_dequantized_rows(ops, format_name):
+    """An embedding lookup from a tied, quantized table: any rows (the padded last row group
+    included) equal the dequantized weight's, bit for bit."""
+    from sluice.model.quantized_linear import BlockFormat, QuantizedLinearWeight
+
+    weight = torch.randn(37, 96, generator=torch.Generator().manual_seed(5))
+    quantized = QuantizedLinearWeight.quantize(weight, BlockFormat[format_name], ops)
+    ids = torch.tensor([0, 36, 17, 17, 8, 15, 16, 31])
+    assert torch.equal(quantized.rows(ids), quantized.dequantize()[ids])

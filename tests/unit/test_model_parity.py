@@ -215,6 +215,17 @@ def test_quantized_greedy_choices_match_the_dense_path_on_90_percent_of_tokens(
     assert same / total >= 0.9
 
 
+def test_the_tied_q8_0_table_is_looked_up_in_its_blocks_and_its_float_copy_freed(quantized_runner, runner):
+    """The GGUF's Q8_0 embedding serves both as LM head and as the token table: no float32
+    copy of its 49,152 x 576 values stays (113 MB), and lookups give the float table's values."""
+    model = quantized_runner.model
+    assert model.embedding_blocks is not None and model.embed_tokens.numel() == 0
+    ids = torch.tensor([0, 1, 2, 17, 4093, 49151])
+    assert torch.equal(model.lookup(ids), runner.model.lookup(ids))
+    with pytest.raises(IndexError):
+        model.lookup(torch.tensor([49152]))
+
+
 def test_quantized_decode_logits_stay_close_to_the_dense_path(runner, quantized_runner, chat_prompt_ids):
     for ids in chat_prompt_ids:
         slots = torch.arange(1, len(ids) + 1)
