@@ -166,8 +166,8 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.no_grad()
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        """Copy HF-named weights in, fusing q/k/v and gate/up. ValueError naming a weight that
-        is missing or whose shape disagrees with the config."""
+        """Move HF-named weights in (each leaves `weights`), fusing q/k/v and gate/up. ValueError
+        naming a weight that is missing or whose shape disagrees with the config."""
         _copy_in(self.embed_tokens, weights, "model.embed_tokens.weight")
         _copy_in(self.norm.weight, weights, "model.norm.weight")
         if self.config.tie_word_embeddings or "lm_head.weight" not in weights:
@@ -292,8 +292,10 @@ def _load_layer(layer: DecoderLayer, weights: dict[str, torch.Tensor], prefix: s
 
 
 def _copy_in(target: torch.Tensor, weights: dict[str, torch.Tensor], *names: str) -> None:
-    """target <- the named weights, stacked by rows; ValueError naming a weight that is missing
-    or whose shape disagrees with what the config implies (copy_ alone would broadcast)."""
+    """target <- the named weights, stacked by rows, which leave `weights` (so the float copies
+    a loaded file came as are freed one by one, not all at the end); ValueError naming a
+    weight that is missing or whose shape disagrees with what the config implies (copy_
+    alone would broadcast)."""
     missing = [name for name in names if name not in weights]
     if missing:
         raise ValueError(f"weight {missing[0]} is missing from the model files")
@@ -302,3 +304,5 @@ def _copy_in(target: torch.Tensor, weights: dict[str, torch.Tensor], *names: str
         shapes = ", ".join(f"{name} {list(part.shape)}" for name, part in zip(names, parts, strict=True))
         raise ValueError(f"{shapes}: the config implies {list(target.shape)} in all")
     target.copy_(parts[0] if len(parts) == 1 else torch.cat(parts))
+    for name in names:
+        del weights[name]
