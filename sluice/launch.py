@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import multiprocessing as mp
 import os
@@ -32,6 +33,7 @@ from sluice.tokenizer.shared_args import remove_shared_args, write_shared_args
 from sluice.tokenizer.startup import WARMUP_TIMEOUT_S, load_multimodal_processor, load_tokenizer_side, warm_up
 
 logger = logging.getLogger(__name__)
+ENGINE_STOP_TIMEOUT_S = 5.0
 
 
 class Backend:
@@ -251,12 +253,24 @@ class Engine:
 
     def shutdown(self) -> None:
         self.backend.shutdown()
+        if self._loop.is_running():
+            with contextlib.suppress(Exception):
+                asyncio.run_coroutine_threadsafe(self._stop_tasks(), self._loop).result(ENGINE_STOP_TIMEOUT_S)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(ENGINE_STOP_TIMEOUT_S)
+        if not self._thread.is_alive():
+            self._loop.close()
+
+    async def _stop_tasks(self) -> None:
+        """Cancel the loop's tasks (handle_loop, the back-end watch) and wait for them, so none
+        is destroyed pending; then close the sockets, which would keep the interpreter alive."""
+        tasks = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         tm = getattr(self, "tokenizer_manager", None)
         if tm is not None:
-            # Open ZMQ sockets would keep the interpreter from exiting.
-            self._loop.call_soon_threadsafe(tm.close)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(5)
+            tm.close()
 
     def __enter__(self) -> Engine:
         return self

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 
 import pytest
 
@@ -68,3 +70,19 @@ def test_logprobs_and_other_fields_as_in_generate(engine):
 def test_async_generate(engine):
     out = asyncio.run(engine.async_generate("1, 2, 3,", {"max_new_tokens": 4, "temperature": 0}))
     assert out["text"].strip().startswith("4")
+
+
+def test_a_script_using_the_engine_ends_cleanly():
+    """Leaving `with Engine()` stops the back end and every task on the Engine's loop: the
+    interpreter exits by itself, without "Task was destroyed but it is pending"."""
+    script = (
+        "from sluice.launch import Engine\n"
+        "if __name__ == '__main__':\n"
+        "    with Engine(skip_warmup=True) as engine:\n"
+        "        result = engine.generate('Hi', {'max_new_tokens': 2, 'ignore_eos': True})\n"
+        "        print(result['meta_info']['completion_tokens'])\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=180, check=False)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == "2"
+    assert "Task was destroyed" not in result.stderr and "Traceback" not in result.stderr
