@@ -55,13 +55,31 @@ def build_tiny_model(folder: Path, family: str):
     tokenizer = load_tokenizer(default_model_path())
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(CONFIGS[family](len(tokenizer), tokenizer.eos_token_id)).eval()
+    randomize(model)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return model
+
+
+def randomize(model: torch.nn.Module) -> None:
+    """Every weight random: HF zeroes biases and sets norms to one, which would hide a bias
+    or norm that sluice dropped."""
     with torch.no_grad():
         for name, parameter in model.named_parameters():
-            # Random norms too (HF sets them to one), so that a dropped norm shows.
             if "norm" in name:
                 parameter.uniform_(0.5, 1.5)
             else:
                 parameter.normal_(0.0, 0.1)
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return model
+
+
+def hf_greedy(model, prompt_ids: list[int], num_tokens: int) -> list[int]:
+    """transformers' greedy continuation of exactly `num_tokens` tokens."""
+    with torch.inference_mode():
+        return model.generate(
+            torch.tensor([prompt_ids]),
+            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.int64),
+            do_sample=False,
+            max_new_tokens=num_tokens,
+            min_new_tokens=num_tokens,
+            pad_token_id=0,
+        )[0, len(prompt_ids) :].tolist()

@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import httpx
 import pytest
-import torch
 
 from tests.helpers import RunningServer, generate, greedy
-from tests.tiny_lms import CONFIGS, build_tiny_model
+from tests.tiny_lms import CONFIGS, build_tiny_model, hf_greedy
 
 PROMPT_IDS = [1, 4093, 198, 19556, 2, 198, 1, 520, 9531, 198]
 NEW_TOKENS = 12
@@ -28,16 +27,7 @@ def test_a_folder_serves_the_greedy_tokens_of_transformers(served):
     server, model = served
     r = generate(server.base_url, input_ids=PROMPT_IDS, sampling_params=greedy(NEW_TOKENS, ignore_eos=True))
     assert r.status_code == 200, r.text
-    with torch.inference_mode():
-        expected = model.generate(
-            torch.tensor([PROMPT_IDS]),
-            attention_mask=torch.ones(1, len(PROMPT_IDS), dtype=torch.int64),
-            do_sample=False,
-            max_new_tokens=NEW_TOKENS,
-            min_new_tokens=NEW_TOKENS,
-            pad_token_id=0,
-        )[0, len(PROMPT_IDS) :].tolist()
-    assert r.json()["output_ids"] == expected
+    assert r.json()["output_ids"] == hf_greedy(model, PROMPT_IDS, NEW_TOKENS)
 
 
 def test_a_folder_answers_chat_completions(served):

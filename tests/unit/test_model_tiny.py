@@ -17,6 +17,7 @@ from sluice.model.model_config import ModelConfig
 from sluice.model.model_runner import ModelRunner
 from tests.forward_batches import make_batch
 from tests.gguf_files import write_gguf
+from tests.tiny_lms import hf_greedy, randomize
 
 SHAPE = dict(
     vocab_size=256,
@@ -102,18 +103,27 @@ VARIANTS = [
 
 
 def save_random_model(build, folder: Path):
-    """Save a model whose every weight is random: HF zeroes biases and sets norms to one,
-    which would hide a bias or norm that sluice dropped."""
+    """Save a model whose every weight is random (tests.tiny_lms.randomize)."""
     torch.manual_seed(0)
     model = build().eval()
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if "norm" in name:
-                parameter.uniform_(0.5, 1.5)
-            else:
-                parameter.normal_(0.0, 0.1)
+    randomize(model)
     model.save_pretrained(folder)
     return model
+
+
+def assert_same_bits_chunked_and_batched(runner: ModelRunner, whole: torch.Tensor) -> None:
+    """PROMPT_IDS prefilled in two chunks, and beside another request, give `whole` (its
+    logits prefilled at once) bit for bit."""
+    slots = torch.arange(1, len(PROMPT_IDS) + 1)
+    kv_buffers = runner.new_kv_buffers(64)
+    first = runner.forward(make_batch([(PROMPT_IDS[:5], slots[:5])], kv_buffers, all_logits=True))
+    rest = runner.forward(make_batch([(PROMPT_IDS[5:], slots)], kv_buffers, all_logits=True))
+    assert torch.equal(torch.cat([first, rest]), whole)
+
+    kv_buffers = runner.new_kv_buffers(64)
+    neighbour = ([9, 8, 7, 6, 5, 4, 3, 2, 1], torch.arange(40, 49))
+    batched = runner.forward(make_batch([neighbour, (PROMPT_IDS, slots)], kv_buffers, all_logits=True))
+    assert torch.equal(batched[len(neighbour[0]) :], whole)
 
 
 def sluice_greedy(runner: ModelRunner, prompt_ids: list[int], num_tokens: int) -> list[int]:
@@ -130,18 +140,6 @@ def sluice_greedy(runner: ModelRunner, prompt_ids: list[int], num_tokens: int) -
     return generated
 
 
-def hf_greedy(hf_model) -> list[int]:
-    with torch.inference_mode():
-        return hf_model.generate(
-            torch.tensor([PROMPT_IDS]),
-            attention_mask=torch.ones(1, len(PROMPT_IDS), dtype=torch.int64),
-            do_sample=False,
-            max_new_tokens=NUM_GREEDY_TOKENS,
-            min_new_tokens=NUM_GREEDY_TOKENS,
-            pad_token_id=0,
-        )[0, len(PROMPT_IDS) :].tolist()
-
-
 @pytest.mark.parametrize("build", VARIANTS, ids=lambda build: build.__name__)
 def test_logits_and_greedy_tokens_match_transformers(build, tmp_path: Path):
     hf_model = save_random_model(build, tmp_path)
@@ -153,17 +151,8 @@ def test_logits_and_greedy_tokens_match_transformers(build, tmp_path: Path):
     )
     with torch.inference_mode():
         expected = hf_model(torch.tensor([PROMPT_IDS])).logits[0]
-        generated = hf_model.generate(
-            torch.tensor([PROMPT_IDS]),
-            attention_mask=torch.ones(1, len(PROMPT_IDS), dtype=torch.int64),
-            do_sample=False,
-            max_new_tokens=NUM_GREEDY_TOKENS,
-            min_new_tokens=NUM_GREEDY_TOKENS,
-            pad_token_id=0,
-        )[0, len(PROMPT_IDS) :].tolist()
-
     assert ((logits - expected).abs().max() / expected.abs().max()).item() < 1e-4
-    assert sluice_greedy(runner, PROMPT_IDS, NUM_GREEDY_TOKENS) == generated
+    assert sluice_greedy(runner, PROMPT_IDS, NUM_GREEDY_TOKENS) == hf_greedy(hf_model, PROMPT_IDS, NUM_GREEDY_TOKENS)
 
 
 GGUF_VARIANTS = [(qwen3_with_qk_norm, "qwen3"), (qwen2_with_qkv_bias, "qwen2"), (phi3_longrope, "phi3")]
@@ -186,7 +175,7 @@ def test_a_gguf_of_the_same_weights_matches_transformers(build, arch, tmp_path: 
     with torch.inference_mode():
         expected = hf_model(torch.tensor([PROMPT_IDS])).logits[0]
     assert ((logits - expected).abs().max() / expected.abs().max()).item() < 1e-4
-    assert sluice_greedy(runner, PROMPT_IDS, NUM_GREEDY_TOKENS) == hf_greedy(hf_model)
+    assert sluice_greedy(runner, PROMPT_IDS, NUM_GREEDY_TOKENS) == hf_greedy(hf_model, PROMPT_IDS, NUM_GREEDY_TOKENS)
 
 
 @pytest.mark.skipif(not kernels_available(), reason="the C kernels need an x86-64 CPU with AVX2 and gcc")
@@ -207,15 +196,7 @@ def test_a_q8_0_gguf_runs_its_blocks_and_stays_invariant(build, arch, tmp_path: 
         expected = hf_model(torch.tensor([PROMPT_IDS])).logits[0]
     assert ((whole - expected).abs().max() / expected.abs().max()).item() < 0.05
 
-    kv_buffers = runner.new_kv_buffers(64)
-    first = runner.forward(make_batch([(PROMPT_IDS[:5], slots[:5])], kv_buffers, all_logits=True))
-    rest = runner.forward(make_batch([(PROMPT_IDS[5:], slots)], kv_buffers, all_logits=True))
-    assert torch.equal(torch.cat([first, rest]), whole)
-
-    kv_buffers = runner.new_kv_buffers(64)
-    neighbour = ([9, 8, 7, 6, 5, 4, 3, 2, 1], torch.arange(40, 49))
-    batched = runner.forward(make_batch([neighbour, (PROMPT_IDS, slots)], kv_buffers, all_logits=True))
-    assert torch.equal(batched[len(neighbour[0]) :], whole)
+    assert_same_bits_chunked_and_batched(runner, whole)
 
 
 def test_a_sliding_window_caps_the_context_where_full_attention_is_the_same(tmp_path: Path):
@@ -338,15 +319,7 @@ def test_quantized_results_do_not_depend_on_chunking_or_batching(tmp_path: Path)
     kv_buffers = runner.new_kv_buffers(64)
     whole = runner.forward(make_batch([(PROMPT_IDS, slots)], kv_buffers, all_logits=True))
 
-    kv_buffers = runner.new_kv_buffers(64)
-    first = runner.forward(make_batch([(PROMPT_IDS[:5], slots[:5])], kv_buffers, all_logits=True))
-    rest = runner.forward(make_batch([(PROMPT_IDS[5:], slots)], kv_buffers, all_logits=True))
-    assert torch.equal(torch.cat([first, rest]), whole)
-
-    kv_buffers = runner.new_kv_buffers(64)
-    neighbour = ([9, 8, 7, 6, 5, 4, 3, 2, 1], torch.arange(40, 49))
-    batched = runner.forward(make_batch([neighbour, (PROMPT_IDS, slots)], kv_buffers, all_logits=True))
-    assert torch.equal(batched[len(neighbour[0]) :], whole)
+    assert_same_bits_chunked_and_batched(runner, whole)
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["float16", "bfloat16"])
