@@ -28,6 +28,7 @@ _DEPTH_CHANGE[list(b"[{")] = 1
 _DEPTH_CHANGE[list(b"]}")] = -1
 
 _PATH_IN_ERROR = re.compile(r"at `\$\.?([^`]*)`")
+_UNKNOWN_FIELD = re.compile(r"unknown field `([^`]*)`")
 
 T = TypeVar("T")
 
@@ -75,6 +76,11 @@ def decode_json(body: bytes, kind: type[T]) -> T:
         return msgspec.json.decode(body, type=kind)
     except msgspec.ValidationError as e:
         match = _PATH_IN_ERROR.search(str(e))
-        raise ClientError(f"invalid request: {e}", match.group(1) if match else None) from None
+        where = match.group(1) if match else ""
+        unknown = _UNKNOWN_FIELD.search(str(e))
+        if unknown:
+            field = f"{where}.{unknown.group(1)}" if where else unknown.group(1)
+            raise ClientError(f"{field} is not a field this route takes (nothing is silently ignored)", field) from None
+        raise ClientError(f"invalid request: {e}", where or None) from None
     except msgspec.DecodeError as e:
         raise ClientError(f"the body is not valid JSON: {e}") from None

@@ -1,7 +1,11 @@
 """The bodies of the OpenAI routes: decoded with msgspec, checked, turned into sampling_params.
 
-Unknown fields are ignored (clients send many we do not use); a wrong type or an
-out-of-range value is a ClientError that names the field.
+Nothing a client sends is silently ignored. Every field is one of three kinds:
+honoured; accepted without effect, because it changes nothing in the answer (`user`,
+`metadata`, `store`, ...); or refused with 400 naming it unless it holds its neutral
+value (`response_format` other than text, `tools`, `logit_bias`, ...). A field no kind
+lists is refused as unknown. A wrong type or an out-of-range value is a ClientError that
+names the field. README.md lists the three kinds.
 """
 
 from __future__ import annotations
@@ -24,11 +28,21 @@ def _check_range(value: int | None, name: str, low: int, high: int | None = None
         raise ClientError(f"{name} must be {allowed}, got {value}", name)
 
 
-class StreamOptions(msgspec.Struct):
+class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
     include_usage: bool = False
 
 
-class SamplingFields(msgspec.Struct, kw_only=True):
+def _refuse_unless(neutral: bool, name: str, what: str = "") -> None:
+    if not neutral:
+        described = f"{name} {what}" if what else name
+        raise ClientError(f"{described} is not supported by this server; leave it out", name)
+
+
+def _is_empty(value: Any) -> bool:
+    return value is None or value == [] or value == {} or value == ""
+
+
+class SamplingFields(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Fields both routes share: the model, streaming, and sampling (OpenAI's and SGLang's/vLLM's extras)."""
 
     model: str | None = None
@@ -50,6 +64,15 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     skip_special_tokens: bool | None = None
     spaces_between_special_tokens: bool | None = None
     no_stop_trim: bool | None = None
+    # Refused unless empty: changes the answer, not honoured yet.
+    logit_bias: dict[str, Any] | None = None
+    # Accepted without effect: they change nothing in what comes back.
+    user: str | None = None
+    metadata: dict[str, Any] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -59,6 +82,7 @@ class SamplingFields(msgspec.Struct, kw_only=True):
         # The remaining ranges, and n's upper limit, are checked with the native path's
         # names, which match OpenAI's.
         _check_range(self.n, "n", 1)
+        _refuse_unless(_is_empty(self.logit_bias), "logit_bias", "(a bias per token id)")
 
     @property
     def sample_count(self) -> int:
@@ -95,9 +119,16 @@ class CompletionRequest(SamplingFields, kw_only=True):
     max_tokens: int | None = None
     logprobs: int | None = None
     echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
 
     def check(self) -> None:
         self.check_common()
+        _check_range(self.best_of, "best_of", 1)
+        _refuse_unless(
+            self.best_of in (None, self.sample_count), "best_of", "other than n (picking the best of more samples)"
+        )
+        _refuse_unless(not self.suffix, "suffix", "(insertion after the completion)")
         _check_range(self.max_tokens, "max_tokens", 0)
         _check_range(self.logprobs, "logprobs", 0, MAX_COMPLETION_LOGPROBS)
 
@@ -126,18 +157,18 @@ def _is_token_ids(value: Any) -> bool:
     return isinstance(value, list) and all(type(token) is int for token in value)
 
 
-class ImageURL(msgspec.Struct):
+class ImageURL(msgspec.Struct, forbid_unknown_fields=True):
     url: str
     detail: str | None = None
 
 
-class ContentPart(msgspec.Struct):
+class ContentPart(msgspec.Struct, forbid_unknown_fields=True):
     type: str
     text: str | None = None
     image_url: ImageURL | str | None = None
 
 
-class ChatMessage(msgspec.Struct):
+class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
@@ -152,9 +183,36 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    # Refused unless neutral: they change the answer and are not honoured yet. Typed Any so
+    # that any shape gets this refusal rather than a type error.
+    response_format: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    audio: Any = None
+    modalities: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
+    web_search_options: Any = None
+    # Accepted without effect: no tools are sent (refused above), and a prediction only
+    # speeds up an answer in OpenAI's service, never changes it.
+    parallel_tool_calls: bool | None = None
+    prediction: Any = None
 
     def check(self) -> None:
         self.check_common()
+        text_format = _is_empty(self.response_format) or self.response_format == {"type": "text"}
+        _refuse_unless(text_format, "response_format", "other than {'type': 'text'} (structured output)")
+        _refuse_unless(_is_empty(self.tools), "tools", "(tool calls)")
+        _refuse_unless(self.tool_choice in (None, "none"), "tool_choice", "other than 'none' (tool calls)")
+        _refuse_unless(_is_empty(self.functions), "functions", "(function calls)")
+        _refuse_unless(self.function_call in (None, "none"), "function_call", "other than 'none' (function calls)")
+        _refuse_unless(self.audio is None, "audio", "(audio output)")
+        _refuse_unless(self.modalities in (None, ["text"]), "modalities", "other than ['text']")
+        _refuse_unless(self.reasoning_effort is None, "reasoning_effort", "(reasoning models)")
+        _refuse_unless(self.verbosity is None, "verbosity")
+        _refuse_unless(self.web_search_options is None, "web_search_options", "(web search)")
         _check_range(self.max_tokens, "max_tokens", 0)
         _check_range(self.max_completion_tokens, "max_completion_tokens", 0)
         _check_range(self.top_logprobs, "top_logprobs", 0, MAX_TOP_LOGPROBS)

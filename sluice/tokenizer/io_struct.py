@@ -11,7 +11,7 @@ from sluice.messages import SamplingParams
 from sluice.sampling import MAX_TOP_LOGPROBS, ClientError
 
 
-class GenerateReqInput(msgspec.Struct, kw_only=True):
+class GenerateReqInput(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """The body of native /generate (and what the OpenAI routes translate into)."""
 
     text: str | list[str] | None = None
@@ -170,9 +170,17 @@ class GenerateReqInput(msgspec.Struct, kw_only=True):
 
 
 def parse_sampling_params(raw: dict[str, Any] | None) -> SamplingParams:
-    """Build SamplingParams from a client's dict; wrong types are a ClientError."""
+    """Build SamplingParams from a client's dict; wrong types and unknown keys (SGLang's
+    json_schema, regex, ebnf, logit_bias, ... included: none is honoured yet, and none may be
+    silently ignored) are a ClientError."""
     raw = dict(raw or {})
     raw.pop("n", None)  # expanded by the TokenizerManager, never sent on
+    unknown = sorted(set(raw) - set(SamplingParams.__struct_fields__))
+    if unknown:
+        raise ClientError(
+            f"sampling_params.{unknown[0]} is not supported by this server; leave it out",
+            f"sampling_params.{unknown[0]}",
+        )
     if raw.get("max_new_tokens", 0) is None:
         raw.pop("max_new_tokens")
     if isinstance(raw.get("stop"), str):

@@ -423,9 +423,27 @@ def test_missing_model_is_accepted(http):
     assert result.status_code == 200, result.text
 
 
-def test_unknown_fields_are_ignored(http):
-    body = {"prompt": "Hi", "max_tokens": 2, "user": "me", "logit_bias": {}, "some_future_field": [1, {"a": None}]}
+def test_fields_without_effect_are_accepted_and_unknown_ones_refused(http):
+    body = {"prompt": "Hi", "max_tokens": 2, "user": "me", "logit_bias": {}, "store": False}
     assert http.post("/v1/completions", json=body).status_code == 200
+    assert_error(http.post("/v1/completions", json={**body, "some_future_field": [1]}), 400, "some_future_field")
+
+
+@pytest.mark.parametrize(
+    "fields, param",
+    [
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto"}, "tools"),
+        ({"logit_bias": {"15": -100}}, "logit_bias"),
+    ],
+)
+def test_fields_not_honoured_yet_are_400_not_ignored(client, model, fields, param):
+    """A client asking for JSON, a tool call or a bias must never get free text with a 200."""
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(
+            model=model, max_tokens=4, messages=[{"role": "user", "content": "Hi"}], **fields
+        )
+    assert info.value.body["param"] == param and param in info.value.body["message"]
 
 
 # ------------------------------------------------------------------ errors

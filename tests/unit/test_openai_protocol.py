@@ -81,10 +81,94 @@ def test_out_of_range_completion_fields_name_the_field_and_range(fields, param, 
         completion(**fields).check()
 
 
-def test_a_wrong_type_names_the_field_and_unknown_fields_are_ignored():
+def test_a_wrong_type_names_the_field_and_an_unknown_field_is_refused():
     with refused("temperature", "Expected `float | null`"):
         completion(temperature="hot")
-    assert completion(user="someone", suffix="!", logit_bias={"1": 2}).prompt == "Hi"
+    with refused("some_future_field", "some_future_field is not a field this route takes"):
+        completion(some_future_field=1)
+    with refused("stream_options.include_obfuscation", "include_obfuscation is not a field"):
+        completion(stream_options={"include_obfuscation": True})
+
+
+def chat_body(**fields) -> ChatCompletionRequest:
+    return decode_json(
+        msgspec.json.encode({"messages": [{"role": "user", "content": "Hi"}], **fields}), ChatCompletionRequest
+    )
+
+
+NO_EFFECT_FIELDS = {
+    "user": "me",
+    "metadata": {"k": "v"},
+    "store": False,
+    "service_tier": "auto",
+    "prompt_cache_key": "k",
+    "safety_identifier": "s",
+}
+
+
+def test_fields_that_change_nothing_are_accepted():
+    completion(**NO_EFFECT_FIELDS).check()
+    chat_body(**NO_EFFECT_FIELDS, parallel_tool_calls=True, prediction={"type": "content", "content": "x"}).check()
+
+
+def test_neutral_values_of_refused_fields_are_accepted():
+    completion(logit_bias={}, best_of=1, suffix="").check()
+    completion(n=3, best_of=3).check()
+    neutral = {
+        "response_format": {"type": "text"},
+        "tools": [],
+        "tool_choice": "none",
+        "functions": None,
+        "function_call": "none",
+        "modalities": ["text"],
+        "logit_bias": None,
+    }
+    chat_body(**neutral).check()
+
+
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+
+
+@pytest.mark.parametrize(
+    "fields, param",
+    [
+        ({"logit_bias": {"15": -100}}, "logit_bias"),
+        ({"best_of": 2}, "best_of"),
+        ({"suffix": " end"}, "suffix"),
+    ],
+)
+def test_completion_fields_that_would_change_the_answer_are_refused(fields, param):
+    with refused(param, "is not supported by this server"):
+        completion(**fields).check()
+
+
+@pytest.mark.parametrize(
+    "fields, param",
+    [
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, "response_format"),
+        ({"tools": [TOOL]}, "tools"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
+        ({"functions": [TOOL["function"]]}, "functions"),
+        ({"function_call": "auto"}, "function_call"),
+        ({"logit_bias": {"15": 100}}, "logit_bias"),
+        ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
+        ({"modalities": ["text", "audio"]}, "modalities"),
+        ({"reasoning_effort": "high"}, "reasoning_effort"),
+        ({"verbosity": "low"}, "verbosity"),
+        ({"web_search_options": {}}, "web_search_options"),
+    ],
+)
+def test_chat_fields_that_would_change_the_answer_are_refused(fields, param):
+    with refused(param, "is not supported by this server"):
+        chat_body(**fields).check()
+
+
+def test_an_unknown_message_field_is_refused_naming_where():
+    body = {"messages": [{"role": "assistant", "content": None, "tool_calls": []}]}
+    with refused("messages[0].tool_calls", "messages[0].tool_calls is not a field"):
+        decode_json(msgspec.json.encode(body), ChatCompletionRequest)
 
 
 def test_completion_defaults_are_openais():
