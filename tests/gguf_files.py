@@ -44,9 +44,48 @@ def _interleave_rotary_halves(array: np.ndarray, num_heads: int) -> np.ndarray:
     return array.reshape(num_heads, 2, head_dim // 2, *array.shape[1:]).swapaxes(1, 2).reshape(array.shape)
 
 
-def write_gguf(model: torch.nn.Module, path: Path, arch: str, quantize_matrices: str | None = None) -> Path:
+# Where each block type keeps its float16 scales, as byte offsets in the block: a random
+# block gets finite scales there (random bytes could make them inf or NaN).
+_SCALE_OFFSETS = {
+    "Q4_0": (0,),
+    "Q4_1": (0, 2),
+    "Q5_0": (0,),
+    "Q5_1": (0, 2),
+    "Q8_0": (0,),
+    "Q2_K": (80, 82),
+    "Q3_K": (108,),
+    "Q4_K": (0, 2),
+    "Q5_K": (0, 2),
+    "Q6_K": (208,),
+}
+
+
+def random_blocks(rows: int, columns: int, type_name: str, seed: int, scale: float = 1e-3) -> np.ndarray:
+    """uint8 [rows, bytes per row]: a matrix of random `type_name` blocks whose float16 scales
+    lie in [scale / 2, scale] (gguf-py cannot quantize to K-quants; these stand in for them)."""
+    import gguf
+
+    kind = gguf.GGMLQuantizationType[type_name]
+    block_weights, block_bytes = gguf.GGML_QUANT_SIZES[kind]
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, size=(rows * columns // block_weights, block_bytes), dtype=np.uint8)
+    for offset in _SCALE_OFFSETS[type_name]:
+        scales = rng.uniform(scale / 2, scale, size=len(blocks)).astype(np.float16)
+        blocks[:, offset : offset + 2] = scales.view(np.uint8).reshape(-1, 2)
+    return blocks.reshape(rows, -1)
+
+
+def write_gguf(
+    model: torch.nn.Module,
+    path: Path,
+    arch: str,
+    quantize_matrices: str | None = None,
+    raw_matrices: dict[str, tuple[np.ndarray, str]] | None = None,
+) -> Path:
     """Save `model` (a transformers causal LM) at `path` as GGUF architecture `arch`. Matrices
-    are float32, or `quantize_matrices` ("Q8_0", "Q4_1", ...) blocks; norms stay float32."""
+    are float32, or `quantize_matrices` ("Q8_0", "Q4_1", ...) blocks; norms stay float32.
+    `raw_matrices` gives some matrices as (blocks in the file's row order, block type)
+    instead: the model's weights must be what they dequantize to."""
     import gguf
 
     config = model.config
@@ -86,7 +125,11 @@ def write_gguf(model: torch.nn.Module, path: Path, arch: str, quantize_matrices:
             array = _interleave_rotary_halves(array, heads)
         elif arch in PERMUTED_QK and hf_name.endswith("self_attn.k_proj.weight"):
             array = _interleave_rotary_halves(array, kv_heads)
-        if block_type is not None and array.ndim == 2:
+        if raw_matrices is not None and hf_name in raw_matrices:
+            raw, type_name = raw_matrices[hf_name]
+            kind = gguf.GGMLQuantizationType[type_name]
+            writer.add_tensor(gguf_name(hf_name), raw, raw_shape=raw.shape, raw_dtype=kind)
+        elif block_type is not None and array.ndim == 2:
             writer.add_tensor(gguf_name(hf_name), gguf.quants.quantize(array, block_type), raw_dtype=block_type)
         else:
             writer.add_tensor(gguf_name(hf_name), np.ascontiguousarray(array, dtype=np.float32))

@@ -15,7 +15,8 @@ from sluice.model.backend import Backend, KernelBackend, TorchBackend
 from sluice.model.forward_batch import ForwardBatch
 from sluice.model.layers import Linear, QKVProjection, RMSNorm, RotaryEmbedding, SwiGLUMLP
 from sluice.model.model_config import ModelConfig
-from sluice.model.quantized_linear import BlockFormat, QuantizedLinearWeight, fused_format
+from sluice.model.quantized_linear import BlockFormat, BlockRows, QuantizedLinearWeight, fused_format
+from sluice.model.weights import Weight
 
 # Source weight names (after "model.layers.{i}.") of each fused projection.
 _QKV_SOURCES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
@@ -165,27 +166,36 @@ class LlamaForCausalLM(nn.Module):
         return self.embedding_blocks.rows(input_ids).to(self.dtype)
 
     @torch.no_grad()
-    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        """Move HF-named weights in (each leaves `weights`), fusing q/k/v and gate/up. ValueError
-        naming a weight that is missing or whose shape disagrees with the config."""
-        _copy_in(self.embed_tokens, weights, "model.embed_tokens.weight")
+    def load_weights(self, weights: dict[str, Weight]) -> None:
+        """Move HF-named weights in (each leaves `weights`), fusing q/k/v and gate/up. A matrix
+        whose sources all came as BlockRows stays in blocks, never taking a float copy.
+        ValueError naming a weight that is missing or whose shape disagrees with the config."""
+        blocks = _BlockLoader(self.backend, weights)
+        embedding = blocks.take(self, "embed_tokens", ["model.embed_tokens.weight"])
+        if embedding is not None:
+            # A quantized table: tokens are looked up in its blocks.
+            self.embedding_blocks = embedding
         _copy_in(self.norm.weight, weights, "model.norm.weight")
         if self.config.tie_word_embeddings or "lm_head.weight" not in weights:
             self.lm_head = self.embed_tokens
+            self.lm_head_quantized = embedding
         else:
-            self.lm_head = nn.Parameter(torch.empty_like(self.embed_tokens), requires_grad=False)
-            _copy_in(self.lm_head, weights, "lm_head.weight")
+            self.lm_head = nn.Parameter(
+                torch.empty(self.config.vocab_size, self.config.hidden_size, dtype=self.dtype), requires_grad=False
+            )
+            self.lm_head_quantized = blocks.take(self, "lm_head", ["lm_head.weight"])
         for index, layer in enumerate(self.decoder_layers):
-            _load_layer(layer, weights, f"model.layers.{index}.")
+            _load_layer(layer, blocks, f"model.layers.{index}.")
 
     @torch.no_grad()
     def quantize(self, format_of: Callable[[str], BlockFormat | None]) -> None:
-        """Replace projection weights by block-quantized ones, which every token then takes.
+        """Replace the projection weights still dense by block-quantized ones, which every token
+        then takes.
 
         `format_of` maps a source weight's HF name (as in load_weights) to its block format,
         or None to keep that weight dense; a fused projection is quantized only when all its
-        sources are. The dense copy of a quantized weight is freed (the embedding table stays:
-        token lookup reads it even when the tied LM head is quantized).
+        sources are. The dense copy of a quantized weight is freed (a dense embedding table
+        stays unless its blocks give it back exactly: token lookup reads it).
         """
         if not isinstance(self.backend, KernelBackend):
             raise ValueError("block-quantized weights need the C kernels (KernelBackend)")
@@ -196,20 +206,26 @@ class LlamaForCausalLM(nn.Module):
             if format is None:
                 return None
             quantized = QuantizedLinearWeight.quantize(getattr(module, dense_name), format, ops)
-            setattr(module, dense_name, nn.Parameter(torch.empty(0, dtype=self.dtype), requires_grad=False))
+            setattr(module, dense_name, _freed(self.dtype))
             return quantized
 
         for index, layer in enumerate(self.decoder_layers):
             prefix = f"model.layers.{index}."
-            layer.qkv_proj.quantized = quantize_in_place(
-                layer.qkv_proj, "weight", [prefix + name for name in _QKV_SOURCES]
-            )
-            layer.o_proj.quantized = quantize_in_place(layer.o_proj, "weight", [prefix + "self_attn.o_proj"])
-            layer.mlp.gate_up_quantized = quantize_in_place(
-                layer.mlp, "gate_up_weight", [prefix + name for name in _GATE_UP_SOURCES]
-            )
-            layer.mlp.down_quantized = quantize_in_place(layer.mlp, "down_weight", [prefix + "mlp.down_proj"])
-        if self.lm_head is self.embed_tokens:
+            if layer.qkv_proj.quantized is None:
+                layer.qkv_proj.quantized = quantize_in_place(
+                    layer.qkv_proj, "weight", [prefix + name for name in _QKV_SOURCES]
+                )
+            if layer.o_proj.quantized is None:
+                layer.o_proj.quantized = quantize_in_place(layer.o_proj, "weight", [prefix + "self_attn.o_proj"])
+            if layer.mlp.gate_up_quantized is None:
+                layer.mlp.gate_up_quantized = quantize_in_place(
+                    layer.mlp, "gate_up_weight", [prefix + name for name in _GATE_UP_SOURCES]
+                )
+            if layer.mlp.down_quantized is None:
+                layer.mlp.down_quantized = quantize_in_place(layer.mlp, "down_weight", [prefix + "mlp.down_proj"])
+        if self.lm_head_quantized is not None:
+            pass  # loaded as blocks
+        elif self.lm_head is self.embed_tokens:
             format = fused_format([format_of("model.embed_tokens.weight")])
             self.lm_head_quantized = (
                 None if format is None else QuantizedLinearWeight.quantize(self.lm_head, format, ops)
@@ -217,9 +233,9 @@ class LlamaForCausalLM(nn.Module):
             if self.lm_head_quantized is not None and torch.equal(
                 self.lm_head_quantized.dequantize(), self.embed_tokens.float()
             ):
-                # The blocks are the table (a GGUF's own Q8_0/Q4_1 embedding): look tokens up there.
+                # The blocks are the table: look tokens up there.
                 self.embedding_blocks = self.lm_head_quantized
-                self.embed_tokens = nn.Parameter(torch.empty(0, dtype=self.dtype), requires_grad=False)
+                self.embed_tokens = _freed(self.dtype)
                 self.lm_head = self.embed_tokens
         else:
             self.lm_head_quantized = quantize_in_place(self, "lm_head", ["lm_head"])
@@ -275,23 +291,60 @@ class LlamaForCausalLM(nn.Module):
         )
 
 
-def _load_layer(layer: DecoderLayer, weights: dict[str, torch.Tensor], prefix: str) -> None:
+def _load_layer(layer: DecoderLayer, blocks: _BlockLoader, prefix: str) -> None:
+    weights = blocks.weights
     attn = prefix + "self_attn."
     _copy_in(layer.input_layernorm.weight, weights, prefix + "input_layernorm.weight")
     _copy_in(layer.post_attention_layernorm.weight, weights, prefix + "post_attention_layernorm.weight")
-    _copy_in(layer.qkv_proj.weight, weights, *[f"{attn}{name}_proj.weight" for name in "qkv"])
+    layer.qkv_proj.quantized = blocks.take(layer.qkv_proj, "weight", [f"{attn}{name}_proj.weight" for name in "qkv"])
     if layer.qkv_proj.bias is not None:
         _copy_in(layer.qkv_proj.bias, weights, *[f"{attn}{name}_proj.bias" for name in "qkv"])
-    _copy_in(layer.o_proj.weight, weights, attn + "o_proj.weight")
+    layer.o_proj.quantized = blocks.take(layer.o_proj, "weight", [attn + "o_proj.weight"])
     if layer.q_norm is not None and layer.k_norm is not None:
         _copy_in(layer.q_norm.weight, weights, attn + "q_norm.weight")
         _copy_in(layer.k_norm.weight, weights, attn + "k_norm.weight")
     mlp = prefix + "mlp."
-    _copy_in(layer.mlp.gate_up_weight, weights, mlp + "gate_proj.weight", mlp + "up_proj.weight")
-    _copy_in(layer.mlp.down_weight, weights, mlp + "down_proj.weight")
+    layer.mlp.gate_up_quantized = blocks.take(
+        layer.mlp, "gate_up_weight", [mlp + "gate_proj.weight", mlp + "up_proj.weight"]
+    )
+    layer.mlp.down_quantized = blocks.take(layer.mlp, "down_weight", [mlp + "down_proj.weight"])
 
 
-def _copy_in(target: torch.Tensor, weights: dict[str, torch.Tensor], *names: str) -> None:
+class _BlockLoader:
+    """Moves a matrix in from `weights`: as the kernels' blocks when every source came as
+    BlockRows (the dense parameter is then freed untouched), else as float into it."""
+
+    def __init__(self, backend: Backend, weights: dict[str, Weight]) -> None:
+        self.backend = backend
+        self.weights = weights
+
+    def take(self, module: nn.Module, dense_name: str, names: list[str]) -> QuantizedLinearWeight | None:
+        weights = self.weights
+        dense = getattr(module, dense_name)
+        parts = [weights.get(name) for name in names]
+        if not all(isinstance(part, BlockRows) for part in parts) or not isinstance(self.backend, KernelBackend):
+            _copy_in(dense, weights, *names)
+            return None
+        rows = cast(list[BlockRows], parts)
+        if sum(len(part) for part in rows) != len(dense) or any(part.shape[1] != dense.shape[1] for part in rows):
+            shapes = ", ".join(f"{name} {list(part.shape)}" for name, part in zip(names, rows, strict=True))
+            raise ValueError(f"{shapes}: the config implies {list(dense.shape)} in all")
+        quantized = QuantizedLinearWeight.from_rows(BlockRows.stack(rows), self.backend.ops)
+        for name in names:
+            del weights[name]
+        setattr(module, dense_name, _freed(dense.dtype))
+        return quantized
+
+
+def _dense(weight: Weight, dtype: torch.dtype) -> torch.Tensor:
+    return weight.dequantize().to(dtype) if isinstance(weight, BlockRows) else weight
+
+
+def _freed(dtype: torch.dtype) -> nn.Parameter:
+    return nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
+
+
+def _copy_in(target: torch.Tensor, weights: dict[str, Weight], *names: str) -> None:
     """target <- the named weights, stacked by rows, which leave `weights` (so the float copies
     a loaded file came as are freed one by one, not all at the end); ValueError naming a
     weight that is missing or whose shape disagrees with what the config implies (copy_
@@ -299,7 +352,7 @@ def _copy_in(target: torch.Tensor, weights: dict[str, torch.Tensor], *names: str
     missing = [name for name in names if name not in weights]
     if missing:
         raise ValueError(f"weight {missing[0]} is missing from the model files")
-    parts = [weights[name] for name in names]
+    parts = [_dense(weights[name], target.dtype) for name in names]
     if any(part.shape[1:] != target.shape[1:] for part in parts) or sum(len(p) for p in parts) != len(target):
         shapes = ", ".join(f"{name} {list(part.shape)}" for name, part in zip(names, parts, strict=True))
         raise ValueError(f"{shapes}: the config implies {list(target.shape)} in all")

@@ -11,6 +11,7 @@ from sluice.model.forward_batch import ForwardBatch
 from sluice.model.llama import LlamaForCausalLM
 from sluice.model.model_config import ModelConfig
 from sluice.model.vision import MultiModalProjector, VisionTower
+from sluice.model.weights import Weight
 
 
 class LlavaForConditionalGeneration(nn.Module):
@@ -39,9 +40,11 @@ class LlavaForConditionalGeneration(nn.Module):
         return self.language_model(fb)
 
     @torch.no_grad()
-    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+    def load_weights(self, weights: dict[str, Weight]) -> None:
         """Copy weights named as `weights.load_weights` returns them for LLaVA: the language
         model's under `model.`/`lm_head.`, then `vision_tower.` and `multi_modal_projector.`."""
         self.language_model.load_weights(weights)
-        self.vision_tower.load_weights(weights, "vision_tower.")
-        self.multi_modal_projector.load_weights(weights, "multi_modal_projector.")
+        # Nothing of a LLaVA model loads as blocks (quantization_plan keeps it dense).
+        dense = {name: weight for name, weight in weights.items() if isinstance(weight, torch.Tensor)}
+        self.vision_tower.load_weights(dense, "vision_tower.")
+        self.multi_modal_projector.load_weights(dense, "multi_modal_projector.")

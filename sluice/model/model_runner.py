@@ -38,7 +38,7 @@ class ModelRunner:
             self.model = LlavaForConditionalGeneration(self.config, self.dtype, self.execution.backend, self.kv_dtype)
         # Planned before the weights load: the load drops the GGUF reader.
         plan = quantization_plan(model_path, self.config, quantization, self.execution.backend)
-        self.model.load_weights(load_weights(model_path, self.config, self.dtype))
+        self.model.load_weights(load_weights(model_path, self.config, self.dtype, plan))
         self.quantized = plan is not None
         if plan is not None:
             self.language_model.quantize(plan)

@@ -2,8 +2,9 @@
 
     none  every weight stays dense (the reference path)
     q8_0  every linear weight gets a q8_0 copy
-    auto  a GGUF file's quantized matrices keep their own precision: Q4_0/Q4_1 as q4_1,
-          other quantized types as q8_0; float tensors and HF folders stay dense
+    auto  a GGUF file's quantized matrices keep their own precision: Q4_0/Q4_1/Q4_K as q4_1
+          from the file's 4-bit quants, Q8_0 as itself, other quantized types (Q5_*, Q6_K,
+          ...) rounded to q8_0 (gguf_blocks.py); float tensors and HF folders stay dense
 
 Blocks run only on the C kernels (float32 activations): on the torch backend `auto` keeps
 every weight dense and `q8_0` is refused.
@@ -11,19 +12,15 @@ every weight dense and `q8_0` is refused.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 
 from sluice.model.backend import Backend, KernelBackend
+from sluice.model.gguf_blocks import FOUR_BIT_TYPES
 from sluice.model.model_config import ModelConfig, is_gguf
 from sluice.model.quantized_linear import BlockFormat
-from sluice.model.weights import gguf_tensor_types
+from sluice.model.weights import FLOAT_TYPES, FormatPlan, gguf_tensor_types
 
 QUANTIZATION_MODES = ("auto", "none", "q8_0")
-_FOUR_BIT_GGUF_TYPES = ("Q4_0", "Q4_1")
-_FLOAT_GGUF_TYPES = ("F32", "F16", "BF16", "F64")
-
-FormatPlan = Callable[[str], BlockFormat | None]
 
 
 def quantization_plan(model_path: str | Path, config: ModelConfig, mode: str, backend: Backend) -> FormatPlan | None:
@@ -47,13 +44,13 @@ def quantization_plan(model_path: str | Path, config: ModelConfig, mode: str, ba
     if not is_gguf(model_path):
         return None
     types = gguf_tensor_types(model_path, config)
-    if all(kind in _FLOAT_GGUF_TYPES for kind in types.values()):
+    if all(kind in FLOAT_TYPES for kind in types.values()):
         return None
 
     def format_of(name: str) -> BlockFormat | None:
         kind = types.get(name)
-        if kind is None or kind in _FLOAT_GGUF_TYPES:
+        if kind is None or kind in FLOAT_TYPES:
             return None
-        return BlockFormat.Q4_1 if kind in _FOUR_BIT_GGUF_TYPES else BlockFormat.Q8_0
+        return BlockFormat.Q4_1 if kind in FOUR_BIT_TYPES else BlockFormat.Q8_0
 
     return format_of

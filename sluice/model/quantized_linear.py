@@ -16,7 +16,7 @@ import torch
 from sluice.kernels.contract import BLOCK, BlockFormat
 from sluice.kernels.ops import KernelOps
 
-__all__ = ["BLOCK", "BlockFormat", "QuantizedLinearWeight", "fused_format"]
+__all__ = ["BLOCK", "BlockFormat", "BlockRows", "QuantizedLinearWeight", "fused_format", "pack_nibbles"]
 
 
 def fused_format(formats: list[BlockFormat | None]) -> BlockFormat | None:
@@ -25,6 +25,81 @@ def fused_format(formats: list[BlockFormat | None]) -> BlockFormat | None:
     if any(format is None for format in formats):
         return None
     return BlockFormat.Q8_0 if BlockFormat.Q8_0 in formats else BlockFormat.Q4_1
+
+
+@dataclass(slots=True)
+class BlockRows:
+    """A [out, in] weight as rows of 32-weight blocks in one format, in plain row order: what
+    a file's blocks or a float weight become before the kernel's interleaving.
+
+    q8_0: a block is 32 int8 quants and a float16 scale d (w = d * q). q4_1: 16 bytes, byte
+    j holding weight j in its low nibble and weight j + 16 in its high one (GGUF's order),
+    a float16 scale d and minimum m (w = d * q + m).
+    """
+
+    format: BlockFormat
+    quants: torch.Tensor  # uint8 [rows, blocks, quant bytes]
+    scales: list[torch.Tensor]  # float16 [rows, blocks]: d, and q4_1's m
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.quants.shape[0], self.quants.shape[1] * BLOCK
+
+    def __len__(self) -> int:
+        return self.quants.shape[0]
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor, format: BlockFormat) -> BlockRows:
+        """Round a float [out, in] weight to blocks of `format`."""
+        out_features, in_features = weight.shape
+        if in_features % BLOCK:
+            raise ValueError(f"in_features {in_features} is not a multiple of {BLOCK}")
+        blocks = weight.detach().float().reshape(out_features, in_features // BLOCK, BLOCK)
+        if format is BlockFormat.Q8_0:
+            d = (blocks.abs().amax(dim=-1) / 127).half()
+            q = torch.round(blocks / _nonzero(d).unsqueeze(-1)).clamp_(-127, 127).to(torch.int8)
+            return cls(format, q.view(torch.uint8), [d])
+        low, high = blocks.amin(dim=-1).half(), blocks.amax(dim=-1)
+        d = ((high - low.float()) / 15).half()
+        q = torch.round((blocks - low.float().unsqueeze(-1)) / _nonzero(d).unsqueeze(-1)).clamp_(0, 15)
+        return cls(format, pack_nibbles(q.to(torch.uint8)), [d, low])
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 [out, in] weight these blocks stand for."""
+        if self.format is BlockFormat.Q8_0:
+            values = self.quants.view(torch.int8).float() * self.scales[0].float().unsqueeze(-1)
+        else:
+            q = torch.cat((self.quants & 0x0F, self.quants >> 4), dim=-1).float()
+            d, m = (scale.float().unsqueeze(-1) for scale in self.scales)
+            values = q * d + m
+        return values.reshape(self.shape)
+
+    def to_format(self, format: BlockFormat) -> BlockRows:
+        return self if format is self.format else BlockRows.quantize(self.dequantize(), format)
+
+    def take_rows(self, index: torch.Tensor) -> BlockRows:
+        return BlockRows(self.format, self.quants[index], [scale[index] for scale in self.scales])
+
+    def split(self, sizes: list[int]) -> list[BlockRows]:
+        quants = self.quants.split(sizes)
+        scales = [scale.split(sizes) for scale in self.scales]
+        return [BlockRows(self.format, q, [s[i] for s in scales]) for i, q in enumerate(quants)]
+
+    @staticmethod
+    def stack(parts: list[BlockRows]) -> BlockRows:
+        """The parts one above the other, in the most precise of their formats."""
+        format = fused_format([part.format for part in parts])
+        assert format is not None
+        parts = [part.to_format(format) for part in parts]
+        if len(parts) == 1:
+            return parts[0]
+        scales = [torch.cat([part.scales[i] for part in parts]) for i in range(len(parts[0].scales))]
+        return BlockRows(format, torch.cat([part.quants for part in parts]), scales)
+
+
+def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., 32] values in [0, 16) -> [..., 16] bytes in GGUF's order (weight j low, j + 16 high)."""
+    return q[..., : BLOCK // 2] | (q[..., BLOCK // 2 :] << 4)
 
 
 @dataclass(slots=True)
@@ -45,22 +120,13 @@ class QuantizedLinearWeight:
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, format: BlockFormat, ops: KernelOps) -> QuantizedLinearWeight:
-        out_features, in_features = weight.shape
-        if in_features % BLOCK:
-            raise ValueError(f"in_features {in_features} is not a multiple of {BLOCK}")
-        blocks = weight.detach().float().reshape(out_features, in_features // BLOCK, BLOCK)
-        if format is BlockFormat.Q8_0:
-            d = (blocks.abs().amax(dim=-1) / 127).half()
-            q = torch.round(blocks / _nonzero(d).unsqueeze(-1)).clamp_(-127, 127).to(torch.int8)
-            quants, scales = q.view(torch.uint8), [d]
-        else:
-            low, high = blocks.amin(dim=-1).half(), blocks.amax(dim=-1)
-            d = ((high - low.float()) / 15).half()
-            q = torch.round((blocks - low.float().unsqueeze(-1)) / _nonzero(d).unsqueeze(-1)).clamp_(0, 15)
-            q = q.to(torch.uint8)
-            # GGUF's byte order: byte j of a block holds weight j (low nibble) and j + 16 (high).
-            quants, scales = q[..., : BLOCK // 2] | (q[..., BLOCK // 2 :] << 4), [d, low]
-        return cls(format, out_features, in_features, _interleave(quants, scales, ops.row_group), ops)
+        return cls.from_rows(BlockRows.quantize(weight, format), ops)
+
+    @classmethod
+    def from_rows(cls, rows: BlockRows, ops: KernelOps) -> QuantizedLinearWeight:
+        out_features, in_features = rows.shape
+        packed = _interleave(rows.quants, rows.scales, ops.row_group)
+        return cls(rows.format, out_features, in_features, packed, ops)
 
     def dequantize(self) -> torch.Tensor:
         """The float32 [out, in] weight these blocks stand for."""
@@ -69,16 +135,11 @@ class QuantizedLinearWeight:
         quants, scales = _deinterleave(
             self.packed, self.out_features, self.in_features // BLOCK, quant_bytes, num_scales, self.ops.row_group
         )
-        shape = (self.out_features, self.in_features)
-        if self.format is BlockFormat.Q8_0:
-            return (quants.view(torch.int8).float() * scales[0].float().unsqueeze(-1)).reshape(shape)
-        q = torch.cat((quants & 0x0F, quants >> 4), dim=-1).float()
-        d, m = (scale.float().unsqueeze(-1) for scale in scales)
-        return (q * d + m).reshape(shape)
+        return BlockRows(self.format, quants, scales).dequantize()
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """float32 [len(ids), in]: rows `ids` of the weight these blocks stand for, read from
-        the packed layout (an embedding lookup from a tied, quantized table)."""
+        the packed layout (an embedding lookup from a quantized table)."""
         quant_bytes = BLOCK if self.format is BlockFormat.Q8_0 else BLOCK // 2
         group, blocks = self.ops.row_group, self.in_features // BLOCK
         groups = -(-self.out_features // group)
@@ -92,11 +153,7 @@ class QuantizedLinearWeight:
             picked[..., start : start + 2 * group].contiguous().view(torch.float16).transpose(1, 2)[every, within]
             for start in range(group * quant_bytes, picked.shape[-1], 2 * group)
         ]
-        if self.format is BlockFormat.Q8_0:
-            return (quants.view(torch.int8).float() * scales[0].float().unsqueeze(-1)).reshape(n, self.in_features)
-        q = torch.cat((quants & 0x0F, quants >> 4), dim=-1).float()
-        d, m = (scale.float().unsqueeze(-1) for scale in scales)
-        return (q * d + m).reshape(n, self.in_features)
+        return BlockRows(self.format, quants, scales).dequantize()
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [rows, in] @ weight.T -> float32 [rows, out]; x is quantized to int8 blocks on the way."""

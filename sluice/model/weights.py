@@ -1,17 +1,26 @@
 """Load model weights into a dict keyed by Hugging Face parameter names.
 
-GGUF tensors are dequantized to float and renamed, so the model only ever sees one naming.
+GGUF tensors are renamed, so the model only ever sees one naming. A quantized matrix the
+plan keeps quantized comes as BlockRows read from the file's blocks (gguf_blocks.py), the
+rest as float tensors.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from sluice.model.gguf_blocks import block_rows
 from sluice.model.model_config import ModelConfig, is_gguf, open_gguf
+from sluice.model.quantized_linear import BlockFormat, BlockRows
+
+Weight = torch.Tensor | BlockRows
+FormatPlan = Callable[[str], BlockFormat | None]  # HF weight name -> its block format, or None: dense
+FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
 
 # GGUF tensor name (after "blk.{i}.") -> HF parameter name (after "model.layers.{i}.").
 _GGUF_LAYER_NAMES = {
@@ -35,20 +44,23 @@ _GGUF_TOP_NAMES = {
 }
 
 
-def load_weights(path: str | Path, config: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """All parameters of the model at `path`, in HF naming, as `dtype` tensors.
+def load_weights(
+    path: str | Path, config: ModelConfig, dtype: torch.dtype, format_of: FormatPlan | None = None
+) -> dict[str, Weight]:
+    """All parameters of the model at `path`, in HF naming, as `dtype` tensors, except a
+    GGUF's quantized matrices that `format_of` gives a block format: those come as BlockRows.
 
     A tied model may lack `lm_head.weight`; the model then reuses the embedding.
     """
     if is_gguf(path):
-        return _load_gguf(Path(path), config, dtype)
-    weights = _load_safetensors_folder(Path(path), dtype)
+        return _load_gguf(Path(path), config, dtype, format_of)
+    weights: dict[str, Weight] = {**_load_safetensors_folder(Path(path), dtype)}
     if config.vision is not None:
         weights = {_llava_name(name): tensor for name, tensor in weights.items()}
     return _split_fused_projections(weights, config)
 
 
-def _split_fused_projections(weights: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+def _split_fused_projections(weights: dict[str, Weight], config: ModelConfig) -> dict[str, Weight]:
     """Phi-3 stores q/k/v as one `qkv_proj` and gate/up as one `gate_up_proj`: split them into
     the names every other model uses (the model fuses them again its own way)."""
     q_rows, kv_rows = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
@@ -63,7 +75,8 @@ def _split_fused_projections(weights: dict[str, torch.Tensor], config: ModelConf
         else:
             if fused.shape[0] != 2 * config.intermediate_size:
                 raise ValueError(f"{name} has {fused.shape[0]} rows, not 2 x intermediate_size")
-            weights[prefix + "gate_proj.weight"], weights[prefix + "up_proj.weight"] = fused.chunk(2)
+            size = config.intermediate_size
+            weights[prefix + "gate_proj.weight"], weights[prefix + "up_proj.weight"] = fused.split([size, size])
     return weights
 
 
@@ -88,26 +101,35 @@ def _llava_name(name: str) -> str:
     return name.replace("vision_tower.vision_model.", "vision_tower.", 1)
 
 
-def _load_gguf(path: Path, config: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def _load_gguf(path: Path, config: ModelConfig, dtype: torch.dtype, format_of: FormatPlan | None) -> dict[str, Weight]:
     import gguf
 
     reader = open_gguf(str(path))
     # llama.cpp's converter permutes Q/K rows of llama models for its rotary layout; Qwen2,
     # Qwen3 and Phi-3 use the NeoX layout there and are stored unpermuted.
     unpermute_qk = config.architecture not in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM")
-    weights: dict[str, torch.Tensor] = {}
+    weights: dict[str, Weight] = {}
     for tensor in reader.tensors:
         name = _hf_name(tensor.name, config)
         if name is None:
             continue
-        # dequantize returns the array in row-major HF order ([out, in] for a linear).
-        array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        type_name = tensor.tensor_type.name
+        format = format_of(name) if format_of is not None and type_name not in FLOAT_TYPES else None
+        weight: Weight
+        if format is not None and len(tensor.shape) == 2:
+            # GGUF lists dimensions innermost first: [in, out] for a linear.
+            shape = (int(tensor.shape[1]), int(tensor.shape[0]))
+            weight = block_rows(tensor.data, type_name, shape, format)
+        else:
+            # dequantize returns the array in row-major HF order ([out, in] for a linear);
+            # unquantized tensors come back as read-only views of the file: copy those.
+            array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+            weight = torch.from_numpy(np.require(array, requirements=["C", "W"])).to(dtype)
         if unpermute_qk and name.endswith(("q_proj.weight", "q_proj.bias")):
-            array = _undo_rotary_permutation(array, config.num_heads, config.head_dim)
+            weight = _undo_rotary_permutation(weight, config.num_heads, config.head_dim)
         elif unpermute_qk and name.endswith(("k_proj.weight", "k_proj.bias")):
-            array = _undo_rotary_permutation(array, config.num_kv_heads, config.head_dim)
-        # Unquantized tensors come back as read-only views of the file: copy those.
-        weights[name] = torch.from_numpy(np.require(array, requirements=["C", "W"])).to(dtype)
+            weight = _undo_rotary_permutation(weight, config.num_kv_heads, config.head_dim)
+        weights[name] = weight
     # Weight loading is the reader's last use; its parsed tokenizer arrays are tens of MB.
     open_gguf.cache_clear()
     return _split_fused_projections(weights, config)
@@ -147,11 +169,10 @@ def _hf_name(gguf_name: str, config: ModelConfig) -> str | None:
     return None if hf_stem is None else f"{hf_stem}.{suffix}"
 
 
-def _undo_rotary_permutation(array: np.ndarray, num_heads: int, head_dim: int) -> np.ndarray:
+def _undo_rotary_permutation(weight: Weight, num_heads: int, head_dim: int) -> Weight:
     """Inverse of llama.cpp's per-head row interleaving of a Q or K projection."""
-    rows = array.shape[0]
-    rest = array.shape[1:]
-    return array.reshape(num_heads, head_dim // 2, 2, *rest).swapaxes(1, 2).reshape(rows, *rest)
+    order = torch.arange(len(weight)).reshape(num_heads, head_dim // 2, 2).transpose(1, 2).reshape(-1)
+    return weight.take_rows(order) if isinstance(weight, BlockRows) else weight[order]
 
 
 def _load_safetensors_folder(folder: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:

@@ -1,0 +1,74 @@
+"""A GGUF file's quantized matrices as the kernels' block rows, read from the file's own
+blocks wherever the kernels hold the same numbers:
+
+    Q8_0  -> q8_0, the same blocks (d, 32 int8 quants)
+    Q4_1  -> q4_1, the same blocks (d, m, 32 nibbles)
+    Q4_0  -> q4_1 with m = -8 d (w = d (q - 8); exact in float16)
+    Q4_K  -> q4_1: a 256-weight super-block holds 8 blocks of 32, each with a 6-bit scale sc
+             and minimum mn, w = (d sc) q - (dmin mn); each becomes a q4_1 block with
+             d' = d sc and m' = -dmin mn rounded to float16. The 4-bit quants are the file's;
+             the one rounding moves a block's scale by at most 2^-11 of itself.
+    other quantized types (Q5_*, Q6_K, Q2_K, Q3_K, ...) -> dequantized, then rounded to q8_0
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+import numpy as np
+import torch
+
+from sluice.model.quantized_linear import BLOCK, BlockFormat, BlockRows, pack_nibbles
+
+SUPER_BLOCK: Final = 256  # weights per K-quant super-block
+_Q4_K_BYTES: Final = 144  # d, dmin (float16), 12 bytes of packed scales and minimums, 128 of nibbles
+
+# The GGUF types whose blocks become q4_1 without rounding the 4-bit quants again.
+FOUR_BIT_TYPES: Final = ("Q4_0", "Q4_1", "Q4_K")
+
+
+def block_rows(data: np.ndarray, type_name: str, shape: tuple[int, int], format: BlockFormat) -> BlockRows:
+    """The [out, in] matrix stored in `data` (the tensor's raw bytes, maybe a read-only map
+    of the file) as `format` blocks; every part is copied out of the file."""
+    import gguf
+
+    rows, columns = shape
+    raw = np.asarray(data).view(np.uint8)
+    if type_name in ("Q8_0", "Q4_1", "Q4_0"):
+        raw = raw.reshape(rows, columns // BLOCK, -1)  # one row of bytes per block
+    if type_name == "Q8_0" and format is BlockFormat.Q8_0:
+        return BlockRows(format, _bytes(raw[..., 2:]), [_float16(raw[..., :2])])
+    if type_name == "Q4_1" and format is BlockFormat.Q4_1:
+        return BlockRows(format, _bytes(raw[..., 4:]), [_float16(raw[..., :2]), _float16(raw[..., 2:4])])
+    if type_name == "Q4_0" and format is BlockFormat.Q4_1:
+        d = _float16(raw[..., :2])
+        return BlockRows(format, _bytes(raw[..., 2:]), [d, d * -8])
+    if type_name == "Q4_K" and format is BlockFormat.Q4_1:
+        return _q4_k_rows(raw.reshape(-1, _Q4_K_BYTES), rows, columns)  # one row per super-block
+    array = gguf.quants.dequantize(data, gguf.GGMLQuantizationType[type_name])
+    return BlockRows.quantize(torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32)), format)
+
+
+def _q4_k_rows(supers: np.ndarray, rows: int, columns: int) -> BlockRows:
+    from gguf.quants import Q4_K
+
+    d = _float16(supers[:, 0:2]).float().unsqueeze(-1)
+    dmin = _float16(supers[:, 2:4]).float().unsqueeze(-1)
+    sc, mn = (torch.from_numpy(part.astype(np.float32)) for part in Q4_K.get_scale_min(np.array(supers[:, 4:16])))
+    # 128 bytes: four runs of 32, run j holding block 2j in its low nibbles and 2j + 1 in its high ones.
+    runs = _bytes(supers[:, 16:]).reshape(-1, 4, 1, BLOCK)
+    q = torch.cat((runs & 0x0F, runs >> 4), dim=2).reshape(-1, 8, BLOCK)
+    blocks_per_row = columns // BLOCK
+    quants = pack_nibbles(q).reshape(rows, blocks_per_row, BLOCK // 2)
+    scale = (d * sc).half().reshape(rows, blocks_per_row)
+    minimum = (-(dmin * mn)).half().reshape(rows, blocks_per_row)
+    return BlockRows(BlockFormat.Q4_1, quants, [scale, minimum])
+
+
+def _bytes(part: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.array(part, dtype=np.uint8))  # a copy: the file's map is read-only
+
+
+def _float16(pairs: np.ndarray) -> torch.Tensor:
+    """uint8 [..., 2] little-endian float16 bytes -> float16 [...]."""
+    return torch.from_numpy(np.array(pairs, dtype=np.uint8).view(np.float16)[..., 0])

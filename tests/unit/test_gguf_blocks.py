@@ -1,0 +1,95 @@
+"""A GGUF's quantized matrices as the kernels' blocks (gguf_blocks.py): checked against
+gguf-py's own dequantization and a float matmul, on random blocks of every type."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from sluice.kernels.cpu import supported_isas
+from sluice.kernels.loader import load_kernels
+from sluice.kernels.ops import KernelOps
+from sluice.model.gguf_blocks import block_rows
+from sluice.model.quantized_linear import BlockFormat, QuantizedLinearWeight
+from tests.gguf_files import random_blocks
+
+ROWS, COLUMNS = 37, 512  # 37: the last row group is partial; 512: two K-quant super-blocks a row
+
+# The file's own blocks, and the float16 rounding of Q4_K's d * sc and dmin * mn.
+KEPT = {"Q8_0": BlockFormat.Q8_0, "Q4_1": BlockFormat.Q4_1, "Q4_0": BlockFormat.Q4_1, "Q4_K": BlockFormat.Q4_1}
+ROUNDED_TO_Q8_0 = ["Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q5_K", "Q6_K"]
+
+
+def file_weight(raw: np.ndarray, type_name: str) -> torch.Tensor:
+    return torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[type_name]).copy())
+
+
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_1", "Q4_0"])
+def test_blocks_the_kernels_share_come_back_exactly(type_name):
+    raw = random_blocks(ROWS, COLUMNS, type_name, seed=1)
+    rows = block_rows(raw, type_name, (ROWS, COLUMNS), KEPT[type_name])
+    assert rows.format is KEPT[type_name] and rows.shape == (ROWS, COLUMNS)
+    assert torch.equal(rows.dequantize(), file_weight(raw, type_name))
+
+
+def test_q4_k_keeps_the_files_quants_and_rounds_only_block_scales():
+    raw = random_blocks(ROWS, COLUMNS, "Q4_K", seed=2)
+    rows = block_rows(raw, "Q4_K", (ROWS, COLUMNS), BlockFormat.Q4_1)
+    expected = file_weight(raw, "Q4_K")
+    assert rows.format is BlockFormat.Q4_1
+    # Each 32-weight block: w = d' q + m' with the file's q; d' and m' are within float16's
+    # rounding (2^-11 relative) of the file's d * sc and -dmin * mn.
+    blocks = expected.reshape(ROWS, -1, 32)
+    d, m = (scale.float() for scale in rows.scales)
+    bound = 2**-11 * (15 * d.abs() + m.abs()) + 1e-7
+    assert ((rows.dequantize().reshape(ROWS, -1, 32) - blocks).abs() <= bound.unsqueeze(-1)).all()
+    # Rounding them again to q4_1 from floats would not give these quants back (the file's
+    # blocks rarely span 0..15 exactly); the direct read keeps them.
+    nibbles = torch.cat((rows.quants & 0x0F, rows.quants >> 4), dim=-1).float()
+    recovered = torch.round((blocks - m.unsqueeze(-1)) / d.unsqueeze(-1))
+    scaled = d != 0  # a block whose 6-bit scale is 0 holds only its minimum
+    assert scaled.float().mean() > 0.9
+    assert torch.equal(nibbles[scaled], recovered[scaled])
+
+
+@pytest.mark.parametrize("type_name", ROUNDED_TO_Q8_0)
+def test_other_types_are_rounded_to_q8_0(type_name):
+    raw = random_blocks(ROWS, COLUMNS, type_name, seed=3)
+    rows = block_rows(raw, type_name, (ROWS, COLUMNS), BlockFormat.Q8_0)
+    expected = file_weight(raw, type_name)
+    block_max = expected.reshape(ROWS, -1, 32).abs().amax(-1, keepdim=True)
+    error = (rows.dequantize() - expected).reshape(ROWS, -1, 32).abs()
+    assert (error <= block_max / 254 * 1.01 + 1e-8).all()  # half a step of 127 (float16 scale aside)
+
+
+def test_rows_take_permute_split_and_stack():
+    raw = random_blocks(ROWS, COLUMNS, "Q4_K", seed=4)
+    rows = block_rows(raw, "Q4_K", (ROWS, COLUMNS), BlockFormat.Q4_1)
+    dense = rows.dequantize()
+    order = torch.randperm(ROWS, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(rows.take_rows(order).dequantize(), dense[order])
+    top, bottom = rows.split([10, ROWS - 10])
+    assert torch.equal(top.dequantize(), dense[:10]) and torch.equal(bottom.dequantize(), dense[10:])
+    other = block_rows(random_blocks(5, COLUMNS, "Q8_0", seed=5), "Q8_0", (5, COLUMNS), BlockFormat.Q8_0)
+    mixed = type(rows).stack([rows, other])
+    # Mixed formats stack in the most precise one; the q8_0 part is unchanged.
+    assert mixed.format is BlockFormat.Q8_0 and mixed.shape == (ROWS + 5, COLUMNS)
+    assert torch.equal(mixed.dequantize()[ROWS:], other.dequantize())
+    assert (mixed.dequantize()[:ROWS] - dense).abs().max() <= dense.abs().max() / 127
+
+
+@pytest.mark.parametrize("isa", [isa.name for isa in supported_isas()])
+@pytest.mark.parametrize("type_name", [*KEPT, *ROUNDED_TO_Q8_0])
+def test_the_kernel_multiplies_what_the_file_holds(isa, type_name):
+    raw = random_blocks(ROWS, COLUMNS, type_name, seed=6)
+    format = KEPT.get(type_name, BlockFormat.Q8_0)
+    weight = QuantizedLinearWeight.from_rows(
+        block_rows(raw, type_name, (ROWS, COLUMNS), format), KernelOps(load_kernels(isa))
+    )
+    x = torch.randn(9, COLUMNS, generator=torch.Generator().manual_seed(7))
+    expected = F.linear(x, file_weight(raw, type_name))
+    # x's rounding to int8 blocks (1/127 of a block's max), and q8_0's for the other types.
+    assert ((weight.matmul(x) - expected).abs().max() / expected.abs().max()).item() < 2e-2
