@@ -114,6 +114,12 @@ def write_gguf(
         )
         writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
         writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
+    if rope.get("rope_type") == "llama3":  # Llama 3.x: one divisor per rotary frequency, as a tensor
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
+        plain = 1.0 / (rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        writer.add_tensor("rope_freqs.weight", (plain / scaled).numpy().astype(np.float32))
     writer.add_tokenizer_model("gpt2")
     writer.add_token_list([f"<t{i}>" for i in range(config.vocab_size)])
     block_type = None if quantize_matrices is None else gguf.GGMLQuantizationType[quantize_matrices]

@@ -142,6 +142,11 @@ def _scaled_inv_freq(head_dim: int, rope_theta: float, rope_scaling: dict[str, A
         return inv_freq / scaling["factor"]
     if rope_type == "llama3":
         return _llama3_inv_freq(inv_freq, scaling)
+    if rope_type == "frequency_factors":  # a GGUF's rope_freqs tensor: one divisor per frequency
+        factors = torch.tensor(scaling["factors"], dtype=torch.float32)
+        if factors.shape != inv_freq.shape:
+            raise ValueError(f"rope_freqs has {len(factors)} factors, not head_dim / 2 = {len(inv_freq)}")
+        return inv_freq / factors
     raise ValueError(f"rope_scaling.rope_type {rope_type!r} is not supported; supported: linear, llama3, longrope")
 
 

@@ -216,8 +216,11 @@ def _gguf_rope_scaling(field, arch_name: str, reader) -> dict[str, Any] | None:
             "long_factor": [float(x) for x in factors["rope_factors_long.weight"].data],
             "short_factor": [float(x) for x in factors["rope_factors_short.weight"].data],
         }
-    # Only linear scaling is described by metadata; llama3-style scaling is baked into a
-    # `rope_freqs` tensor by llama.cpp and is not read here.
+    frequency_factors = next((tensor for tensor in reader.tensors if tensor.name == "rope_freqs.weight"), None)
+    if frequency_factors is not None:
+        # Llama 3.x: llama.cpp's converter bakes the llama3 scaling into one divisor per
+        # rotary frequency (inv_freq / factor).
+        return {"rope_type": "frequency_factors", "factors": [float(x) for x in frequency_factors.data]}
     if field(f"{arch_name}.rope.scaling.type") != "linear":
         return None
     return {"rope_type": "linear", "factor": float(field(f"{arch_name}.rope.scaling.factor", 1.0))}

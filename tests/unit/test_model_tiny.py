@@ -157,7 +157,12 @@ def test_logits_and_greedy_tokens_match_transformers(build, tmp_path: Path):
     assert sluice_greedy(runner, PROMPT_IDS, NUM_GREEDY_TOKENS) == hf_greedy(hf_model, PROMPT_IDS, NUM_GREEDY_TOKENS)
 
 
-GGUF_VARIANTS = [(qwen3_with_qk_norm, "qwen3"), (qwen2_with_qkv_bias, "qwen2"), (phi3_longrope, "phi3")]
+GGUF_VARIANTS = [
+    (qwen3_with_qk_norm, "qwen3"),
+    (qwen2_with_qkv_bias, "qwen2"),
+    (phi3_longrope, "phi3"),
+    (llama_llama3_rope_untied, "llama"),  # llama3 scaling as llama.cpp's rope_freqs tensor
+]
 
 
 @pytest.mark.parametrize("build, arch", GGUF_VARIANTS, ids=[arch for _, arch in GGUF_VARIANTS])
