@@ -104,10 +104,11 @@ def write_gguf(
     writer.add_rope_freq_base(float(rope_theta))
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     rope = dict(getattr(config, "rope_parameters", None) or {})
+    partial = rope.get("partial_rotary_factor") or getattr(config, "partial_rotary_factor", None) or 1.0
+    writer.add_rope_dimension_count(int(head_dim * partial))  # Phi-4-mini rotates 3/4 of each head
     if rope.get("rope_type") == "longrope":  # Phi-3: the factors as tensors, as llama.cpp writes them
         original = config.original_max_position_embeddings
         factor = config.max_position_embeddings / original
-        writer.add_rope_dimension_count(head_dim)
         writer.add_rope_scaling_orig_ctx_len(original)
         writer.add_rope_scaling_attn_factors(
             math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 else 1.0

@@ -107,18 +107,32 @@ class RotaryEmbedding(nn.Module):
         rope_scaling: dict[str, Any] | None,
         context_len: int,
         dtype: torch.dtype,
+        rotary_dim: int | None = None,
     ) -> None:
+        """rotary_dim: how many dimensions of a head rotate (None: all). The others get
+        frequency 0 (cos 1, sin 0); weights.py orders each head so that the rotating ones
+        pair up as rotate_half over the whole head pairs them."""
         super().__init__()
         positions = torch.arange(context_len, dtype=torch.float32)
+        rotating = head_dim if rotary_dim is None else rotary_dim
         scale = 1.0
         if (rope_scaling or {}).get("rope_type") == "longrope":
-            freqs, scale = _longrope_freqs(head_dim, rope_theta, rope_scaling or {}, positions)
+            freqs, scale = _longrope_freqs(rotating, rope_theta, rope_scaling or {}, positions)
         else:
-            freqs = torch.outer(positions, _scaled_inv_freq(head_dim, rope_theta, rope_scaling))
+            freqs = torch.outer(positions, _scaled_inv_freq(rotating, rope_theta, rope_scaling))
+        passing = (head_dim - rotating) // 2
         # The sign of rotate_half is folded into sin: rotate_half(x) * sin ==
         # roll(x, half) * [-sin, sin], which saves a negation and a concat per layer.
         cos = torch.cat((freqs, freqs), dim=-1).cos() * scale
         signed_sin = torch.cat((-freqs, freqs), dim=-1).sin() * scale
+        if passing:  # dimensions that do not rotate: cos 1 (LongRoPE's scale is not theirs), sin 0
+            cos, signed_sin = (
+                torch.cat([table[:, : rotating // 2], fill, table[:, rotating // 2 :], fill], dim=-1)
+                for table, fill in (
+                    (cos, torch.ones(context_len, passing)),
+                    (signed_sin, torch.zeros(context_len, passing)),
+                )
+            )
         self.register_buffer("cos", cos.to(dtype), persistent=False)
         self.register_buffer("signed_sin", signed_sin.to(dtype), persistent=False)
         self.half_dim = head_dim // 2

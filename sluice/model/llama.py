@@ -101,7 +101,7 @@ class LlamaForCausalLM(nn.Module):
             torch.empty(config.vocab_size, config.hidden_size, dtype=dtype), requires_grad=False
         )
         self.rotary = RotaryEmbedding(
-            config.head_dim, config.rope_theta, config.rope_scaling, config.context_len, dtype
+            config.head_dim, config.rope_theta, config.rope_scaling, config.context_len, dtype, config.rotary_dim
         )
         self.layers = nn.ModuleList(DecoderLayer(config, dtype, self.backend) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, self.backend)

@@ -99,6 +99,8 @@ class ModelConfig:
     qk_norm: bool  # each q and k head is RMS-normalized before the rotation (Qwen3)
     context_len: int  # max_position_embeddings
     eos_token_ids: list[int]
+    # Dimensions of each q/k head that rotate (Phi-4-mini: 3/4 of them); None: all of head_dim.
+    rotary_dim: int | None = None
     # Vision-language models only; the fields above then describe the language model.
     vision: VisionConfig | None = None
     image_token_id: int | None = None  # the placeholder token an image stands for in a prompt
@@ -170,11 +172,7 @@ def _from_gguf(path: Path) -> ModelConfig:
     num_heads = int(field(f"{arch_name}.attention.head_count"))
     head_dim = int(field(f"{arch_name}.attention.key_length", hidden_size // num_heads))
     rotary_dims = field(f"{arch_name}.rope.dimension_count")
-    if rotary_dims is not None and int(rotary_dims) != head_dim:
-        raise ValueError(
-            f"{arch_name}.rope.dimension_count {rotary_dims} is not supported: rotary embedding over part of "
-            f"a head of {head_dim}"
-        )
+    rotary_dim = _checked_rotary_dim(None if rotary_dims is None else int(rotary_dims), head_dim)
     tokens = reader.fields["tokenizer.ggml.tokens"]
     eos_token_ids = [
         int(token_id)
@@ -200,7 +198,18 @@ def _from_gguf(path: Path) -> ModelConfig:
             int(field(f"{arch_name}.context_length", 2048)), field(f"{arch_name}.attention.sliding_window") or None
         ),
         eos_token_ids=list(dict.fromkeys(eos_token_ids)),
+        rotary_dim=rotary_dim,
     )
+
+
+def _checked_rotary_dim(rotary_dim: int | None, head_dim: int) -> int | None:
+    """None when every dimension of a head rotates; a ValueError for a count the rotation
+    cannot take (odd, zero or more than head_dim)."""
+    if rotary_dim is None or rotary_dim == head_dim:
+        return None
+    if not 0 < rotary_dim < head_dim or rotary_dim % 2:
+        raise ValueError(f"a rotary dimension count of {rotary_dim} does not fit a head of {head_dim}")
+    return rotary_dim
 
 
 def _gguf_rope_scaling(field, arch_name: str, reader) -> dict[str, Any] | None:
@@ -258,19 +267,14 @@ def _text_fields(config: dict[str, Any]) -> dict[str, Any]:
         rope_parameters.setdefault(
             "factor", config["max_position_embeddings"] / rope_parameters["original_max_position_embeddings"]
         )
-    for partial_rotary_factor in (
-        rope_parameters.pop("partial_rotary_factor", None),
-        config.get("partial_rotary_factor"),
-    ):
-        if partial_rotary_factor not in (None, 1, 1.0):
-            raise ValueError(
-                f"partial_rotary_factor {partial_rotary_factor} is not supported: rotary embedding over part of a head"
-            )
+    partial_rotary_factor = rope_parameters.pop("partial_rotary_factor", None) or config.get("partial_rotary_factor")
     rope_scaling = rope_parameters if rope_parameters.get("rope_type", "default") != "default" else None
 
     hidden_size = config["hidden_size"]
     num_heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or hidden_size // num_heads
     context_len = config.get("max_position_embeddings", 2048)
+    rotary_dim = None if partial_rotary_factor is None else int(head_dim * partial_rotary_factor)
     return dict(
         architecture=architecture,
         vocab_size=config["vocab_size"],
@@ -279,7 +283,8 @@ def _text_fields(config: dict[str, Any]) -> dict[str, Any]:
         num_layers=config["num_hidden_layers"],
         num_heads=num_heads,
         num_kv_heads=config.get("num_key_value_heads") or num_heads,
-        head_dim=config.get("head_dim") or hidden_size // num_heads,
+        head_dim=head_dim,
+        rotary_dim=_checked_rotary_dim(rotary_dim, head_dim),
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
         rms_norm_eps=config.get("rms_norm_eps", 1e-6),

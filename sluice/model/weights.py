@@ -53,11 +53,41 @@ def load_weights(
     A tied model may lack `lm_head.weight`; the model then reuses the embedding.
     """
     if is_gguf(path):
-        return _load_gguf(Path(path), config, dtype, format_of)
-    weights: dict[str, Weight] = {**_load_safetensors_folder(Path(path), dtype)}
-    if config.vision is not None:
-        weights = {_llava_name(name): tensor for name, tensor in weights.items()}
-    return _split_fused_projections(weights, config)
+        weights = _load_gguf(Path(path), config, dtype, format_of)
+    else:
+        weights = {**_load_safetensors_folder(Path(path), dtype)}
+        if config.vision is not None:
+            weights = {_llava_name(name): tensor for name, tensor in weights.items()}
+    return _order_for_partial_rotary(_split_fused_projections(weights, config), config)
+
+
+def _order_for_partial_rotary(weights: dict[str, Weight], config: ModelConfig) -> dict[str, Weight]:
+    """A model that rotates only the first rotary_dim dimensions of each q/k head pairs i with
+    i + rotary_dim / 2; sluice rotates whole heads, pairing i with i + head_dim / 2, and gives
+    the dimensions past rotary_dim frequency 0. Ordering each q and k head as [rotating first
+    half, passing first half, rotating second half, passing second half] makes the two the
+    same; q.k is unchanged, since q and k are ordered alike (v and o_proj are untouched)."""
+    rotary_dim, head_dim = config.rotary_dim, config.head_dim
+    if rotary_dim is None:
+        return weights
+    half, passing = rotary_dim // 2, (head_dim - rotary_dim) // 2
+    within = torch.cat(
+        [
+            torch.arange(0, half),
+            torch.arange(rotary_dim, rotary_dim + passing),
+            torch.arange(half, rotary_dim),
+            torch.arange(rotary_dim + passing, head_dim),
+        ]
+    )
+    heads_of = {"q_proj": config.num_heads, "k_proj": config.num_kv_heads, "q_norm": 1, "k_norm": 1}
+    for name in list(weights):
+        heads = heads_of.get(name.rsplit(".", 2)[-2]) if name.count(".") >= 2 else None
+        if heads is None:
+            continue
+        order = (torch.arange(heads).unsqueeze(1) * head_dim + within).reshape(-1)
+        weight = weights[name]
+        weights[name] = weight.take_rows(order) if isinstance(weight, BlockRows) else weight[order]
+    return weights
 
 
 def _split_fused_projections(weights: dict[str, Weight], config: ModelConfig) -> dict[str, Weight]:

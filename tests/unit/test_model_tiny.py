@@ -87,6 +87,22 @@ def phi3_longrope():
     return Phi3ForCausalLM(Phi3Config(**shape, original_max_position_embeddings=64, rope_parameters=rope))
 
 
+def phi4_mini_partial_rotary():
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    # Phi-4-mini's rotation of 3/4 of each head (12 of 16 dimensions here), with LongRoPE
+    # factors for those 6 frequencies only.
+    rope = {
+        "rope_type": "longrope",
+        "rope_theta": 10000.0,
+        "partial_rotary_factor": 0.75,
+        "short_factor": [1.0 + 0.25 * i for i in range(6)],
+        "long_factor": [2.0 + i for i in range(6)],
+    }
+    shape = {**SHAPE, "pad_token_id": 0}
+    return Phi3ForCausalLM(Phi3Config(**shape, original_max_position_embeddings=64, rope_parameters=rope))
+
+
 def mistral_wide_heads():
     from transformers import MistralConfig, MistralForCausalLM
 
@@ -100,6 +116,7 @@ VARIANTS = [
     qwen2_with_qkv_bias,
     qwen3_with_qk_norm,
     phi3_longrope,
+    phi4_mini_partial_rotary,
     mistral_wide_heads,
 ]
 
@@ -161,11 +178,12 @@ GGUF_VARIANTS = [
     (qwen3_with_qk_norm, "qwen3"),
     (qwen2_with_qkv_bias, "qwen2"),
     (phi3_longrope, "phi3"),
+    (phi4_mini_partial_rotary, "phi3"),
     (llama_llama3_rope_untied, "llama"),  # llama3 scaling as llama.cpp's rope_freqs tensor
 ]
 
 
-@pytest.mark.parametrize("build, arch", GGUF_VARIANTS, ids=[arch for _, arch in GGUF_VARIANTS])
+@pytest.mark.parametrize("build, arch", GGUF_VARIANTS, ids=[build.__name__ for build, _ in GGUF_VARIANTS])
 def test_a_gguf_of_the_same_weights_matches_transformers(build, arch, tmp_path: Path):
     """The GGUF path (metadata, tensor names, layout) gives the folder's model: float32
     tensors, so logits match transformers as closely as the folder's do."""
@@ -244,11 +262,22 @@ def test_longrope_takes_the_long_factors_from_the_original_length_on_per_positio
         torch.testing.assert_close(cos[0], torch.cat([angles, angles]).cos() * scale)
 
 
-def test_partial_rotary_is_refused_with_the_field_named(tmp_path: Path):
+def test_a_rotary_dimension_count_that_does_not_fit_a_head_is_refused(tmp_path: Path):
     save_random_model(phi3_longrope, tmp_path)
     config_path = tmp_path / "config.json"
-    config_path.write_text(json.dumps({**json.loads(config_path.read_text()), "partial_rotary_factor": 0.75}))
-    with pytest.raises(ValueError, match="partial_rotary_factor"):
+    config = json.loads(config_path.read_text())
+    assert ModelConfig.from_path(tmp_path).rotary_dim is None
+    rope = config["rope_parameters"]
+    config_path.write_text(json.dumps({**config, "rope_parameters": {**rope, "partial_rotary_factor": 0.75}}))
+    assert ModelConfig.from_path(tmp_path).rotary_dim == 12
+    # transformers 4 wrote it at the top level (Phi-4-mini's own config.json).
+    del rope["partial_rotary_factor"]
+    config_path.write_text(json.dumps({**config, "rope_parameters": rope, "partial_rotary_factor": 0.75}))
+    assert ModelConfig.from_path(tmp_path).rotary_dim == 12
+    config_path.write_text(
+        json.dumps({**config, "rope_parameters": rope, "partial_rotary_factor": 0.1})
+    )  # 1.6 dimensions
+    with pytest.raises(ValueError, match="rotary dimension count of 1 "):
         ModelConfig.from_path(tmp_path)
 
 
