@@ -38,6 +38,8 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     no_stop_trim: bool = False
+    # token id -> added to its logit before sampling (OpenAI's: -100 bans, +100 forces)
+    logit_bias: dict[int, float] = {}
 
 
 class ImageInput(msgspec.Struct, kw_only=True):

@@ -19,6 +19,9 @@ MAX_SEED: Final = 2**63  # exclusive
 MAX_TOP_K: Final = 2**31 - 1
 # Most alternatives a request may ask for per token (native top_logprobs_num, OpenAI chat's top_logprobs).
 MAX_TOP_LOGPROBS: Final = 20
+# OpenAI's range for a logit bias, and a bound on how many tokens one request may bias.
+MAX_LOGIT_BIAS: Final = 100.0
+MAX_LOGIT_BIAS_TOKENS: Final = 1024
 
 
 class ClientError(ValueError):
@@ -60,6 +63,25 @@ def validate_sampling_params(p: SamplingParams, vocab_size: int | None = None) -
         _check(0 <= p.seed < MAX_SEED, "seed", "must be in [0, 2**63)", p.seed)
     _check_stop(p.stop)
     _check_stop_token_ids(p.stop_token_ids, vocab_size)
+    _check_logit_bias(p.logit_bias, vocab_size)
+
+
+def _check_logit_bias(logit_bias: dict[int, float], vocab_size: int | None) -> None:
+    _check(
+        len(logit_bias) <= MAX_LOGIT_BIAS_TOKENS,
+        "logit_bias",
+        f"must bias at most {MAX_LOGIT_BIAS_TOKENS} tokens",
+        f"{len(logit_bias)} tokens",
+    )
+    for token_id, bias in logit_bias.items():
+        within = token_id >= 0 and (vocab_size is None or token_id < vocab_size)
+        _check(within, "logit_bias", f"keys must be token ids in [0, {vocab_size})", token_id)
+        _check(
+            math.isfinite(bias) and -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS,
+            "logit_bias",
+            f"values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]",
+            f"{bias} for token {token_id}",
+        )
 
 
 def _check_stop(stop: list[str]) -> None:

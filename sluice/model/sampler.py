@@ -1,6 +1,6 @@
 """Pick the next token of every running request from the model's logits.
 
-Order of work on each row: penalties, min_new_tokens masking, then either argmax
+Order of work on each row: penalties, logit_bias, min_new_tokens masking, then either argmax
 (greedy) or temperature, top_k, top_p, min_p and a random draw. Reported logprobs are
 those of the model's own distribution, before any of this, as SGLang reports them.
 
@@ -84,6 +84,7 @@ class SamplingBatch:
     # frequency_penalty * count + presence_penalty of tokens in the output
     subtracted: TokenPenalties | None
     banned: tuple[Tensor, Tensor] | None  # (rows, token ids) held at -inf
+    biased: TokenPenalties | None  # logit_bias: amounts added to the logits
 
     @property
     def all_greedy(self) -> bool:
@@ -116,6 +117,7 @@ class SamplingBatch:
             repetition=_build_repetition(params, output_ids, prompt_ids, vocab_size),
             subtracted=_build_subtracted(params, output_ids, vocab_size),
             banned=_build_banned(params, output_ids, eos_token_ids, vocab_size),
+            biased=_build_biased(params),
         )
 
 
@@ -227,6 +229,18 @@ def _distinct_tokens(rows: list[int], id_lists: list[list[int]], vocab_size: int
     return keys // vocab_size, keys % vocab_size, counts.to(torch.float32)
 
 
+def _build_biased(params: list[SamplingParams]) -> TokenPenalties | None:
+    pairs = [(row, token_id, bias) for row, p in enumerate(params) for token_id, bias in p.logit_bias.items()]
+    if not pairs:
+        return None
+    rows, token_ids, amounts = zip(*pairs, strict=True)
+    return TokenPenalties(
+        torch.tensor(rows, dtype=torch.long),
+        torch.tensor(token_ids, dtype=torch.long),
+        torch.tensor(amounts, dtype=torch.float32),
+    )
+
+
 def _build_banned(
     params: list[SamplingParams],
     output_ids: list[list[int]],
@@ -250,8 +264,8 @@ def _build_banned(
 
 
 def _penalised(logits: Tensor, batch: SamplingBatch) -> Tensor:
-    """The logits after penalties and bans; the input itself when there are none."""
-    if batch.repetition is None and batch.subtracted is None and batch.banned is None:
+    """The logits after penalties, logit_bias and bans; the input itself when there are none."""
+    if batch.repetition is None and batch.subtracted is None and batch.banned is None and batch.biased is None:
         return logits
     scores = logits.clone()
     if (rep := batch.repetition) is not None:
@@ -259,6 +273,8 @@ def _penalised(logits: Tensor, batch: SamplingBatch) -> Tensor:
         scores[rep.rows, rep.token_ids] = torch.where(seen > 0, seen / rep.amounts, seen * rep.amounts)
     if (sub := batch.subtracted) is not None:
         scores.index_put_((sub.rows, sub.token_ids), -sub.amounts, accumulate=True)
+    if (bias := batch.biased) is not None:
+        scores.index_put_((bias.rows, bias.token_ids), bias.amounts, accumulate=True)
     if batch.banned is not None:
         scores.index_put_(batch.banned, torch.tensor(-math.inf))
     return scores

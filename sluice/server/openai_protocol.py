@@ -64,8 +64,7 @@ class SamplingFields(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     skip_special_tokens: bool | None = None
     spaces_between_special_tokens: bool | None = None
     no_stop_trim: bool | None = None
-    # Refused unless empty: changes the answer, not honoured yet.
-    logit_bias: dict[str, Any] | None = None
+    logit_bias: dict[str, float] | None = None
     # Accepted without effect: they change nothing in what comes back.
     user: str | None = None
     metadata: dict[str, Any] | None = None
@@ -82,7 +81,6 @@ class SamplingFields(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         # The remaining ranges, and n's upper limit, are checked with the native path's
         # names, which match OpenAI's.
         _check_range(self.n, "n", 1)
-        _refuse_unless(_is_empty(self.logit_bias), "logit_bias", "(a bias per token id)")
 
     @property
     def sample_count(self) -> int:
@@ -108,6 +106,7 @@ class SamplingFields(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             "skip_special_tokens": self.skip_special_tokens,
             "spaces_between_special_tokens": self.spaces_between_special_tokens,
             "no_stop_trim": self.no_stop_trim,
+            "logit_bias": self.logit_bias or None,
         }
         return {key: value for key, value in params.items() if value is not None}
 

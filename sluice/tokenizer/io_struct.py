@@ -185,10 +185,23 @@ def parse_sampling_params(raw: dict[str, Any] | None) -> SamplingParams:
         raw.pop("max_new_tokens")
     if isinstance(raw.get("stop"), str):
         raw["stop"] = [raw["stop"]]
-    for key in ("stop", "stop_token_ids"):
+    for key in ("stop", "stop_token_ids", "logit_bias"):
         if raw.get(key) is None:
             raw.pop(key, None)
+    if isinstance(raw.get("logit_bias"), dict):
+        raw["logit_bias"] = _token_id_keys(raw["logit_bias"])
     try:
         return msgspec.convert(raw, SamplingParams)
     except msgspec.ValidationError as e:
         raise ClientError(f"invalid sampling_params: {e}", "sampling_params") from None
+
+
+def _token_id_keys(logit_bias: dict[Any, Any]) -> dict[int, Any]:
+    """OpenAI sends logit_bias keyed by token ids written as strings ("15")."""
+    keyed = {}
+    for key, bias in logit_bias.items():
+        try:
+            keyed[int(key)] = bias
+        except (TypeError, ValueError):
+            raise ClientError(f"logit_bias keys must be token ids, got {key!r}", "logit_bias") from None
+    return keyed

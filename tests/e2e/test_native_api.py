@@ -148,7 +148,9 @@ def test_skip_special_tokens(base_url):
         # Not honoured yet, so never silently ignored: structured output and unknown fields.
         ({"text": "hi", "sampling_params": {"json_schema": '{"type": "object"}'}}, "sampling_params.json_schema"),
         ({"text": "hi", "sampling_params": {"regex": "[0-9]+"}}, "sampling_params.regex"),
-        ({"text": "hi", "sampling_params": {"logit_bias": {"1": 5}}}, "sampling_params.logit_bias"),
+        ({"text": "hi", "sampling_params": {"logit_bias": {"x": 5}}}, "logit_bias"),
+        ({"text": "hi", "sampling_params": {"logit_bias": {"1": 101}}}, "logit_bias"),
+        ({"text": "hi", "sampling_params": {"logit_bias": {"99999999": 1}}}, "logit_bias"),
         ({"text": "hi", "lora_path": "adapter"}, "lora_path"),
     ],
 )

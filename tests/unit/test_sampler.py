@@ -353,3 +353,15 @@ def test_message_states_the_allowed_range():
 )
 def test_in_range_params_pass(params):
     validate_sampling_params(params, vocab_size=1000)
+
+
+def test_logit_bias_is_added_before_the_choice():
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.0], [0.0, 1.0, 2.0, 3.0]])
+    params = [SamplingParams(temperature=0, logit_bias={0: -100.0}), SamplingParams(temperature=0, logit_bias={1: 2.5})]
+    batch = SamplingBatch.build(params, [[], []], [[1], [1]], eos_token_ids=[], vocab_size=4)
+    assert sample(logits, batch, [0, 0], with_logprobs=False).next_token_ids == [1, 1]
+    # A forced token wins at any temperature; logits themselves are left unchanged.
+    hot = [SamplingParams(temperature=1.0, seed=s, logit_bias={2: 100.0}) for s in range(2)]
+    batch = SamplingBatch.build(hot, [[], []], [[1], [1]], eos_token_ids=[], vocab_size=4)
+    assert sample(logits, batch, [0, 0]).next_token_ids == [2, 2]
+    assert logits[0, 0] == 3.0
