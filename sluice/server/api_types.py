@@ -102,6 +102,16 @@ class ServerInfo(msgspec.Struct, kw_only=True):
     internal_states: list[SchedulerStates]
 
 
+class TokenizeResult(msgspec.Struct, kw_only=True):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+
+
+class DetokenizeResult(msgspec.Struct, kw_only=True):
+    text: str
+
+
 # ---------------------------------------------------------------- OpenAI
 
 

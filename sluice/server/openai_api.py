@@ -1,4 +1,5 @@
-"""OpenAI-compatible routes: /v1/models, /v1/completions, /v1/chat/completions.
+"""OpenAI-compatible routes: /v1/models, /v1/completions, /v1/chat/completions, and
+/tokenize and /detokenize as SGLang's and vLLM's OpenAI servers have them.
 
 Each request is translated into a native GenerateReqInput and served by the
 TokenizerManager; openai_views turns its cumulative chunks into OpenAI's
@@ -8,6 +9,7 @@ and parallel-sampling paths.
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 
 from fastapi import FastAPI, Request
@@ -19,11 +21,18 @@ from sluice.server.api_types import (
     ChatCompletionResponse,
     CompletionChunk,
     CompletionResponse,
+    DetokenizeResult,
     ModelList,
+    TokenizeResult,
 )
 from sluice.server.errors import NotFoundError, error_response, failure_status
 from sluice.server.json_body import decode_json
-from sluice.server.openai_protocol import ChatCompletionRequest, CompletionRequest
+from sluice.server.openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 from sluice.server.openai_views import ChatView, CompletionView, OpenAIView, TokenTexts, choice_index
 from sluice.server.openapi import ApiDocs
 from sluice.server.sse import stream_response
@@ -109,6 +118,31 @@ def install_openai_routes(app: FastAPI, state: ServerState, docs: ApiDocs) -> No
         )
         view = ChatView(state.model_name, obj.rid, token_texts, body)
         return await serve(tm, obj, request, view, "messages")
+
+    @app.post("/tokenize", openapi_extra=docs.operation(body=TokenizeRequest, response=TokenizeResult, errors=_ERRORS))
+    async def tokenize(request: Request):
+        body = decode_json(await request.body(), TokenizeRequest)
+        body.check()
+        tm = checked_tm(body.model)
+        if body.prompt is not None:
+            prompt = body.prompt
+            ids = await asyncio.to_thread(
+                lambda: tm.tokenizer(prompt, add_special_tokens=body.add_special_tokens).input_ids
+            )
+        else:
+            ids, _ = await asyncio.to_thread(chat_prompt_ids, tm, body.chat(), state.model_name)
+        return {"tokens": ids, "count": len(ids), "max_model_len": tm.context_len}
+
+    @app.post(
+        "/detokenize", openapi_extra=docs.operation(body=DetokenizeRequest, response=DetokenizeResult, errors=_ERRORS)
+    )
+    async def detokenize(request: Request):
+        body = decode_json(await request.body(), DetokenizeRequest)
+        tm = checked_tm(body.model)
+        vocab_size = len(tm.tokenizer)
+        if (bad := next((token for token in body.tokens if not 0 <= token < vocab_size), None)) is not None:
+            raise ClientError(f"tokens must be token ids in [0, {vocab_size}), got {bad}", "tokens")
+        return {"text": await asyncio.to_thread(tm.tokenizer.decode, body.tokens)}
 
 
 def chat_prompt_ids(tm: TokenizerManager, body: ChatCompletionRequest, model_name: str) -> tuple[list[int], list[str]]:

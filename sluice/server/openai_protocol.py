@@ -269,3 +269,28 @@ def _part_text(part: ContentPart, where: str, image_token: str | None, model_nam
         image_urls.append(url)
         return image_token
     raise ClientError(f"{where}.type '{part.type}' is not supported; use 'text' or 'image_url'", f"{where}.type")
+
+
+class TokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """/tokenize: a prompt, or chat messages rendered through the model's chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True  # for a prompt; a chat template writes its own
+
+    def check(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise ClientError("give either prompt (a string) or messages (a chat), not both", "prompt")
+        if self.messages is not None and not self.add_special_tokens:
+            raise ClientError(
+                "add_special_tokens applies to a prompt; a chat template writes its own", "add_special_tokens"
+            )
+
+    def chat(self) -> ChatCompletionRequest:
+        return ChatCompletionRequest(messages=self.messages or [])
+
+
+class DetokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    model: str | None = None
+    tokens: list[int]

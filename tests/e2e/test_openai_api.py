@@ -662,3 +662,38 @@ def test_a_request_aborted_on_the_server_ends_as_an_error(base_url, http, model,
     else:
         assert result["status"] == 503
     assert last["error"]["code"] == 503 and "aborted" in last["error"]["message"]
+
+
+# ------------------------------------------------------------------ tokenize / detokenize
+
+
+def test_tokenize_and_detokenize_round_trip_non_ascii_text(http):
+    text = "Grüße aus Zürich: 東京タワー, ½ € — naïve café 🚀"
+    result = http.post("/tokenize", json={"prompt": text, "add_special_tokens": False})
+    assert result.status_code == 200, result.text
+    body = result.json()
+    assert body["count"] == len(body["tokens"]) > 10
+    assert body["max_model_len"] == http.get("/get_model_info").json()["context_len"]
+    assert http.post("/detokenize", json={"tokens": body["tokens"]}).json() == {"text": text}
+
+
+def test_tokenize_chat_messages_counts_what_the_chat_route_prompts(http):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    counted = http.post("/tokenize", json={"messages": messages}).json()["count"]
+    chat = http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1}).json()
+    assert counted == chat["usage"]["prompt_tokens"]
+
+
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        ("/tokenize", {"prompt": "Hi", "messages": [{"role": "user", "content": "Hi"}]}, "prompt"),
+        ("/tokenize", {}, "prompt"),
+        ("/tokenize", {"prompt": "Hi", "add_generation_prompt": True}, "add_generation_prompt"),
+        ("/detokenize", {"tokens": [1, -5]}, "tokens"),
+        ("/detokenize", {"tokens": [10**9]}, "tokens"),
+        ("/detokenize", {"tokens": "abc"}, "tokens"),
+    ],
+)
+def test_bad_tokenize_bodies_are_400_naming_the_field(http, path, body, param):
+    assert_error(http.post(path, json=body), 400, param)

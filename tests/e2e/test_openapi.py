@@ -37,6 +37,8 @@ def test_every_route_publishes_its_body_and_responses(base_url):
         "/abort_request": "#/components/schemas/AbortRequestInput",
         "/v1/completions": "#/components/schemas/CompletionRequest",
         "/v1/chat/completions": "#/components/schemas/ChatCompletionRequest",
+        "/tokenize": "#/components/schemas/TokenizeRequest",
+        "/detokenize": "#/components/schemas/DetokenizeRequest",
     }
     assert "temperature" in schemas["SamplingParams"]["properties"]
     assert "messages" in schemas["ChatCompletionRequest"]["required"]
@@ -165,6 +167,8 @@ FUZZED_ROUTES = [
     ("GET", "/v1/models"),
     ("POST", "/v1/completions"),
     ("POST", "/v1/chat/completions"),
+    ("POST", "/tokenize"),
+    ("POST", "/detokenize"),
 ]
 
 
