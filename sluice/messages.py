@@ -40,6 +40,11 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     no_stop_trim: bool = False
     # token id -> added to its logit before sampling (OpenAI's: -100 bans, +100 forces)
     logit_bias: dict[int, float] = {}
+    # Structured output, at most one (sluice/grammar.py): a JSON Schema as a string, a
+    # regular expression, or a GBNF grammar.
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
 
 class ImageInput(msgspec.Struct, kw_only=True):

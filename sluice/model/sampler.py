@@ -1,6 +1,7 @@
 """Pick the next token of every running request from the model's logits.
 
-Order of work on each row: penalties, logit_bias, min_new_tokens masking, then either argmax
+Order of work on each row: penalties, logit_bias, min_new_tokens masking, a grammar's
+allowed tokens (structured output), then either argmax
 (greedy) or temperature, top_k, top_p, min_p and a random draw. Reported logprobs are
 those of the model's own distribution, before any of this, as SGLang reports them.
 
@@ -85,6 +86,8 @@ class SamplingBatch:
     subtracted: TokenPenalties | None
     banned: tuple[Tensor, Tensor] | None  # (rows, token ids) held at -inf
     biased: TokenPenalties | None  # logit_bias: amounts added to the logits
+    # Rows with a grammar and the tokens it allows each ([R], bool [R, vocab]); set by the Scheduler.
+    allowed: tuple[Tensor, Tensor] | None = None
 
     @property
     def all_greedy(self) -> bool:
@@ -264,8 +267,15 @@ def _build_banned(
 
 
 def _penalised(logits: Tensor, batch: SamplingBatch) -> Tensor:
-    """The logits after penalties, logit_bias and bans; the input itself when there are none."""
-    if batch.repetition is None and batch.subtracted is None and batch.banned is None and batch.biased is None:
+    """The logits after penalties, logit_bias, bans and grammars; the input itself when
+    there are none."""
+    if (
+        batch.repetition is None
+        and batch.subtracted is None
+        and batch.banned is None
+        and batch.biased is None
+        and batch.allowed is None
+    ):
         return logits
     scores = logits.clone()
     if (rep := batch.repetition) is not None:
@@ -277,6 +287,14 @@ def _penalised(logits: Tensor, batch: SamplingBatch) -> Tensor:
         scores.index_put_((bias.rows, bias.token_ids), bias.amounts, accumulate=True)
     if batch.banned is not None:
         scores.index_put_(batch.banned, torch.tensor(-math.inf))
+    if batch.allowed is not None:
+        rows, allowed = batch.allowed
+        kept = scores[rows].masked_fill_(~allowed, -math.inf)
+        # Where min_new_tokens banned all the grammar allows (its end), the grammar wins.
+        stuck = torch.isneginf(kept).all(-1)
+        if bool(stuck.any()):
+            kept[stuck] = logits[rows[stuck]].masked_fill(~allowed[stuck], -math.inf)
+        scores[rows] = kept
     return scores
 
 

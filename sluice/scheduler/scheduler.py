@@ -26,6 +26,7 @@ from sluice.messages import (
 from sluice.model.model_runner import ModelRunner
 from sluice.model.sampler import SampleOutput, SamplingBatch, sample
 from sluice.scheduler.batch_builder import StepBatch, build_forward_batch
+from sluice.scheduler.grammar import Grammars
 from sluice.scheduler.kv_manager import KVManager
 from sluice.scheduler.multimodal import expand_image_tokens
 from sluice.scheduler.output import make_output
@@ -53,17 +54,25 @@ class Scheduler:
         self.finished_by_reason: Counter[str] = Counter()
         self.last_step_ms = 0.0
         self.num_retractions = 0
+        self.grammars = Grammars(args.resolved_model_path(), self.config.vocab_size)
 
     # ------------------------------------------------------------ inputs
 
     def add_request(self, msg: TokenizedGenerateReqInput) -> TokenIDOutput | None:
         """Queue a request; returns an immediate final output if it cannot run."""
         req = Req.from_message(msg)
-        error = self._check_request(req) or self._expand_images(req)
+        error = self._check_request(req) or self._expand_images(req) or self._attach_grammar(req)
         if error is not None:
             req.finish_reason = FinishReason(type="abort", message=error, status_code=400)
             return self._final_output(req)
         self.waiting.append(req)
+        return None
+
+    def _attach_grammar(self, req: Req) -> str | None:
+        try:
+            req.grammar = self.grammars.matcher(req.sampling_params)
+        except ValueError as e:  # the main process checked it: a grammar failing here is a 400 still
+            return str(e)
         return None
 
     def _check_request(self, req: Req) -> str | None:
@@ -246,6 +255,10 @@ class Scheduler:
                 list(self.eos_token_ids),
                 self.config.vocab_size,
             )
+            constrained = [k for k, r in enumerate(reqs) if r.grammar is not None]
+            if constrained:
+                allowed = self.grammars.allowed([reqs[k].grammar for k in constrained])
+                sampling_batch.allowed = (torch.tensor(constrained, dtype=torch.long), allowed)
             next_tokens = sample(
                 logits[batch.sample_logit_rows],
                 sampling_batch,
@@ -275,14 +288,28 @@ class Scheduler:
         return outputs
 
     def _append_token(self, req: Req, next_tokens: SampleOutput, k: int) -> None:
-        req.output_ids.append(next_tokens.next_token_ids[k])
+        token = next_tokens.next_token_ids[k]
+        req.output_ids.append(token)
+        if req.grammar is not None:
+            self._advance_grammar(req, token)
         if req.return_logprob:
             req.output_logprobs.append(next_tokens.logprobs[k])
             if req.top_logprobs_num:
                 req.output_top_logprobs.append([TokenLogprob(*top) for top in next_tokens.top_logprobs[k]])
         req.check_finished(self.eos_token_ids)
+        if not req.finished and req.grammar is not None and req.grammar.is_stopped():
+            # The grammar is complete and allows nothing more (not even more whitespace).
+            req.finish_reason = FinishReason(type="stop", matched=None)
         if not req.finished and req.seq_len >= self.config.context_len:
             req.finish_reason = FinishReason(type="length", matched=None)
+
+    def _advance_grammar(self, req: Req, token: int) -> None:
+        if req.grammar.is_stopped():
+            return  # an EOS after the end (ignore_eos): nothing left to match
+        if not req.grammar.consume_token(token) or req.grammar.is_error():
+            # Sampling kept to the mask, so this is a dead end in the grammar itself.
+            message = f"the grammar reached a dead end: {req.grammar.get_error() or 'no token fits'}"
+            req.finish_reason = FinishReason(type="abort", message=message, status_code=400)
 
     def _should_stream(self, req: Req) -> bool:
         if not (req.stream or req.sampling_params.stop):

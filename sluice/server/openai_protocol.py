@@ -3,13 +3,14 @@
 Nothing a client sends is silently ignored. Every field is one of three kinds:
 honoured; accepted without effect, because it changes nothing in the answer (`user`,
 `metadata`, `store`, ...); or refused with 400 naming it unless it holds its neutral
-value (`response_format` other than text, `tools`, `logit_bias`, ...). A field no kind
+value (`tools`, `tool_choice`, `audio`, ...). A field no kind
 lists is refused as unknown. A wrong type or an out-of-range value is a ClientError that
 names the field. README.md lists the three kinds.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any, Final
 
 import msgspec
@@ -65,6 +66,12 @@ class SamplingFields(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     spaces_between_special_tokens: bool | None = None
     no_stop_trim: bool | None = None
     logit_bias: dict[str, float] | None = None
+    # {"type": "text" | "json_object" | "json_schema", "json_schema": {"name", "schema", "strict"}}
+    response_format: Any = None
+    # SGLang's / vLLM's constraints, as extras (vLLM's guided_* names are not taken).
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
     # Accepted without effect: they change nothing in what comes back.
     user: str | None = None
     metadata: dict[str, Any] | None = None
@@ -81,6 +88,28 @@ class SamplingFields(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         # The remaining ranges, and n's upper limit, are checked with the native path's
         # names, which match OpenAI's.
         _check_range(self.n, "n", 1)
+
+    def _json_schema(self) -> str | None:
+        """The JSON Schema (as text) that response_format or the json_schema extra asks for."""
+        response_format = self.response_format
+        if response_format is None or response_format == {"type": "text"}:
+            return self.json_schema
+        kind = response_format.get("type") if isinstance(response_format, dict) else None
+        if kind == "json_object":
+            schema: Any = {"type": "object"}
+        elif kind == "json_schema" and isinstance(response_format.get("json_schema"), dict):
+            schema = response_format["json_schema"].get("schema", {})
+            if not isinstance(schema, dict):
+                raise ClientError("response_format.json_schema.schema must be a JSON Schema object", "response_format")
+        else:
+            raise ClientError(
+                "response_format must be {'type': 'text'}, {'type': 'json_object'} or "
+                "{'type': 'json_schema', 'json_schema': {'name': ..., 'schema': {...}}}",
+                "response_format",
+            )
+        if self.json_schema is not None or self.regex is not None or self.ebnf is not None:
+            raise ClientError("give response_format or one of json_schema, regex, ebnf, not both", "response_format")
+        return json.dumps(schema)
 
     @property
     def sample_count(self) -> int:
@@ -107,6 +136,9 @@ class SamplingFields(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             "spaces_between_special_tokens": self.spaces_between_special_tokens,
             "no_stop_trim": self.no_stop_trim,
             "logit_bias": self.logit_bias or None,
+            "json_schema": self._json_schema(),
+            "regex": self.regex,
+            "ebnf": self.ebnf,
         }
         return {key: value for key, value in params.items() if value is not None}
 
@@ -184,7 +216,6 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     top_logprobs: int | None = None
     # Refused unless neutral: they change the answer and are not honoured yet. Typed Any so
     # that any shape gets this refusal rather than a type error.
-    response_format: Any = None
     tools: Any = None
     tool_choice: Any = None
     functions: Any = None
@@ -201,8 +232,6 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
 
     def check(self) -> None:
         self.check_common()
-        text_format = _is_empty(self.response_format) or self.response_format == {"type": "text"}
-        _refuse_unless(text_format, "response_format", "other than {'type': 'text'} (structured output)")
         _refuse_unless(_is_empty(self.tools), "tools", "(tool calls)")
         _refuse_unless(self.tool_choice in (None, "none"), "tool_choice", "other than 'none' (tool calls)")
         _refuse_unless(_is_empty(self.functions), "functions", "(function calls)")

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Container
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from sluice.config import ServerArgs
+from sluice.grammar import check_grammar, grammar_field, grammar_tokenizer
 from sluice.messages import ImageInput, SamplingParams, SchedulerReady, TokenizedGenerateReqInput
 from sluice.sampling import ClientError, validate_sampling_params
 from sluice.tokenizer.io_struct import GenerateReqInput, parse_sampling_params
@@ -23,6 +24,7 @@ class RequestTokenizer:
         self.tokenizer = tokenizer
         self.mm_processor: RequestImages | None = None  # a vision-language model's image pipeline
         self.scheduler_info: SchedulerReady | None = None  # the model's limits, once the back end is ready
+        self._grammar_tokenizer: Any = None  # llguidance's view of the tokenizer, at the first grammar
 
     async def tokenize(
         self, items: list[GenerateReqInput], live_rids: Container[str], label_items: bool = False
@@ -88,6 +90,10 @@ class RequestTokenizer:
         params = parse_sampling_params(obj.single_sampling_params)
         self._check_lengths(input_ids, params)
         validate_sampling_params(params, len(self.tokenizer))
+        if grammar_field(params) is not None:
+            if self._grammar_tokenizer is None:
+                self._grammar_tokenizer = grammar_tokenizer(self.tokenizer, len(self.tokenizer))
+            check_grammar(params, self._grammar_tokenizer)
         if obj.return_logprob and obj.logprob_start_len >= len(input_ids):
             obj.logprob_start_len = -1
         return TokenizedGenerateReqInput(

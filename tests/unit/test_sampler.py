@@ -365,3 +365,12 @@ def test_logit_bias_is_added_before_the_choice():
     batch = SamplingBatch.build(hot, [[], []], [[1], [1]], eos_token_ids=[], vocab_size=4)
     assert sample(logits, batch, [0, 0]).next_token_ids == [2, 2]
     assert logits[0, 0] == 3.0
+
+
+def test_a_grammar_keeps_only_its_tokens_and_wins_over_min_new_tokens():
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.0], [0.0, 1.0, 2.0, 3.0]])
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=0, min_new_tokens=5)]
+    batch = SamplingBatch.build(params, [[], []], [[1], [1]], eos_token_ids=[3], vocab_size=4)
+    # Row 0 may only say 2; row 1's grammar allows only the EOS that min_new_tokens bans.
+    batch.allowed = (torch.tensor([0, 1]), torch.tensor([[False, False, True, False], [False, False, False, True]]))
+    assert sample(logits, batch, [0, 0]).next_token_ids == [2, 3]

@@ -1,0 +1,155 @@
+"""Structured output through the real server and model: json_schema / regex / ebnf natively,
+response_format and the SDK's parse() on the OpenAI routes."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import httpx
+import jsonschema
+import openai
+import pydantic
+import pytest
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "city": {"enum": ["Paris", "Rome", "Oslo"]},
+    },
+    "required": ["name", "age", "city"],
+    "additionalProperties": False,
+}
+PROMPT = "<|im_start|>user\nDescribe a person as JSON.<|im_end|>\n<|im_start|>assistant\n"
+
+
+@pytest.fixture(scope="module")
+def client(base_url) -> openai.OpenAI:
+    return openai.OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def http(base_url):
+    with httpx.Client(base_url=base_url, timeout=120) as c:
+        yield c
+
+
+def generate(http: httpx.Client, **body) -> dict:
+    result = http.post("/generate", json={"text": PROMPT, **body})
+    assert result.status_code == 200, result.text
+    return result.json()
+
+
+def test_json_schema_holds_at_temperature_one_for_every_seed(http):
+    params = {"json_schema": json.dumps(PERSON), "temperature": 1.0, "max_new_tokens": 60}
+    texts = set()
+    for seed in range(8):
+        result = generate(http, sampling_params={**params, "seed": seed})
+        jsonschema.validate(json.loads(result["text"]), PERSON)
+        assert result["meta_info"]["finish_reason"]["type"] == "stop"
+        texts.add(result["text"])
+    assert len(texts) > 1  # sampled, not one forced answer
+
+
+def test_regex_and_ebnf_are_matched_whole(http):
+    result = generate(http, sampling_params={"regex": "[0-9]{3}-[a-z]{2}", "max_new_tokens": 20, "temperature": 0})
+    assert re.fullmatch("[0-9]{3}-[a-z]{2}", result["text"]), result["text"]
+    grammar = 'root ::= "answer: " ("yes" | "no")'
+    result = generate(http, sampling_params={"ebnf": grammar, "max_new_tokens": 20, "temperature": 0.7, "seed": 3})
+    assert result["text"] in ("answer: yes", "answer: no")
+
+
+def test_constrained_and_free_requests_share_a_batch(http):
+    free = {"max_new_tokens": 24, "temperature": 0}
+    alone = generate(http, sampling_params=free)["text"]
+    constrained = {"json_schema": json.dumps(PERSON), "max_new_tokens": 60, "temperature": 0}
+    batch = http.post(
+        "/generate", json={"text": [PROMPT, PROMPT, PROMPT], "sampling_params": [free, constrained, free]}
+    ).json()
+    assert batch[0]["text"] == batch[2]["text"] == alone
+    jsonschema.validate(json.loads(batch[1]["text"]), PERSON)
+
+
+def test_parallel_samples_each_follow_the_grammar(http):
+    params = {"json_schema": json.dumps(PERSON), "n": 3, "temperature": 1.0, "max_new_tokens": 60}
+    results = generate(http, sampling_params=params)
+    assert len(results) == 3
+    for result in results:
+        jsonschema.validate(json.loads(result["text"]), PERSON)
+
+
+class Person(pydantic.BaseModel):
+    name: str = pydantic.Field(max_length=12)
+    age: int = pydantic.Field(ge=0, le=120)
+
+
+def test_the_sdk_parse_gives_a_pydantic_object(client, model_name):
+    completion = client.chat.completions.parse(
+        model=model_name,
+        messages=[{"role": "user", "content": "Describe a person."}],
+        response_format=Person,
+        max_tokens=60,
+        temperature=0,
+    )
+    person = completion.choices[0].message.parsed
+    assert isinstance(person, Person) and 0 <= person.age <= 120
+
+
+def test_json_object_and_streamed_json_schema(client, model_name):
+    result = client.chat.completions.create(
+        model=model_name,
+        messages=[{"role": "user", "content": "Give me a JSON object."}],
+        response_format={"type": "json_object"},
+        max_tokens=80,
+        temperature=0,
+    )
+    if result.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(result.choices[0].message.content), dict)
+    else:  # an object may run long; what came so far is still its start
+        assert result.choices[0].message.content.startswith("{")
+    stream = client.chat.completions.create(
+        model=model_name,
+        messages=[{"role": "user", "content": "Describe a person."}],
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}},
+        max_tokens=60,
+        temperature=0,
+        stream=True,
+    )
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+    jsonschema.validate(json.loads(text), PERSON)
+
+
+@pytest.fixture(scope="module")
+def model_name(client) -> str:
+    return client.models.list().data[0].id
+
+
+@pytest.mark.parametrize(
+    "params, field",
+    [
+        ({"json_schema": "{not json"}, "json_schema"),
+        ({"json_schema": '{"type": "nonsense"}'}, "json_schema"),
+        ({"json_schema": "[1, 2]"}, "json_schema"),
+        ({"regex": "[0-9"}, "regex"),
+        ({"ebnf": "root ::= ("}, "ebnf"),
+        ({"ebnf": "root ::= undefined_rule"}, "ebnf"),
+        ({"regex": "a", "json_schema": "{}"}, "regex"),
+    ],
+)
+def test_bad_grammars_are_400_naming_the_field(http, params, field):
+    result = http.post("/generate", json={"text": "hi", "sampling_params": params})
+    assert result.status_code == 400, result.text
+    assert field in result.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    "response_format",
+    [{"type": "json"}, {"type": "json_schema"}, {"type": "json_schema", "json_schema": {"schema": [1]}}, "json"],
+)
+def test_bad_response_formats_are_400(http, response_format):
+    body = {"messages": [{"role": "user", "content": "hi"}], "response_format": response_format, "max_tokens": 4}
+    result = http.post("/v1/chat/completions", json=body)
+    assert result.status_code == 400, result.text
+    assert result.json()["error"]["param"] == "response_format"
