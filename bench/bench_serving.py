@@ -42,8 +42,11 @@ class RequestResult:
     error: str = ""
 
 
-async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: str, output_len: int) -> RequestResult:
+async def one_request(
+    client: httpx.AsyncClient, url: str, model: str, prompt: str, output_len: int, extra_body: dict | None = None
+) -> RequestResult:
     body = {
+        **(extra_body or {}),
         "model": model,
         "prompt": prompt,
         "max_tokens": output_len,
@@ -105,7 +108,7 @@ async def run(args) -> dict:
 
         async def limited(prompt: str) -> RequestResult:
             async with semaphore:
-                return await one_request(client, url, model, prompt, args.output_len)
+                return await one_request(client, url, model, prompt, args.output_len, getattr(args, "extra_body", None))
 
         start = time.perf_counter()
         tasks = []
@@ -158,6 +161,9 @@ def main() -> None:
     parser.add_argument("--timeout-s", type=float, default=1800)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument(
+        "--extra-body", type=json.loads, default=None, help="fields added to every request (a JSON object)"
+    )
     args = parser.parse_args()
     summary = asyncio.run(run(args))
     if args.json:

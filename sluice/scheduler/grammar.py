@@ -9,6 +9,7 @@ has its own.
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 import torch
@@ -24,9 +25,12 @@ _BIT = torch.arange(32, dtype=torch.int32)
 
 class Grammars:
     def __init__(self, tokenizer_path: str, vocab_size: int) -> None:
-        self.tokenizer_path = tokenizer_path
         self.vocab_size = vocab_size
-        self._tokenizer: llguidance.LLTokenizer | None = None  # built at the first constrained request
+        # llguidance's view of the tokenizer takes ~0.5 s to build: in a thread from the
+        # start, so the first constrained request does not stall the running ones.
+        self._tokenizer = ThreadPoolExecutor(1, thread_name_prefix="grammar-tokenizer").submit(
+            _build_tokenizer, tokenizer_path, vocab_size
+        )
         self._executor: llguidance.LLExecutor | None = None
 
     def matcher(self, params: SamplingParams) -> llguidance.LLMatcher | None:
@@ -59,8 +63,10 @@ class Grammars:
         return allowed
 
     def _grammar_tokenizer(self) -> llguidance.LLTokenizer:
-        if self._tokenizer is None:
-            from sluice.tokenizer_files import load_tokenizer
+        return self._tokenizer.result()
 
-            self._tokenizer = grammar_tokenizer(load_tokenizer(self.tokenizer_path), self.vocab_size)
-        return self._tokenizer
+
+def _build_tokenizer(tokenizer_path: str, vocab_size: int) -> llguidance.LLTokenizer:
+    from sluice.tokenizer_files import load_tokenizer
+
+    return grammar_tokenizer(load_tokenizer(tokenizer_path), vocab_size)

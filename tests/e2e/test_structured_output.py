@@ -153,3 +153,15 @@ def test_bad_response_formats_are_400(http, response_format):
     result = http.post("/v1/chat/completions", json=body)
     assert result.status_code == 400, result.text
     assert result.json()["error"]["param"] == "response_format"
+
+
+def test_completions_take_response_format_too(http):
+    body = {
+        "prompt": PROMPT,
+        "max_tokens": 60,
+        "temperature": 0,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}},
+    }
+    result = http.post("/v1/completions", json=body)
+    assert result.status_code == 200, result.text
+    jsonschema.validate(json.loads(result.json()["choices"][0]["text"]), PERSON)
