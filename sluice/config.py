@@ -96,6 +96,16 @@ class ServerArgs:
         default=False, metadata={"help": "Fetch http(s) image URLs (public addresses only, no redirects)."}
     )
     stream_interval: int = field(default=1, metadata={"help": "Send streamed output every N tokens."})
+    tool_call_parser: str = field(
+        default="auto",
+        metadata={
+            "help": (
+                "How chat answers with tool_choice 'auto' are read for tool calls: hermes "
+                "(<tool_call>{...}</tool_call>, Hermes/Qwen), llama3 (one JSON object, Llama 3.x), or auto (llama3 "
+                "for templates of Llama 3's ipython role, else hermes)."
+            )
+        },
+    )
     soft_watchdog_timeout: float = field(
         default=60.0,
         metadata={"help": "Seconds without output while requests are in flight before the stuck state is logged."},
@@ -158,6 +168,7 @@ class ServerArgs:
             (self.max_image_bytes >= 1024, "max_image_bytes must be >= 1024"),
             (self.max_image_pixels >= 1, "max_image_pixels must be >= 1"),
             (self.stream_interval >= 1, "stream_interval must be >= 1"),
+            (self.tool_call_parser in ("auto", "hermes", "llama3"), "tool_call_parser must be auto, hermes or llama3"),
             (self.soft_watchdog_timeout > 0, "soft_watchdog_timeout must be > 0"),
             (self.max_request_body_bytes >= 1024, "max_request_body_bytes must be >= 1024"),
             (

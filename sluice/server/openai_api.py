@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 
+import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
@@ -37,6 +38,7 @@ from sluice.server.openai_views import ChatView, CompletionView, OpenAIView, Tok
 from sluice.server.openapi import ApiDocs
 from sluice.server.sse import stream_response
 from sluice.server.state import ServerState
+from sluice.server.tool_calls import default_parser, forced_schema, template_knows_tools, with_tools_in_text
 from sluice.tokenizer.io_struct import GenerateReqInput
 from sluice.tokenizer.manager import BackendError, TokenizerManager
 
@@ -107,16 +109,23 @@ def install_openai_routes(app: FastAPI, state: ServerState, docs: ApiDocs) -> No
         max_new_tokens = body.requested_max_tokens
         if max_new_tokens is None:
             max_new_tokens = max(tm.context_len - len(input_ids), 0)
+        sampling_params = body.sampling_params(max_new_tokens)
+        if forced := body.forced_functions:
+            if sampling_params.get("json_schema") or body.regex is not None or body.ebnf is not None:
+                raise ClientError("tool_choice forces a tool call: leave out response_format", "tool_choice")
+            parameters = {tool.function.name: tool.function.parameters for tool in body.tools or []}
+            parallel = body.parallel_tool_calls is not False and body.tool_choice == "required"
+            sampling_params["json_schema"] = forced_schema(parameters, forced, parallel)
         obj = GenerateReqInput(
             input_ids=[*input_ids],
-            sampling_params=body.sampling_params(max_new_tokens),
+            sampling_params=sampling_params,
             stream=body.stream,
             return_logprob=body.logprobs,
             top_logprobs_num=(body.top_logprobs or 0) if body.logprobs else 0,
             rid=uuid.uuid4().hex,
             image_data=[*image_urls] or None,
         )
-        view = ChatView(state.model_name, obj.rid, token_texts, body)
+        view = ChatView(state.model_name, obj.rid, token_texts, body, tool_call_parser(tm))
         return await serve(tm, obj, request, view, "messages")
 
     @app.post("/tokenize", openapi_extra=docs.operation(body=TokenizeRequest, response=TokenizeResult, errors=_ERRORS))
@@ -145,14 +154,27 @@ def install_openai_routes(app: FastAPI, state: ServerState, docs: ApiDocs) -> No
         return {"text": await asyncio.to_thread(tm.tokenizer.decode, body.tokens)}
 
 
+def tool_call_parser(tm: TokenizerManager) -> str:
+    chosen = tm.server_args.tool_call_parser
+    if chosen != "auto":
+        return chosen
+    return default_parser(tm.chat_template.source if tm.chat_template is not None else None)
+
+
 def chat_prompt_ids(tm: TokenizerManager, body: ChatCompletionRequest, model_name: str) -> tuple[list[int], list[str]]:
     """The prompt's token ids (one image token per image) and the image URLs in order."""
     if tm.chat_template is None:
         raise ClientError("this model has no chat template; use /v1/completions", "messages")
     image_token = tm.mm_processor.image_token if tm.mm_processor is not None else None
     messages, image_urls = body.template_messages(image_token, model_name)
+    tools = [msgspec.to_builtins(tool) for tool in body.tools_offered]
+    template_kwargs = {}
+    if tools and template_knows_tools(tm.chat_template.source):
+        template_kwargs["tools"] = tools
+    elif tools or any("tool_calls" in message for message in messages):
+        messages = with_tools_in_text(messages, tools)
     try:
-        rendered = tm.chat_template.render(messages, add_generation_prompt=True)
+        rendered = tm.chat_template.render(messages, add_generation_prompt=True, **template_kwargs)
     except ValueError as e:
         raise ClientError(str(e), "messages") from None
     # The template already wrote the special tokens (BOS, role markers) it wants.

@@ -199,13 +199,53 @@ class ContentPart(msgspec.Struct, forbid_unknown_fields=True):
     image_url: ImageURL | str | None = None
 
 
+class FunctionCall(msgspec.Struct, forbid_unknown_fields=True):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class MessageToolCall(msgspec.Struct, forbid_unknown_fields=True):
+    id: str
+    function: FunctionCall
+    type: str = "function"
+
+
 class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool's result: the call it answers
 
 
-CHAT_ROLES: Final = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+CHAT_ROLES: Final = {
+    "system": "system",
+    "developer": "system",
+    "user": "user",
+    "assistant": "assistant",
+    "tool": "tool",
+}
+
+
+class FunctionDefinition(msgspec.Struct, forbid_unknown_fields=True):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON Schema
+    strict: bool | None = None
+
+
+class ToolDefinition(msgspec.Struct, forbid_unknown_fields=True):
+    type: str
+    function: FunctionDefinition
+
+
+class NamedFunction(msgspec.Struct, forbid_unknown_fields=True):
+    name: str
+
+
+class NamedToolChoice(msgspec.Struct, forbid_unknown_fields=True):
+    type: str
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingFields, kw_only=True):
@@ -214,10 +254,11 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    # Refused unless neutral: they change the answer and are not honoured yet. Typed Any so
-    # that any shape gets this refusal rather than a type error.
-    tools: Any = None
-    tool_choice: Any = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: str | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    # Refused unless neutral: they change the answer and are not honoured. Typed Any so that
+    # any shape gets this refusal rather than a type error.
     functions: Any = None
     function_call: Any = None
     audio: Any = None
@@ -225,16 +266,13 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     reasoning_effort: Any = None
     verbosity: Any = None
     web_search_options: Any = None
-    # Accepted without effect: no tools are sent (refused above), and a prediction only
-    # speeds up an answer in OpenAI's service, never changes it.
-    parallel_tool_calls: bool | None = None
+    # Accepted without effect: a prediction only speeds up an answer in OpenAI's service.
     prediction: Any = None
 
     def check(self) -> None:
         self.check_common()
-        _refuse_unless(_is_empty(self.tools), "tools", "(tool calls)")
-        _refuse_unless(self.tool_choice in (None, "none"), "tool_choice", "other than 'none' (tool calls)")
-        _refuse_unless(_is_empty(self.functions), "functions", "(function calls)")
+        self._check_tools()
+        _refuse_unless(_is_empty(self.functions), "functions", "(the old form of tools: use tools)")
         _refuse_unless(self.function_call in (None, "none"), "function_call", "other than 'none' (function calls)")
         _refuse_unless(self.audio is None, "audio", "(audio output)")
         _refuse_unless(self.modalities in (None, ["text"]), "modalities", "other than ['text']")
@@ -247,11 +285,44 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
         if not self.messages:
             raise ClientError("messages must not be empty", "messages")
 
+    def _check_tools(self) -> None:
+        names = []
+        for index, tool in enumerate(self.tools or []):
+            if tool.type != "function":
+                raise ClientError(f"tools[{index}].type must be 'function', got {tool.type!r}", f"tools[{index}].type")
+            if not tool.function.name or tool.function.name in names:
+                raise ClientError(f"tools[{index}].function.name must be a new, non-empty name", f"tools[{index}]")
+            names.append(tool.function.name)
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice):
+            if choice.type != "function" or choice.function.name not in names:
+                raise ClientError(
+                    f"tool_choice names the function {choice.function.name!r}, which tools does not hold", "tool_choice"
+                )
+        elif choice not in (None, "none", "auto", "required"):
+            raise ClientError("tool_choice must be 'none', 'auto', 'required' or a named function", "tool_choice")
+        elif choice == "required" and not names:
+            raise ClientError("tool_choice 'required' needs tools", "tool_choice")
+
+    @property
+    def tools_offered(self) -> list[ToolDefinition]:
+        """The tools the model is told of: none with tool_choice 'none' (as vLLM does)."""
+        return [] if self.tool_choice == "none" else list(self.tools or [])
+
+    @property
+    def forced_functions(self) -> list[str]:
+        """The functions the answer must call one of (tool_choice 'required' or named)."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return [self.tool_choice.function.name]
+        if self.tool_choice == "required":
+            return [tool.function.name for tool in self.tools or []]
+        return []
+
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
-    def template_messages(self, image_token: str | None, model_name: str) -> tuple[list[dict[str, str]], list[str]]:
+    def template_messages(self, image_token: str | None, model_name: str) -> tuple[list[dict[str, Any]], list[str]]:
         """The messages as the chat template takes them (a role and one string of content,
         each image part replaced by the model's image token), and the image URLs in order."""
         image_urls: list[str] = []
@@ -264,7 +335,7 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
 
 def _template_message(
     message: ChatMessage, index: int, image_token: str | None, model_name: str, image_urls: list[str]
-) -> dict[str, str]:
+) -> dict[str, Any]:
     where = f"messages[{index}]"
     role = CHAT_ROLES.get(message.role)
     if role is None:
@@ -272,6 +343,10 @@ def _template_message(
             f"{where}.role '{message.role}' is not supported; use one of {sorted(CHAT_ROLES)}", f"{where}.role"
         )
     content = message.content
+    if message.tool_calls is not None and role != "assistant":
+        raise ClientError(f"{where}.tool_calls is for assistant messages", f"{where}.tool_calls")
+    if role == "tool" and not message.tool_call_id:
+        raise ClientError(f"{where}.tool_call_id is required for a tool's result", f"{where}.tool_call_id")
     if content is None:
         if role != "assistant":
             raise ClientError(f"{where}.content is required for role '{message.role}'", f"{where}.content")
@@ -281,7 +356,27 @@ def _template_message(
             _part_text(part, f"{where}.content[{i}]", image_token, model_name, image_urls)
             for i, part in enumerate(content)
         )
-    return {"role": role, "content": content}
+    rendered: dict[str, Any] = {"role": role, "content": content}
+    if message.tool_calls:
+        # Templates take arguments as an object (most write them with tojson).
+        rendered["tool_calls"] = [
+            {
+                "id": call.id,
+                "type": "function",
+                "function": {"name": call.function.name, "arguments": _json_or_text(call.function.arguments)},
+            }
+            for call in message.tool_calls
+        ]
+    if message.tool_call_id:
+        rendered["tool_call_id"] = message.tool_call_id
+    return rendered
+
+
+def _json_or_text(arguments: str) -> Any:
+    try:
+        return json.loads(arguments)
+    except json.JSONDecodeError:
+        return arguments
 
 
 def _part_text(part: ContentPart, where: str, image_token: str | None, model_name: str, image_urls: list[str]) -> str:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from sluice.messages import TokenLogprob
 from sluice.server.errors import failure_message
 from sluice.server.openai_protocol import ChatCompletionRequest, CompletionRequest
+from sluice.server.tool_calls import ToolCall, forced_calls, may_start_call, parse_tool_calls
 from sluice.tokenizer.manager import BackendError
 from sluice.tokenizer.result import GenerateChunk
 
@@ -195,8 +196,7 @@ class OpenAIView:
     def stream_chunk(self, chunk: GenerateChunk) -> list[dict[str, Any]]:
         """The events for one chunk of one choice; after the last choice's end, the usage."""
         index = choice_index(chunk)
-        choice = self.stream_choice(index, chunk)
-        events = [] if choice is None else [self.stream_envelope([choice])]
+        events = [self.stream_envelope([choice]) for choice in self.stream_choices(index, chunk)]
         if chunk.finished:
             self.finished_chunks[index] = chunk
             if self.finished and self.include_usage:
@@ -215,6 +215,11 @@ class OpenAIView:
     def stream_choice(self, index: int, chunk: GenerateChunk) -> dict[str, Any] | None:
         """The delta of one choice, or None when the chunk brings nothing new."""
         raise NotImplementedError
+
+    def stream_choices(self, index: int, chunk: GenerateChunk) -> list[dict[str, Any]]:
+        """The deltas one chunk of one choice makes (each its own event)."""
+        choice = self.stream_choice(index, chunk)
+        return [] if choice is None else [choice]
 
 
 class CompletionView(OpenAIView):
@@ -262,26 +267,52 @@ class CompletionView(OpenAIView):
 
 
 class ChatView(OpenAIView):
+    """Chat responses, with tool calls read out of the answer when the request offers tools:
+    a forced call (tool_choice 'required' or named) is the whole answer, held back until it
+    ends; with 'auto', text streams until a call may begin, and the rest waits for the end."""
+
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
     id_prefix = "chatcmpl"
 
-    def __init__(self, model_name, request_id, texts, body: ChatCompletionRequest):
+    def __init__(self, model_name, request_id, texts, body: ChatCompletionRequest, tool_call_parser: str = "hermes"):
         super().__init__(model_name, request_id, texts, body.include_usage, 1, body.sample_count)
         self.wants_logprobs = body.logprobs
         self.top_count = body.top_logprobs or 0
+        self.forced = bool(body.forced_functions)
+        self.known_tools = {tool.function.name for tool in body.tools_offered}
+        self.parser = tool_call_parser
+        self.text: dict[int, str] = {}  # each choice's text so far
+        self.sent: dict[int, int] = {}  # how much of it went out as content
 
     def logprobs(self, entries: list[LogprobEntry]) -> dict[str, Any] | None:
         if not self.wants_logprobs:
             return None
         return {"content": chat_logprobs(entries, self.texts, self.top_count)}
 
+    def answer(self, text: str, chunk: GenerateChunk) -> tuple[str | None, list[ToolCall], str | None]:
+        """(content, tool calls, finish reason) of a whole answer."""
+        reason = finish_reason(chunk)
+        if self.forced:
+            if reason == "stop":
+                return None, forced_calls(text), "tool_calls"
+            return text, [], reason  # cut short (length): no complete call to give
+        if self.known_tools:
+            content, calls = parse_tool_calls(text, self.parser, self.known_tools)
+            if calls:
+                return content or None, calls, "tool_calls"
+        return text, [], reason
+
     def final_choice(self, index: int, chunk: GenerateChunk) -> dict[str, Any]:
+        content, calls, reason = self.answer(chunk.text, chunk)
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = [call.as_dict() for call in calls]
         return {
             "index": index,
-            "message": {"role": "assistant", "content": chunk.text},
+            "message": message,
             "logprobs": self.logprobs(logprob_entries(chunk, "output")),
-            "finish_reason": finish_reason(chunk),
+            "finish_reason": reason,
         }
 
     def stream_start(self) -> list[dict[str, Any]]:
@@ -309,3 +340,39 @@ class ChatView(OpenAIView):
             "logprobs": self.logprobs(entries) if entries else None,
             "finish_reason": finish_reason(chunk),
         }
+
+    def stream_choices(self, index: int, chunk: GenerateChunk) -> list[dict[str, Any]]:
+        if not (self.forced or self.known_tools):
+            return super().stream_choices(index, chunk)
+        text = self.text[index] = self.text.get(index, "") + chunk.text
+        sent = self.sent.get(index, 0)
+        entries = logprob_entries(chunk, "output")
+        logprobs = self.logprobs(entries) if entries else None
+        if not chunk.finished:
+            safe = sent if self.forced else self._may_send(text, sent)
+            self.sent[index] = max(sent, safe)
+            if safe <= sent and not entries:
+                return []
+            delta = {"content": text[sent:safe]} if safe > sent else {}
+            return [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": None}]
+        content, calls, reason = self.answer(text, chunk)
+        unsent = (content or "")[sent:] if (content or "").startswith(text[:sent]) else ""
+        choices = [{"index": index, "delta": {"content": unsent}, "logprobs": logprobs, "finish_reason": None}]
+        for position, call in enumerate(calls):
+            whole = call.as_dict(position)
+            arguments = whole["function"].pop("arguments")
+            whole["function"]["arguments"] = ""
+            choices.append({"index": index, "delta": {"tool_calls": [whole]}, "logprobs": None, "finish_reason": None})
+            fragment = {"index": position, "function": {"arguments": arguments}}
+            choices.append(
+                {"index": index, "delta": {"tool_calls": [fragment]}, "logprobs": None, "finish_reason": None}
+            )
+        choices.append({"index": index, "delta": {}, "logprobs": None, "finish_reason": reason})
+        return choices
+
+    def _may_send(self, text: str, sent: int) -> int:
+        """How much of the text can go out as content while a call may still come."""
+        if self.parser == "llama3":
+            stripped = text.lstrip()
+            return sent if not stripped or stripped[0] in "{<" else len(text)
+        return may_start_call(text)

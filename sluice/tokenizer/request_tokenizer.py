@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Container
-from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
 
 from sluice.config import ServerArgs
 from sluice.grammar import check_grammar, grammar_field, grammar_tokenizer
@@ -27,9 +27,11 @@ class RequestTokenizer:
         self.scheduler_info: SchedulerReady | None = None  # the model's limits, once the back end is ready
         # llguidance's view of the tokenizer (~0.5 s to build), for checking grammars: built
         # in a thread from the start, off the event loop.
-        self._grammar_tokenizer = ThreadPoolExecutor(1, thread_name_prefix="grammar-tokenizer").submit(
-            grammar_tokenizer, tokenizer, len(tokenizer)
-        )
+        self._grammar_tokenizer: Future[Any] | None = None
+        if tokenizer is not None:  # unit tests may run without one
+            self._grammar_tokenizer = ThreadPoolExecutor(1, thread_name_prefix="grammar-tokenizer").submit(
+                grammar_tokenizer, tokenizer, len(tokenizer)
+            )
 
     async def tokenize(
         self, items: list[GenerateReqInput], live_rids: Container[str], label_items: bool = False
@@ -95,7 +97,7 @@ class RequestTokenizer:
         params = parse_sampling_params(obj.single_sampling_params)
         self._check_lengths(input_ids, params)
         validate_sampling_params(params, len(self.tokenizer))
-        if grammar_field(params) is not None:
+        if grammar_field(params) is not None and self._grammar_tokenizer is not None:
             check_grammar(params, self._grammar_tokenizer.result())
         if obj.return_logprob and obj.logprob_start_len >= len(input_ids):
             obj.logprob_start_len = -1

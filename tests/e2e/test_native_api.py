@@ -145,9 +145,8 @@ def test_skip_special_tokens(base_url):
         ({"input_ids": [99999999]}, "input_ids"),
         ({"text": ""}, "prompt"),
         ({"text": 5}, "text"),
-        # Not honoured yet, so never silently ignored: structured output and unknown fields.
-        ({"text": "hi", "sampling_params": {"json_schema": '{"type": "object"}'}}, "sampling_params.json_schema"),
-        ({"text": "hi", "sampling_params": {"regex": "[0-9]+"}}, "sampling_params.regex"),
+        # Never silently ignored: unknown fields.
+        ({"text": "hi", "sampling_params": {"structural_tag": "{}"}}, "sampling_params.structural_tag"),
         ({"text": "hi", "sampling_params": {"logit_bias": {"x": 5}}}, "logit_bias"),
         ({"text": "hi", "sampling_params": {"logit_bias": {"1": 101}}}, "logit_bias"),
         ({"text": "hi", "sampling_params": {"logit_bias": {"99999999": 1}}}, "logit_bias"),

@@ -1,0 +1,152 @@
+"""Tool calls in chat: what the model is told, what it may say, and how its answer becomes
+OpenAI's `message.tool_calls`.
+
+`tool_choice` "required" or a named function is enforced by a JSON Schema (structured
+output), so it holds even for a tiny model: the answer is a JSON array of `{"name",
+"arguments"}` objects (one for a named function, or with `parallel_tool_calls: false`), each
+`arguments` valid against its function's `parameters`. "auto" leaves the model free and
+reads its own format out of the text (`--tool-call-parser`):
+
+    hermes  `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks (Hermes, Qwen)
+    llama3  the whole answer one JSON object `{"name": ..., "parameters": {...}}` (Llama 3.x),
+            optionally after `<|python_tag|>`
+
+A chat template that has no tools section gets the tools in a system block (DEFAULT_TOOLS_PROMPT)
+asking for the hermes format.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any, Final
+
+TOOL_CALL_PARSERS: Final = ("hermes", "llama3")
+HERMES_START: Final = "<tool_call>"
+_HERMES_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+_PYTHON_TAG: Final = "<|python_tag|>"
+
+DEFAULT_TOOLS_PROMPT: Final = (
+    "You may call functions to answer. The functions, as JSON Schemas:\n{tools}\n"
+    "To call one, answer with one block per call: "
+    '<tool_call>{{"name": "function name", "arguments": {{...}}}}</tool_call>'
+)
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCall:
+    name: str
+    arguments: str  # JSON text
+    id: str = ""
+
+    def as_dict(self, index: int | None = None) -> dict[str, Any]:
+        call: dict[str, Any] = {
+            "id": self.id or f"call_{uuid.uuid4().hex[:24]}",
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
+        return call if index is None else {"index": index, **call}
+
+
+def call_schema(name: str, parameters: dict[str, Any] | None) -> dict[str, Any]:
+    return {
+        "type": "object",
+        "properties": {"name": {"const": name}, "arguments": parameters or {"type": "object"}},
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+    }
+
+
+def forced_schema(functions: dict[str, dict[str, Any] | None], names: list[str], parallel: bool) -> str:
+    """The JSON Schema an answer must follow when it has to call one of `names`: an array of
+    calls (exactly one unless `parallel`)."""
+    items = [call_schema(name, functions[name]) for name in names]
+    schema: dict[str, Any] = {
+        "type": "array",
+        "minItems": 1,
+        "items": items[0] if len(items) == 1 else {"anyOf": items},
+    }
+    if not parallel:
+        schema["maxItems"] = 1
+    return json.dumps(schema)
+
+
+def forced_calls(text: str) -> list[ToolCall]:
+    """The calls of an answer made under forced_schema (a complete JSON array)."""
+    calls = json.loads(text)
+    return [ToolCall(call["name"], json.dumps(call["arguments"])) for call in calls]
+
+
+def parse_tool_calls(text: str, parser: str, known: set[str]) -> tuple[str, list[ToolCall]]:
+    """(the content left, the calls) of a free answer. Calls of functions not offered, or
+    whose JSON does not parse, stay text: nothing the model said is lost."""
+    if parser == "llama3":
+        body = text.strip().removeprefix(_PYTHON_TAG).strip()
+        call = _call_of(body, "parameters", known)
+        return ("", [call]) if call is not None else (text, [])
+    calls: list[ToolCall] = []
+    kept: list[str] = []
+    position = 0
+    for match in _HERMES_BLOCK.finditer(text):
+        call = _call_of(match.group(1), "arguments", known)
+        if call is None:
+            continue
+        kept.append(text[position : match.start()])
+        position = match.end()
+        calls.append(call)
+    kept.append(text[position:])
+    return "".join(kept).strip() if calls else text, calls
+
+
+def _call_of(body: str, arguments_key: str, known: set[str]) -> ToolCall | None:
+    try:
+        call = json.loads(body)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(call, dict) or call.get("name") not in known:
+        return None
+    arguments = call.get(arguments_key, call.get("arguments", {}))
+    return ToolCall(call["name"], arguments if isinstance(arguments, str) else json.dumps(arguments))
+
+
+def may_start_call(text: str) -> int:
+    """Where a hermes call may begin in streamed text (len(text) when it cannot): the text
+    before can go out; the rest waits for more tokens."""
+    start = text.find(HERMES_START)
+    if start >= 0:
+        return start
+    for keep in range(min(len(HERMES_START) - 1, len(text)), 0, -1):
+        if HERMES_START.startswith(text[-keep:]):
+            return len(text) - keep
+    return len(text)
+
+
+def default_parser(chat_template_source: str | None) -> str:
+    """llama3 for templates that speak of Llama 3's ipython role, hermes for the rest."""
+    source = chat_template_source or ""
+    return "llama3" if "<|python_tag|>" in source or "ipython" in source else "hermes"
+
+
+def template_knows_tools(chat_template_source: str | None) -> bool:
+    return "tools" in (chat_template_source or "")
+
+
+def with_tools_in_text(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """For a template with no tools section: the tools in a system block (appended to the
+    first system message, or one of its own), and earlier calls written into their
+    assistant message's content in the hermes format the block asks for."""
+    messages = [dict(message) for message in messages]
+    for message in messages:
+        for call in message.pop("tool_calls", None) or []:
+            function = call["function"]
+            written = json.dumps({"name": function["name"], "arguments": function["arguments"]})
+            message["content"] = f"{message['content']}{HERMES_START}{written}</tool_call>"
+    if tools:
+        block = DEFAULT_TOOLS_PROMPT.format(tools="\n".join(json.dumps(tool) for tool in tools))
+        if messages and messages[0]["role"] == "system":
+            messages[0]["content"] = f"{messages[0]['content']}\n\n{block}"
+        else:
+            messages.insert(0, {"role": "system", "content": block})
+    return messages

@@ -1,0 +1,173 @@
+"""Tool calls in chat through the real server and model: forced calls (required, named) that
+hold even for a 135 M model, streamed deltas, tool-result turns, and every refusal."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 20}, "unit": {"enum": ["C", "F"]}},
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"enum": ["UTC", "CET"]}},
+            "required": ["zone"],
+            "additionalProperties": False,
+        },
+    },
+}
+TOOLS = [WEATHER, TIME]
+PARAMETERS = {tool["function"]["name"]: tool["function"]["parameters"] for tool in TOOLS}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def client(base_url) -> openai.OpenAI:
+    return openai.OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def model_name(client) -> str:
+    return client.models.list().data[0].id
+
+
+def assert_valid_call(call) -> None:
+    assert call.type == "function" and call.id
+    assert call.function.name in PARAMETERS
+    jsonschema.validate(json.loads(call.function.arguments), PARAMETERS[call.function.name])
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_required_forces_a_valid_call(client, model_name, temperature):
+    result = client.chat.completions.create(
+        model=model_name,
+        messages=ASK,
+        tools=TOOLS,
+        tool_choice="required",
+        max_tokens=120,
+        temperature=temperature,
+        seed=4,
+    )
+    choice = result.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    assert len(choice.message.tool_calls) >= 1
+    for call in choice.message.tool_calls:
+        assert_valid_call(call)
+
+
+def test_a_named_function_is_the_one_called(client, model_name):
+    result = client.chat.completions.create(
+        model=model_name,
+        messages=ASK,
+        tools=TOOLS,
+        tool_choice={"type": "function", "function": {"name": "get_time"}},
+        parallel_tool_calls=True,
+        max_tokens=60,
+        temperature=0.8,
+        seed=1,
+    )
+    calls = result.choices[0].message.tool_calls
+    assert [call.function.name for call in calls] == ["get_time"]
+    assert_valid_call(calls[0])
+
+
+def test_streamed_call_deltas_reassemble(client, model_name):
+    stream = client.chat.completions.create(
+        model=model_name,
+        messages=ASK,
+        tools=TOOLS,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=120,
+        temperature=0,
+        stream=True,
+    )
+    calls: dict[int, dict] = {}
+    finish = None
+    for chunk in stream:
+        for choice in chunk.choices:
+            finish = choice.finish_reason or finish
+            for delta in choice.delta.tool_calls or []:
+                call = calls.setdefault(delta.index, {"id": None, "name": None, "arguments": ""})
+                if delta.id:
+                    assert call["id"] is None and not call["arguments"]  # id and name come first
+                    call["id"], call["name"] = delta.id, delta.function.name
+                call["arguments"] += delta.function.arguments or ""
+    assert finish == "tool_calls" and list(calls) == [0]
+    assert calls[0]["name"] in PARAMETERS
+    jsonschema.validate(json.loads(calls[0]["arguments"]), PARAMETERS[calls[0]["name"]])
+
+
+def test_a_tool_result_turn_is_accepted(client, model_name):
+    messages = [
+        *ASK,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "C"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21}'},
+    ]
+    result = client.chat.completions.create(model=model_name, messages=messages, tools=TOOLS, max_tokens=16)
+    assert result.choices[0].message.content is not None or result.choices[0].message.tool_calls
+    # tool_choice "none": the tools are not offered, and nothing is read as a call.
+    result = client.chat.completions.create(
+        model=model_name, messages=messages, tools=TOOLS, tool_choice="none", max_tokens=8
+    )
+    assert result.choices[0].message.tool_calls is None
+
+
+@pytest.fixture(scope="module")
+def http(base_url):
+    with httpx.Client(base_url=base_url, timeout=120) as c:
+        yield c
+
+
+@pytest.mark.parametrize(
+    "fields, param",
+    [
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+        ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": [{"type": "retrieval", "function": {"name": "x"}}]}, "tools[0].type"),
+        ({"tools": [WEATHER, WEATHER]}, "tools[1]"),
+        ({"tools": {"get_weather": WEATHER}}, "tools"),
+        ({"tools": [{"type": "function"}]}, "tools[0]"),
+        (
+            {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+            "tool_choice",
+        ),
+        ({"messages": [{"role": "tool", "content": "21"}]}, "messages[0].tool_call_id"),
+    ],
+)
+def test_bad_tool_requests_are_400_naming_the_field(http, fields, param):
+    body = {"messages": ASK, "max_tokens": 4, **fields}
+    result = http.post("/v1/chat/completions", json=body)
+    assert result.status_code == 400, result.text
+    error = result.json()["error"]
+    assert error["param"] == param, error
