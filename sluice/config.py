@@ -96,6 +96,16 @@ class ServerArgs:
         default=False, metadata={"help": "Fetch http(s) image URLs (public addresses only, no redirects)."}
     )
     stream_interval: int = field(default=1, metadata={"help": "Send streamed output every N tokens."})
+    reasoning_parser: str = field(
+        default="none",
+        metadata={
+            "help": (
+                "Move a reasoning model's thinking out of chat answers into reasoning_content: qwen3 "
+                "(<think>...</think> at the start; none when thinking is off) or deepseek-r1 (the answer starts "
+                "inside the thinking, up to </think>); none keeps answers whole."
+            )
+        },
+    )
     tool_call_parser: str = field(
         default="auto",
         metadata={
@@ -169,6 +179,10 @@ class ServerArgs:
             (self.max_image_pixels >= 1, "max_image_pixels must be >= 1"),
             (self.stream_interval >= 1, "stream_interval must be >= 1"),
             (self.tool_call_parser in ("auto", "hermes", "llama3"), "tool_call_parser must be auto, hermes or llama3"),
+            (
+                self.reasoning_parser in ("none", "qwen3", "deepseek-r1"),
+                "reasoning_parser must be none, qwen3 or deepseek-r1",
+            ),
             (self.soft_watchdog_timeout > 0, "soft_watchdog_timeout must be > 0"),
             (self.max_request_body_bytes >= 1024, "max_request_body_bytes must be >= 1024"),
             (

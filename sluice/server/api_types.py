@@ -189,9 +189,22 @@ class ChatLogprobs(msgspec.Struct, kw_only=True):
     content: list[ChatTokenLogprob]
 
 
+class ResponseFunction(msgspec.Struct, kw_only=True):
+    name: str
+    arguments: str  # JSON text
+
+
+class ResponseToolCall(msgspec.Struct, kw_only=True):
+    id: str
+    type: str
+    function: ResponseFunction
+
+
 class ChatResponseMessage(msgspec.Struct, kw_only=True):
     role: str
-    content: str
+    content: str | None  # null when the answer is tool calls only
+    reasoning_content: str | UnsetType | None = UNSET  # with --reasoning-parser
+    tool_calls: list[ResponseToolCall] | UnsetType = UNSET
 
 
 class ChatChoice(msgspec.Struct, kw_only=True):
@@ -206,9 +219,23 @@ class ChatCompletionResponse(OpenAIEnvelope, kw_only=True):
     usage: Usage
 
 
+class DeltaFunction(msgspec.Struct, kw_only=True):
+    name: str | UnsetType = UNSET  # with the call's first delta
+    arguments: str  # a fragment; the fragments of one call concatenate to its JSON
+
+
+class DeltaToolCall(msgspec.Struct, kw_only=True):
+    index: int
+    id: str | UnsetType = UNSET  # id and type with the call's first delta
+    type: str | UnsetType = UNSET
+    function: DeltaFunction
+
+
 class ChatDelta(msgspec.Struct, kw_only=True):
     role: str | UnsetType = UNSET
     content: str | UnsetType = UNSET
+    reasoning_content: str | UnsetType = UNSET
+    tool_calls: list[DeltaToolCall] | UnsetType = UNSET
 
 
 class ChatChunkChoice(msgspec.Struct, kw_only=True):

@@ -125,7 +125,9 @@ def install_openai_routes(app: FastAPI, state: ServerState, docs: ApiDocs) -> No
             rid=uuid.uuid4().hex,
             image_data=[*image_urls] or None,
         )
-        view = ChatView(state.model_name, obj.rid, token_texts, body, tool_call_parser(tm))
+        view = ChatView(
+            state.model_name, obj.rid, token_texts, body, tool_call_parser(tm), tm.server_args.reasoning_parser
+        )
         return await serve(tm, obj, request, view, "messages")
 
     @app.post("/tokenize", openapi_extra=docs.operation(body=TokenizeRequest, response=TokenizeResult, errors=_ERRORS))
@@ -154,6 +156,15 @@ def install_openai_routes(app: FastAPI, state: ServerState, docs: ApiDocs) -> No
         return {"text": await asyncio.to_thread(tm.tokenizer.decode, body.tokens)}
 
 
+def _continued(rendered: str, final_content: str) -> str:
+    """The prompt cut right after the last message's text, so the model goes on with it
+    (what the template writes after it, its end-of-turn marker, is dropped)."""
+    end = rendered.rfind(final_content) if final_content else -1
+    if end < 0:
+        raise ClientError("the chat template does not write the last message's text", "continue_final_message")
+    return rendered[: end + len(final_content)]
+
+
 def tool_call_parser(tm: TokenizerManager) -> str:
     chosen = tm.server_args.tool_call_parser
     if chosen != "auto":
@@ -168,15 +179,19 @@ def chat_prompt_ids(tm: TokenizerManager, body: ChatCompletionRequest, model_nam
     image_token = tm.mm_processor.image_token if tm.mm_processor is not None else None
     messages, image_urls = body.template_messages(image_token, model_name)
     tools = [msgspec.to_builtins(tool) for tool in body.tools_offered]
-    template_kwargs = {}
+    template_kwargs = dict(body.chat_template_kwargs or {})
     if tools and template_knows_tools(tm.chat_template.source):
         template_kwargs["tools"] = tools
     elif tools or any("tool_calls" in message for message in messages):
         messages = with_tools_in_text(messages, tools)
     try:
-        rendered = tm.chat_template.render(messages, add_generation_prompt=True, **template_kwargs)
+        rendered = tm.chat_template.render(
+            messages, add_generation_prompt=body.add_generation_prompt, **template_kwargs
+        )
     except ValueError as e:
         raise ClientError(str(e), "messages") from None
+    if body.continue_final_message:
+        rendered = _continued(rendered, messages[-1]["content"])
     # The template already wrote the special tokens (BOS, role markers) it wants.
     return tm.tokenizer(rendered, add_special_tokens=False).input_ids, image_urls
 

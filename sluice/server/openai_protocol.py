@@ -257,6 +257,11 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     tools: list[ToolDefinition] | None = None
     tool_choice: str | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # vLLM's and SGLang's: extra variables for the chat template (e.g. enable_thinking), and
+    # how the prompt ends (a new assistant turn, or the last assistant message continued).
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
     # Refused unless neutral: they change the answer and are not honoured. Typed Any so that
     # any shape gets this refusal rather than a type error.
     functions: Any = None
@@ -272,6 +277,7 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     def check(self) -> None:
         self.check_common()
         self._check_tools()
+        self._check_prompt_end()
         _refuse_unless(_is_empty(self.functions), "functions", "(the old form of tools: use tools)")
         _refuse_unless(self.function_call in (None, "none"), "function_call", "other than 'none' (function calls)")
         _refuse_unless(self.audio is None, "audio", "(audio output)")
@@ -303,6 +309,19 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
             raise ClientError("tool_choice must be 'none', 'auto', 'required' or a named function", "tool_choice")
         elif choice == "required" and not names:
             raise ClientError("tool_choice 'required' needs tools", "tool_choice")
+
+    def _check_prompt_end(self) -> None:
+        if self.continue_final_message:
+            if self.add_generation_prompt:
+                raise ClientError(
+                    "continue_final_message continues the last message: set add_generation_prompt to false",
+                    "continue_final_message",
+                )
+            if not self.messages or self.messages[-1].role != "assistant":
+                raise ClientError("continue_final_message needs an assistant message last", "continue_final_message")
+        reserved = {"messages", "add_generation_prompt", "tools"} & set(self.chat_template_kwargs or {})
+        if reserved:
+            raise ClientError(f"chat_template_kwargs may not set {sorted(reserved)[0]}", "chat_template_kwargs")
 
     @property
     def tools_offered(self) -> list[ToolDefinition]:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from sluice.messages import TokenLogprob
 from sluice.server.errors import failure_message
 from sluice.server.openai_protocol import ChatCompletionRequest, CompletionRequest
+from sluice.server.reasoning import split_reasoning
 from sluice.server.tool_calls import ToolCall, forced_calls, may_start_call, parse_tool_calls
 from sluice.tokenizer.manager import BackendError
 from sluice.tokenizer.result import GenerateChunk
@@ -267,45 +268,59 @@ class CompletionView(OpenAIView):
 
 
 class ChatView(OpenAIView):
-    """Chat responses, with tool calls read out of the answer when the request offers tools:
-    a forced call (tool_choice 'required' or named) is the whole answer, held back until it
-    ends; with 'auto', text streams until a call may begin, and the rest waits for the end."""
+    """Chat responses. With `--reasoning-parser`, the thinking goes to `reasoning_content`.
+    With tools offered, calls are read out of the answer: a forced call (tool_choice
+    'required' or named) is the whole answer, held back until it ends; with 'auto', text
+    streams until a call may begin, and the rest waits for the end."""
 
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
     id_prefix = "chatcmpl"
 
-    def __init__(self, model_name, request_id, texts, body: ChatCompletionRequest, tool_call_parser: str = "hermes"):
+    def __init__(
+        self,
+        model_name,
+        request_id,
+        texts,
+        body: ChatCompletionRequest,
+        tool_call_parser: str = "hermes",
+        reasoning_parser: str = "none",
+    ):
         super().__init__(model_name, request_id, texts, body.include_usage, 1, body.sample_count)
         self.wants_logprobs = body.logprobs
         self.top_count = body.top_logprobs or 0
         self.forced = bool(body.forced_functions)
         self.known_tools = {tool.function.name for tool in body.tools_offered}
         self.parser = tool_call_parser
+        self.reasoning_parser = reasoning_parser
         self.text: dict[int, str] = {}  # each choice's text so far
-        self.sent: dict[int, int] = {}  # how much of it went out as content
+        self.reasoning_sent: dict[int, int] = {}  # how much of its reasoning went out
+        self.sent: dict[int, int] = {}  # how much of its content went out
 
     def logprobs(self, entries: list[LogprobEntry]) -> dict[str, Any] | None:
         if not self.wants_logprobs:
             return None
         return {"content": chat_logprobs(entries, self.texts, self.top_count)}
 
-    def answer(self, text: str, chunk: GenerateChunk) -> tuple[str | None, list[ToolCall], str | None]:
-        """(content, tool calls, finish reason) of a whole answer."""
+    def answer(self, text: str, chunk: GenerateChunk) -> tuple[str, str | None, list[ToolCall], str | None]:
+        """(reasoning, content, tool calls, finish reason) of a whole answer."""
+        reasoning, text, _ = split_reasoning(text, self.reasoning_parser)
         reason = finish_reason(chunk)
         if self.forced:
             if reason == "stop":
-                return None, forced_calls(text), "tool_calls"
-            return text, [], reason  # cut short (length): no complete call to give
+                return reasoning, None, forced_calls(text), "tool_calls"
+            return reasoning, text, [], reason  # cut short (length): no complete call to give
         if self.known_tools:
             content, calls = parse_tool_calls(text, self.parser, self.known_tools)
             if calls:
-                return content or None, calls, "tool_calls"
-        return text, [], reason
+                return reasoning, content or None, calls, "tool_calls"
+        return reasoning, text, [], reason
 
     def final_choice(self, index: int, chunk: GenerateChunk) -> dict[str, Any]:
-        content, calls, reason = self.answer(chunk.text, chunk)
+        reasoning, content, calls, reason = self.answer(chunk.text, chunk)
         message: dict[str, Any] = {"role": "assistant", "content": content}
+        if self.reasoning_parser != "none":
+            message["reasoning_content"] = reasoning or None
         if calls:
             message["tool_calls"] = [call.as_dict() for call in calls]
         return {
@@ -342,22 +357,31 @@ class ChatView(OpenAIView):
         }
 
     def stream_choices(self, index: int, chunk: GenerateChunk) -> list[dict[str, Any]]:
-        if not (self.forced or self.known_tools):
+        if not (self.forced or self.known_tools or self.reasoning_parser != "none"):
             return super().stream_choices(index, chunk)
         text = self.text[index] = self.text.get(index, "") + chunk.text
-        sent = self.sent.get(index, 0)
         entries = logprob_entries(chunk, "output")
         logprobs = self.logprobs(entries) if entries else None
+        reasoning, content, _ = split_reasoning(text, self.reasoning_parser, final=chunk.finished)
+        delta: dict[str, Any] = {}
+        reasoning_sent = self.reasoning_sent.get(index, 0)
+        if len(reasoning) > reasoning_sent:
+            delta["reasoning_content"] = reasoning[reasoning_sent:]
+            self.reasoning_sent[index] = len(reasoning)
+        sent = self.sent.get(index, 0)
         if not chunk.finished:
-            safe = sent if self.forced else self._may_send(text, sent)
-            self.sent[index] = max(sent, safe)
-            if safe <= sent and not entries:
+            safe = sent if self.forced else self._may_send(content, sent)
+            if safe > sent:
+                delta["content"] = content[sent:safe]
+                self.sent[index] = safe
+            if not (delta or entries):
                 return []
-            delta = {"content": text[sent:safe]} if safe > sent else {}
             return [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": None}]
-        content, calls, reason = self.answer(text, chunk)
-        unsent = (content or "")[sent:] if (content or "").startswith(text[:sent]) else ""
-        choices = [{"index": index, "delta": {"content": unsent}, "logprobs": logprobs, "finish_reason": None}]
+        _, final_content, calls, reason = self.answer(text, chunk)
+        final_content = final_content or ""
+        if final_content.startswith(content[:sent]) and len(final_content) > sent:
+            delta["content"] = final_content[sent:]
+        choices = [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": None}]
         for position, call in enumerate(calls):
             whole = call.as_dict(position)
             arguments = whole["function"].pop("arguments")
@@ -370,9 +394,11 @@ class ChatView(OpenAIView):
         choices.append({"index": index, "delta": {}, "logprobs": None, "finish_reason": reason})
         return choices
 
-    def _may_send(self, text: str, sent: int) -> int:
-        """How much of the text can go out as content while a call may still come."""
+    def _may_send(self, content: str, sent: int) -> int:
+        """How much of the content can go out while a call may still come."""
+        if not self.known_tools:
+            return len(content)
         if self.parser == "llama3":
-            stripped = text.lstrip()
-            return sent if not stripped or stripped[0] in "{<" else len(text)
-        return may_start_call(text)
+            stripped = content.lstrip()
+            return sent if not stripped or stripped[0] in "{<" else len(content)
+        return may_start_call(content)

@@ -1,0 +1,77 @@
+"""How a chat prompt is built and an answer read: chat_template_kwargs,
+continue_final_message / add_generation_prompt (vLLM's), and --reasoning-parser."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import httpx
+import pytest
+
+from tests.helpers import RunningServer
+
+COUNT = [{"role": "user", "content": "Count on: 1, 2, 3,"}, {"role": "assistant", "content": "4, 5,"}]
+
+
+@pytest.fixture(scope="module")
+def http(base_url):
+    with httpx.Client(base_url=base_url, timeout=120) as c:
+        yield c
+
+
+def chat(http: httpx.Client, **body) -> httpx.Response:
+    return http.post("/v1/chat/completions", json={"max_tokens": 6, "temperature": 0, **body})
+
+
+def test_continue_final_message_goes_on_with_the_last_assistant_message(http):
+    closed = chat(http, messages=COUNT, add_generation_prompt=False).json()
+    continued = chat(http, messages=COUNT, add_generation_prompt=False, continue_final_message=True).json()
+    # The continued prompt ends right after "4, 5,": no end-of-turn marker and newline.
+    assert continued["usage"]["prompt_tokens"] == closed["usage"]["prompt_tokens"] - 2
+    new_turn = chat(http, messages=COUNT).json()
+    assert new_turn["usage"]["prompt_tokens"] > closed["usage"]["prompt_tokens"]
+
+
+def test_chat_template_kwargs_reach_the_template(http):
+    assert chat(http, messages=COUNT[:1], chat_template_kwargs={"enable_thinking": False}).status_code == 200
+
+
+@pytest.mark.parametrize(
+    "fields, param",
+    [
+        ({"messages": COUNT, "continue_final_message": True}, "continue_final_message"),
+        (
+            {"messages": COUNT[:1], "continue_final_message": True, "add_generation_prompt": False},
+            "continue_final_message",
+        ),
+        ({"messages": COUNT[:1], "chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
+        ({"messages": COUNT[:1], "chat_template_kwargs": [1]}, "chat_template_kwargs"),
+    ],
+)
+def test_bad_prompt_options_are_400(http, fields, param):
+    result = chat(http, **fields)
+    assert result.status_code == 400, result.text
+    assert result.json()["error"]["param"] == param
+
+
+@pytest.fixture(scope="module")
+def thinking_server():
+    running = RunningServer("--reasoning-parser", "qwen3", "--max-total-tokens", "4000")
+    yield running
+    running.stop()
+
+
+def test_the_reasoning_parser_moves_thinking_out_of_the_answer(thinking_server):
+    # SmolLM2 does not think on its own: a grammar makes it write a <think> block first.
+    shape = "<think>[a-z ]{1,12}</think>[A-Z][a-z]{1,8}"
+    body = {"messages": COUNT[:1], "regex": shape, "max_tokens": 40, "temperature": 0}
+    with httpx.Client(base_url=thinking_server.base_url, timeout=120) as http:
+        whole = http.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
+        assert re.fullmatch("[a-z ]{1,12}", whole["reasoning_content"]), whole
+        assert re.fullmatch("[A-Z][a-z]{1,8}", whole["content"]), whole
+        with http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as response:
+            lines = [line.removeprefix("data: ") for line in response.iter_lines() if line.startswith("data: {")]
+    deltas = [json.loads(line)["choices"][0]["delta"] for line in lines]
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == whole["reasoning_content"]
+    assert "".join(d.get("content", "") for d in deltas) == whole["content"]
