@@ -1,16 +1,20 @@
 """The Scheduler's side of structured output: one llguidance matcher per constrained request.
 
-Each step, the matchers of the constrained rows fill one bitmask of the tokens that may come
-next (llguidance computes the rows in its own threads, outside the GIL); the sampler keeps
-only those tokens. After sampling, each matcher takes its row's token. A matcher lives on its
-Req, so a retracted request resumes with its grammar state intact, and every child of n > 1
-has its own.
+A new grammar compiles in a thread while its request waits (scheduler.py keeps such
+requests aside, so the running ones never stall on it), first mask included (llguidance
+builds its lexer lazily); compiled grammars are kept by their text, and each request gets
+a copy of the compiled matcher. Each step, the matchers of the constrained rows fill one
+bitmask of the tokens that may come next (llguidance computes the rows in its own threads,
+outside the GIL); the sampler keeps only those tokens. After sampling, each matcher takes
+its row's token. A matcher lives on its Req, so a retracted request resumes with its
+grammar state intact, and every child of n > 1 has its own.
 """
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Final
 
 import torch
 
@@ -21,6 +25,7 @@ if TYPE_CHECKING:
     import llguidance
 
 _BIT = torch.arange(32, dtype=torch.int32)
+COMPILED_GRAMMARS_KEPT: Final = 256
 
 
 class Grammars:
@@ -32,18 +37,39 @@ class Grammars:
             _build_tokenizer, tokenizer_path, vocab_size
         )
         self._executor: llguidance.LLExecutor | None = None
+        self._compiler = ThreadPoolExecutor(1, thread_name_prefix="grammar-compiler")
+        self._compiled: OrderedDict[str, Future[llguidance.LLMatcher]] = OrderedDict()
 
-    def matcher(self, params: SamplingParams) -> llguidance.LLMatcher | None:
-        """A fresh matcher for the request's grammar; None when it has none. The main
-        process checked the grammar, so one that fails here is a ValueError."""
-        import llguidance
-
+    def compile(self, params: SamplingParams) -> Future[llguidance.LLMatcher] | None:
+        """The request's grammar compiling (or compiled) in the background; None when it has
+        none. Raises ClientError for text that is not a grammar at all (the main process
+        checked it already)."""
         grammar = grammar_of(params)
         if grammar is None:
             return None
-        matcher = llguidance.LLMatcher(self._grammar_tokenizer(), grammar)
+        compiled = self._compiled.pop(grammar, None)
+        if compiled is None:
+            compiled = self._compiler.submit(self._compile, grammar)
+        self._compiled[grammar] = compiled  # the most recently used last
+        while len(self._compiled) > COMPILED_GRAMMARS_KEPT:
+            self._compiled.popitem(last=False)
+        return compiled
+
+    @staticmethod
+    def matcher(compiled: Future[llguidance.LLMatcher]) -> llguidance.LLMatcher:
+        """A request's own matcher from its compiled grammar (which stays untouched);
+        ValueError when the grammar failed to compile."""
+        return compiled.result().deep_copy()
+
+    def _compile(self, grammar: str) -> llguidance.LLMatcher:
+        import llguidance
+        from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask
+
+        tokenizer = self._grammar_tokenizer()
+        matcher = llguidance.LLMatcher(tokenizer, grammar)
         if matcher.is_error():
             raise ValueError(f"the grammar does not compile: {matcher.get_error()}")
+        fill_next_token_bitmask(matcher.deep_copy(), allocate_token_bitmask(1, tokenizer.vocab_size), 0)
         return matcher
 
     def allowed(self, matchers: list[llguidance.LLMatcher]) -> torch.Tensor:

@@ -31,8 +31,9 @@ class Req:
     output_ids: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     # The llguidance matcher of a request with a grammar (scheduler/grammar.py): it has
-    # taken every token of output_ids.
+    # taken every token of output_ids. Until then, its grammar compiling (a Future).
     grammar: Any = None
+    compiling_grammar: Any = None
 
     # KV state. The first `kv_len` tokens of the sequence (prompt then output) have KV in slots
     # req_to_token[req_pool_idx, :kv_len]; the first `locked_prefix_len` of them belong to the radix

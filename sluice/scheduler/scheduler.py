@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
+from concurrent.futures import FIRST_COMPLETED, wait
 
 import torch
 
@@ -35,6 +36,9 @@ from sluice.scheduler.req import Req
 
 logger = logging.getLogger(__name__)
 
+# An idle Scheduler with only grammars compiling waits for one this long at most per step.
+GRAMMAR_WAIT_S = 0.005
+
 
 class Scheduler:
     def __init__(self, args: ServerArgs, runner: ModelRunner, max_total_tokens: int):
@@ -50,6 +54,7 @@ class Scheduler:
 
         self.waiting: list[Req] = []
         self.running: list[Req] = []  # admitted: decoding, or prefilling in chunks
+        self.compiling: list[Req] = []  # waiting for their grammar to compile
         self.received_by_type: Counter[str] = Counter()
         self.finished_by_reason: Counter[str] = Counter()
         self.last_step_ms = 0.0
@@ -61,19 +66,34 @@ class Scheduler:
     def add_request(self, msg: TokenizedGenerateReqInput) -> TokenIDOutput | None:
         """Queue a request; returns an immediate final output if it cannot run."""
         req = Req.from_message(msg)
-        error = self._check_request(req) or self._expand_images(req) or self._attach_grammar(req)
+        error = self._check_request(req) or self._expand_images(req) or self._compile_grammar(req)
         if error is not None:
             req.finish_reason = FinishReason(type="abort", message=error, status_code=400)
             return self._final_output(req)
-        self.waiting.append(req)
+        (self.waiting if req.compiling_grammar is None else self.compiling).append(req)
         return None
 
-    def _attach_grammar(self, req: Req) -> str | None:
+    def _compile_grammar(self, req: Req) -> str | None:
         try:
-            req.grammar = self.grammars.matcher(req.sampling_params)
+            req.compiling_grammar = self.grammars.compile(req.sampling_params)
         except ValueError as e:  # the main process checked it: a grammar failing here is a 400 still
             return str(e)
         return None
+
+    def _compiled_grammars(self) -> list[TokenIDOutput]:
+        """Requests whose grammar compiled join the waiting ones; those whose grammar failed end."""
+        outputs = []
+        for req in [r for r in self.compiling if r.compiling_grammar.done()]:
+            self.compiling.remove(req)
+            try:
+                req.grammar = self.grammars.matcher(req.compiling_grammar)
+            except ValueError as e:
+                req.finish_reason = FinishReason(type="abort", message=str(e), status_code=400)
+                outputs.append(self._final_output(req))
+                continue
+            req.compiling_grammar = None
+            self.waiting.append(req)
+        return outputs
 
     def _check_request(self, req: Req) -> str | None:
         if not req.prompt_ids:
@@ -111,10 +131,11 @@ class Scheduler:
             FinishReason(type="stop") if msg.finished_by_stop_string else FinishReason(type="abort", message="aborted")
         )
         outputs = []
-        for req in [r for r in self.waiting if targeted(r)]:
-            self.waiting.remove(req)
-            req.finish_reason = reason
-            outputs.append(self._final_output(req))
+        for queue in (self.waiting, self.compiling):
+            for req in [r for r in queue if targeted(r)]:
+                queue.remove(req)
+                req.finish_reason = reason
+                outputs.append(self._final_output(req))
         for req in [r for r in self.running if targeted(r)]:
             self.running.remove(req)
             self.kv.release(req, keep_in_cache=True)
@@ -136,7 +157,7 @@ class Scheduler:
     def internal_state(self) -> InternalState:
         return InternalState(
             num_running_reqs=len(self.running),
-            num_waiting_reqs=len(self.waiting),
+            num_waiting_reqs=len(self.waiting) + len(self.compiling),
             kv_tokens_total=self.kv.total,
             kv_tokens_free=self.kv.free(),
             kv_tokens_cached=self.kv.cached(),
@@ -148,7 +169,7 @@ class Scheduler:
 
     @property
     def is_idle(self) -> bool:
-        return not self.waiting and not self.running
+        return not self.waiting and not self.running and not self.compiling
 
     def check_integrity(self) -> None:
         owned = sum(r.kv_len - r.locked_prefix_len for r in self.running)
@@ -158,12 +179,15 @@ class Scheduler:
 
     def step(self) -> list[TokenIDOutput]:
         start = time.perf_counter()
+        outputs = self._compiled_grammars() if self.compiling else []
         batch = self._schedule()
         if batch is None:
-            return []
+            if self.compiling and not self.waiting and not self.running:
+                wait([r.compiling_grammar for r in self.compiling], GRAMMAR_WAIT_S, FIRST_COMPLETED)
+            return outputs
         fb = build_forward_batch(batch, self.kv.req_to_token, self.k_buffers, self.v_buffers, self.runner)
         logits = self.runner.forward(fb)
-        outputs = self._process_results(batch, logits)
+        outputs += self._process_results(batch, logits)
         self.last_step_ms = (time.perf_counter() - start) * 1000
         return outputs
 

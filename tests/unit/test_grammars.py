@@ -1,0 +1,42 @@
+"""The Scheduler's grammars (scheduler/grammar.py): compiled once per text in the
+background, each request with its own copy, masks per row."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from sluice.messages import SamplingParams
+from sluice.model_files import default_model_path
+from sluice.scheduler.grammar import Grammars
+from sluice.tokenizer_files import load_tokenizer
+
+SCHEMA = json.dumps({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]})
+
+
+@pytest.fixture(scope="module")
+def grammars() -> Grammars:
+    return Grammars(default_model_path(), 49152)
+
+
+def test_a_grammar_compiles_once_and_every_request_gets_its_own_matcher(grammars):
+    first = grammars.compile(SamplingParams(json_schema=SCHEMA))
+    assert first is not None and grammars.compile(SamplingParams(json_schema=SCHEMA)) is first
+    assert grammars.compile(SamplingParams()) is None
+    one, two = grammars.matcher(first), grammars.matcher(first)
+    tokenizer = load_tokenizer(default_model_path())
+    for token in tokenizer('{"a":', add_special_tokens=False).input_ids:
+        assert one.consume_token(token)
+    allowed = grammars.allowed([one, two, grammars.matcher(first)])
+    assert torch.equal(allowed[1], allowed[2]) and not torch.equal(allowed[0], allowed[1])  # two took nothing
+    digit = tokenizer("7", add_special_tokens=False).input_ids[0]
+    assert allowed[0, digit] and not allowed[1, digit]
+
+
+def test_a_grammar_that_does_not_compile_fails_its_request_only(grammars):
+    compiled = grammars.compile(SamplingParams(json_schema='{"type": "nonsense"}'))
+    assert compiled is not None
+    with pytest.raises(ValueError, match="nonsense"):
+        grammars.matcher(compiled)
