@@ -9,7 +9,9 @@ before the request goes anywhere (a 400 naming the field); the Scheduler keeps o
 per request (`scheduler/grammar.py`).
 
 JSON is generated compact (no whitespace between tokens): a small model given the choice
-fills the answer with newlines until it runs out of tokens.
+fills the answer with newlines until it runs out of tokens. With `--reasoning-parser`, a
+JSON Schema covers the answer after the thinking, not the thinking; a regex or GBNF grammar
+still covers the whole answer.
 """
 
 from __future__ import annotations
@@ -36,9 +38,10 @@ def grammar_field(params: SamplingParams) -> str | None:
     return given[0] if given else None
 
 
-def grammar_of(params: SamplingParams) -> str | None:
+def grammar_of(params: SamplingParams, reasoning_parser: str = "none") -> str | None:
     """The llguidance grammar of the request's constraint, or None when it has none; a
-    ClientError naming the field when the text is not valid JSON or EBNF."""
+    ClientError naming the field when the text is not valid JSON or EBNF. With a reasoning
+    parser, a JSON Schema applies to the answer after the thinking (see _after_thinking)."""
     import llguidance
     from llguidance.gbnf_to_lark import gbnf_to_lark
 
@@ -54,6 +57,8 @@ def grammar_of(params: SamplingParams) -> str | None:
         if not isinstance(schema, dict):
             raise ClientError("json_schema must be a JSON Schema (an object)", "json_schema")
         try:
+            if reasoning_parser != "none":
+                return _after_thinking(schema, reasoning_parser)
             return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_DEFAULTS)
         except (ValueError, TypeError) as e:
             raise ClientError(f"json_schema is not a usable JSON Schema: {e}", "json_schema") from None
@@ -66,11 +71,26 @@ def grammar_of(params: SamplingParams) -> str | None:
     return llguidance.LLMatcher.grammar_from_lark(lark)
 
 
-def check_grammar(params: SamplingParams, tokenizer: llguidance.LLTokenizer) -> None:
+def _after_thinking(schema: dict[str, Any], reasoning_parser: str) -> str:
+    """A Lark grammar (llguidance's dialect): free thinking up to `</think>` (qwen3: only if
+    the answer opens with `<think>`; deepseek-r1: the answer starts inside it), whitespace,
+    then the JSON Schema, compact."""
+    import llguidance
+
+    compact = {**schema, "x-guidance": {**schema.get("x-guidance", {}), **_JSON_DEFAULTS}}
+    thinking = 'thinking[stop="</think>"]: /(.|\\n)*/'
+    if reasoning_parser == "qwen3":
+        start = 'start: think? answer\nthink: "<think>" thinking /[ \\t\\r\\n]*/'
+    else:
+        start = 'start: "<think>"? thinking /[ \\t\\r\\n]*/ answer'
+    return llguidance.LLMatcher.grammar_from_lark(f"{start}\n{thinking}\nanswer: %json {json.dumps(compact)}\n")
+
+
+def check_grammar(params: SamplingParams, tokenizer: llguidance.LLTokenizer, reasoning_parser: str = "none") -> None:
     """ClientError naming the field when the request's grammar does not compile."""
     import llguidance
 
-    grammar = grammar_of(params)
+    grammar = grammar_of(params, reasoning_parser)
     if grammar is None:
         return
     error = llguidance.LLMatcher.validate_grammar(grammar, tokenizer)

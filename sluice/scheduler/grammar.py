@@ -29,8 +29,9 @@ COMPILED_GRAMMARS_KEPT: Final = 256
 
 
 class Grammars:
-    def __init__(self, tokenizer_path: str, vocab_size: int) -> None:
+    def __init__(self, tokenizer_path: str, vocab_size: int, reasoning_parser: str = "none") -> None:
         self.vocab_size = vocab_size
+        self.reasoning_parser = reasoning_parser
         # llguidance's view of the tokenizer takes ~0.5 s to build: in a thread from the
         # start, so the first constrained request does not stall the running ones.
         self._tokenizer = ThreadPoolExecutor(1, thread_name_prefix="grammar-tokenizer").submit(
@@ -44,7 +45,7 @@ class Grammars:
         """The request's grammar compiling (or compiled) in the background; None when it has
         none. Raises ClientError for text that is not a grammar at all (the main process
         checked it already)."""
-        grammar = grammar_of(params)
+        grammar = grammar_of(params, self.reasoning_parser)
         if grammar is None:
             return None
         compiled = self._compiled.pop(grammar, None)
@@ -66,7 +67,9 @@ class Grammars:
         from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask
 
         tokenizer = self._grammar_tokenizer()
-        matcher = llguidance.LLMatcher(tokenizer, grammar)
+        # Silent: errors are read with get_error(); the thinking's stop string would warn on
+        # every request that it cannot be taken back (sluice keeps it in the answer).
+        matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise ValueError(f"the grammar does not compile: {matcher.get_error()}")
         fill_next_token_bitmask(matcher.deep_copy(), allocate_token_bitmask(1, tokenizer.vocab_size), 0)

@@ -59,7 +59,7 @@ class Scheduler:
         self.finished_by_reason: Counter[str] = Counter()
         self.last_step_ms = 0.0
         self.num_retractions = 0
-        self.grammars = Grammars(args.resolved_model_path(), self.config.vocab_size)
+        self.grammars = Grammars(args.resolved_model_path(), self.config.vocab_size, args.reasoning_parser)
 
     # ------------------------------------------------------------ inputs
 

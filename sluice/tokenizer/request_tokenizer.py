@@ -98,7 +98,7 @@ class RequestTokenizer:
         self._check_lengths(input_ids, params)
         validate_sampling_params(params, len(self.tokenizer))
         if grammar_field(params) is not None and self._grammar_tokenizer is not None:
-            check_grammar(params, self._grammar_tokenizer.result())
+            check_grammar(params, self._grammar_tokenizer.result(), self.server_args.reasoning_parser)
         if obj.return_logprob and obj.logprob_start_len >= len(input_ids):
             obj.logprob_start_len = -1
         return TokenizedGenerateReqInput(

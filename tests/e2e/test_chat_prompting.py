@@ -75,3 +75,16 @@ def test_the_reasoning_parser_moves_thinking_out_of_the_answer(thinking_server):
     deltas = [json.loads(line)["choices"][0]["delta"] for line in lines]
     assert "".join(d.get("reasoning_content", "") for d in deltas) == whole["reasoning_content"]
     assert "".join(d.get("content", "") for d in deltas) == whole["content"]
+
+
+def test_a_schema_still_holds_with_a_reasoning_parser(thinking_server):
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    body = {
+        "messages": COUNT[:1],
+        "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}},
+        "max_tokens": 30,
+        "temperature": 0,
+    }
+    with httpx.Client(base_url=thinking_server.base_url, timeout=120) as http:
+        message = http.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
+    assert isinstance(json.loads(message["content"])["n"], int)

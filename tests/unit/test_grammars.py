@@ -40,3 +40,25 @@ def test_a_grammar_that_does_not_compile_fails_its_request_only(grammars):
     assert compiled is not None
     with pytest.raises(ValueError, match="nonsense"):
         grammars.matcher(compiled)
+
+
+@pytest.mark.parametrize(
+    "parser, accepted, refused",
+    [
+        ("qwen3", ['<think>a < b, so\n7</think>\n\n{"a":7}', '{"a":7}'], ["<think>x</think>seven", "seven"]),
+        ("deepseek-r1", ['a < b, so 7</think>\n{"a":7}', '<think>so</think>{"a":7}'], ['{"a":7}</think>x']),
+    ],
+)
+def test_with_a_reasoning_parser_the_schema_holds_after_the_thinking(parser, accepted, refused):
+    grammars = Grammars(default_model_path(), 49152, reasoning_parser=parser)
+    compiled = grammars.compile(SamplingParams(json_schema=SCHEMA))
+    assert compiled is not None
+    tokenizer = load_tokenizer(default_model_path())
+
+    def takes(text: str) -> bool:
+        matcher = grammars.matcher(compiled)
+        ids = tokenizer(text, add_special_tokens=False).input_ids
+        return all(matcher.consume_token(token) for token in ids) and matcher.is_accepting()
+
+    assert all(takes(text) for text in accepted)
+    assert not any(takes(text) for text in refused)
