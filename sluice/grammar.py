@@ -9,14 +9,14 @@ before the request goes anywhere (a 400 naming the field); the Scheduler keeps o
 per request (`scheduler/grammar.py`).
 
 JSON is generated compact (no whitespace between tokens): a small model given the choice
-fills the answer with newlines until it runs out of tokens. With `--reasoning-parser`, a
-JSON Schema covers the answer after the thinking, not the thinking; a regex or GBNF grammar
-still covers the whole answer.
+fills the answer with newlines until it runs out of tokens. With `--reasoning-parser`, the
+grammar covers the answer after the thinking, not the thinking.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from typing import TYPE_CHECKING, Any, Final
 
 from sluice.messages import SamplingParams
@@ -41,7 +41,7 @@ def grammar_field(params: SamplingParams) -> str | None:
 def grammar_of(params: SamplingParams, reasoning_parser: str = "none") -> str | None:
     """The llguidance grammar of the request's constraint, or None when it has none; a
     ClientError naming the field when the text is not valid JSON or EBNF. With a reasoning
-    parser, a JSON Schema applies to the answer after the thinking (see _after_thinking)."""
+    parser, the constraint applies to the answer after the thinking (see _after_thinking)."""
     import llguidance
     from llguidance.gbnf_to_lark import gbnf_to_lark
 
@@ -49,6 +49,7 @@ def grammar_of(params: SamplingParams, reasoning_parser: str = "none") -> str | 
     if field is None:
         return None
     text: str = getattr(params, field)
+    thinks = reasoning_parser != "none"
     if field == "json_schema":
         try:
             schema: Any = json.loads(text)
@@ -57,33 +58,40 @@ def grammar_of(params: SamplingParams, reasoning_parser: str = "none") -> str | 
         if not isinstance(schema, dict):
             raise ClientError("json_schema must be a JSON Schema (an object)", "json_schema")
         try:
-            if reasoning_parser != "none":
-                return _after_thinking(schema, reasoning_parser)
+            if thinks:
+                compact = {**schema, "x-guidance": {**schema.get("x-guidance", {}), **_JSON_DEFAULTS}}
+                return _after_thinking(f"{_ANSWER}: %json {json.dumps(compact)}\n", reasoning_parser)
             return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_DEFAULTS)
         except (ValueError, TypeError) as e:
             raise ClientError(f"json_schema is not a usable JSON Schema: {e}", "json_schema") from None
     if field == "regex":
+        if thinks:
+            return _after_thinking(f"{_ANSWER}: /{llguidance.regex_to_lark(text)}/\n", reasoning_parser)
         return llguidance.LLMatcher.grammar_from_regex(text)
     try:
         lark = gbnf_to_lark(text)
     except Exception as e:  # noqa: BLE001 -- the converter raises bare Exception too (an undefined rule)
         raise ClientError(f"ebnf is not a valid GBNF grammar: {e}", "ebnf") from None
+    if thinks:  # the converted grammar's start rule becomes the answer
+        return _after_thinking(re.sub(r"^start:", f"{_ANSWER}:", lark, flags=re.MULTILINE), reasoning_parser)
     return llguidance.LLMatcher.grammar_from_lark(lark)
 
 
-def _after_thinking(schema: dict[str, Any], reasoning_parser: str) -> str:
+_ANSWER: Final = "sluice_answer"
+
+
+def _after_thinking(answer_rules: str, reasoning_parser: str) -> str:
     """A Lark grammar (llguidance's dialect): free thinking up to `</think>` (qwen3: only if
     the answer opens with `<think>`; deepseek-r1: the answer starts inside it), whitespace,
-    then the JSON Schema, compact."""
+    then the rules of `_ANSWER`."""
     import llguidance
 
-    compact = {**schema, "x-guidance": {**schema.get("x-guidance", {}), **_JSON_DEFAULTS}}
-    thinking = 'thinking[stop="</think>"]: /(.|\\n)*/'
+    thinking = 'sluice_thinking[stop="</think>"]: /(.|\\n)*/'
     if reasoning_parser == "qwen3":
-        start = 'start: think? answer\nthink: "<think>" thinking /[ \\t\\r\\n]*/'
+        start = f'start: sluice_think? {_ANSWER}\nsluice_think: "<think>" sluice_thinking /[ \\t\\r\\n]*/'
     else:
-        start = 'start: "<think>"? thinking /[ \\t\\r\\n]*/ answer'
-    return llguidance.LLMatcher.grammar_from_lark(f"{start}\n{thinking}\nanswer: %json {json.dumps(compact)}\n")
+        start = f'start: "<think>"? sluice_thinking /[ \\t\\r\\n]*/ {_ANSWER}'
+    return llguidance.LLMatcher.grammar_from_lark(f"{answer_rules}\n{start}\n{thinking}\n")
 
 
 def check_grammar(params: SamplingParams, tokenizer: llguidance.LLTokenizer, reasoning_parser: str = "none") -> None:

@@ -12,6 +12,8 @@ import openai
 import pydantic
 import pytest
 
+from tests.helpers import wait_until_drained
+
 PERSON = {
     "type": "object",
     "properties": {
@@ -138,10 +140,11 @@ def model_name(client) -> str:
         ({"regex": "a", "json_schema": "{}"}, "regex"),
     ],
 )
-def test_bad_grammars_are_400_naming_the_field(http, params, field):
+def test_bad_grammars_are_400_naming_the_field(http, base_url, params, field):
     result = http.post("/generate", json={"text": "hi", "sampling_params": params})
     assert result.status_code == 400, result.text
     assert field in result.json()["error"]["message"]
+    wait_until_drained(base_url)  # refused before the Scheduler: nothing left in rid_to_state
 
 
 @pytest.mark.parametrize(

@@ -10,6 +10,8 @@ import jsonschema
 import openai
 import pytest
 
+from tests.helpers import wait_until_drained
+
 WEATHER = {
     "type": "function",
     "function": {
@@ -165,9 +167,10 @@ def http(base_url):
         ({"messages": [{"role": "tool", "content": "21"}]}, "messages[0].tool_call_id"),
     ],
 )
-def test_bad_tool_requests_are_400_naming_the_field(http, fields, param):
+def test_bad_tool_requests_are_400_naming_the_field(http, base_url, fields, param):
     body = {"messages": ASK, "max_tokens": 4, **fields}
     result = http.post("/v1/chat/completions", json=body)
     assert result.status_code == 400, result.text
     error = result.json()["error"]
     assert error["param"] == param, error
+    wait_until_drained(base_url)

@@ -62,3 +62,25 @@ def test_with_a_reasoning_parser_the_schema_holds_after_the_thinking(parser, acc
 
     assert all(takes(text) for text in accepted)
     assert not any(takes(text) for text in refused)
+
+
+@pytest.mark.parametrize(
+    "fields, answer, wrong",
+    [
+        ({"regex": "[0-9]{3}-[a-z]{2}"}, "123-ab", "12-ab"),
+        ({"ebnf": 'root ::= "answer: " ("yes" | "no")'}, "answer: yes", "answer: maybe"),
+    ],
+)
+def test_regex_and_ebnf_also_hold_after_the_thinking(fields, answer, wrong):
+    grammars = Grammars(default_model_path(), 49152, reasoning_parser="qwen3")
+    compiled = grammars.compile(SamplingParams(**fields))
+    assert compiled is not None
+    tokenizer = load_tokenizer(default_model_path())
+
+    def takes(text: str) -> bool:
+        matcher = grammars.matcher(compiled)
+        ids = tokenizer(text, add_special_tokens=False).input_ids
+        return all(matcher.consume_token(token) for token in ids) and matcher.is_accepting()
+
+    assert takes(f"<think>so\n</think>\n{answer}") and takes(answer)
+    assert not takes(f"<think>so</think>{wrong}")

@@ -4,6 +4,7 @@ on batching, prefix caching, chunked prefill or retraction."""
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -55,9 +56,11 @@ def make_scheduler(runner, **overrides) -> Scheduler:
     return Scheduler(args, runner, overrides.get("max_total_tokens") or 8192)
 
 
-def run(scheduler: Scheduler, prompts: list[list[int]], max_new_tokens: int = NEW_TOKENS) -> dict[str, list[int]]:
+def run(
+    scheduler: Scheduler, prompts: list[list[int]], max_new_tokens: int = NEW_TOKENS, **fields
+) -> dict[str, list[int]]:
     for i, ids in enumerate(prompts):
-        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0, ignore_eos=True)
+        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0, ignore_eos=True, **fields)
         out = scheduler.add_request(TokenizedGenerateReqInput(rid=f"r{i}", input_ids=ids, sampling_params=params))
         assert out is None
     tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
@@ -130,6 +133,23 @@ def test_retracted_request_resumes_unchanged(runner, prompts, alone):
     tokens = run(scheduler, prompts[:6])
     assert scheduler.num_retractions > 0
     assert [tokens[f"r{i}"] for i in range(6)] == alone[:6]
+
+
+def test_a_retracted_request_keeps_its_grammar_state(runner, prompts):
+    """Constrained requests retracted mid-answer resume where their grammar was: each gets the
+    tokens it gets alone, and they still follow the schema."""
+    schema = '{"type": "array", "minItems": 100, "items": {"type": "integer", "maximum": 999}}'
+    tok = load_tokenizer(ServerArgs().resolved_model_path())
+    alone = [
+        run(make_scheduler(runner, disable_radix_cache=True), [ids], json_schema=schema)["r0"] for ids in prompts[:6]
+    ]
+    budget = sum(len(p) for p in prompts[:6]) + 40
+    scheduler = make_scheduler(runner, max_total_tokens=budget)
+    tokens = run(scheduler, prompts[:6], json_schema=schema)
+    assert scheduler.num_retractions > 0
+    assert [tokens[f"r{i}"] for i in range(6)] == alone
+    for ids in alone:  # a prefix of a JSON array of integers (the request ran out of tokens)
+        assert re.fullmatch(r"\[(-?[0-9]+(,-?[0-9]+)*(,-?[0-9]*)?|-?[0-9]*)", tok.decode(ids)), tok.decode(ids)
 
 
 def test_abort_frees_waiting_and_running(runner, prompts):
