@@ -16,6 +16,13 @@ from sluice.tokenizer_files import load_tokenizer
 SCHEMA = json.dumps({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]})
 
 
+def takes(grammars: Grammars, compiled, text: str) -> bool:
+    """Whether a fresh matcher of `compiled` takes the whole text and may end there."""
+    matcher = grammars.matcher(compiled)
+    ids = load_tokenizer(default_model_path())(text, add_special_tokens=False).input_ids
+    return all(matcher.consume_token(token) for token in ids) and matcher.is_accepting()
+
+
 @pytest.fixture(scope="module")
 def grammars() -> Grammars:
     return Grammars(default_model_path(), 49152)
@@ -53,15 +60,8 @@ def test_with_a_reasoning_parser_the_schema_holds_after_the_thinking(parser, acc
     grammars = Grammars(default_model_path(), 49152, reasoning_parser=parser)
     compiled = grammars.compile(SamplingParams(json_schema=SCHEMA))
     assert compiled is not None
-    tokenizer = load_tokenizer(default_model_path())
-
-    def takes(text: str) -> bool:
-        matcher = grammars.matcher(compiled)
-        ids = tokenizer(text, add_special_tokens=False).input_ids
-        return all(matcher.consume_token(token) for token in ids) and matcher.is_accepting()
-
-    assert all(takes(text) for text in accepted)
-    assert not any(takes(text) for text in refused)
+    assert all(takes(grammars, compiled, text) for text in accepted)
+    assert not any(takes(grammars, compiled, text) for text in refused)
 
 
 @pytest.mark.parametrize(
@@ -75,12 +75,5 @@ def test_regex_and_ebnf_also_hold_after_the_thinking(fields, answer, wrong):
     grammars = Grammars(default_model_path(), 49152, reasoning_parser="qwen3")
     compiled = grammars.compile(SamplingParams(**fields))
     assert compiled is not None
-    tokenizer = load_tokenizer(default_model_path())
-
-    def takes(text: str) -> bool:
-        matcher = grammars.matcher(compiled)
-        ids = tokenizer(text, add_special_tokens=False).input_ids
-        return all(matcher.consume_token(token) for token in ids) and matcher.is_accepting()
-
-    assert takes(f"<think>so\n</think>\n{answer}") and takes(answer)
-    assert not takes(f"<think>so</think>{wrong}")
+    assert takes(grammars, compiled, f"<think>so\n</think>\n{answer}") and takes(grammars, compiled, answer)
+    assert not takes(grammars, compiled, f"<think>so</think>{wrong}")
