@@ -297,7 +297,7 @@ def _penalised(logits: Tensor, batch: SamplingBatch) -> Tensor:
         else:
             scores.index_put_((rows,), barrier, accumulate=True)
         # Where min_new_tokens banned all the grammar allows (its end), the grammar wins.
-        stuck = torch.isneginf(scores[rows].amax(-1))
+        stuck = torch.isneginf(scores.amax(-1)[rows])
         if bool(stuck.any()):
             scores[rows[stuck]] = logits[rows[stuck]] + barrier[stuck]
     return scores

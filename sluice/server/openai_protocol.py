@@ -16,6 +16,7 @@ from typing import Any, Final
 import msgspec
 
 from sluice.sampling import MAX_TOP_LOGPROBS, ClientError
+from sluice.server.chat_messages import ChatMessage, template_messages
 
 MAX_COMPLETION_LOGPROBS: Final = 5
 DEFAULT_COMPLETION_MAX_TOKENS: Final = 16  # OpenAI's default for /v1/completions
@@ -188,45 +189,6 @@ def _is_token_ids(value: Any) -> bool:
     return isinstance(value, list) and all(type(token) is int for token in value)
 
 
-class ImageURL(msgspec.Struct, forbid_unknown_fields=True):
-    url: str
-    detail: str | None = None
-
-
-class ContentPart(msgspec.Struct, forbid_unknown_fields=True):
-    type: str
-    text: str | None = None
-    image_url: ImageURL | str | None = None
-
-
-class FunctionCall(msgspec.Struct, forbid_unknown_fields=True):
-    name: str
-    arguments: str  # JSON text, as OpenAI sends it
-
-
-class MessageToolCall(msgspec.Struct, forbid_unknown_fields=True):
-    id: str
-    function: FunctionCall
-    type: str = "function"
-
-
-class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
-    role: str
-    content: str | list[ContentPart] | None = None
-    name: str | None = None
-    tool_calls: list[MessageToolCall] | None = None  # an assistant's earlier calls
-    tool_call_id: str | None = None  # a tool's result: the call it answers
-
-
-CHAT_ROLES: Final = {
-    "system": "system",
-    "developer": "system",
-    "user": "user",
-    "assistant": "assistant",
-    "tool": "tool",
-}
-
-
 class FunctionDefinition(msgspec.Struct, forbid_unknown_fields=True):
     name: str
     description: str | None = None
@@ -342,76 +304,8 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     def template_messages(self, image_token: str | None, model_name: str) -> tuple[list[dict[str, Any]], list[str]]:
-        """The messages as the chat template takes them (a role and one string of content,
-        each image part replaced by the model's image token), and the image URLs in order."""
-        image_urls: list[str] = []
-        messages = [
-            _template_message(message, index, image_token, model_name, image_urls)
-            for index, message in enumerate(self.messages)
-        ]
-        return messages, image_urls
-
-
-def _template_message(
-    message: ChatMessage, index: int, image_token: str | None, model_name: str, image_urls: list[str]
-) -> dict[str, Any]:
-    where = f"messages[{index}]"
-    role = CHAT_ROLES.get(message.role)
-    if role is None:
-        raise ClientError(
-            f"{where}.role '{message.role}' is not supported; use one of {sorted(CHAT_ROLES)}", f"{where}.role"
-        )
-    content = message.content
-    if message.tool_calls is not None and role != "assistant":
-        raise ClientError(f"{where}.tool_calls is for assistant messages", f"{where}.tool_calls")
-    if role == "tool" and not message.tool_call_id:
-        raise ClientError(f"{where}.tool_call_id is required for a tool's result", f"{where}.tool_call_id")
-    if content is None:
-        if role != "assistant":
-            raise ClientError(f"{where}.content is required for role '{message.role}'", f"{where}.content")
-        content = ""
-    elif isinstance(content, list):
-        content = "".join(
-            _part_text(part, f"{where}.content[{i}]", image_token, model_name, image_urls)
-            for i, part in enumerate(content)
-        )
-    rendered: dict[str, Any] = {"role": role, "content": content}
-    if message.tool_calls:
-        # Templates take arguments as an object (most write them with tojson).
-        rendered["tool_calls"] = [
-            {
-                "id": call.id,
-                "type": "function",
-                "function": {"name": call.function.name, "arguments": _json_or_text(call.function.arguments)},
-            }
-            for call in message.tool_calls
-        ]
-    if message.tool_call_id:
-        rendered["tool_call_id"] = message.tool_call_id
-    return rendered
-
-
-def _json_or_text(arguments: str) -> Any:
-    try:
-        return json.loads(arguments)
-    except json.JSONDecodeError:
-        return arguments
-
-
-def _part_text(part: ContentPart, where: str, image_token: str | None, model_name: str, image_urls: list[str]) -> str:
-    if part.type == "text":
-        if part.text is None:
-            raise ClientError(f"{where}.text is required for a text part", f"{where}.text")
-        return part.text
-    if part.type in ("image_url", "input_image"):
-        if image_token is None:
-            raise ClientError(f"the model {model_name} does not accept images", where)
-        url = part.image_url.url if isinstance(part.image_url, ImageURL) else part.image_url
-        if not url:
-            raise ClientError(f"{where}.image_url.url is required for an image part", f"{where}.image_url")
-        image_urls.append(url)
-        return image_token
-    raise ClientError(f"{where}.type '{part.type}' is not supported; use 'text' or 'image_url'", f"{where}.type")
+        """The messages as the chat template takes them, and the image URLs in order."""
+        return template_messages(self.messages, image_token, model_name)
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Final
 
+from sluice.server.stream_tags import partial_tag_len
+
 REASONING_PARSERS: Final = ("none", "qwen3", "deepseek-r1")
 THINK_START: Final = "<think>"
 THINK_END: Final = "</think>"
@@ -32,8 +34,5 @@ def split_reasoning(text: str, parser: str, final: bool = True) -> tuple[str, st
     end = body.find(THINK_END)
     if end >= 0:
         return body[:end], body[end + len(THINK_END) :], True
-    if not final:
-        for keep in range(min(len(THINK_END) - 1, len(body)), 0, -1):
-            if THINK_END.startswith(body[-keep:]):
-                return body[:-keep], "", False
-    return body, "", False
+    held = 0 if final else partial_tag_len(body, THINK_END)
+    return body[: len(body) - held], "", False

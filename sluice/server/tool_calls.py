@@ -23,6 +23,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Final
 
+from sluice.server.stream_tags import partial_tag_len
+
 TOOL_CALL_PARSERS: Final = ("hermes", "llama3")
 HERMES_START: Final = "<tool_call>"
 _HERMES_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
@@ -115,12 +117,7 @@ def may_start_call(text: str) -> int:
     """Where a hermes call may begin in streamed text (len(text) when it cannot): the text
     before can go out; the rest waits for more tokens."""
     start = text.find(HERMES_START)
-    if start >= 0:
-        return start
-    for keep in range(min(len(HERMES_START) - 1, len(text)), 0, -1):
-        if HERMES_START.startswith(text[-keep:]):
-            return len(text) - keep
-    return len(text)
+    return start if start >= 0 else len(text) - partial_tag_len(text, HERMES_START)
 
 
 def default_parser(chat_template_source: str | None) -> str:

@@ -10,15 +10,9 @@ import msgspec
 import pytest
 
 from sluice.sampling import ClientError
+from sluice.server.chat_messages import ChatMessage, ContentPart, ImageURL
 from sluice.server.json_body import decode_json
-from sluice.server.openai_protocol import (
-    DEFAULT_COMPLETION_MAX_TOKENS,
-    ChatCompletionRequest,
-    ChatMessage,
-    CompletionRequest,
-    ContentPart,
-    ImageURL,
-)
+from sluice.server.openai_protocol import DEFAULT_COMPLETION_MAX_TOKENS, ChatCompletionRequest, CompletionRequest
 
 IMAGE = "<image>"
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from sluice.messages import FinishReason, TokenLogprob
-from sluice.server.openai_protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, StreamOptions
+from sluice.server.chat_messages import ChatMessage
+from sluice.server.openai_protocol import ChatCompletionRequest, CompletionRequest, StreamOptions
 from sluice.server.openai_views import ChatView, CompletionView, TokenTexts, finish_reason
 from sluice.tokenizer.manager import BackendError
 from sluice.tokenizer.result import GenerateChunk

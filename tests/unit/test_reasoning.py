@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from sluice.messages import FinishReason
-from sluice.server.openai_protocol import ChatCompletionRequest, ChatMessage
+from sluice.server.chat_messages import ChatMessage
+from sluice.server.openai_protocol import ChatCompletionRequest
 from sluice.server.openai_views import ChatView, TokenTexts
 from sluice.server.reasoning import split_reasoning
 from sluice.tokenizer.result import GenerateChunk
