@@ -82,7 +82,43 @@ class ServerArgs:
             ),
         },
     )
-    schedule_policy: str = field(default="fcfs", metadata={"help": "fcfs | lpm (longest prefix match first)."})
+    schedule_policy: str = field(
+        default="fcfs",
+        metadata={
+            "help": (
+                "fcfs | lpm (longest prefix match first) | priority (a request's 'priority' field, higher first, "
+                "then arrival; strict: a low priority waits while higher ones keep the running set full)."
+            )
+        },
+    )
+    priority_preemption: bool = field(
+        default=False,
+        metadata={
+            "help": (
+                "With --schedule-policy priority: a waiting request of higher priority sends the lowest-priority "
+                "running request back to the waiting queue when every running slot is taken (its KV stays in the "
+                "radix cache)."
+            )
+        },
+    )
+    max_queued_requests: int = field(
+        default=0,
+        metadata={
+            "help": (
+                "Most requests waiting to run; one more gets 503 with Retry-After (0: no limit). Queued means "
+                "accepted but not yet running: at most --max-running-requests run at once."
+            )
+        },
+    )
+    max_total_queued_tokens: int = field(
+        default=0,
+        metadata={
+            "help": (
+                "Most prompt tokens waiting to be prefilled; a request that would go past it gets 503 with "
+                "Retry-After (0: no limit; an empty queue takes any prompt)."
+            )
+        },
+    )
     disable_radix_cache: bool = field(default=False, metadata={"help": "Do not reuse KV of shared prefixes."})
     max_n: int = field(default=16, metadata={"help": "Largest n (parallel samples per prompt)."})
     max_batch_items: int = field(default=256, metadata={"help": "Most prompts x n in one request."})
@@ -169,7 +205,13 @@ class ServerArgs:
             (self.max_running_requests >= 1, "max_running_requests must be >= 1"),
             (self.chunked_prefill_size >= 1, "chunked_prefill_size must be >= 1"),
             (self.max_prefill_tokens >= 1, "max_prefill_tokens must be >= 1"),
-            (self.schedule_policy in ("fcfs", "lpm"), "schedule_policy must be fcfs or lpm"),
+            (self.schedule_policy in ("fcfs", "lpm", "priority"), "schedule_policy must be fcfs, lpm or priority"),
+            (
+                not self.priority_preemption or self.schedule_policy == "priority",
+                "priority_preemption needs schedule_policy priority",
+            ),
+            (self.max_queued_requests >= 0, "max_queued_requests must be >= 0"),
+            (self.max_total_queued_tokens >= 0, "max_total_queued_tokens must be >= 0"),
             (self.max_n >= 1, "max_n must be >= 1"),
             (self.max_batch_items >= 1, "max_batch_items must be >= 1"),
             (1 <= self.tokenizer_worker_num <= 64, "tokenizer_worker_num must be in 1..64"),

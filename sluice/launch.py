@@ -27,6 +27,7 @@ from sluice.server.errors import failure_status
 from sluice.server.http import serve_http
 from sluice.tokenizer.io_struct import GenerateReqInput
 from sluice.tokenizer.manager import BackendError, TokenizerManager, wait_for_backend
+from sluice.tokenizer.metrics import MULTIPROC_DIR_ENV
 from sluice.tokenizer.result import native_json
 from sluice.tokenizer.router import run_router_process
 from sluice.tokenizer.shared_args import remove_shared_args, write_shared_args
@@ -158,6 +159,11 @@ def _launch_worker_processes_server(server_args: ServerArgs) -> None:
             # The router takes over the tokenizer inbox the back end reported to.
             backend.start(run_router_process, "sluice-router")
         write_shared_args(server_args, port_args, scheduler_info)
+        # Each worker records its requests' metrics in files here; a scrape sums them
+        # (tokenizer/metrics.py). Set before the workers start: they read it at import.
+        metrics_dir = os.path.join(port_args.ipc_dir, "metrics")
+        os.makedirs(metrics_dir)
+        os.environ[MULTIPROC_DIR_ENV] = metrics_dir
         threading.Thread(target=_report_dead_backend, args=(backend,), name="backend-watch", daemon=True).start()
         logger.info(
             "back end ready in %.1f s; starting %d HTTP workers",

@@ -68,6 +68,12 @@ class TokenizedGenerateReqInput(Message):
     input_text: str = ""
     # One image token id in input_ids per image, in order; the Scheduler expands each.
     images: list[ImageInput] = []
+    # Higher runs sooner under --schedule-policy priority.
+    priority: int = 0
+    # When the TokenizerManager received the request (time.time()): the queue limits and
+    # the timings count from here.
+    received_at: float = 0.0
+    return_timings: bool = False  # read by the TokenizerManager only
     http_worker_ipc: str | None = None
 
 
@@ -102,6 +108,9 @@ class FinishReason(msgspec.Struct, kw_only=True):
     matched: int | str | None = None
     message: str | None = None
     status_code: int | None = None
+    # Set when the server refused the request for its load (a 503 with Retry-After): why,
+    # as the `reason` label of requests_rejected_total.
+    rejected: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"type": self.type, "matched": self.matched}
@@ -136,6 +145,10 @@ class ReqOutput(msgspec.Struct, kw_only=True):
     input_token_ids: list[int] = []
     input_logprobs: list[float | None] = []
     input_top_logprobs: list[list[TokenLogprob]] = []
+    # Wall-clock times (time.time()) the Scheduler first put the request in a batch and
+    # sampled its first token; 0 until then.
+    scheduled_at: float = 0.0
+    first_token_at: float = 0.0
     http_worker_ipc: str | None = None
 
 
@@ -205,6 +218,7 @@ class InternalState(Message):
     kv_tokens_cached: int
     kv_tokens_in_use: int
     last_step_ms: float = 0.0
+    num_retractions: int = 0  # requests sent back to the waiting queue for KV, since start
     # Messages the scheduler received, by type name (a batch counts once).
     messages_received: dict[str, int] = {}
     # Requests the scheduler ended, by finish_reason type ("stop", "length", "abort"); a

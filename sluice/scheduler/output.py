@@ -17,6 +17,8 @@ def make_output(req: Req) -> TokenIDOutput:
         completion_tokens=len(req.output_ids),
         cached_tokens=req.cached_tokens,
         image_tokens=req.image_tokens,
+        scheduled_at=req.scheduled_at,
+        first_token_at=req.first_token_at,
         http_worker_ipc=req.http_worker_ipc,
     )
     if req.return_logprob:

@@ -23,7 +23,14 @@ IN_BATCH_PREFIX_TOKENS = 32
 def order_waiting(waiting: list[Req], policy: str, kv: KVManager) -> list[Req]:
     if policy == "lpm" and len(waiting) <= LPM_MAX_QUEUE:
         return sorted(waiting, key=lambda r: -kv.cached_prefix_len(r))
+    if policy == "priority":
+        return sorted(waiting, key=priority_order)
     return waiting
+
+
+def priority_order(req: Req) -> tuple[int, int]:
+    """Sorts the request to run first first: higher priority, then earlier arrival."""
+    return -req.priority, req.arrival
 
 
 def duplicates_a_prefill(req: Req, cached_len: int, prefilling: list[Req]) -> bool:

@@ -21,6 +21,9 @@ class Req:
     logprob_start_len: int = -1
     http_worker_ipc: str | None = None
     images: list[ImageInput] = field(default_factory=list)  # in prompt order
+    priority: int = 0
+    received_at: float = 0.0
+    arrival: int = 0  # the Scheduler's order of arrival: ties between priorities go by it
 
     # Where each image's positions start in prompt_ids once expanded, and its embedding
     # once computed (kept until the request ends, so a retraction does not recompute it).
@@ -44,6 +47,8 @@ class Req:
     last_node: Any = None
     cached_tokens: int = 0
     times_retracted: int = 0
+    scheduled_at: float = 0.0  # time.time() when first put in a batch
+    first_token_at: float = 0.0
 
     # Output bookkeeping.
     num_sent_tokens: int = 0
@@ -65,6 +70,8 @@ class Req:
             logprob_start_len=msg.logprob_start_len,
             http_worker_ipc=msg.http_worker_ipc,
             images=list(msg.images),
+            priority=msg.priority,
+            received_at=msg.received_at,
         )
 
     @property

@@ -31,7 +31,13 @@ from sluice.scheduler.grammar import Grammars
 from sluice.scheduler.kv_manager import KVManager
 from sluice.scheduler.multimodal import expand_image_tokens
 from sluice.scheduler.output import make_output
-from sluice.scheduler.policy import PrefillPlan, decode_reserve, duplicates_a_prefill, order_waiting
+from sluice.scheduler.policy import (
+    PrefillPlan,
+    decode_reserve,
+    duplicates_a_prefill,
+    order_waiting,
+    priority_order,
+)
 from sluice.scheduler.req import Req
 
 logger = logging.getLogger(__name__)
@@ -59,6 +65,7 @@ class Scheduler:
         self.finished_by_reason: Counter[str] = Counter()
         self.last_step_ms = 0.0
         self.num_retractions = 0
+        self.num_arrived = 0
         self.grammars = Grammars(args.resolved_model_path(), self.config.vocab_size, args.reasoning_parser)
 
     # ------------------------------------------------------------ inputs
@@ -66,11 +73,41 @@ class Scheduler:
     def add_request(self, msg: TokenizedGenerateReqInput) -> TokenIDOutput | None:
         """Queue a request; returns an immediate final output if it cannot run."""
         req = Req.from_message(msg)
-        error = self._check_request(req) or self._expand_images(req) or self._compile_grammar(req)
+        req.arrival = self.num_arrived
+        self.num_arrived += 1
+        error = self._check_request(req) or self._expand_images(req)
         if error is not None:
             req.finish_reason = FinishReason(type="abort", message=error, status_code=400)
             return self._final_output(req)
+        req.finish_reason = self._queue_refusal(req)
+        if req.finish_reason is None and (error := self._compile_grammar(req)) is not None:
+            req.finish_reason = FinishReason(type="abort", message=error, status_code=400)
+        if req.finish_reason is not None:
+            return self._final_output(req)
         (self.waiting if req.compiling_grammar is None else self.compiling).append(req)
+        return None
+
+    def _queue_refusal(self, req: Req) -> FinishReason | None:
+        """A 503 when the waiting queue is at --max-queued-requests, or this prompt would take
+        the queued prompt tokens past --max-total-queued-tokens (an empty queue takes any).
+        Requests that free running slots will take at the next step are not queued: several
+        arriving at once at an idle server all run."""
+        free_slots = max(self.args.max_running_requests - len(self.running), 0)
+        queued = max(len(self.waiting) + len(self.compiling) - free_slots, 0)
+        limit = self.args.max_queued_requests
+        if limit and queued >= limit:
+            message = f"the server is busy: {queued} requests are queued (--max-queued-requests {limit}); retry later"
+            return FinishReason(type="abort", message=message, status_code=503, rejected="queue_full")
+        limit = self.args.max_total_queued_tokens
+        if limit and queued:
+            waiting = sorted([*self.waiting, *self.compiling], key=lambda r: r.arrival)[free_slots:]
+            tokens = sum(r.remaining_prefill for r in waiting)
+            if tokens + req.seq_len > limit:
+                message = (
+                    f"the server is busy: {tokens} prompt tokens are queued and this request adds {req.seq_len} "
+                    f"(--max-total-queued-tokens {limit}); retry later"
+                )
+                return FinishReason(type="abort", message=message, status_code=503, rejected="queued_tokens")
         return None
 
     def _compile_grammar(self, req: Req) -> str | None:
@@ -163,6 +200,7 @@ class Scheduler:
             kv_tokens_cached=self.kv.cached(),
             kv_tokens_in_use=self.kv.in_use(),
             last_step_ms=self.last_step_ms,
+            num_retractions=self.num_retractions,
             messages_received=dict(self.received_by_type),
             finished_reqs=dict(self.finished_by_reason),
         )
@@ -192,8 +230,12 @@ class Scheduler:
         return outputs
 
     def _schedule(self) -> StepBatch | None:
-        decoding = [r for r in self.running if r.is_decoding]
         retractions = self.num_retractions
+        if self.args.priority_preemption and self.waiting:
+            self._preempt_for_priority()
+        decoding = [r for r in self.running if r.is_decoding]
+        if self.args.schedule_policy == "priority":
+            decoding.sort(key=priority_order)  # the KV cache full: the lowest goes back first
         decoding = self._reserve_decode_slots(decoding)
         # Right after a retraction the cache is full: admitting now would only thrash.
         plan = self._plan_prefill(len(decoding), admit_new=self.num_retractions == retractions)
@@ -210,8 +252,21 @@ class Scheduler:
             self._retract(victim)
         return decoding
 
-    def _retract(self, req: Req) -> None:
-        logger.info("KV cache full: retracting %s (%d tokens) to the waiting queue", req.rid, req.seq_len)
+    def _preempt_for_priority(self) -> None:
+        """With every running slot taken, a waiting request of higher priority sends the
+        lowest-priority decoding request (the latest of equals) back to the waiting queue."""
+        best = min(self.waiting, key=priority_order)
+        while len(self.running) >= self.args.max_running_requests:
+            decoding = [r for r in self.running if r.is_decoding]
+            if not decoding:
+                return
+            victim = max(decoding, key=priority_order)
+            if victim.priority >= best.priority:
+                return
+            self._retract(victim, f"preempted by {best.rid} (priority {best.priority} > {victim.priority})")
+
+    def _retract(self, req: Req, why: str = "KV cache full") -> None:
+        logger.info("%s: retracting %s (%d tokens) to the waiting queue", why, req.rid, req.seq_len)
         self.running.remove(req)
         self.kv.release(req, keep_in_cache=True)
         req.times_retracted += 1
@@ -257,6 +312,7 @@ class Scheduler:
                 break
             self.waiting.remove(req)
             self.running.append(req)
+            req.scheduled_at = req.scheduled_at or time.time()
             plan.add(req, extend)
             prefilling.append(req)
             budget -= extend
@@ -314,6 +370,7 @@ class Scheduler:
     def _append_token(self, req: Req, next_tokens: SampleOutput, k: int) -> None:
         token = next_tokens.next_token_ids[k]
         req.output_ids.append(token)
+        req.first_token_at = req.first_token_at or time.time()
         if req.grammar is not None:
             self._advance_grammar(req, token)
         if req.return_logprob:

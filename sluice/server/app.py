@@ -14,7 +14,13 @@ from fastapi.responses import JSONResponse, Response
 from sluice.messages import SamplingParams
 from sluice.sampling import ClientError
 from sluice.server.api_types import AbortRequestInput, GenerateResult, ModelInfo, ServerInfo, Success
-from sluice.server.errors import error_response, failure_message, failure_status, install_error_handlers
+from sluice.server.errors import (
+    error_response,
+    failure_message,
+    failure_response,
+    failure_status,
+    install_error_handlers,
+)
 from sluice.server.guard import RequestGuard
 from sluice.server.json_body import decode_json
 from sluice.server.openai_api import install_openai_routes
@@ -23,6 +29,7 @@ from sluice.server.sse import stream_response
 from sluice.server.state import ServerState
 from sluice.tokenizer.io_struct import GenerateReqInput
 from sluice.tokenizer.manager import BackendError, TokenizerManager
+from sluice.tokenizer.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from sluice.tokenizer.result import GenerateChunk, NativeStream, native_json
 
 logger = logging.getLogger(__name__)
@@ -106,6 +113,14 @@ def create_app(state: ServerState, lifespan=None) -> FastAPI:
         states["num_paused_reqs"] = workers.num_paused_reqs
         return {**args.public_dict(), "execution": state.tm.scheduler_info.execution, "internal_states": [states]}
 
+    metrics_docs = docs.operation(text_response="Prometheus text exposition format 0.0.4", errors=_ANY_ROUTE)
+
+    @app.get("/metrics", response_class=Response, openapi_extra=metrics_docs)
+    async def metrics():
+        """Prometheus text format: request counters and latencies (summed over HTTP workers)
+        and the Scheduler's gauges."""
+        return Response(await state.tm.render_metrics(), media_type=METRICS_CONTENT_TYPE)
+
     flush_docs = docs.operation(response=Success, errors=(400, *_ANY_ROUTE))
 
     @app.get("/flush_cache", openapi_extra=flush_docs)
@@ -149,15 +164,14 @@ async def serve_generate(tm: TokenizerManager, obj: GenerateReqInput, request: R
         return finished_response(await _last(generator))
     results = sorted([chunk async for chunk in generator], key=lambda chunk: chunk.index or 0)
     for result in results:
-        if status_code := failure_status(result):
-            return error_response(status_code, native_error_message(result))
+        if failure_status(result):
+            return failure_response(result, native_error_message(result))
     return JSONResponse([native_json(result) for result in results])
 
 
 def finished_response(result: GenerateChunk) -> Response:
-    status_code = failure_status(result)
-    if status_code:
-        return error_response(status_code, native_error_message(result))
+    if failure_status(result):
+        return failure_response(result, native_error_message(result))
     return JSONResponse(native_json(result))
 
 

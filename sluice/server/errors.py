@@ -12,7 +12,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from sluice.sampling import ClientError
 from sluice.server.api_types import ErrorDetail, ErrorResponse
-from sluice.tokenizer.manager import BackendError
+from sluice.tokenizer.manager import BackendError, ServerBusy
 from sluice.tokenizer.result import GenerateChunk
 
 logger = logging.getLogger(__name__)
@@ -36,8 +36,15 @@ def error_body(status_code: int, message: str, param: str | None = None) -> dict
     )
 
 
-def error_response(status_code: int, message: str, param: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(status_code, message, param), status_code=status_code)
+# What a 503 for the server's load (a full queue) tells a client to wait before retrying.
+RETRY_AFTER_S = 1
+
+
+def error_response(
+    status_code: int, message: str, param: str | None = None, retry_after: int | None = None
+) -> JSONResponse:
+    headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
+    return JSONResponse(error_body(status_code, message, param), status_code=status_code, headers=headers)
 
 
 # The two readers of a failed result: keep them the only places that know its shape.
@@ -53,6 +60,14 @@ def failure_message(chunk: GenerateChunk) -> str:
     """Why a chunk that `failure_status` flags failed."""
     reason = chunk.finish_reason
     return reason.message if reason is not None and reason.message is not None else "the request failed"
+
+
+def failure_response(chunk: GenerateChunk, message: str) -> JSONResponse:
+    """The answer to a request whose chunk `failure_status` flags, worded by `message`; a
+    refusal for the server's load says when to retry."""
+    reason = chunk.finish_reason
+    retry_after = RETRY_AFTER_S if reason is not None and reason.rejected is not None else None
+    return error_response(failure_status(chunk) or 500, message, retry_after=retry_after)
 
 
 class BodyTooLarge(Exception):
@@ -74,6 +89,10 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(NotFoundError)
     async def _not_found(request: Request, exc: NotFoundError):
         return error_response(404, exc.message, exc.param)
+
+    @app.exception_handler(ServerBusy)
+    async def _busy(request: Request, exc: ServerBusy):
+        return error_response(503, str(exc), retry_after=RETRY_AFTER_S)
 
     @app.exception_handler(BackendError)
     async def _backend_error(request: Request, exc: BackendError):

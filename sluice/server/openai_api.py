@@ -26,7 +26,7 @@ from sluice.server.api_types import (
     ModelList,
     TokenizeResult,
 )
-from sluice.server.errors import NotFoundError, error_response, failure_status
+from sluice.server.errors import NotFoundError, error_response, failure_response, failure_status
 from sluice.server.json_body import decode_json
 from sluice.server.openai_protocol import (
     ChatCompletionRequest,
@@ -83,6 +83,7 @@ def install_openai_routes(app: FastAPI, state: ServerState, docs: ApiDocs) -> No
             return_logprob=wants_logprobs,
             top_logprobs_num=body.logprobs or 0,
             logprob_start_len=0 if wants_logprobs and body.echo else -1,
+            priority=body.priority,
             rid=request_id if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))],
         )
         if isinstance(prompts[0], str):
@@ -124,6 +125,7 @@ def install_openai_routes(app: FastAPI, state: ServerState, docs: ApiDocs) -> No
             top_logprobs_num=(body.top_logprobs or 0) if body.logprobs else 0,
             rid=uuid.uuid4().hex,
             image_data=[*image_urls] or None,
+            priority=body.priority,
         )
         view = ChatView(
             state.model_name, obj.rid, token_texts, body, tool_call_parser(tm), tm.server_args.reasoning_parser
@@ -211,8 +213,8 @@ async def serve(
         return error_response(400, "the client disconnected")  # no one reads this
     finals.sort(key=choice_index)
     for chunk in finals:
-        if status_code := failure_status(chunk):
-            return error_response(status_code, view.error_message(chunk))
+        if failure_status(chunk):
+            return failure_response(chunk, view.error_message(chunk))
     return JSONResponse(view.response(finals))
 
 

@@ -73,6 +73,8 @@ class SamplingFields(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     json_schema: str | None = None
     regex: str | None = None
     ebnf: str | None = None
+    # SGLang's / vLLM's extra: higher runs sooner under --schedule-policy priority.
+    priority: int | None = None
     # Accepted without effect: they change nothing in what comes back.
     user: str | None = None
     metadata: dict[str, Any] | None = None

@@ -38,11 +38,13 @@ class ApiDocs:
         body_fields: dict[str, Any] | None = None,
         response: Any = None,
         stream_event: Any = None,
+        text_response: str | None = None,
         errors: tuple[int, ...] = (),
     ) -> dict[str, Any]:
         """A route's `openapi_extra`. `body_fields` documents fields of `body` that its struct
         types loosely (e.g. a dict the route converts itself); `stream_event` is the JSON of
-        each server-sent event when the request asks for `stream`."""
+        each server-sent event when the request asks for `stream`; `text_response` describes a
+        plain-text answer."""
         operation: dict[str, Any] = {}
         if body is not None:
             operation["requestBody"] = {
@@ -57,6 +59,9 @@ class ApiDocs:
             if stream_event is not None:
                 content["text/event-stream"] = {"schema": self.stream_event_schema(stream_event)}
             responses["200"] = {"description": "OK", "content": content}
+        if text_response is not None:
+            text = {"text/plain": {"schema": {"type": "string", "description": text_response}}}
+            responses["200"] = {"description": "OK", "content": text}
         for status_code in errors:
             responses[str(status_code)] = {
                 "description": HTTPStatus(status_code).phrase,

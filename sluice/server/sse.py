@@ -18,7 +18,7 @@ from typing import Any, Protocol
 import msgspec
 from fastapi.responses import Response, StreamingResponse
 
-from sluice.server.errors import error_body, error_response, failure_status
+from sluice.server.errors import error_body, error_response, failure_response, failure_status
 from sluice.tokenizer.manager import BackendError
 from sluice.tokenizer.result import GenerateChunk
 
@@ -50,9 +50,9 @@ async def stream_response(chunks: AsyncGenerator[GenerateChunk, None], stream_fo
     first = await anext(chunks, None)
     if first is None:
         return error_response(400, "the client disconnected")  # no one reads this
-    if status_code := failure_status(first):
+    if failure_status(first):
         await chunks.aclose()  # frees the other items of a batch, and the request's lock
-        return error_response(status_code, stream_format.error_message(first))
+        return failure_response(first, stream_format.error_message(first))
     return StreamingResponse(_events(first, chunks, stream_format), media_type="text/event-stream")
 
 

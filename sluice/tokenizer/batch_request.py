@@ -43,13 +43,13 @@ class RequestChannel(Protocol):
 
 
 async def handle_batch_request(
-    tm: RequestChannel, obj: GenerateReqInput, request: ClientConnection | None
+    tm: RequestChannel, obj: GenerateReqInput, request: ClientConnection | None, received_at: float
 ) -> AsyncIterator[GenerateChunk]:
     """Yields every item's chunks, each tagged with its `index`, as they come: streaming,
     each with what is new; else one per item, with everything."""
     items = [obj.item(i) for i in range(obj.batch_size)] if not obj.is_single else [obj]
     n = obj.sample_count()
-    tokenized = await tm.inputs.tokenize(items, tm.rid_to_state, label_items=True)
+    tokenized = await tm.inputs.tokenize(items, tm.rid_to_state, label_items=True, received_at=received_at)
     if n == 1:
         path = "batch" if tm.inputs.can_send_as_one_batch(items) else "batch_sequential"
         children = list(enumerate(tokenized))

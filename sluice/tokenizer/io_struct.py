@@ -26,6 +26,10 @@ class GenerateReqInput(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     return_logprob: bool = False
     top_logprobs_num: int = 0
     logprob_start_len: int = -1
+    # Higher runs sooner under --schedule-policy priority (every item of a batch alike).
+    priority: int | None = None
+    # meta_info gets `timings`: each stage in seconds since the request was received.
+    return_timings: bool = False
 
     @property
     def is_single(self) -> bool:
@@ -140,6 +144,8 @@ class GenerateReqInput(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
             return_logprob=self.return_logprob,
             top_logprobs_num=self.top_logprobs_num,
             logprob_start_len=self.logprob_start_len,
+            priority=self.priority,
+            return_timings=self.return_timings,
         )
 
     def normalize(self) -> None:
@@ -165,6 +171,8 @@ class GenerateReqInput(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
             raise ClientError(
                 f"top_logprobs_num must be <= {MAX_TOP_LOGPROBS}, got {self.top_logprobs_num}", "top_logprobs_num"
             )
+        if self.priority is not None and self.priority < 0:
+            raise ClientError(f"priority must be an integer >= 0 (higher runs sooner), got {self.priority}", "priority")
         if self.logprob_start_len < -1:
             raise ClientError(f"logprob_start_len must be >= -1, got {self.logprob_start_len}", "logprob_start_len")
 

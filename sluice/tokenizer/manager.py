@@ -31,6 +31,7 @@ from sluice.messages import (
     InternalState,
     Message,
     ProcessFailed,
+    ReqOutput,
     SchedulerReady,
     SetPause,
     TokenizedGenerateReqInput,
@@ -41,6 +42,7 @@ from sluice.messages import (
 from sluice.sampling import ClientError
 from sluice.tokenizer.batch_request import handle_batch_request
 from sluice.tokenizer.io_struct import GenerateReqInput
+from sluice.tokenizer.metrics import RequestMetrics
 from sluice.tokenizer.multimodal.request_images import RequestImages
 from sluice.tokenizer.req_state import ClientConnection, ReqState
 from sluice.tokenizer.request_tokenizer import RequestTokenizer
@@ -61,6 +63,10 @@ DISCONNECT_POLL_S = 1.0
 
 class BackendError(RuntimeError):
     """The Scheduler or DetokenizerManager is gone or not answering."""
+
+
+class ServerBusy(RuntimeError):
+    """The server refuses a request for its load (503 with Retry-After)."""
 
 
 async def wait_for_backend(inbox: AsyncReceiver, timeout_s: float = 600.0) -> SchedulerReady:
@@ -113,6 +119,7 @@ class TokenizerManager:
             self.send_to_scheduler = Sender(self.sync_context, port_args.tokenizer_input)
 
         self.rid_to_state: dict[str, ReqState] = {}
+        self.metrics = RequestMetrics()
         self.model_update_lock = RWLock()
         self.is_pause = False
         self.is_pause_cond = asyncio.Condition()
@@ -183,21 +190,38 @@ class TokenizerManager:
     async def generate_request(
         self, obj: GenerateReqInput, request: ClientConnection | None = None
     ) -> AsyncGenerator[GenerateChunk, None]:
+        received_at = time.time()
         if self.backend_error:
             raise BackendError(self.backend_error)
         obj.normalize()
         n = self._check_request_size(obj)
+        self._check_queue_room()
         await self._wait_while_paused()
         async with self.model_update_lock.reader_lock():
             if obj.is_single and n == 1:
-                [tokenized] = await self.inputs.tokenize([obj], self.rid_to_state)
+                [tokenized] = await self.inputs.tokenize([obj], self.rid_to_state, received_at=received_at)
                 state = self.add_req_state(tokenized, "single")
                 self.send(tokenized)
                 async for response in self.wait_response(state, request):
                     yield response
             else:
-                async for response in handle_batch_request(self, obj, request):
+                async for response in handle_batch_request(self, obj, request, received_at):
                     yield response
+
+    def _check_queue_room(self) -> None:
+        """Refuse a request before tokenizing it when this process alone already has more
+        requests in flight than can run plus --max-queued-requests. The Scheduler checks the
+        exact queue (over every HTTP worker) when the request arrives."""
+        limit = self.server_args.max_queued_requests
+        if not limit:
+            return
+        queued = len(self.rid_to_state) - self.server_args.max_running_requests
+        if queued >= limit:
+            self.metrics.on_rejected("queue_full")
+            raise ServerBusy(
+                f"the server is busy: at least {queued} requests are queued (--max-queued-requests {limit}); "
+                "retry later"
+            )
 
     def _check_request_size(self, obj: GenerateReqInput) -> int:
         """Refuse an oversized batch or n before any per-item work; returns n."""
@@ -220,7 +244,15 @@ class TokenizerManager:
         """Register a request about to be sent; its results go to the returned state."""
         if not self.rid_to_state:
             self.soft_watchdog.feed()  # a busy period starts: idle time never counts
-        state = ReqState(rid=req.rid, stream=req.stream, path=path, index=index, return_logprob=req.return_logprob)
+        state = ReqState(
+            rid=req.rid,
+            stream=req.stream,
+            path=path,
+            index=index,
+            return_logprob=req.return_logprob,
+            return_timings=req.return_timings,
+            received_at=req.received_at or time.time(),
+        )
         self.rid_to_state[req.rid] = state
         return state
 
@@ -299,11 +331,16 @@ class TokenizerManager:
                 self._result_dispatcher(recv_obj)
 
     def _handle_batch_output(self, batch: BatchStrOutput) -> None:
+        now = time.time()
         for out in batch.outputs:
             state = self.rid_to_state.get(out.output.rid)
             if state is None:
                 continue  # aborted earlier and already cleaned up
+            previous_token_at = state.last_token_at
             chunk = state.absorb(out)
+            self.metrics.on_output(state, out.output, previous_token_at, now)
+            if state.finished:
+                self.metrics.on_finish(state, out.output, now)
             if chunk is None:
                 continue  # a non-streaming request: its one chunk comes at the end
             state.pending.append(chunk)
@@ -324,7 +361,10 @@ class TokenizerManager:
         """The back end died: end every live request with an error, report unhealthy."""
         self.backend_error = reason
         for rid, state in list(self.rid_to_state.items()):
-            state.pending.append(state.abort_chunk(reason, status_code=503))
+            chunk = state.abort_chunk(reason, status_code=503)
+            lost = ReqOutput(rid=rid, new_token_ids=[], finish_reason=chunk.finish_reason)
+            self.metrics.on_finish(state, lost, time.time())
+            state.pending.append(chunk)
             state.finished = True
             del self.rid_to_state[rid]
             state.event.set()
@@ -350,6 +390,9 @@ class TokenizerManager:
 
     async def get_internal_state(self) -> InternalState:
         return await self._control(GetInternalStateReq(), InternalState)
+
+    async def render_metrics(self) -> bytes:
+        return self.metrics.render(await self.get_internal_state())
 
     async def flush_cache(self) -> FlushCacheReqOutput:
         async with self.model_update_lock.writer_lock():

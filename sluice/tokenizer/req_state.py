@@ -29,11 +29,17 @@ class ReqState:
     path: str = "single"
     index: int | None = None
     return_logprob: bool = False
-    created_s: float = field(default_factory=time.perf_counter)
+    return_timings: bool = False
+    # Wall-clock times (time.time(), comparable with the Scheduler's): the request came in,
+    # was tokenized (and sent), was first put in a batch, had its first token.
+    received_at: float = field(default_factory=time.time)
+    tokenized_at: float = field(default_factory=time.time)
+    scheduled_at: float = 0.0
+    first_token_at: float = 0.0
+    last_token_at: float = 0.0  # when this process last received tokens
     event: asyncio.Event = field(default_factory=asyncio.Event)
     pending: list[GenerateChunk] = field(default_factory=list)
     finished: bool = False
-    first_token_s: float | None = None
     num_output_ids: int = 0  # output tokens so far, sent or not
 
     # Not yet in a chunk.
@@ -45,10 +51,14 @@ class ReqState:
 
     def absorb(self, out: StrOutput) -> GenerateChunk | None:
         """Add one output of the detokenizer; returns the chunk it makes, if one is due."""
-        now = time.perf_counter()
+        now = time.time()
         output = out.output
-        if output.new_token_ids and self.first_token_s is None:
-            self.first_token_s = now
+        self.scheduled_at = self.scheduled_at or output.scheduled_at
+        if output.new_token_ids and not self.first_token_at:
+            # Streamed: when the client could see it; else when the Scheduler sampled it.
+            self.first_token_at = now if self.stream else output.first_token_at or now
+        if output.new_token_ids:
+            self.last_token_at = now
         if out.text:
             self.new_text.append(out.text)
         self.new_ids.extend(output.new_token_ids)
@@ -68,7 +78,21 @@ class ReqState:
     def abort_chunk(self, message: str, status_code: int = 400) -> GenerateChunk:
         """The final chunk of a request that ended with an error."""
         reason = FinishReason(type="abort", message=message, status_code=status_code)
-        return self._take_chunk(reason, time.perf_counter())
+        return self._take_chunk(reason, time.time())
+
+    def timings(self, finished_at: float) -> dict[str, float | None]:
+        """Each stage's time, in seconds since the request was received (None: not reached)."""
+
+        def since(t: float) -> float | None:
+            return t - self.received_at if t else None
+
+        return {
+            "received": 0.0,
+            "tokenized": since(self.tokenized_at),
+            "first_scheduled": since(self.scheduled_at),
+            "first_token": since(self.first_token_at),
+            "finished": since(finished_at),
+        }
 
     def _keep_output_ids(self, count: int) -> None:
         """A stop string ended the text early: only its first `count` tokens count. Tokens
@@ -92,10 +116,12 @@ class ReqState:
             output_ids=self.new_ids,
             finish_reason=finish_reason,
             completion_tokens=self.num_output_ids,
-            e2e_latency=now - self.created_s,
-            ttft=None if self.first_token_s is None else self.first_token_s - self.created_s,
+            e2e_latency=now - self.received_at,
+            ttft=self.first_token_at - self.received_at if self.first_token_at else None,
             return_logprob=self.return_logprob,
         )
+        if self.return_timings:
+            chunk.timings = self.timings(now if finish_reason is not None else 0.0)
         if output is not None:
             chunk.prompt_tokens = output.prompt_tokens
             chunk.cached_tokens = output.cached_tokens

@@ -34,10 +34,14 @@ class RequestTokenizer:
             )
 
     async def tokenize(
-        self, items: list[GenerateReqInput], live_rids: Container[str], label_items: bool = False
+        self,
+        items: list[GenerateReqInput],
+        live_rids: Container[str],
+        label_items: bool = False,
+        received_at: float = 0.0,
     ) -> list[TokenizedGenerateReqInput]:
         """Tokenize and check every item; the first bad one fails them all (a ClientError
-        that names the item when `label_items`)."""
+        that names the item when `label_items`). `received_at`: when the request came in."""
         images = await asyncio.gather(*(self._process_images(item) for item in items))
         texts = [
             self._text_with_placeholders(item.single_text or "", len(imgs))
@@ -56,7 +60,7 @@ class RequestTokenizer:
                 if rid in seen or rid in live_rids:
                     raise ClientError(f"a request with rid '{rid}' is already running", "rid")
                 seen.add(rid)
-                tokenized.append(self._tokenized(item, ids, item_images))
+                tokenized.append(self._tokenized(item, ids, item_images, received_at))
             except ClientError as e:
                 if not label_items:
                     raise
@@ -90,7 +94,7 @@ class RequestTokenizer:
         return self._images().prompt_with_placeholders(text, num_images) if num_images else text
 
     def _tokenized(
-        self, obj: GenerateReqInput, input_ids: list[int], images: list[ImageInput]
+        self, obj: GenerateReqInput, input_ids: list[int], images: list[ImageInput], received_at: float
     ) -> TokenizedGenerateReqInput:
         if images:
             self._images().check_tokens(input_ids, len(images))
@@ -111,7 +115,19 @@ class RequestTokenizer:
             logprob_start_len=obj.logprob_start_len if obj.return_logprob else -1,
             input_text=obj.text if isinstance(obj.text, str) else "",
             images=list(images),
+            priority=self._priority(obj.priority),
+            received_at=received_at,
+            return_timings=obj.return_timings,
         )
+
+    def _priority(self, priority: int | None) -> int:
+        if priority and self.server_args.schedule_policy != "priority":
+            raise ClientError(
+                f"priority {priority} has no effect: this server schedules by {self.server_args.schedule_policy} "
+                "(start it with --schedule-policy priority)",
+                "priority",
+            )
+        return priority or 0
 
     def _check_lengths(self, input_ids: list[int], params: SamplingParams) -> None:
         num_input = len(input_ids)

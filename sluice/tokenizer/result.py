@@ -34,6 +34,8 @@ class GenerateChunk(msgspec.Struct, kw_only=True):
     image_tokens: int = 0
     e2e_latency: float = 0.0
     ttft: float | None = None  # seconds to the first output token, once there is one
+    # With return_timings: each stage of the request in seconds since it was received.
+    timings: dict[str, float | None] | None = None
     # With return_logprob: one logprob per output id, the top alternatives of each (empty
     # unless asked for), and, in the first chunk that has them, the prompt's from
     # logprob_start_len on.
@@ -103,6 +105,8 @@ def _result(chunk: GenerateChunk, text: Any, output_ids: Any, logprobs: dict[str
         meta["index"] = chunk.index
     if chunk.ttft is not None:
         meta["ttft"] = chunk.ttft
+    if chunk.timings is not None:
+        meta["timings"] = chunk.timings
     meta.update(logprobs)
     result: dict[str, Any] = {"text": text, "output_ids": output_ids, "meta_info": meta}
     if chunk.index is not None:

@@ -45,7 +45,9 @@ def test_every_route_publishes_its_body_and_responses(base_url):
     for path, operations in paths.items():
         for operation in operations.values():
             responses = operation["responses"]
-            assert path.startswith("/health") or "schema" in responses["200"]["content"]["application/json"], path
+            content = responses.get("200", {}).get("content", {})
+            answer = content.get("text/plain" if path == "/metrics" else "application/json", {})
+            assert path.startswith("/health") or "schema" in answer, path
             if "requestBody" in operation:
                 assert responses["400"]["content"]["application/json"]["schema"]["$ref"].endswith("/ErrorResponse")
     chat_200 = paths["/v1/chat/completions"]["post"]["responses"]["200"]["content"]
@@ -164,6 +166,7 @@ FUZZED_ROUTES = [
     ("POST", "/generate"),
     ("GET", "/get_model_info"),
     ("GET", "/get_server_info"),
+    ("GET", "/metrics"),
     ("GET", "/v1/models"),
     ("POST", "/v1/completions"),
     ("POST", "/v1/chat/completions"),

@@ -136,7 +136,7 @@ async def results(channel: Channel, obj: GenerateReqInput) -> list[GenerateChunk
     obj.normalize()
     if not obj.is_single:
         obj.normalize_batch(max_items=64)
-    return [c async for c in handle_batch_request(channel, obj, None)]
+    return [c async for c in handle_batch_request(channel, obj, None, 0.0)]
 
 
 async def test_texts_are_tokenized_in_one_call_and_sent_as_one_batch():

@@ -187,3 +187,69 @@ def test_fill_slice_reads_prompt_then_output():
     req = Req(rid="r", prompt_ids=[1, 2, 3], sampling_params=SamplingParams(), output_ids=[4, 5])
     whole = [1, 2, 3, 4, 5]
     assert all(req.fill_slice(a, b) == whole[a:b] for a in range(6) for b in range(a, 6))
+
+
+def add(scheduler: Scheduler, rid: str, ids: list[int], max_new_tokens: int = 50, priority: int = 0):
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0, ignore_eos=True)
+    msg = TokenizedGenerateReqInput(rid=rid, input_ids=ids, sampling_params=params, priority=priority)
+    return scheduler.add_request(msg)
+
+
+def test_a_full_queue_refuses_with_503(runner, prompts):
+    scheduler = make_scheduler(runner, max_queued_requests=2, max_running_requests=1)
+    # Arriving together at an idle server: one takes the running slot, two queue.
+    assert [add(scheduler, rid, prompts[i]) for i, rid in enumerate("abc")] == [None] * 3
+    refused = add(scheduler, "d", prompts[3])
+    reason = refused.output.finish_reason
+    assert (reason.type, reason.status_code, reason.rejected) == ("abort", 503, "queue_full")
+    assert "--max-queued-requests 2" in reason.message
+    scheduler.step()  # a runs; b and c still queue
+    assert add(scheduler, "d", prompts[3]).output.finish_reason.rejected == "queue_full"
+    scheduler.abort(AbortReq(rid="b"))
+    assert add(scheduler, "d", prompts[3]) is None
+    scheduler.abort(AbortReq(abort_all=True))
+    scheduler.check_integrity()
+
+
+def test_queued_prompt_tokens_are_bounded(runner, prompts):
+    limit = len(prompts[0]) + len(prompts[1])
+    scheduler = make_scheduler(runner, max_total_queued_tokens=limit, max_running_requests=1)
+    assert add(scheduler, "runs", prompts[2] * 30) is None  # to the free running slot: not queued
+    assert add(scheduler, "big", prompts[0] * 20) is None  # an empty queue takes any prompt
+    refused = add(scheduler, "a", prompts[1])
+    assert refused.output.finish_reason.rejected == "queued_tokens"
+    assert "--max-total-queued-tokens" in refused.output.finish_reason.message
+    scheduler.abort(AbortReq(abort_all=True))
+    assert [add(scheduler, rid, prompts[i]) for i, rid in zip((2, 0, 1), ("runs", "a", "b"), strict=True)] == [None] * 3
+    assert add(scheduler, "c", prompts[2]).output.finish_reason.status_code == 503
+    scheduler.abort(AbortReq(abort_all=True))
+
+
+def test_higher_priority_runs_first_then_arrival(runner, prompts):
+    scheduler = make_scheduler(runner, schedule_policy="priority", max_running_requests=1)
+    for rid, priority in [("low0", 0), ("low1", 0), ("high", 5), ("mid", 2)]:
+        add(scheduler, rid, prompts[0], max_new_tokens=2, priority=priority)
+    order = []
+    while not scheduler.is_idle:
+        order += [out.output.rid for out in scheduler.step() if out.output.finish_reason is not None]
+    assert order == ["high", "mid", "low0", "low1"]
+
+
+def test_priority_preemption_retracts_the_lowest_and_it_resumes_unchanged(runner, prompts, alone):
+    scheduler = make_scheduler(runner, schedule_policy="priority", priority_preemption=True, max_running_requests=2)
+    add(scheduler, "r0", prompts[0], max_new_tokens=NEW_TOKENS, priority=1)
+    add(scheduler, "r1", prompts[1], max_new_tokens=NEW_TOKENS, priority=0)
+    for _ in range(4):
+        scheduler.step()
+    add(scheduler, "urgent", prompts[2], max_new_tokens=NEW_TOKENS, priority=9)
+    tokens: dict[str, list[int]] = {"r0": [], "r1": [], "urgent": []}
+    order = []
+    while not scheduler.is_idle:
+        for out in scheduler.step():
+            tokens[out.output.rid] += out.output.new_token_ids
+            if out.output.finish_reason is not None:
+                order.append(out.output.rid)
+        scheduler.check_integrity()
+    assert scheduler.num_retractions == 1  # r1, the lower of the two running
+    assert order.index("urgent") < order.index("r1")
+    assert [tokens["r0"], tokens["r1"], tokens["urgent"]] == alone[:3]

@@ -1,0 +1,183 @@
+"""Operating the server (issue 16): /metrics, request timings, a bounded queue, priorities."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.helpers import RunningServer, generate, greedy, wait_for_states, wait_until_drained, wait_until_running
+
+
+def scrape(base_url: str, headers: dict | None = None) -> dict[str, float]:
+    """Every sample of /metrics by name and labels, e.g. 'sluice:requests_total{finish_reason=length}'."""
+    response = httpx.get(base_url + "/metrics", headers=headers, timeout=30)
+    assert response.status_code == 200, response.text
+    assert response.headers["content-type"].startswith("text/plain")
+    samples = {}
+    for family in text_string_to_metric_families(response.text):
+        for sample in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()) if k != "le")
+            if "le" in sample.labels:
+                labels = f"{labels},le={sample.labels['le']}".lstrip(",")
+            samples[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+    return samples
+
+
+def moved(before: dict[str, float], after: dict[str, float], name: str) -> float:
+    return after.get(name, 0.0) - before.get(name, 0.0)
+
+
+def test_metrics_count_exactly_what_was_served(base_url):
+    before = scrape(base_url)
+    prompts = [f"Count to {i}." for i in range(6)]
+    with ThreadPoolExecutor(3) as pool:
+        results = list(
+            pool.map(lambda p: generate(base_url, text=p, sampling_params=greedy(8, ignore_eos=True)), prompts)
+        )
+    assert all(r.status_code == 200 for r in results)
+    prompt_tokens = sum(r.json()["meta_info"]["prompt_tokens"] for r in results)
+    cached_tokens = sum(r.json()["meta_info"]["cached_tokens"] for r in results)
+    wait_until_drained(base_url)
+    after = scrape(base_url)
+    assert moved(before, after, "sluice:generation_tokens_total") == 48
+    assert moved(before, after, "sluice:prompt_tokens_total") == prompt_tokens
+    assert moved(before, after, "sluice:cached_tokens_total") == cached_tokens
+    assert moved(before, after, "sluice:requests_total{finish_reason=length}") == 6
+    for histogram in ("time_to_first_token", "e2e_request_latency", "queue_time", "inter_token_latency"):
+        assert moved(before, after, f"sluice:{histogram}_seconds_count") == 6, histogram
+    assert moved(before, after, "sluice:time_to_first_token_seconds_bucket{le=+Inf}") == 6
+    assert after["sluice:num_requests_running"] == 0 and after["sluice:num_requests_waiting"] == 0
+    assert after["sluice:kv_cache_usage_ratio"] == 0
+    assert "sluice:num_retractions" in after
+
+
+def test_the_gauges_show_a_running_request(base_url):
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(generate, base_url, text="Tell a story.", sampling_params=greedy(64, ignore_eos=True))
+        wait_until_running(base_url)
+        samples = scrape(base_url)
+        assert samples["sluice:num_requests_running"] >= 1
+        assert 0 < samples["sluice:kv_cache_usage_ratio"] <= 1
+        assert running.result().status_code == 200
+
+
+def test_timings_say_when_each_stage_happened(base_url):
+    response = generate(base_url, text="Hi", sampling_params=greedy(4), return_timings=True)
+    meta = response.json()["meta_info"]
+    timings = meta["timings"]
+    stages = ["received", "tokenized", "first_scheduled", "first_token", "finished"]
+    assert list(timings) == stages
+    values = [timings[stage] for stage in stages]
+    assert values == sorted(values) and values[0] == 0
+    assert timings["finished"] == pytest.approx(meta["e2e_latency"], abs=0.05)
+    assert "timings" not in generate(base_url, text="Hi", sampling_params=greedy(4)).json()["meta_info"]
+
+
+@pytest.mark.parametrize("priority", [-1, 1.5, "high", True])
+def test_a_bad_priority_is_refused(base_url, priority):
+    response = generate(base_url, text="Hi", sampling_params=greedy(2), priority=priority)
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "priority"
+
+
+def test_priority_without_the_priority_policy_is_refused(base_url):
+    response = generate(base_url, text="Hi", sampling_params=greedy(2), priority=3)
+    assert response.status_code == 400
+    assert "--schedule-policy priority" in response.json()["error"]["message"]
+    assert generate(base_url, text="Hi", sampling_params=greedy(2), priority=0).status_code == 200
+
+
+def test_metrics_need_the_api_key():
+    server = RunningServer("--api-key", "k3y", "--skip-warmup")
+    try:
+        assert httpx.get(server.base_url + "/metrics", timeout=30).status_code == 401
+        samples = scrape(server.base_url, headers={"Authorization": "Bearer k3y"})
+        assert "sluice:generation_tokens_total" in samples
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def small_queue_server():
+    server = RunningServer("--max-running-requests", "2", "--max-queued-requests", "4", "--skip-warmup")
+    yield server
+    server.stop()
+
+
+def test_a_full_queue_answers_503_and_serves_the_rest(small_queue_server):
+    base_url = small_queue_server.base_url
+    before = scrape(base_url)
+    body = {"text": "Write a long story about a ship.", "sampling_params": greedy(48, ignore_eos=True)}
+    with ThreadPoolExecutor(30) as pool:
+        responses = list(pool.map(lambda _: httpx.post(base_url + "/generate", json=body, timeout=300), range(30)))
+    busy = [r for r in responses if r.status_code == 503]
+    served = [r for r in responses if r.status_code == 200]
+    assert len(busy) + len(served) == 30
+    # 2 run and 4 wait (more are served as earlier ones end).
+    assert len(busy) >= 30 - 6 - 6 and len(served) >= 6
+    for response in busy:
+        error = response.json()["error"]
+        assert error["code"] == 503 and "max-queued-requests" in error["message"]
+        assert response.headers["retry-after"] == "1"
+    assert all(r.json()["meta_info"]["completion_tokens"] == 48 for r in served)
+    wait_until_drained(base_url)
+    after = scrape(base_url)
+    assert moved(before, after, "sluice:requests_rejected_total{reason=queue_full}") == len(busy)
+    assert moved(before, after, "sluice:requests_total{finish_reason=length}") == len(served)
+
+
+def test_a_streamed_request_to_a_full_queue_gets_503_before_the_stream(small_queue_server):
+    base_url = small_queue_server.base_url
+    body = {"text": "Write a long story.", "sampling_params": greedy(2000, ignore_eos=True)}
+    with ThreadPoolExecutor(6) as pool:
+        held = [pool.submit(httpx.post, base_url + "/generate", json=body, timeout=300) for _ in range(6)]
+        wait_for_states(base_url, lambda s: s["num_running_reqs"] == 2 and s["num_waiting_reqs"] == 4, "queue full")
+        response = httpx.post(
+            base_url + "/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": "Hi"}], "stream": True, "max_tokens": 4},
+            timeout=60,
+        )
+        assert response.status_code == 503 and response.headers["retry-after"] == "1"
+        assert response.json()["error"]["type"] == "ServiceUnavailableError"
+        assert httpx.post(base_url + "/abort_request", json={"abort_all": True}, timeout=30).status_code == 200
+        finish_reasons = [f.result().json()["meta_info"]["finish_reason"]["type"] for f in held]
+        assert finish_reasons == ["abort"] * 6
+    wait_until_drained(base_url)
+
+
+def test_an_urgent_request_overtakes_earlier_low_priority_ones():
+    server = RunningServer(
+        "--schedule-policy", "priority", "--priority-preemption", "--max-running-requests", "1", "--skip-warmup"
+    )
+    try:
+        base_url = server.base_url
+        finished: list[str] = []
+        lock = threading.Lock()
+
+        def run(name: str, body: dict, route: str = "/generate") -> None:
+            response = httpx.post(base_url + route, json=body, timeout=300)
+            assert response.status_code == 200, response.text
+            with lock:
+                finished.append(name)
+
+        story = {"text": "Write a story.", "sampling_params": greedy(64, ignore_eos=True)}
+        with ThreadPoolExecutor(4) as pool:
+            low = [pool.submit(run, f"low{i}", story) for i in range(3)]
+            wait_until_running(base_url)
+            time.sleep(0.3)
+            # Through the OpenAI route, where priority is an extra field as in SGLang and vLLM.
+            urgent_body = {"prompt": "Hi", "max_tokens": 4, "temperature": 0, "priority": 10}
+            urgent = pool.submit(run, "urgent", urgent_body, "/v1/completions")
+            for future in [*low, urgent]:
+                future.result()
+        assert finished[0] == "urgent", finished  # it even preempted the running low0
+        samples = scrape(base_url)
+        assert samples["sluice:num_retractions"] >= 1
+        wait_until_drained(base_url)
+    finally:
+        server.stop()
