@@ -119,6 +119,18 @@ class ServerArgs:
             )
         },
     )
+    pooling: str = field(
+        default="last",
+        metadata={
+            "help": (
+                "How /encode and /v1/embeddings pool a prompt's final hidden states: last (the last token's, as "
+                "decoder embedding models are trained), mean, or cls (the first token's)."
+            )
+        },
+    )
+    disable_embedding_normalization: bool = field(
+        default=False, metadata={"help": "Return embeddings as pooled, not scaled to unit length."}
+    )
     disable_radix_cache: bool = field(default=False, metadata={"help": "Do not reuse KV of shared prefixes."})
     max_n: int = field(default=16, metadata={"help": "Largest n (parallel samples per prompt)."})
     max_batch_items: int = field(default=256, metadata={"help": "Most prompts x n in one request."})
@@ -210,6 +222,7 @@ class ServerArgs:
                 not self.priority_preemption or self.schedule_policy == "priority",
                 "priority_preemption needs schedule_policy priority",
             ),
+            (self.pooling in ("last", "mean", "cls"), "pooling must be last, mean or cls"),
             (self.max_queued_requests >= 0, "max_queued_requests must be >= 0"),
             (self.max_total_queued_tokens >= 0, "max_total_queued_tokens must be >= 0"),
             (self.max_n >= 1, "max_n must be >= 1"),

@@ -81,6 +81,24 @@ class BatchTokenizedGenerateReqInput(Message):
     reqs: list[TokenizedGenerateReqInput]
 
 
+class TokenizedEmbeddingReqInput(Message):
+    """Run a prompt and return its pooled last hidden state (no sampling)."""
+
+    rid: str
+    input_ids: list[int]
+    priority: int = 0
+    received_at: float = 0.0
+    http_worker_ipc: str | None = None
+
+
+class BatchTokenizedEmbeddingReqInput(Message):
+    reqs: list[TokenizedEmbeddingReqInput]
+
+
+# A request on its way to the Scheduler, either kind.
+TokenizedRequest = TokenizedGenerateReqInput | TokenizedEmbeddingReqInput
+
+
 class AbortReq(Message):
     """Abort `rid` and its parallel-sampling children (rids `rid::...`), or everything."""
 
@@ -179,6 +197,19 @@ class BatchStrOutput(Message):
     outputs: list[StrOutput]
 
 
+class EmbeddingOutput(msgspec.Struct, kw_only=True):
+    """The end of one embedding request: its vector, or (empty) the reason it failed."""
+
+    output: ReqOutput
+    embedding: bytes = b""  # float32 little-endian, pooled (and normalised, unless disabled)
+
+
+class BatchEmbeddingOutput(Message):
+    """Passed on unchanged by the DetokenizerManager."""
+
+    outputs: list[EmbeddingOutput]
+
+
 # ---------------------------------------------------------------- control
 
 
@@ -193,6 +224,7 @@ class SchedulerReady(Message):
     num_image_tokens: int = 0
     # How the model runs here (backend, instruction set, dtypes, kernel paths).
     execution: dict[str, str] = {}
+    embedding_dim: int = 0  # length of an embedding: the model's hidden size
 
 
 class DetokenizerReady(Message):
@@ -265,6 +297,9 @@ class WorkerDied(Message):
 AnyMessage = (
     TokenizedGenerateReqInput
     | BatchTokenizedGenerateReqInput
+    | TokenizedEmbeddingReqInput
+    | BatchTokenizedEmbeddingReqInput
+    | BatchEmbeddingOutput
     | AbortReq
     | FlushCacheReq
     | GetInternalStateReq

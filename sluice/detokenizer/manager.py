@@ -20,6 +20,7 @@ from sluice.detokenizer.incremental import IncrementalDetokenizer
 from sluice.ipc import LAST_WORDS_MS, Receiver, Sender
 from sluice.messages import (
     AbortReq,
+    BatchEmbeddingOutput,
     BatchStrOutput,
     BatchTokenIDOutput,
     DetokenizerReady,
@@ -100,6 +101,9 @@ def run_detokenizer_process(server_args_data: bytes, port_args_data: bytes) -> N
         to_tokenizer.send(DetokenizerReady())
         while True:
             message = inbox.recv()
+            if isinstance(message, BatchEmbeddingOutput):
+                to_tokenizer.send(message)  # no text to make: on in order with the rest
+                continue
             if not isinstance(message, BatchTokenIDOutput):
                 logger.warning("detokenizer ignored an unexpected %s", type(message).__name__)
                 continue

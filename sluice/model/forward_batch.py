@@ -29,3 +29,7 @@ class ForwardBatch:
     # value) and their embeddings come from the vision tower instead of the vocabulary.
     mm_rows: torch.Tensor | None = None  # int64 [num_image_rows]: rows of the num_tokens axis
     mm_embeds: torch.Tensor | None = None  # [num_image_rows, hidden] in the model dtype
+    # Rows of the num_tokens axis whose final (normed) hidden state an embedding request
+    # pools; the model fills `hidden_states` ([len(hidden_indices), hidden], float32).
+    hidden_indices: torch.Tensor | None = None
+    hidden_states: torch.Tensor | None = None

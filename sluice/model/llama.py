@@ -143,6 +143,8 @@ class LlamaForCausalLM(nn.Module):
                 )
             assert pending is not None, "a model has at least one layer"
             hidden = hidden + pending
+        if fb.hidden_indices is not None:
+            fb.hidden_states = self.norm(hidden[fb.hidden_indices]).float()
         # Norm and LM head only for the rows whose logits are wanted: the rest are never read.
         last_hidden = self.norm(hidden[fb.logits_indices])
         return self.backend.linear(last_hidden, self.lm_head, self.lm_head_quantized).float()

@@ -29,6 +29,10 @@ class StepBatch:
     sample_logit_rows: torch.Tensor  # rows of the logits used for sampling, in request order
     # (request index, prompt position of the token whose logprob a logits row gives)
     input_logprob_rows: list[tuple[int, int, int]]
+    # Embedding requests: rows whose final hidden state is pooled, and per request (its
+    # index, its first row in those, how many).
+    hidden_indices: torch.Tensor | None
+    pool_spans: list[tuple[int, int, int]]
 
     @classmethod
     def allocate(cls, reqs: list[Req], extend_lens: list[int], kv: KVManager) -> StepBatch:
@@ -42,8 +46,14 @@ class StepBatch:
         logits_indices: list[int] = []
         sample_rows: list[int] = []
         input_rows: list[tuple[int, int, int]] = []
+        hidden_rows: list[int] = []
+        pool_spans: list[tuple[int, int, int]] = []
         offset = 0
         for i, (req, n) in enumerate(zip(reqs, extend_lens, strict=True)):
+            if req.pooling is not None:
+                rows = req.pooling_rows(req.kv_len, n)
+                pool_spans.append((i, len(hidden_rows), len(rows)))
+                hidden_rows.extend(offset + row for row in rows)
             if req.wants_input_logprobs:
                 first = max(req.logprob_start_len - 1, req.kv_len)
                 for pos in range(first, min(req.kv_len + n, len(req.prompt_ids) - 1)):
@@ -63,7 +73,15 @@ class StepBatch:
             logits_indices=torch.tensor(logits_indices, dtype=torch.int64),
             sample_logit_rows=torch.tensor(sample_rows, dtype=torch.int64),
             input_logprob_rows=input_rows,
+            hidden_indices=torch.tensor(hidden_rows, dtype=torch.int64) if pool_spans else None,
+            pool_spans=pool_spans,
         )
+
+    def pool_hidden_states(self, hidden_states: torch.Tensor | None) -> None:
+        """Add this step's final hidden states to each embedding request's pool."""
+        for i, first, count in self.pool_spans:
+            assert hidden_states is not None, "the model returns the rows it was asked for"
+            self.reqs[i].pool(hidden_states[first : first + count])
 
     def record_input_logprobs(self, logits: torch.Tensor) -> None:
         """Store prompt-token logprobs for requests that asked for them."""
@@ -125,4 +143,5 @@ def build_forward_batch(
         v_buffers=v_buffers,
         mm_rows=torch.tensor(mm_rows, dtype=torch.int64) if mm_rows else None,
         mm_embeds=torch.cat(mm_embeds) if mm_embeds else None,
+        hidden_indices=batch.hidden_indices,
     )

@@ -123,7 +123,7 @@ class KVManager:
     def _prefix_key(req: Req) -> list[int]:
         # At least one token must be computed to get logits for the next one. A request
         # that wants prompt logprobs from position s needs the logits at s - 1.
-        limit = req.seq_len - 1
+        limit = 0 if req.needs_every_position else req.seq_len - 1
         if req.wants_input_logprobs:
             limit = min(limit, max(req.logprob_start_len - 1, 0))
         return req.fill_slice(0, limit)

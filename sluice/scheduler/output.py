@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
-from sluice.messages import ReqOutput, TokenIDOutput
+from sluice.messages import EmbeddingOutput, ReqOutput, TokenIDOutput
 from sluice.scheduler.req import Req
 
+SchedulerOutput = TokenIDOutput | EmbeddingOutput
 
-def make_output(req: Req) -> TokenIDOutput:
+
+def make_output(req: Req) -> SchedulerOutput:
+    if req.pooling is not None:
+        return make_embedding_output(req)
     start = req.num_sent_tokens
     req.num_sent_tokens = len(req.output_ids)
     output = ReqOutput(
@@ -39,3 +43,20 @@ def make_output(req: Req) -> TokenIDOutput:
         no_stop_trim=params.no_stop_trim,
         stream=req.stream,
     )
+
+
+def make_embedding_output(req: Req) -> EmbeddingOutput:
+    """An embedding request ends in one output: its vector, or why it has none."""
+    output = ReqOutput(
+        rid=req.rid,
+        new_token_ids=[],
+        finish_reason=req.finish_reason,
+        prompt_tokens=len(req.prompt_ids),
+        cached_tokens=req.cached_tokens,
+        scheduled_at=req.scheduled_at,
+        http_worker_ipc=req.http_worker_ipc,
+    )
+    if req.finish_reason is None or req.finish_reason.type == "abort" or req.pooled is None:
+        return EmbeddingOutput(output=output)
+    vector = req.embedding().float().numpy().astype("<f4", copy=False)
+    return EmbeddingOutput(output=output, embedding=vector.tobytes())

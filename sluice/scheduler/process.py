@@ -15,8 +15,11 @@ from sluice.config import PortArgs, ServerArgs
 from sluice.ipc import LAST_WORDS_MS, Receiver, Sender
 from sluice.messages import (
     AbortReq,
+    BatchEmbeddingOutput,
     BatchTokenIDOutput,
+    BatchTokenizedEmbeddingReqInput,
     BatchTokenizedGenerateReqInput,
+    EmbeddingOutput,
     FlushCacheReq,
     FlushCacheReqOutput,
     GetInternalStateReq,
@@ -24,11 +27,13 @@ from sluice.messages import (
     ProcessFailed,
     SchedulerReady,
     TokenIDOutput,
+    TokenizedEmbeddingReqInput,
     TokenizedGenerateReqInput,
 )
 from sluice.procutil import become_child_process
 
 if TYPE_CHECKING:
+    from sluice.scheduler.output import SchedulerOutput
     from sluice.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
@@ -79,16 +84,21 @@ class SchedulerLoop:
                 messages = ([first] if first is not None else []) + self.inbox.drain()
             else:
                 messages = self.inbox.drain()
-            outputs: list[TokenIDOutput] = []
+            outputs: list[SchedulerOutput] = []
             for message in messages:
                 outputs.extend(self.handle(message))
             outputs.extend(self.scheduler.step())
             now = time.monotonic()
-            if outputs or (not self.scheduler.is_idle and now - last_send > HEARTBEAT_S):
-                self.to_detokenizer.send(BatchTokenIDOutput(outputs=outputs))
+            embeddings = [out for out in outputs if isinstance(out, EmbeddingOutput)]
+            if embeddings:
+                self.to_detokenizer.send(BatchEmbeddingOutput(outputs=embeddings))
+                last_send = now
+            token_outputs = [out for out in outputs if isinstance(out, TokenIDOutput)]
+            if token_outputs or (not self.scheduler.is_idle and now - last_send > HEARTBEAT_S):
+                self.to_detokenizer.send(BatchTokenIDOutput(outputs=token_outputs))
                 last_send = now
 
-    def handle(self, message: Message) -> list[TokenIDOutput]:
+    def handle(self, message: Message) -> list[SchedulerOutput]:
         s = self.scheduler
         s.received_by_type[type(message).__name__] += 1
         match message:
@@ -97,6 +107,11 @@ class SchedulerLoop:
                 return [out] if out else []
             case BatchTokenizedGenerateReqInput():
                 return [out for req in message.reqs if (out := s.add_request(req))]
+            case TokenizedEmbeddingReqInput():
+                out = s.add_embedding_request(message)
+                return [out] if out else []
+            case BatchTokenizedEmbeddingReqInput():
+                return [out for req in message.reqs if (out := s.add_embedding_request(req))]
             case AbortReq():
                 return s.abort(message)
             case FlushCacheReq():
@@ -132,6 +147,7 @@ def run_scheduler_process(server_args_data: bytes, port_args_data: bytes) -> Non
                 image_token_id=scheduler.config.image_token_id if scheduler.config.vision else None,
                 num_image_tokens=scheduler.config.num_image_tokens if scheduler.config.vision else 0,
                 execution=scheduler.runner.execution_info,
+                embedding_dim=scheduler.config.hidden_size,
             )
         )
         loop.run_forever()

@@ -7,7 +7,17 @@ from typing import Any
 
 import torch
 
-from sluice.messages import FinishReason, ImageInput, SamplingParams, TokenizedGenerateReqInput, TokenLogprob
+from sluice.messages import (
+    FinishReason,
+    ImageInput,
+    SamplingParams,
+    TokenizedEmbeddingReqInput,
+    TokenizedGenerateReqInput,
+    TokenLogprob,
+)
+
+# An embedding request runs its prompt and samples nothing.
+_NO_SAMPLING = SamplingParams(max_new_tokens=0)
 
 
 @dataclass(slots=True, eq=False)
@@ -24,6 +34,12 @@ class Req:
     priority: int = 0
     received_at: float = 0.0
     arrival: int = 0  # the Scheduler's order of arrival: ties between priorities go by it
+
+    # An embedding request: how its final hidden states pool into one vector ("last",
+    # "mean", "cls"), and the pool so far (mean: the sum of the rows computed so far).
+    pooling: str | None = None
+    normalize: bool = True
+    pooled: torch.Tensor | None = None
 
     # Where each image's positions start in prompt_ids once expanded, and its embedding
     # once computed (kept until the request ends, so a retraction does not recompute it).
@@ -73,6 +89,44 @@ class Req:
             priority=msg.priority,
             received_at=msg.received_at,
         )
+
+    @classmethod
+    def for_embedding(cls, msg: TokenizedEmbeddingReqInput, pooling: str, normalize: bool) -> Req:
+        return cls(
+            rid=msg.rid,
+            prompt_ids=list(msg.input_ids),
+            sampling_params=_NO_SAMPLING,
+            http_worker_ipc=msg.http_worker_ipc,
+            priority=msg.priority,
+            received_at=msg.received_at,
+            pooling=pooling,
+            normalize=normalize,
+        )
+
+    @property
+    def needs_every_position(self) -> bool:
+        """Mean and CLS pooling read rows a cached prefix would skip: they compute them all."""
+        return self.pooling in ("mean", "cls")
+
+    def pooling_rows(self, start: int, count: int) -> range:
+        """Rows of a chunk of `count` tokens from position `start` that the pool reads."""
+        if self.pooling == "mean":
+            return range(count)
+        if self.pooling == "cls":
+            return range(1 if start == 0 else 0)
+        return range(count - 1, count) if start + count == self.seq_len else range(0)
+
+    def pool(self, rows: torch.Tensor) -> None:
+        if self.pooling == "mean":
+            total = rows.sum(dim=0)
+            self.pooled = total if self.pooled is None else self.pooled + total
+        elif len(rows):
+            self.pooled = rows[0].clone()
+
+    def embedding(self) -> torch.Tensor:
+        assert self.pooled is not None, "the whole prompt ran"
+        vector = self.pooled / self.seq_len if self.pooling == "mean" else self.pooled
+        return torch.nn.functional.normalize(vector, dim=0) if self.normalize else vector
 
     @property
     def image_tokens(self) -> int:

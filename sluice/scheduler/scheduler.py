@@ -20,7 +20,7 @@ from sluice.messages import (
     AbortReq,
     FinishReason,
     InternalState,
-    TokenIDOutput,
+    TokenizedEmbeddingReqInput,
     TokenizedGenerateReqInput,
     TokenLogprob,
 )
@@ -30,7 +30,7 @@ from sluice.scheduler.batch_builder import StepBatch, build_forward_batch
 from sluice.scheduler.grammar import Grammars
 from sluice.scheduler.kv_manager import KVManager
 from sluice.scheduler.multimodal import expand_image_tokens
-from sluice.scheduler.output import make_output
+from sluice.scheduler.output import SchedulerOutput, make_output
 from sluice.scheduler.policy import (
     PrefillPlan,
     decode_reserve,
@@ -70,9 +70,17 @@ class Scheduler:
 
     # ------------------------------------------------------------ inputs
 
-    def add_request(self, msg: TokenizedGenerateReqInput) -> TokenIDOutput | None:
+    def add_request(self, msg: TokenizedGenerateReqInput) -> SchedulerOutput | None:
         """Queue a request; returns an immediate final output if it cannot run."""
-        req = Req.from_message(msg)
+        return self._add(Req.from_message(msg))
+
+    def add_embedding_request(self, msg: TokenizedEmbeddingReqInput) -> SchedulerOutput | None:
+        """Queue a prompt whose pooled final hidden state is the answer; it shares batches
+        with generations and ends when its prefill does."""
+        args = self.args
+        return self._add(Req.for_embedding(msg, args.pooling, not args.disable_embedding_normalization))
+
+    def _add(self, req: Req) -> SchedulerOutput | None:
         req.arrival = self.num_arrived
         self.num_arrived += 1
         error = self._check_request(req) or self._expand_images(req)
@@ -117,7 +125,7 @@ class Scheduler:
             return str(e)
         return None
 
-    def _compiled_grammars(self) -> list[TokenIDOutput]:
+    def _compiled_grammars(self) -> list[SchedulerOutput]:
         """Requests whose grammar compiled join the waiting ones; those whose grammar failed end."""
         outputs = []
         for req in [r for r in self.compiling if r.compiling_grammar.done()]:
@@ -156,7 +164,7 @@ class Scheduler:
             )
         return error
 
-    def abort(self, msg: AbortReq) -> list[TokenIDOutput]:
+    def abort(self, msg: AbortReq) -> list[SchedulerOutput]:
         """Remove a waiting request or free a running one's slots, before the next step."""
 
         def targeted(req: Req) -> bool:
@@ -180,7 +188,7 @@ class Scheduler:
             outputs.append(self._final_output(req))
         return outputs
 
-    def _final_output(self, req: Req) -> TokenIDOutput:
+    def _final_output(self, req: Req) -> SchedulerOutput:
         """The last output of a request that has ended, counted by how it ended."""
         if req.finish_reason is not None:
             self.finished_by_reason[req.finish_reason.type] += 1
@@ -215,7 +223,7 @@ class Scheduler:
 
     # ------------------------------------------------------------ one step
 
-    def step(self) -> list[TokenIDOutput]:
+    def step(self) -> list[SchedulerOutput]:
         start = time.perf_counter()
         outputs = self._compiled_grammars() if self.compiling else []
         batch = self._schedule()
@@ -225,6 +233,7 @@ class Scheduler:
             return outputs
         fb = build_forward_batch(batch, self.kv.req_to_token, self.k_buffers, self.v_buffers, self.runner)
         logits = self.runner.forward(fb)
+        batch.pool_hidden_states(fb.hidden_states)
         outputs += self._process_results(batch, logits)
         self.last_step_ms = (time.perf_counter() - start) * 1000
         return outputs
@@ -322,7 +331,7 @@ class Scheduler:
 
     # ------------------------------------------------------------ results
 
-    def _process_results(self, batch: StepBatch, logits: torch.Tensor) -> list[TokenIDOutput]:
+    def _process_results(self, batch: StepBatch, logits: torch.Tensor) -> list[SchedulerOutput]:
         sampling_rows = [i for i, r in enumerate(batch.reqs) if batch.samples[i]]
         batch.record_input_logprobs(logits)
         next_tokens = None
@@ -346,7 +355,7 @@ class Scheduler:
                 with_logprobs=any(r.return_logprob for r in reqs),
             )
 
-        outputs: list[TokenIDOutput] = []
+        outputs: list[SchedulerOutput] = []
         sample_pos = {row: k for k, row in enumerate(sampling_rows)}
         for i, req in enumerate(batch.reqs):
             req.kv_len += batch.extend_lens[i]

@@ -49,6 +49,16 @@ class Success(msgspec.Struct, kw_only=True):
 LogprobTriple = tuple[float | None, int, None]
 
 
+class Timings(msgspec.Struct, kw_only=True):
+    """Seconds since the request was received; null for a stage it did not reach."""
+
+    received: float
+    tokenized: float | None
+    first_scheduled: float | None
+    first_token: float | None
+    finished: float | None
+
+
 class MetaInfo(msgspec.Struct, kw_only=True):
     id: str
     finish_reason: FinishReason | None
@@ -60,6 +70,7 @@ class MetaInfo(msgspec.Struct, kw_only=True):
     image_tokens: int | UnsetType = UNSET
     index: int | UnsetType = UNSET
     ttft: float | UnsetType = UNSET
+    timings: Timings | UnsetType = UNSET
     output_token_logprobs: list[LogprobTriple] | UnsetType = UNSET
     output_top_logprobs: list[list[LogprobTriple]] | UnsetType = UNSET
     input_token_logprobs: list[LogprobTriple] | UnsetType = UNSET
@@ -250,3 +261,39 @@ class ChatCompletionChunk(OpenAIEnvelope, kw_only=True):
 
     choices: list[ChatChunkChoice]
     usage: Usage | UnsetType | None = UNSET
+
+
+# ---------------------------------------------------------------- embeddings
+
+
+class EmbeddingMetaInfo(msgspec.Struct, kw_only=True):
+    id: str
+    prompt_tokens: int
+    cached_tokens: int
+    e2e_latency: float
+
+
+class EmbeddingResult(msgspec.Struct, kw_only=True):
+    """/encode's answer for one prompt (a list of prompts: a list of these, each with index)."""
+
+    embedding: list[float]
+    meta_info: EmbeddingMetaInfo
+    index: int | UnsetType = UNSET
+
+
+class EmbeddingData(msgspec.Struct, kw_only=True):
+    object: Literal["embedding"]
+    index: int
+    embedding: list[float] | str  # a base64 string with encoding_format "base64"
+
+
+class EmbeddingUsage(msgspec.Struct, kw_only=True):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(msgspec.Struct, kw_only=True):
+    object: Literal["list"]
+    data: list[EmbeddingData]
+    model: str
+    usage: EmbeddingUsage

@@ -13,7 +13,16 @@ from fastapi.responses import JSONResponse, Response
 
 from sluice.messages import SamplingParams
 from sluice.sampling import ClientError
-from sluice.server.api_types import AbortRequestInput, GenerateResult, ModelInfo, ServerInfo, Success
+from sluice.server.api_types import (
+    AbortRequestInput,
+    EmbeddingResult,
+    GenerateResult,
+    ModelInfo,
+    ServerInfo,
+    Success,
+)
+from sluice.server.embeddings import embedding_chunks
+from sluice.server.embeddings import native_json as embedding_json
 from sluice.server.errors import (
     error_response,
     failure_message,
@@ -27,7 +36,7 @@ from sluice.server.openai_api import install_openai_routes
 from sluice.server.openapi import ApiDocs
 from sluice.server.sse import stream_response
 from sluice.server.state import ServerState
-from sluice.tokenizer.io_struct import GenerateReqInput
+from sluice.tokenizer.io_struct import EmbeddingReqInput, GenerateReqInput
 from sluice.tokenizer.manager import BackendError, TokenizerManager
 from sluice.tokenizer.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from sluice.tokenizer.result import GenerateChunk, NativeStream, native_json
@@ -89,6 +98,20 @@ def create_app(state: ServerState, lifespan=None) -> FastAPI:
     async def generate(request: Request):
         obj = decode_json(await request.body(), GenerateReqInput)
         return await serve_generate(state.tm, obj, request)
+
+    @app.post(
+        "/encode",
+        openapi_extra=docs.operation(
+            body=EmbeddingReqInput, response=EmbeddingResult | list[EmbeddingResult], errors=_BODY_ROUTE
+        ),
+    )
+    async def encode(request: Request):
+        obj = decode_json(await request.body(), EmbeddingReqInput)
+        chunks = await embedding_chunks(state.tm, obj, request)
+        if isinstance(chunks, Response):
+            return chunks
+        results = [embedding_json(chunk) for chunk in chunks]
+        return JSONResponse(results[0] if obj.is_single else results)
 
     @app.get("/get_model_info", openapi_extra=docs.operation(response=ModelInfo, errors=_ANY_ROUTE))
     async def get_model_info():

@@ -23,15 +23,18 @@ from sluice.server.api_types import (
     CompletionChunk,
     CompletionResponse,
     DetokenizeResult,
+    EmbeddingResponse,
     ModelList,
     TokenizeResult,
 )
+from sluice.server.embeddings import embedding_chunks, openai_response
 from sluice.server.errors import NotFoundError, error_response, failure_response, failure_status
 from sluice.server.json_body import decode_json
 from sluice.server.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
     TokenizeRequest,
 )
 from sluice.server.openai_views import ChatView, CompletionView, OpenAIView, TokenTexts, choice_index
@@ -131,6 +134,22 @@ def install_openai_routes(app: FastAPI, state: ServerState, docs: ApiDocs) -> No
             state.model_name, obj.rid, token_texts, body, tool_call_parser(tm), tm.server_args.reasoning_parser
         )
         return await serve(tm, obj, request, view, "messages")
+
+    @app.post(
+        "/v1/embeddings",
+        openapi_extra=docs.operation(body=EmbeddingRequest, response=EmbeddingResponse, errors=_ERRORS),
+    )
+    async def embeddings(request: Request):
+        body = decode_json(await request.body(), EmbeddingRequest)
+        tm = checked_tm(body.model)
+        try:
+            obj = body.native(tm.limits.embedding_dim)
+            chunks = await embedding_chunks(tm, obj, request)
+        except ClientError as e:
+            raise openai_client_error(e, "input") from None
+        if isinstance(chunks, Response):
+            return chunks
+        return openai_response(chunks, state.model_name, body.encoding_format)
 
     @app.post("/tokenize", openapi_extra=docs.operation(body=TokenizeRequest, response=TokenizeResult, errors=_ERRORS))
     async def tokenize(request: Request):

@@ -17,6 +17,7 @@ import msgspec
 
 from sluice.sampling import MAX_TOP_LOGPROBS, ClientError
 from sluice.server.chat_messages import ChatMessage, template_messages
+from sluice.tokenizer.io_struct import EmbeddingReqInput
 
 MAX_COMPLETION_LOGPROBS: Final = 5
 DEFAULT_COMPLETION_MAX_TOKENS: Final = 16  # OpenAI's default for /v1/completions
@@ -189,6 +190,45 @@ class CompletionRequest(SamplingFields, kw_only=True):
 
 def _is_token_ids(value: Any) -> bool:
     return isinstance(value, list) and all(type(token) is int for token in value)
+
+
+class EmbeddingRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """The body of /v1/embeddings."""
+
+    # A string, token ids, or a list of either (checked by hand, as CompletionRequest.prompt).
+    input: str | list[Any]
+    model: str | None = None
+    encoding_format: str = "float"  # "float" | "base64" (float32 little-endian bytes)
+    dimensions: int | None = None
+    # SGLang's / vLLM's extra: higher runs sooner under --schedule-policy priority.
+    priority: int | None = None
+    user: str | None = None  # accepted without effect
+
+    def native(self, embedding_dim: int) -> EmbeddingReqInput:
+        """The /encode request this asks for; a shape or option the server cannot honour is a ClientError."""
+        if self.encoding_format not in ("float", "base64"):
+            message = f"encoding_format must be float or base64, got {self.encoding_format!r}"
+            raise ClientError(message, "encoding_format")
+        if self.dimensions is not None and self.dimensions != embedding_dim:
+            raise ClientError(
+                f"dimensions {self.dimensions} is not supported: this model's embeddings have {embedding_dim} "
+                "dimensions and are not truncated",
+                "dimensions",
+            )
+        value = self.input
+        if isinstance(value, str):
+            return EmbeddingReqInput(text=value, priority=self.priority)
+        if value and _is_token_ids(value):
+            return EmbeddingReqInput(input_ids=[*value], priority=self.priority)
+        if value and all(isinstance(item, str) for item in value):
+            return EmbeddingReqInput(text=[*value], priority=self.priority)
+        if value and all(_is_token_ids(item) for item in value):
+            return EmbeddingReqInput(input_ids=[*value], priority=self.priority)
+        raise ClientError(
+            "input must be a non-empty string, a list of token ids, or a non-empty list of strings or of token-id "
+            "lists (not both)",
+            "input",
+        )
 
 
 class FunctionDefinition(msgspec.Struct, forbid_unknown_fields=True):

@@ -20,7 +20,7 @@ from typing import Protocol
 
 import msgspec
 
-from sluice.messages import BatchTokenizedGenerateReqInput, Message, TokenizedGenerateReqInput
+from sluice.messages import BatchTokenizedGenerateReqInput, Message, TokenizedGenerateReqInput, TokenizedRequest
 from sluice.tokenizer.io_struct import GenerateReqInput
 from sluice.tokenizer.req_state import ClientConnection, ReqState
 from sluice.tokenizer.request_tokenizer import RequestTokenizer
@@ -33,7 +33,7 @@ class RequestChannel(Protocol):
     inputs: RequestTokenizer
     rid_to_state: dict[str, ReqState]
 
-    def add_req_state(self, req: TokenizedGenerateReqInput, path: str, index: int | None = None) -> ReqState: ...
+    def add_req_state(self, req: TokenizedRequest, path: str, index: int | None = None) -> ReqState: ...
 
     def send(self, message: Message) -> None: ...
 

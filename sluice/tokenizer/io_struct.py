@@ -177,6 +177,66 @@ class GenerateReqInput(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
             raise ClientError(f"logprob_start_len must be >= -1, got {self.logprob_start_len}", "logprob_start_len")
 
 
+class EmbeddingReqInput(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """The body of native /encode (and what /v1/embeddings translates into): one prompt or
+    a list, as text or token ids; each is answered with its pooled final hidden state."""
+
+    text: str | list[str] | None = None
+    input_ids: list[int | list[int]] | None = None
+    rid: str | list[str] | None = None
+    priority: int | None = None
+
+    @property
+    def is_single(self) -> bool:
+        if self.text is not None:
+            return isinstance(self.text, str)
+        return not self.input_ids or isinstance(self.input_ids[0], int)
+
+    def prompts(self, max_items: int) -> list[str] | list[list[int]]:
+        """Every prompt, checked for shape (a single prompt is a list of one); fills in rids."""
+        if (self.text is None) == (self.input_ids is None):
+            raise ClientError("exactly one of 'text' and 'input_ids' must be given", "text")
+        prompts: list[str] | list[list[int]]
+        if isinstance(self.text, str):
+            prompts = [self.text]
+        elif self.text is not None:
+            prompts = self.text
+        else:
+            ids = self.input_ids or []
+            if all(isinstance(token, int) for token in ids) and ids:
+                prompts = [[token for token in ids if isinstance(token, int)]]
+            elif all(isinstance(item, list) for item in ids) and ids:
+                prompts = [item for item in ids if isinstance(item, list)]
+            else:
+                raise ClientError("'input_ids' must be a non-empty list of token ids or of such lists", "input_ids")
+        field = "text" if self.text is not None else "input_ids"
+        if not prompts:
+            raise ClientError(f"'{field}' is an empty list", field)
+        if len(prompts) > max_items:
+            raise ClientError(f"the request has {len(prompts)} items, more than max_batch_items={max_items}", field)
+        if self.priority is not None and self.priority < 0:
+            raise ClientError(f"priority must be an integer >= 0 (higher runs sooner), got {self.priority}", "priority")
+        self._fill_rids(len(prompts))
+        return prompts
+
+    def _fill_rids(self, count: int) -> None:
+        if self.is_single:
+            if self.rid is None:
+                self.rid = uuid.uuid4().hex
+            elif not isinstance(self.rid, str) or not self.rid:
+                raise ClientError("'rid' must be a non-empty string for a single prompt", "rid")
+        elif self.rid is None:
+            self.rid = [uuid.uuid4().hex for _ in range(count)]
+        elif (
+            not isinstance(self.rid, list) or len(self.rid) != count or len(set(self.rid)) != count or not all(self.rid)
+        ):
+            raise ClientError(f"'rid' must be a list of {count} distinct non-empty rids, one per prompt", "rid")
+
+    @property
+    def rids(self) -> list[str]:
+        return [self.rid] if isinstance(self.rid, str) else list(self.rid or [])
+
+
 def parse_sampling_params(raw: dict[str, Any] | None) -> SamplingParams:
     """Build SamplingParams from a client's dict; wrong types and unknown keys (SGLang's
     json_schema, regex, ebnf, logit_bias, ... included: none is honoured yet, and none may be

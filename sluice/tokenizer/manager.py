@@ -22,7 +22,9 @@ from sluice.config import PortArgs, ServerArgs
 from sluice.ipc import AsyncReceiver, Sender
 from sluice.messages import (
     AbortReq,
+    BatchEmbeddingOutput,
     BatchStrOutput,
+    BatchTokenizedEmbeddingReqInput,
     BatchTokenizedGenerateReqInput,
     DetokenizerReady,
     FlushCacheReq,
@@ -34,14 +36,17 @@ from sluice.messages import (
     ReqOutput,
     SchedulerReady,
     SetPause,
+    StrOutput,
     TokenizedGenerateReqInput,
+    TokenizedRequest,
     WorkerDied,
     WorkerStats,
     WorkerStatsReq,
 )
 from sluice.sampling import ClientError
 from sluice.tokenizer.batch_request import handle_batch_request
-from sluice.tokenizer.io_struct import GenerateReqInput
+from sluice.tokenizer.embedding_request import handle_embedding_request
+from sluice.tokenizer.io_struct import EmbeddingReqInput, GenerateReqInput
 from sluice.tokenizer.metrics import RequestMetrics
 from sluice.tokenizer.multimodal.request_images import RequestImages
 from sluice.tokenizer.req_state import ClientConnection, ReqState
@@ -188,11 +193,18 @@ class TokenizerManager:
     # ------------------------------------------------------------ the request path
 
     async def generate_request(
-        self, obj: GenerateReqInput, request: ClientConnection | None = None
+        self, obj: GenerateReqInput | EmbeddingReqInput, request: ClientConnection | None = None
     ) -> AsyncGenerator[GenerateChunk, None]:
         received_at = time.time()
         if self.backend_error:
             raise BackendError(self.backend_error)
+        if isinstance(obj, EmbeddingReqInput):
+            self._check_queue_room()
+            await self._wait_while_paused()
+            async with self.model_update_lock.reader_lock():
+                async for response in handle_embedding_request(self, obj, request, received_at):
+                    yield response
+            return
         obj.normalize()
         n = self._check_request_size(obj)
         self._check_queue_room()
@@ -240,19 +252,15 @@ class TokenizerManager:
 
     # ------------------------------------------------------------ what every path uses
 
-    def add_req_state(self, req: TokenizedGenerateReqInput, path: str, index: int | None = None) -> ReqState:
+    def add_req_state(self, req: TokenizedRequest, path: str, index: int | None = None) -> ReqState:
         """Register a request about to be sent; its results go to the returned state."""
         if not self.rid_to_state:
             self.soft_watchdog.feed()  # a busy period starts: idle time never counts
-        state = ReqState(
-            rid=req.rid,
-            stream=req.stream,
-            path=path,
-            index=index,
-            return_logprob=req.return_logprob,
-            return_timings=req.return_timings,
-            received_at=req.received_at or time.time(),
-        )
+        state = ReqState(rid=req.rid, stream=False, path=path, index=index, received_at=req.received_at or time.time())
+        if isinstance(req, TokenizedGenerateReqInput):
+            state.stream = req.stream
+            state.return_logprob = req.return_logprob
+            state.return_timings = req.return_timings
         self.rid_to_state[req.rid] = state
         return state
 
@@ -265,7 +273,7 @@ class TokenizerManager:
         """Tag a message with the worker that must get its results (a batch: every item)."""
         if self.http_worker_ipc is None:
             return
-        if isinstance(message, BatchTokenizedGenerateReqInput):
+        if isinstance(message, BatchTokenizedGenerateReqInput | BatchTokenizedEmbeddingReqInput):
             for req in message.reqs:
                 req.http_worker_ipc = self.http_worker_ipc
         elif hasattr(message, "http_worker_ipc"):
@@ -314,7 +322,7 @@ class TokenizerManager:
 
     def _dispatch(self, recv_obj: Message) -> None:
         match recv_obj:
-            case BatchStrOutput():
+            case BatchStrOutput() | BatchEmbeddingOutput():
                 self._handle_batch_output(recv_obj)
             case ProcessFailed():
                 self.fail_all(f"the {recv_obj.process} process failed")
@@ -330,14 +338,14 @@ class TokenizerManager:
             case _:
                 self._result_dispatcher(recv_obj)
 
-    def _handle_batch_output(self, batch: BatchStrOutput) -> None:
+    def _handle_batch_output(self, batch: BatchStrOutput | BatchEmbeddingOutput) -> None:
         now = time.time()
         for out in batch.outputs:
             state = self.rid_to_state.get(out.output.rid)
             if state is None:
                 continue  # aborted earlier and already cleaned up
             previous_token_at = state.last_token_at
-            chunk = state.absorb(out)
+            chunk = state.absorb(out) if isinstance(out, StrOutput) else state.absorb_embedding(out)
             self.metrics.on_output(state, out.output, previous_token_at, now)
             if state.finished:
                 self.metrics.on_finish(state, out.output, now)

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from sluice.messages import FinishReason, ReqOutput, StrOutput, TokenLogprob
+from sluice.messages import EmbeddingOutput, FinishReason, ReqOutput, StrOutput, TokenLogprob
 from sluice.tokenizer.result import GenerateChunk
 
 
@@ -74,6 +74,14 @@ class ReqState:
         if not (self.stream or self.finished):
             return None
         return self._take_chunk(output.finish_reason, now, output)
+
+    def absorb_embedding(self, out: EmbeddingOutput) -> GenerateChunk:
+        """The one output of an embedding request: its final chunk."""
+        self.finished = True
+        self.scheduled_at = out.output.scheduled_at
+        chunk = self._take_chunk(out.output.finish_reason, time.time(), out.output)
+        chunk.embedding = out.embedding
+        return chunk
 
     def abort_chunk(self, message: str, status_code: int = 400) -> GenerateChunk:
         """The final chunk of a request that ended with an error."""

@@ -10,9 +10,15 @@ from typing import TYPE_CHECKING, Any
 
 from sluice.config import ServerArgs
 from sluice.grammar import check_grammar, grammar_field, grammar_tokenizer
-from sluice.messages import ImageInput, SamplingParams, SchedulerReady, TokenizedGenerateReqInput
+from sluice.messages import (
+    ImageInput,
+    SamplingParams,
+    SchedulerReady,
+    TokenizedEmbeddingReqInput,
+    TokenizedGenerateReqInput,
+)
 from sluice.sampling import ClientError, validate_sampling_params
-from sluice.tokenizer.io_struct import GenerateReqInput, parse_sampling_params
+from sluice.tokenizer.io_struct import EmbeddingReqInput, GenerateReqInput, parse_sampling_params
 from sluice.tokenizer.multimodal.request_images import RequestImages
 
 if TYPE_CHECKING:
@@ -129,20 +135,50 @@ class RequestTokenizer:
             )
         return priority or 0
 
-    def _check_lengths(self, input_ids: list[int], params: SamplingParams) -> None:
+    async def tokenize_embeddings(
+        self, obj: EmbeddingReqInput, live_rids: Container[str], received_at: float
+    ) -> list[TokenizedEmbeddingReqInput]:
+        """Every prompt of an embedding request, tokenized in one call and checked; the first
+        bad one fails them all (a ClientError naming the item of a list)."""
+        prompts = obj.prompts(self.server_args.max_batch_items)
+        texts = [prompt for prompt in prompts if isinstance(prompt, str)]
+        encoded = self.tokenizer(texts).input_ids if texts else []
+        all_ids = encoded if texts else [prompt for prompt in prompts if isinstance(prompt, list)]
+        priority = self._priority(obj.priority)
+        tokenized = []
+        for i, (rid, ids) in enumerate(zip(obj.rids, all_ids, strict=True)):
+            try:
+                if rid in live_rids:
+                    raise ClientError(f"a request with rid '{rid}' is already running", "rid")
+                self._check_prompt(ids)
+            except ClientError as e:
+                if obj.is_single:
+                    raise
+                raise ClientError(f"item {i}: {e.message}", e.param) from None
+            tokenized.append(
+                TokenizedEmbeddingReqInput(rid=rid, input_ids=ids, priority=priority, received_at=received_at)
+            )
+        return tokenized
+
+    def _check_prompt(self, input_ids: list[int]) -> None:
+        """A prompt the model can take: not empty, known token ids, within max_req_input_len."""
         num_input = len(input_ids)
         if num_input == 0:
             raise ClientError("the prompt is empty", "text")
         vocab = len(self.tokenizer)
         if any(not isinstance(t, int) or not 0 <= t < vocab for t in input_ids):
             raise ClientError(f"input_ids must be token ids in [0, {vocab})", "input_ids")
-        limits = self._limits()
-        max_input, context_len = limits.max_req_input_len, limits.context_len
+        max_input = self._limits().max_req_input_len
         if num_input > max_input:
             raise ClientError(
                 f"The input has {num_input} tokens, more than the maximum input length max_req_input_len={max_input}",
                 "input_ids",
             )
+
+    def _check_lengths(self, input_ids: list[int], params: SamplingParams) -> None:
+        self._check_prompt(input_ids)
+        num_input = len(input_ids)
+        context_len = self._limits().context_len
         if num_input + params.max_new_tokens > context_len:
             raise ClientError(
                 f"The input has {num_input} tokens and max_new_tokens is {params.max_new_tokens}: "

@@ -36,6 +36,8 @@ class GenerateChunk(msgspec.Struct, kw_only=True):
     ttft: float | None = None  # seconds to the first output token, once there is one
     # With return_timings: each stage of the request in seconds since it was received.
     timings: dict[str, float | None] | None = None
+    # An embedding request's answer: float32 little-endian (EmbeddingOutput.embedding).
+    embedding: bytes | None = None
     # With return_logprob: one logprob per output id, the top alternatives of each (empty
     # unless asked for), and, in the first chunk that has them, the prompt's from
     # logprob_start_len on.

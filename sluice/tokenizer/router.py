@@ -15,6 +15,7 @@ import os
 import time
 import traceback
 from collections import defaultdict
+from typing import Any
 
 import msgspec
 import zmq
@@ -23,7 +24,9 @@ from sluice.config import PortArgs, ServerArgs
 from sluice.ipc import Receiver, Sender
 from sluice.messages import (
     AbortReq,
+    BatchEmbeddingOutput,
     BatchStrOutput,
+    BatchTokenizedEmbeddingReqInput,
     BatchTokenizedGenerateReqInput,
     FinishReason,
     FlushCacheReq,
@@ -34,7 +37,9 @@ from sluice.messages import (
     ReqOutput,
     SetPause,
     StrOutput,
+    TokenizedEmbeddingReqInput,
     TokenizedGenerateReqInput,
+    TokenizedRequest,
     WorkerDied,
     WorkerStatsReq,
 )
@@ -43,7 +48,17 @@ from sluice.tokenizer.shared_args import remove_shared_args
 
 logger = logging.getLogger(__name__)
 
-TO_SCHEDULER = (TokenizedGenerateReqInput, BatchTokenizedGenerateReqInput, AbortReq, FlushCacheReq, GetInternalStateReq)
+TO_SCHEDULER = (
+    TokenizedGenerateReqInput,
+    BatchTokenizedGenerateReqInput,
+    TokenizedEmbeddingReqInput,
+    BatchTokenizedEmbeddingReqInput,
+    AbortReq,
+    FlushCacheReq,
+    GetInternalStateReq,
+)
+# Results that hold one output per request, each routed to the worker that owns it.
+PER_REQUEST_OUTPUTS = (BatchStrOutput, BatchEmbeddingOutput)
 BROADCAST = (SetPause, WorkerStatsReq, WorkerDied, ProcessFailed)
 LIVENESS_CHECK_S = 1.0
 
@@ -90,10 +105,10 @@ class MultiTokenizerRouter:
 
     def router_worker_obj(self, message: Message) -> None:
         """A worker's request or control message: on to the Scheduler."""
-        reqs: list[TokenizedGenerateReqInput] = []
-        if isinstance(message, BatchTokenizedGenerateReqInput):
-            reqs = message.reqs
-        elif isinstance(message, TokenizedGenerateReqInput):
+        reqs: list[TokenizedRequest] = []
+        if isinstance(message, BatchTokenizedGenerateReqInput | BatchTokenizedEmbeddingReqInput):
+            reqs = list(message.reqs)
+        elif isinstance(message, TokenizedGenerateReqInput | TokenizedEmbeddingReqInput):
             reqs = [message]
         duplicates = {req.rid for req in reqs if req.rid in self.live_rids}
         if duplicates:
@@ -102,7 +117,7 @@ class MultiTokenizerRouter:
         self.live_rids.update(req.rid for req in reqs)
         self.to_scheduler.send(message)
 
-    def _refuse_duplicates(self, reqs: list[TokenizedGenerateReqInput], duplicates: set[str]) -> None:
+    def _refuse_duplicates(self, reqs: list[TokenizedRequest], duplicates: set[str]) -> None:
         """End every item of the refused message at once, with a 400 naming the rid."""
         message = f"a request with rid '{sorted(duplicates)[0]}' is already running"
         reason = FinishReason(type="abort", message=message, status_code=400)
@@ -128,8 +143,8 @@ class MultiTokenizerRouter:
             self.workers[origin].send(message)
 
     def _distribute_result_to_workers(self, message: Message) -> None:
-        if isinstance(message, BatchStrOutput):
-            by_worker: dict[str | None, list[StrOutput]] = defaultdict(list)
+        if isinstance(message, PER_REQUEST_OUTPUTS):
+            by_worker: dict[str | None, list[Any]] = defaultdict(list)
             for out in message.outputs:
                 by_worker[out.output.http_worker_ipc].append(out)
                 if out.output.finish_reason is not None:

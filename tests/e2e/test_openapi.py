@@ -39,6 +39,8 @@ def test_every_route_publishes_its_body_and_responses(base_url):
         "/v1/chat/completions": "#/components/schemas/ChatCompletionRequest",
         "/tokenize": "#/components/schemas/TokenizeRequest",
         "/detokenize": "#/components/schemas/DetokenizeRequest",
+        "/encode": "#/components/schemas/EmbeddingReqInput",
+        "/v1/embeddings": "#/components/schemas/EmbeddingRequest",
     }
     assert "temperature" in schemas["SamplingParams"]["properties"]
     assert "messages" in schemas["ChatCompletionRequest"]["required"]
@@ -116,6 +118,8 @@ NARROWED = {
         },
     },
     "ContentPart": {"type": enum(["text"]), "text": TEXT},
+    "EmbeddingRequest": {"input": {"anyOf": [TEXT, TEXTS, TOKEN_IDS]}},
+    "EmbeddingReqInput": {"rid": {"type": "null"}, "text": nullable({"anyOf": [TEXT, TEXTS]})},
     "GenerateReqInput": {
         "rid": {"type": "null"},
         "image_data": {"type": "null"},
@@ -142,7 +146,7 @@ def bounded(document: dict, model_name: str) -> dict:
         schemas[struct]["properties"].update(fields)
     for struct, fields in REQUIRED.items():
         schemas[struct].setdefault("required", []).extend(fields)
-    for struct in ("CompletionRequest", "ChatCompletionRequest"):
+    for struct in ("CompletionRequest", "ChatCompletionRequest", "EmbeddingRequest"):
         schemas[struct]["properties"]["model"] = enum([model_name])
     # Exactly one of text and input_ids, and sampling_params (for max_new_tokens).
     generate = schemas.pop("GenerateReqInput")
@@ -167,6 +171,8 @@ FUZZED_ROUTES = [
     ("GET", "/get_model_info"),
     ("GET", "/get_server_info"),
     ("GET", "/metrics"),
+    ("POST", "/encode"),
+    ("POST", "/v1/embeddings"),
     ("GET", "/v1/models"),
     ("POST", "/v1/completions"),
     ("POST", "/v1/chat/completions"),

@@ -253,3 +253,63 @@ def test_priority_preemption_retracts_the_lowest_and_it_resumes_unchanged(runner
     assert scheduler.num_retractions == 1  # r1, the lower of the two running
     assert order.index("urgent") < order.index("r1")
     assert [tokens["r0"], tokens["r1"], tokens["urgent"]] == alone[:3]
+
+
+@pytest.fixture(scope="module")
+def hf_last_hidden():
+    """transformers' final (normed) hidden states of a prompt, on the same GGUF weights."""
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM
+
+    path = Path(ServerArgs().resolved_model_path())
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+
+    def last_hidden(ids: list[int]) -> torch.Tensor:
+        with torch.inference_mode():
+            return model(torch.tensor([ids]), output_hidden_states=True).hidden_states[-1][0]
+
+    return last_hidden
+
+
+def embed(scheduler: Scheduler, prompts: list[list[int]], generate: list[int] | None = None) -> list[torch.Tensor]:
+    """Run embedding requests (beside one generation, if given) to the end; their vectors."""
+    from sluice.messages import TokenizedEmbeddingReqInput
+
+    if generate is not None:
+        add(scheduler, "gen", generate, max_new_tokens=8)
+    for i, ids in enumerate(prompts):
+        assert scheduler.add_embedding_request(TokenizedEmbeddingReqInput(rid=f"e{i}", input_ids=ids)) is None
+    vectors: dict[str, torch.Tensor] = {}
+    while not scheduler.is_idle:
+        for out in scheduler.step():
+            if out.output.rid.startswith("e"):
+                assert out.output.finish_reason.type == "length" and out.output.prompt_tokens > 0
+                vectors[out.output.rid] = torch.frombuffer(bytearray(out.embedding), dtype=torch.float32)
+        scheduler.check_integrity()
+    return [vectors[f"e{i}"] for i in range(len(prompts))]
+
+
+@pytest.mark.parametrize("pooling", ["last", "mean", "cls"])
+def test_embeddings_match_transformers_in_chunks_and_beside_generation(runner, prompts, hf_last_hidden, pooling):
+    long_prompt = prompts[0] + prompts[1] + prompts[2]
+    chosen = [prompts[3], long_prompt, prompts[5]]
+    scheduler = make_scheduler(runner, pooling=pooling, chunked_prefill_size=16)  # the long one in chunks
+    vectors = embed(scheduler, chosen, generate=prompts[6])
+    for ids, vector in zip(chosen, vectors, strict=True):
+        hidden = hf_last_hidden(ids)
+        expected = {"last": hidden[-1], "mean": hidden.mean(dim=0), "cls": hidden[0]}[pooling]
+        expected = torch.nn.functional.normalize(expected, dim=0)
+        assert vector.shape == (runner.config.hidden_size,)
+        assert ((vector - expected).norm() / expected.norm()).item() < 1e-3
+    # Again, with every prompt in the radix cache: a cached prefix changes nothing.
+    again = embed(scheduler, chosen)
+    for vector, cached in zip(vectors, again, strict=True):
+        assert ((cached - vector).norm() / vector.norm()).item() < 1e-4, pooling  # float16 KV of the prefix
+
+
+def test_embeddings_unnormalized_keep_their_length(runner, prompts, hf_last_hidden):
+    scheduler = make_scheduler(runner, disable_embedding_normalization=True)
+    [vector] = embed(scheduler, [prompts[4]])
+    expected = hf_last_hidden(prompts[4])[-1]
+    assert ((vector - expected).norm() / expected.norm()).item() < 1e-3
