@@ -13,10 +13,13 @@ from sluice.ipc import Receiver, Sender, decode, encode
 from sluice.messages import (
     AbortReq,
     AnyMessage,
+    BatchEmbeddingOutput,
     BatchStrOutput,
     BatchTokenIDOutput,
+    BatchTokenizedEmbeddingReqInput,
     BatchTokenizedGenerateReqInput,
     DetokenizerReady,
+    EmbeddingOutput,
     FinishReason,
     FlushCacheReq,
     FlushCacheReqOutput,
@@ -31,6 +34,7 @@ from sluice.messages import (
     SetPause,
     StrOutput,
     TokenIDOutput,
+    TokenizedEmbeddingReqInput,
     TokenizedGenerateReqInput,
     TokenLogprob,
     WorkerDied,
@@ -72,6 +76,11 @@ OUTPUT = ReqOutput(
 EXAMPLES = [
     REQUEST,
     BatchTokenizedGenerateReqInput(reqs=[REQUEST, msgspec.structs.replace(REQUEST, rid="r-2", images=[])]),
+    TokenizedEmbeddingReqInput(rid="e-1", input_ids=[1, 2], priority=3, received_at=1.5),
+    BatchTokenizedEmbeddingReqInput(reqs=[TokenizedEmbeddingReqInput(rid="e-2", input_ids=[3])]),
+    BatchEmbeddingOutput(
+        outputs=[EmbeddingOutput(output=ReqOutput(rid="e-1", new_token_ids=[]), embedding=b"\x00\x00\x80?")]
+    ),
     AbortReq(rid="r-1", abort_all=True, finished_by_stop_string=True, http_worker_ipc=WORKER),
     FlushCacheReq(http_worker_ipc=WORKER),
     GetInternalStateReq(http_worker_ipc=WORKER),
