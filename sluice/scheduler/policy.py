@@ -1,9 +1,12 @@
-"""Which waiting requests prefill next, under the step's token and memory budgets."""
+"""Which waiting requests prefill next, under the step's token and memory budgets, and
+which new requests the queue limits refuse."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from sluice.config import ServerArgs
+from sluice.messages import FinishReason
 from sluice.scheduler.kv_manager import KVManager
 from sluice.scheduler.req import Req
 
@@ -59,3 +62,26 @@ class PrefillPlan:
         self.reqs.append(req)
         self.extend_lens.append(extend_len)
         self.tokens += extend_len
+
+
+def queue_refusal(req: Req, queue: list[Req], num_running: int, args: ServerArgs) -> FinishReason | None:
+    """A 503 when the waiting `queue` is at --max-queued-requests, or `req`'s prompt would take
+    the queued prompt tokens past --max-total-queued-tokens (an empty queue takes any).
+    Requests that free running slots will take at the next step are not queued: several
+    arriving at once at an idle server all run."""
+    free_slots = max(args.max_running_requests - num_running, 0)
+    queued = max(len(queue) - free_slots, 0)
+    limit = args.max_queued_requests
+    if limit and queued >= limit:
+        message = f"the server is busy: {queued} requests are queued (--max-queued-requests {limit}); retry later"
+        return FinishReason(type="abort", message=message, status_code=503, rejected="queue_full")
+    limit = args.max_total_queued_tokens
+    if limit and queued:
+        tokens = sum(r.remaining_prefill for r in sorted(queue, key=lambda r: r.arrival)[free_slots:])
+        if tokens + req.seq_len > limit:
+            message = (
+                f"the server is busy: {tokens} prompt tokens are queued and this request adds {req.seq_len} "
+                f"(--max-total-queued-tokens {limit}); retry later"
+            )
+            return FinishReason(type="abort", message=message, status_code=503, rejected="queued_tokens")
+    return None

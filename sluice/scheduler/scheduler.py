@@ -37,6 +37,7 @@ from sluice.scheduler.policy import (
     duplicates_a_prefill,
     order_waiting,
     priority_order,
+    queue_refusal,
 )
 from sluice.scheduler.req import Req
 
@@ -87,35 +88,12 @@ class Scheduler:
         if error is not None:
             req.finish_reason = FinishReason(type="abort", message=error, status_code=400)
             return self._final_output(req)
-        req.finish_reason = self._queue_refusal(req)
+        req.finish_reason = queue_refusal(req, self.waiting + self.compiling, len(self.running), self.args)
         if req.finish_reason is None and (error := self._compile_grammar(req)) is not None:
             req.finish_reason = FinishReason(type="abort", message=error, status_code=400)
         if req.finish_reason is not None:
             return self._final_output(req)
         (self.waiting if req.compiling_grammar is None else self.compiling).append(req)
-        return None
-
-    def _queue_refusal(self, req: Req) -> FinishReason | None:
-        """A 503 when the waiting queue is at --max-queued-requests, or this prompt would take
-        the queued prompt tokens past --max-total-queued-tokens (an empty queue takes any).
-        Requests that free running slots will take at the next step are not queued: several
-        arriving at once at an idle server all run."""
-        free_slots = max(self.args.max_running_requests - len(self.running), 0)
-        queued = max(len(self.waiting) + len(self.compiling) - free_slots, 0)
-        limit = self.args.max_queued_requests
-        if limit and queued >= limit:
-            message = f"the server is busy: {queued} requests are queued (--max-queued-requests {limit}); retry later"
-            return FinishReason(type="abort", message=message, status_code=503, rejected="queue_full")
-        limit = self.args.max_total_queued_tokens
-        if limit and queued:
-            waiting = sorted([*self.waiting, *self.compiling], key=lambda r: r.arrival)[free_slots:]
-            tokens = sum(r.remaining_prefill for r in waiting)
-            if tokens + req.seq_len > limit:
-                message = (
-                    f"the server is busy: {tokens} prompt tokens are queued and this request adds {req.seq_len} "
-                    f"(--max-total-queued-tokens {limit}); retry later"
-                )
-                return FinishReason(type="abort", message=message, status_code=503, rejected="queued_tokens")
         return None
 
     def _compile_grammar(self, req: Req) -> str | None:

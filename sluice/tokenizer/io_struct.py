@@ -171,8 +171,7 @@ class GenerateReqInput(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
             raise ClientError(
                 f"top_logprobs_num must be <= {MAX_TOP_LOGPROBS}, got {self.top_logprobs_num}", "top_logprobs_num"
             )
-        if self.priority is not None and self.priority < 0:
-            raise ClientError(f"priority must be an integer >= 0 (higher runs sooner), got {self.priority}", "priority")
+        check_priority(self.priority)
         if self.logprob_start_len < -1:
             raise ClientError(f"logprob_start_len must be >= -1, got {self.logprob_start_len}", "logprob_start_len")
 
@@ -214,8 +213,7 @@ class EmbeddingReqInput(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
             raise ClientError(f"'{field}' is an empty list", field)
         if len(prompts) > max_items:
             raise ClientError(f"the request has {len(prompts)} items, more than max_batch_items={max_items}", field)
-        if self.priority is not None and self.priority < 0:
-            raise ClientError(f"priority must be an integer >= 0 (higher runs sooner), got {self.priority}", "priority")
+        check_priority(self.priority)
         self._fill_rids(len(prompts))
         return prompts
 
@@ -235,6 +233,11 @@ class EmbeddingReqInput(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
     @property
     def rids(self) -> list[str]:
         return [self.rid] if isinstance(self.rid, str) else list(self.rid or [])
+
+
+def check_priority(priority: int | None) -> None:
+    if priority is not None and priority < 0:
+        raise ClientError(f"priority must be an integer >= 0 (higher runs sooner), got {priority}", "priority")
 
 
 def parse_sampling_params(raw: dict[str, Any] | None) -> SamplingParams:
