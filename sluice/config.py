@@ -132,6 +132,15 @@ class ServerArgs:
         default=False, metadata={"help": "Return embeddings as pooled, not scaled to unit length."}
     )
     disable_radix_cache: bool = field(default=False, metadata={"help": "Do not reuse KV of shared prefixes."})
+    weight_version: str = field(
+        default="0",
+        metadata={
+            "help": (
+                "Name of the weights loaded at start, reported in every meta_info and /get_model_info. "
+                "POST /update_weights_from_disk replaces it: with the version it names, else the next integer."
+            )
+        },
+    )
     max_n: int = field(default=16, metadata={"help": "Largest n (parallel samples per prompt)."})
     max_batch_items: int = field(default=256, metadata={"help": "Most prompts x n in one request."})
     max_images_per_request: int = field(default=8, metadata={"help": "Most images in one prompt."})
@@ -189,7 +198,7 @@ class ServerArgs:
         metadata={
             "help": (
                 "Require this key (instead of --api-key) on the admin routes: flush_cache, abort_request, "
-                "pause/continue."
+                "pause/continue, update_weights_from_disk."
             ),
         },
     )
@@ -225,6 +234,7 @@ class ServerArgs:
             (self.pooling in ("last", "mean", "cls"), "pooling must be last, mean or cls"),
             (self.max_queued_requests >= 0, "max_queued_requests must be >= 0"),
             (self.max_total_queued_tokens >= 0, "max_total_queued_tokens must be >= 0"),
+            (bool(self.weight_version.strip()), "weight_version must not be empty"),
             (self.max_n >= 1, "max_n must be >= 1"),
             (self.max_batch_items >= 1, "max_batch_items must be >= 1"),
             (1 <= self.tokenizer_worker_num <= 64, "tokenizer_worker_num must be in 1..64"),

@@ -118,6 +118,16 @@ class GetInternalStateReq(Message):
     http_worker_ipc: str | None = None
 
 
+class UpdateWeightsFromDiskReq(Message):
+    """Load the weights at `model_path` once the running requests have finished (new ones
+    wait in the queue), flush the prefix cache, and serve them as `weight_version` (None:
+    the current version plus one)."""
+
+    model_path: str
+    weight_version: str | None = None
+    http_worker_ipc: str | None = None
+
+
 # ---------------------------------------------------------------- outputs
 
 
@@ -167,6 +177,7 @@ class ReqOutput(msgspec.Struct, kw_only=True):
     # sampled its first token; 0 until then.
     scheduled_at: float = 0.0
     first_token_at: float = 0.0
+    weight_version: str = ""  # the weights that computed it
     http_worker_ipc: str | None = None
 
 
@@ -242,6 +253,18 @@ class FlushCacheReqOutput(Message):
     http_worker_ipc: str | None = None
 
 
+class UpdateWeightsFromDiskReqOutput(Message):
+    """The end of a weight update; with several HTTP workers the router tells every worker,
+    so each reports the new version."""
+
+    success: bool
+    message: str = ""
+    weight_version: str = ""  # the version served now (the old one, if the update failed)
+    model_path: str = ""  # the weights served now
+    param: str | None = None  # the request field a refusal is about
+    http_worker_ipc: str | None = None
+
+
 class InternalState(Message):
     num_running_reqs: int
     num_waiting_reqs: int
@@ -303,6 +326,8 @@ AnyMessage = (
     | AbortReq
     | FlushCacheReq
     | GetInternalStateReq
+    | UpdateWeightsFromDiskReq
+    | UpdateWeightsFromDiskReqOutput
     | BatchTokenIDOutput
     | BatchStrOutput
     | SchedulerReady

@@ -46,14 +46,14 @@ def phi3_config(vocab_size: int, eos_token_id: int):
 CONFIGS = {"qwen3": qwen3_config, "phi3": phi3_config}
 
 
-def build_tiny_model(folder: Path, family: str):
+def build_tiny_model(folder: Path, family: str, seed: int = 0):
     from transformers import AutoModelForCausalLM
 
     from sluice.model_files import default_model_path
     from sluice.tokenizer_files import load_tokenizer
 
     tokenizer = load_tokenizer(default_model_path())
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(CONFIGS[family](len(tokenizer), tokenizer.eos_token_id)).eval()
     randomize(model)
     model.save_pretrained(folder)

@@ -81,6 +81,19 @@ class VisionConfig:
         return [layer % (self.num_layers + 1) for layer in layers]
 
 
+# What new weights loaded into a running server must share with the served ones.
+_FIXED_WHILE_SERVING = (
+    "architecture",
+    "vocab_size",
+    "hidden_size",
+    "num_layers",
+    "num_kv_heads",
+    "head_dim",
+    "context_len",
+    "image_token_id",
+)
+
+
 @dataclass(slots=True)
 class ModelConfig:
     architecture: str
@@ -109,6 +122,17 @@ class ModelConfig:
     def num_image_tokens(self) -> int:
         """Prompt positions one image fills; 0 for a text-only model."""
         return 0 if self.vision is None else self.vision.num_image_tokens
+
+    def replacement_mismatch(self, new: ModelConfig) -> str | None:
+        """Why weights of shape `new` cannot replace this model's in a running server (None:
+        they can): they must fit the same KV cache, token ids and limits."""
+        for name in _FIXED_WHILE_SERVING:
+            served, offered = getattr(self, name), getattr(new, name)
+            if served != offered:
+                return f"its {name} is {offered!r}, the served model's is {served!r}"
+        if (self.vision is None) != (new.vision is None):
+            return "one of the two models has a vision tower and the other has none"
+        return None
 
     @classmethod
     def from_path(cls, path: str | Path) -> ModelConfig:

@@ -28,6 +28,8 @@ class ModelRunner:
         """dtype / kv_cache_dtype: as --dtype / --kv-cache-dtype ("auto" picks for this CPU,
         see execution.py); a torch dtype is taken as the explicit choice."""
         self.config = ModelConfig.from_path(model_path)
+        # As asked: weights loaded in place of these later run the same way.
+        self.load_options = (dtype, quantization, kv_cache_dtype)
         self.execution = choose_execution(dtype, kv_cache_dtype)
         self.dtype = self.execution.dtype
         self.kv_dtype = self.execution.kv_dtype

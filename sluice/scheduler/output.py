@@ -8,9 +8,11 @@ from sluice.scheduler.req import Req
 SchedulerOutput = TokenIDOutput | EmbeddingOutput
 
 
-def make_output(req: Req) -> SchedulerOutput:
+def make_output(req: Req, weight_version: str) -> SchedulerOutput:
+    """`weight_version`: the weights that computed the request (they change only while no
+    request runs)."""
     if req.pooling is not None:
-        return make_embedding_output(req)
+        return make_embedding_output(req, weight_version)
     start = req.num_sent_tokens
     req.num_sent_tokens = len(req.output_ids)
     output = ReqOutput(
@@ -23,6 +25,7 @@ def make_output(req: Req) -> SchedulerOutput:
         image_tokens=req.image_tokens,
         scheduled_at=req.scheduled_at,
         first_token_at=req.first_token_at,
+        weight_version=weight_version,
         http_worker_ipc=req.http_worker_ipc,
     )
     if req.return_logprob:
@@ -45,7 +48,7 @@ def make_output(req: Req) -> SchedulerOutput:
     )
 
 
-def make_embedding_output(req: Req) -> EmbeddingOutput:
+def make_embedding_output(req: Req, weight_version: str) -> EmbeddingOutput:
     """An embedding request ends in one output: its vector, or why it has none."""
     output = ReqOutput(
         rid=req.rid,
@@ -54,6 +57,7 @@ def make_embedding_output(req: Req) -> EmbeddingOutput:
         prompt_tokens=len(req.prompt_ids),
         cached_tokens=req.cached_tokens,
         scheduled_at=req.scheduled_at,
+        weight_version=weight_version,
         http_worker_ipc=req.http_worker_ipc,
     )
     if req.finish_reason is None or req.finish_reason.type == "abort" or req.pooled is None:

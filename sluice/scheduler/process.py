@@ -29,6 +29,7 @@ from sluice.messages import (
     TokenIDOutput,
     TokenizedEmbeddingReqInput,
     TokenizedGenerateReqInput,
+    UpdateWeightsFromDiskReq,
 )
 from sluice.procutil import become_child_process
 
@@ -87,6 +88,8 @@ class SchedulerLoop:
             outputs: list[SchedulerOutput] = []
             for message in messages:
                 outputs.extend(self.handle(message))
+            if (update_done := self.scheduler.apply_pending_update()) is not None:
+                self.to_tokenizer.send(update_done)
             outputs.extend(self.scheduler.step())
             now = time.monotonic()
             embeddings = [out for out in outputs if isinstance(out, EmbeddingOutput)]
@@ -120,6 +123,9 @@ class SchedulerLoop:
                 self.to_tokenizer.send(
                     FlushCacheReqOutput(success=ok, message=message_text, http_worker_ipc=message.http_worker_ipc)
                 )
+            case UpdateWeightsFromDiskReq():
+                if (refused := s.request_weight_update(message)) is not None:
+                    self.to_tokenizer.send(refused)
             case GetInternalStateReq():
                 state = s.internal_state()
                 state.http_worker_ipc = message.http_worker_ipc

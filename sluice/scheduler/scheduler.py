@@ -23,6 +23,8 @@ from sluice.messages import (
     TokenizedEmbeddingReqInput,
     TokenizedGenerateReqInput,
     TokenLogprob,
+    UpdateWeightsFromDiskReq,
+    UpdateWeightsFromDiskReqOutput,
 )
 from sluice.model.model_runner import ModelRunner
 from sluice.model.sampler import SampleOutput, SamplingBatch, sample
@@ -40,6 +42,7 @@ from sluice.scheduler.policy import (
     queue_refusal,
 )
 from sluice.scheduler.req import Req
+from sluice.scheduler.weight_update import PendingUpdate, Refusal, load_weights_of, plan_update, update_reply
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +71,9 @@ class Scheduler:
         self.num_retractions = 0
         self.num_arrived = 0
         self.grammars = Grammars(args.resolved_model_path(), self.config.vocab_size, args.reasoning_parser)
+        self.weight_version = args.weight_version
+        self.weights_path = args.resolved_model_path()
+        self.pending_update: PendingUpdate | None = None
 
     # ------------------------------------------------------------ inputs
 
@@ -170,7 +176,42 @@ class Scheduler:
         """The last output of a request that has ended, counted by how it ended."""
         if req.finish_reason is not None:
             self.finished_by_reason[req.finish_reason.type] += 1
-        return make_output(req)
+        return make_output(req, self.weight_version)
+
+    def request_weight_update(self, msg: UpdateWeightsFromDiskReq) -> UpdateWeightsFromDiskReqOutput | None:
+        """Check a weight update and keep it until no request runs; returns the reply of
+        one refused at once (a bad path, another model, an update already pending)."""
+        plan = (
+            Refusal(None, "another weight update is in progress")
+            if self.pending_update is not None
+            else plan_update(msg, self.config, self.weight_version)
+        )
+        if isinstance(plan, Refusal):
+            return update_reply(msg, plan, self.weight_version, self.weights_path)
+        logger.info(
+            "weight update to %s (%s) waits for %d running requests",
+            plan.model_path,
+            plan.weight_version,
+            len(self.running),
+        )
+        self.pending_update = plan
+        return None
+
+    def apply_pending_update(self) -> UpdateWeightsFromDiskReqOutput | None:
+        """Once no request runs, load the pending update's weights and serve them; returns
+        its reply. Weights that fail to load leave the old ones serving."""
+        update = self.pending_update
+        if update is None or self.running or any(req.output_ids for req in self.waiting):
+            return None  # a request retracted midway finishes on the weights it started on
+        self.pending_update = None
+        loaded = load_weights_of(update, self.runner)
+        if isinstance(loaded, Refusal):
+            return update_reply(update.request, loaded, self.weight_version, self.weights_path)
+        self.runner = loaded
+        self.kv.flush()  # no request holds KV now: all of it was computed by the old weights
+        self.weight_version, self.weights_path = update.weight_version, update.model_path
+        message = f"serving {update.model_path} as weight_version {update.weight_version}"
+        return update_reply(update.request, message, self.weight_version, self.weights_path)
 
     def flush_cache(self) -> bool:
         if self.waiting or self.running:
@@ -218,7 +259,7 @@ class Scheduler:
 
     def _schedule(self) -> StepBatch | None:
         retractions = self.num_retractions
-        if self.args.priority_preemption and self.waiting:
+        if self.args.priority_preemption and self.waiting and self.pending_update is None:
             self._preempt_for_priority()
         decoding = [r for r in self.running if r.is_decoding]
         if self.args.schedule_policy == "priority":
@@ -281,6 +322,8 @@ class Scheduler:
         for req in list(order_waiting(self.waiting, self.args.schedule_policy, self.kv)):
             if budget <= 0 or len(self.running) >= self.args.max_running_requests:
                 break
+            if self.pending_update is not None and not req.output_ids:
+                continue  # it starts on the new weights
             prefix = self.kv.cached_prefix_len(req)
             if not self.args.disable_radix_cache and duplicates_a_prefill(req, prefix, prefilling):
                 continue
@@ -351,7 +394,7 @@ class Scheduler:
                 # The prompt (or a resumed sequence) is fully prefilled: share it.
                 self.kv.cache_prefix(req)
             if self._should_stream(req):
-                outputs.append(make_output(req))
+                outputs.append(make_output(req, self.weight_version))
         return outputs
 
     def _append_token(self, req: Req, next_tokens: SampleOutput, k: int) -> None:

@@ -10,7 +10,7 @@ A field that a response may leave out has the default UNSET.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 import msgspec
 from msgspec import UNSET, UnsetType
@@ -23,6 +23,17 @@ class AbortRequestInput(msgspec.Struct, kw_only=True):
 
     rid: str = ""
     abort_all: bool = False
+
+
+class UpdateWeightsFromDiskReqInput(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Serve the weights at `model_path` (a GGUF file or a HF folder of the same model:
+    architecture, sizes and vocabulary) once the running requests finish; new requests wait
+    meanwhile. `abort_all_requests` aborts the running ones instead of waiting for them."""
+
+    model_path: Annotated[str, msgspec.Meta(min_length=1)]
+    abort_all_requests: bool = False
+    # The new weights' name in meta_info; default: the served one plus one (if a number).
+    weight_version: Annotated[str, msgspec.Meta(min_length=1)] | None = None
 
 
 class ErrorDetail(msgspec.Struct, kw_only=True):
@@ -40,6 +51,16 @@ class ErrorResponse(msgspec.Struct, kw_only=True):
 
 class Success(msgspec.Struct, kw_only=True):
     success: bool
+
+
+class WeightUpdateResult(msgspec.Struct, kw_only=True):
+    success: bool
+    message: str
+    weight_version: str  # served from now on
+
+
+class WeightVersion(msgspec.Struct, kw_only=True):
+    weight_version: str
 
 
 # ---------------------------------------------------------------- native
@@ -70,6 +91,7 @@ class MetaInfo(msgspec.Struct, kw_only=True):
     image_tokens: int | UnsetType = UNSET
     index: int | UnsetType = UNSET
     ttft: float | UnsetType = UNSET
+    weight_version: str | UnsetType = UNSET  # the weights that computed it (unset: refused before)
     timings: Timings | UnsetType = UNSET
     output_token_logprobs: list[LogprobTriple] | UnsetType = UNSET
     output_top_logprobs: list[list[LogprobTriple]] | UnsetType = UNSET
@@ -93,6 +115,7 @@ class ModelInfo(msgspec.Struct, kw_only=True):
     context_len: int
     max_req_input_len: int
     eos_token_ids: list[int]
+    weight_version: str
 
 
 class SchedulerStates(InternalState, tag=False, kw_only=True):
@@ -271,6 +294,7 @@ class EmbeddingMetaInfo(msgspec.Struct, kw_only=True):
     prompt_tokens: int
     cached_tokens: int
     e2e_latency: float
+    weight_version: str
 
 
 class EmbeddingResult(msgspec.Struct, kw_only=True):

@@ -20,6 +20,9 @@ from sluice.server.api_types import (
     ModelInfo,
     ServerInfo,
     Success,
+    UpdateWeightsFromDiskReqInput,
+    WeightUpdateResult,
+    WeightVersion,
 )
 from sluice.server.embeddings import embedding_chunks
 from sluice.server.embeddings import native_json as embedding_json
@@ -117,13 +120,18 @@ def create_app(state: ServerState, lifespan=None) -> FastAPI:
     async def get_model_info():
         tm = state.tm
         return {
-            "model_path": args.resolved_model_path(),
+            "model_path": tm.weights_path,
             "served_model_name": state.model_name,
             "is_generation": True,
             "context_len": tm.context_len,
             "max_req_input_len": tm.max_req_input_len,
             "eos_token_ids": tm.scheduler_info.eos_token_ids,
+            "weight_version": tm.weight_version,
         }
+
+    @app.get("/get_weight_version", openapi_extra=docs.operation(response=WeightVersion, errors=_ANY_ROUTE))
+    async def get_weight_version():
+        return {"weight_version": state.tm.weight_version}
 
     @app.get("/get_server_info", openapi_extra=docs.operation(response=ServerInfo, errors=_ANY_ROUTE))
     async def get_server_info():
@@ -173,6 +181,21 @@ def create_app(state: ServerState, lifespan=None) -> FastAPI:
     async def continue_generation():
         await state.tm.continue_generation()
         return {"success": True}
+
+    @app.post(
+        "/update_weights_from_disk",
+        openapi_extra=docs.operation(
+            body=UpdateWeightsFromDiskReqInput, response=WeightUpdateResult, errors=_BODY_ROUTE
+        ),
+    )
+    async def update_weights_from_disk(request: Request):
+        """Serve new weights of the same model; the old ones serve until they load, and keep
+        serving if they fail to (400)."""
+        body = decode_json(await request.body(), UpdateWeightsFromDiskReqInput)
+        result = await state.tm.update_weights_from_disk(body.model_path, body.weight_version, body.abort_all_requests)
+        if not result.success:
+            return error_response(400, result.message, param=result.param)
+        return {"success": True, "message": result.message, "weight_version": result.weight_version}
 
     install_openai_routes(app, state, docs)
     docs.install(app)

@@ -39,6 +39,7 @@ def native_json(chunk: GenerateChunk) -> dict[str, Any]:
         "prompt_tokens": chunk.prompt_tokens,
         "cached_tokens": chunk.cached_tokens,
         "e2e_latency": chunk.e2e_latency,
+        "weight_version": chunk.weight_version,
     }
     result: dict[str, Any] = {"embedding": _floats(chunk), "meta_info": meta}
     if chunk.index is not None:

@@ -11,7 +11,9 @@ import hmac
 from sluice.server.errors import BodyTooLarge, error_response
 
 OPEN_PATHS = frozenset({"/health"})
-ADMIN_PATHS = frozenset({"/flush_cache", "/abort_request", "/pause_generation", "/continue_generation"})
+ADMIN_PATHS = frozenset(
+    {"/flush_cache", "/abort_request", "/pause_generation", "/continue_generation", "/update_weights_from_disk"}
+)
 
 
 def bearer_token(authorization: bytes) -> bytes:

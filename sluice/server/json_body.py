@@ -29,6 +29,7 @@ _DEPTH_CHANGE[list(b"]}")] = -1
 
 _PATH_IN_ERROR = re.compile(r"at `\$\.?([^`]*)`")
 _UNKNOWN_FIELD = re.compile(r"unknown field `([^`]*)`")
+_MISSING_FIELD = re.compile(r"missing required field `([^`]*)`")
 
 T = TypeVar("T")
 
@@ -81,6 +82,8 @@ def decode_json(body: bytes, kind: type[T]) -> T:
         if unknown:
             field = f"{where}.{unknown.group(1)}" if where else unknown.group(1)
             raise ClientError(f"{field} is not a field this route takes (nothing is silently ignored)", field) from None
+        if missing := _MISSING_FIELD.search(str(e)):
+            where = f"{where}.{missing.group(1)}" if where else missing.group(1)
         raise ClientError(f"invalid request: {e}", where or None) from None
     except msgspec.DecodeError as e:
         raise ClientError(f"the body is not valid JSON: {e}") from None

@@ -39,6 +39,8 @@ from sluice.messages import (
     StrOutput,
     TokenizedGenerateReqInput,
     TokenizedRequest,
+    UpdateWeightsFromDiskReq,
+    UpdateWeightsFromDiskReqOutput,
     WorkerDied,
     WorkerStats,
     WorkerStatsReq,
@@ -64,6 +66,8 @@ logger = logging.getLogger(__name__)
 
 # How often a non-streaming request checks whether its client is still there.
 DISCONNECT_POLL_S = 1.0
+# A weight update waits for the running requests to finish, then loads: it may take long.
+WEIGHT_UPDATE_TIMEOUT_S = 3600.0
 
 
 class BackendError(RuntimeError):
@@ -124,6 +128,9 @@ class TokenizerManager:
             self.send_to_scheduler = Sender(self.sync_context, port_args.tokenizer_input)
 
         self.rid_to_state: dict[str, ReqState] = {}
+        # The weights served: set when the back end reports ready, changed by weight updates.
+        self.weight_version = server_args.weight_version
+        self.weights_path = server_args.resolved_model_path()
         self.metrics = RequestMetrics()
         self.model_update_lock = RWLock()
         self.is_pause = False
@@ -333,6 +340,11 @@ class TokenizerManager:
                 asyncio.get_running_loop().create_task(self._set_pause(recv_obj.paused))
                 if recv_obj.http_worker_ipc == self.http_worker_ipc:
                     self._result_dispatcher(recv_obj)  # this worker's own, back from the router
+            case UpdateWeightsFromDiskReqOutput():
+                if recv_obj.success:
+                    self.weight_version, self.weights_path = recv_obj.weight_version, recv_obj.model_path
+                if recv_obj.http_worker_ipc == self.http_worker_ipc:
+                    self._result_dispatcher(recv_obj)  # the worker that asked (every worker hears it)
             case WorkerStatsReq():
                 self.send_to_scheduler.send(self._worker_stats(recv_obj.http_worker_ipc))
             case _:
@@ -366,8 +378,14 @@ class TokenizerManager:
         logger.warning("no one waits for a %s", type(recv_obj).__name__)
 
     def fail_all(self, reason: str) -> None:
-        """The back end died: end every live request with an error, report unhealthy."""
+        """The back end died: end every live request and control call with an error, report
+        unhealthy."""
         self.backend_error = reason
+        for waiters in self._control_waiters.values():
+            for future in waiters:
+                if not future.done():
+                    future.set_exception(BackendError(reason))
+            waiters.clear()
         for rid, state in list(self.rid_to_state.items()):
             chunk = state.abort_chunk(reason, status_code=503)
             lost = ReqOutput(rid=rid, new_token_ids=[], finish_reason=chunk.finish_reason)
@@ -405,6 +423,19 @@ class TokenizerManager:
     async def flush_cache(self) -> FlushCacheReqOutput:
         async with self.model_update_lock.writer_lock():
             return await self._control(FlushCacheReq(), FlushCacheReqOutput)
+
+    async def update_weights_from_disk(
+        self, model_path: str, weight_version: str | None = None, abort_all_requests: bool = False
+    ) -> UpdateWeightsFromDiskReqOutput:
+        """Serve new weights (seed 003 §5.5). The writer lock holds new requests of this
+        worker back (they wait, they do not fail) until this worker's in-flight ones are done;
+        the Scheduler holds every worker's new requests in its queue until nothing runs,
+        loads the weights and flushes the prefix cache."""
+        if abort_all_requests:
+            self.abort_request(abort_all=True)
+        async with self.model_update_lock.writer_lock():
+            request = UpdateWeightsFromDiskReq(model_path=model_path, weight_version=weight_version)
+            return await self._control(request, UpdateWeightsFromDiskReqOutput, WEIGHT_UPDATE_TIMEOUT_S)
 
     async def pause_generation(self) -> None:
         await self._set_pause(True)

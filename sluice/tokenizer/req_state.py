@@ -134,6 +134,7 @@ class ReqState:
             chunk.prompt_tokens = output.prompt_tokens
             chunk.cached_tokens = output.cached_tokens
             chunk.image_tokens = output.image_tokens
+            chunk.weight_version = output.weight_version
         if self.return_logprob:
             chunk.output_logprobs, chunk.output_top_logprobs = self.new_logprobs, self.new_top_logprobs
             if self.input_output is not None:

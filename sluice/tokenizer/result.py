@@ -34,6 +34,7 @@ class GenerateChunk(msgspec.Struct, kw_only=True):
     image_tokens: int = 0
     e2e_latency: float = 0.0
     ttft: float | None = None  # seconds to the first output token, once there is one
+    weight_version: str = ""  # the weights that computed it; "" for a request refused before it ran
     # With return_timings: each stage of the request in seconds since it was received.
     timings: dict[str, float | None] | None = None
     # An embedding request's answer: float32 little-endian (EmbeddingOutput.embedding).
@@ -107,6 +108,8 @@ def _result(chunk: GenerateChunk, text: Any, output_ids: Any, logprobs: dict[str
         meta["index"] = chunk.index
     if chunk.ttft is not None:
         meta["ttft"] = chunk.ttft
+    if chunk.weight_version:
+        meta["weight_version"] = chunk.weight_version
     if chunk.timings is not None:
         meta["timings"] = chunk.timings
     meta.update(logprobs)

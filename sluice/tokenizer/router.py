@@ -40,6 +40,8 @@ from sluice.messages import (
     TokenizedEmbeddingReqInput,
     TokenizedGenerateReqInput,
     TokenizedRequest,
+    UpdateWeightsFromDiskReq,
+    UpdateWeightsFromDiskReqOutput,
     WorkerDied,
     WorkerStatsReq,
 )
@@ -56,10 +58,12 @@ TO_SCHEDULER = (
     AbortReq,
     FlushCacheReq,
     GetInternalStateReq,
+    UpdateWeightsFromDiskReq,
 )
 # Results that hold one output per request, each routed to the worker that owns it.
 PER_REQUEST_OUTPUTS = (BatchStrOutput, BatchEmbeddingOutput)
-BROADCAST = (SetPause, WorkerStatsReq, WorkerDied, ProcessFailed)
+# Every worker hears these; a weight update's end, so each reports the new weight_version.
+BROADCAST = (SetPause, WorkerStatsReq, WorkerDied, ProcessFailed, UpdateWeightsFromDiskReqOutput)
 LIVENESS_CHECK_S = 1.0
 
 

@@ -41,6 +41,7 @@ def test_every_route_publishes_its_body_and_responses(base_url):
         "/detokenize": "#/components/schemas/DetokenizeRequest",
         "/encode": "#/components/schemas/EmbeddingReqInput",
         "/v1/embeddings": "#/components/schemas/EmbeddingRequest",
+        "/update_weights_from_disk": "#/components/schemas/UpdateWeightsFromDiskReqInput",
     }
     assert "temperature" in schemas["SamplingParams"]["properties"]
     assert "messages" in schemas["ChatCompletionRequest"]["required"]
@@ -169,6 +170,7 @@ FUZZED_ROUTES = [
     ("GET", "/health_generate"),
     ("POST", "/generate"),
     ("GET", "/get_model_info"),
+    ("GET", "/get_weight_version"),
     ("GET", "/get_server_info"),
     ("GET", "/metrics"),
     ("POST", "/encode"),

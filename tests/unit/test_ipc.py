@@ -37,6 +37,8 @@ from sluice.messages import (
     TokenizedEmbeddingReqInput,
     TokenizedGenerateReqInput,
     TokenLogprob,
+    UpdateWeightsFromDiskReq,
+    UpdateWeightsFromDiskReqOutput,
     WorkerDied,
     WorkerStats,
     WorkerStatsReq,
@@ -83,6 +85,7 @@ EXAMPLES = [
     ),
     AbortReq(rid="r-1", abort_all=True, finished_by_stop_string=True, http_worker_ipc=WORKER),
     FlushCacheReq(http_worker_ipc=WORKER),
+    UpdateWeightsFromDiskReq(model_path="/models/tuned.gguf", weight_version="v2", http_worker_ipc=WORKER),
     GetInternalStateReq(http_worker_ipc=WORKER),
     BatchTokenIDOutput(
         outputs=[
@@ -109,6 +112,9 @@ EXAMPLES = [
     DetokenizerReady(),
     ProcessFailed(process="scheduler", error="Traceback ..."),
     FlushCacheReqOutput(success=False, message="requests are running", http_worker_ipc=WORKER),
+    UpdateWeightsFromDiskReqOutput(
+        success=False, message="no such file", weight_version="1", model_path="/m.gguf", param="model_path"
+    ),
     InternalState(
         num_running_reqs=1,
         num_waiting_reqs=2,
