@@ -159,7 +159,7 @@ def http(base_url):
         ({"tools": [{"type": "retrieval", "function": {"name": "x"}}]}, "tools[0].type"),
         ({"tools": [WEATHER, WEATHER]}, "tools[1]"),
         ({"tools": {"get_weather": WEATHER}}, "tools"),
-        ({"tools": [{"type": "function"}]}, "tools[0]"),
+        ({"tools": [{"type": "function"}]}, "tools[0].function"),
         (
             {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
             "tool_choice",
