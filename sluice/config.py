@@ -61,7 +61,31 @@ class ServerArgs:
         },
     )
     num_threads: int = field(
-        default=0, metadata={"help": "Threads for the forward pass in the scheduler process (0: all cores)."}
+        default=0,
+        metadata={"help": "Threads for the forward pass of each Scheduler (0: all cores, split over --dp-size)."},
+    )
+    dp_size: int = field(
+        default=1,
+        metadata={
+            "help": (
+                "Data-parallel Scheduler replicas, each with its own model copy, KV cache (--kv-cache-memory-gb each) "
+                "and threads, behind a DataParallelController."
+            )
+        },
+    )
+    load_balance_method: str = field(
+        default="cache_aware",
+        metadata={
+            "help": (
+                "How the DataParallelController picks a replica: round_robin, shortest_queue (fewest requests in "
+                "flight), or cache_aware (the longest prompt prefix it sent there, unless the replicas' loads differ "
+                "by more than 8 requests)."
+            )
+        },
+    )
+    cpu_affinity: bool = field(
+        default=False,
+        metadata={"help": "Pin each Scheduler replica to its own cores (replica i: cores i*t .. i*t+t-1)."},
     )
     max_total_tokens: int = field(
         default=0, metadata={"help": "KV cache size in tokens (0: from --kv-cache-memory-gb)."}
@@ -222,6 +246,11 @@ class ServerArgs:
             (0 < self.port < 65536, "port must be in 1..65535"),
             (self.num_threads >= 0, "num_threads must be >= 0"),
             (self.max_total_tokens >= 0, "max_total_tokens must be >= 0"),
+            (1 <= self.dp_size <= 64, "dp_size must be in 1..64"),
+            (
+                self.load_balance_method in ("round_robin", "shortest_queue", "cache_aware"),
+                "load_balance_method must be round_robin, shortest_queue or cache_aware",
+            ),
             (self.kv_cache_memory_gb > 0, "kv_cache_memory_gb must be > 0"),
             (self.max_running_requests >= 1, "max_running_requests must be >= 1"),
             (self.chunked_prefill_size >= 1, "chunked_prefill_size must be >= 1"),
@@ -258,6 +287,10 @@ class ServerArgs:
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+
+    def threads_per_scheduler(self) -> int:
+        """--num-threads, or the machine's cores split over the replicas."""
+        return self.num_threads or max((os.cpu_count() or 1) // self.dp_size, 1)
 
     def resolved_model_path(self) -> str:
         if self.model_path:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -90,3 +92,18 @@ class AsyncReceiver:
 
     def close(self) -> None:
         self.sock.close()
+
+
+def dispatch_forever(
+    inbox: Receiver, dispatch: Callable[[Message], None], every_s: float, periodic: Callable[[], None]
+) -> None:
+    """Hand each message of `inbox` to `dispatch`; call `periodic` every `every_s` seconds,
+    whether messages come or not (a hub's loop: the router's, the DataParallelController's)."""
+    last_check = time.monotonic()
+    while True:
+        message = inbox.recv(timeout_ms=int(every_s * 1000))
+        if message is not None:
+            dispatch(message)
+        if time.monotonic() - last_check > every_s:
+            periodic()
+            last_check = time.monotonic()

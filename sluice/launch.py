@@ -44,25 +44,39 @@ class Backend:
         # Imported here, not at the top: the scheduler's module loads torch, and importing
         # sluice.launch (or sluice.Engine) stays cheap until a back end starts.
         from sluice.detokenizer.manager import run_detokenizer_process
+        from sluice.scheduler.dp_controller import replica_port_args, run_dp_controller_process
         from sluice.scheduler.process import run_scheduler_process
 
         self.server_args = server_args
         self.port_args = port_args
         self.processes: list = []
+        # With --dp-size > 1 the DataParallelController watches the replicas: one that dies
+        # fails only its own requests.
+        self.replicas: list = []
         self.stopping = False
-        self.start(run_scheduler_process, "sluice-scheduler")
+        if server_args.dp_size == 1:
+            self.start(run_scheduler_process, "sluice-scheduler")
+        else:
+            for rank in range(server_args.dp_size):
+                replica = self.start(
+                    run_scheduler_process, f"sluice-scheduler-{rank}", replica_port_args(port_args, rank), rank
+                )
+                self.replicas.append(replica)
+            pids = msgspec.json.encode([replica.pid for replica in self.replicas])
+            self.start(run_dp_controller_process, "sluice-dp-controller", port_args, pids)
         self.start(run_detokenizer_process, "sluice-detokenizer")
 
-    def start(self, target, name: str) -> None:
-        # Arguments cross as msgspec JSON bytes: no object of ours is pickled.
-        encoded = (self.server_args.encode(), self.port_args.encode())
+    def start(self, target, name: str, port_args: PortArgs | None = None, *extra: Any) -> Any:
+        # Arguments cross as msgspec JSON bytes (and plain ints): no object of ours is pickled.
+        encoded = (self.server_args.encode(), (port_args or self.port_args).encode(), *extra)
         process = mp.get_context("spawn").Process(target=target, args=encoded, name=name, daemon=True)
         process.start()
         self.processes.append(process)
+        return process
 
     def dead_process(self) -> str | None:
         for process in self.processes:
-            if not process.is_alive():
+            if process not in self.replicas and not process.is_alive():
                 return process.name
         return None
 

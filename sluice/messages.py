@@ -236,6 +236,7 @@ class SchedulerReady(Message):
     # How the model runs here (backend, instruction set, dtypes, kernel paths).
     execution: dict[str, str] = {}
     embedding_dim: int = 0  # length of an embedding: the model's hidden size
+    dp_rank: int = 0  # which Scheduler replica (--dp-size) says so
 
 
 class DetokenizerReady(Message):
@@ -250,6 +251,7 @@ class ProcessFailed(Message):
 class FlushCacheReqOutput(Message):
     success: bool
     message: str = ""
+    dp_rank: int = 0
     http_worker_ipc: str | None = None
 
 
@@ -262,6 +264,7 @@ class UpdateWeightsFromDiskReqOutput(Message):
     weight_version: str = ""  # the version served now (the old one, if the update failed)
     model_path: str = ""  # the weights served now
     param: str | None = None  # the request field a refusal is about
+    dp_rank: int = 0
     http_worker_ipc: str | None = None
 
 
@@ -279,6 +282,10 @@ class InternalState(Message):
     # Requests the scheduler ended, by finish_reason type ("stop", "length", "abort"); a
     # request a stop string ended in the detokenizer counts as "stop".
     finished_reqs: dict[str, int] = {}
+    # With --dp-size N > 1: each replica's own state; the fields above are their sums.
+    replicas: list[InternalState] = []
+    dp_rank: int = 0
+    pid: int = 0  # the Scheduler process (a sum over replicas: 0)
     http_worker_ipc: str | None = None
 
 
@@ -311,6 +318,22 @@ class WorkerStats(Message):
     num_paused_reqs: int = 0  # requests held until generation continues
 
 
+class ReplicaLoad(Message):
+    """A data-parallel Scheduler replica tells the DataParallelController which requests
+    ended there (sent after every loop turn that ended any)."""
+
+    dp_rank: int
+    finished_rids: list[str]
+
+
+class ReplicaDied(Message):
+    """The DataParallelController saw a Scheduler replica die: its requests failed, the
+    others serve on; every HTTP worker reports the server degraded."""
+
+    dp_rank: int
+    replicas_alive: int
+
+
 class WorkerDied(Message):
     """The router saw a worker process die: every worker reports unhealthy."""
 
@@ -340,4 +363,6 @@ AnyMessage = (
     | WorkerStatsReq
     | WorkerStats
     | WorkerDied
+    | ReplicaLoad
+    | ReplicaDied
 )

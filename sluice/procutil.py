@@ -55,3 +55,18 @@ def _signal_when_orphaned(parent_pid: int, death_signal: int) -> None:
     while os.getppid() == parent_pid:
         time.sleep(0.5)
     os.kill(os.getpid(), death_signal)
+
+
+def is_alive(pid: int) -> bool:
+    """Whether process `pid` runs; a zombie (exited, not yet reaped) counts as dead."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie (exited, not yet reaped by its parent) counts as dead
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][0] != "Z"
+    except OSError:
+        return False

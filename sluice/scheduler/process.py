@@ -23,13 +23,16 @@ from sluice.messages import (
     FlushCacheReq,
     FlushCacheReqOutput,
     GetInternalStateReq,
+    InternalState,
     Message,
     ProcessFailed,
+    ReplicaLoad,
     SchedulerReady,
     TokenIDOutput,
     TokenizedEmbeddingReqInput,
     TokenizedGenerateReqInput,
     UpdateWeightsFromDiskReq,
+    UpdateWeightsFromDiskReqOutput,
 )
 from sluice.procutil import become_child_process
 
@@ -66,10 +69,14 @@ def build_scheduler(args: ServerArgs) -> Scheduler:
 
 
 class SchedulerLoop:
-    """Owns the sockets; feeds messages to the Scheduler and sends what it produces."""
+    """Owns the sockets; feeds messages to the Scheduler and sends what it produces.
 
-    def __init__(self, scheduler: Scheduler, port_args: PortArgs):
+    As replica `dp_rank` of --dp-size > 1, its `tokenizer_input` is the DataParallelController,
+    which also hears which requests ended after each turn that ended any."""
+
+    def __init__(self, scheduler: Scheduler, port_args: PortArgs, dp_rank: int | None = None):
         self.scheduler = scheduler
+        self.dp_rank = dp_rank
         self.context = zmq.Context(1)
         self.inbox = Receiver(self.context, port_args.scheduler_input)
         self.to_detokenizer = Sender(self.context, port_args.detokenizer_input)
@@ -89,7 +96,7 @@ class SchedulerLoop:
             for message in messages:
                 outputs.extend(self.handle(message))
             if (update_done := self.scheduler.apply_pending_update()) is not None:
-                self.to_tokenizer.send(update_done)
+                self.send_reply(update_done)
             outputs.extend(self.scheduler.step())
             now = time.monotonic()
             embeddings = [out for out in outputs if isinstance(out, EmbeddingOutput)]
@@ -100,6 +107,13 @@ class SchedulerLoop:
             if token_outputs or (not self.scheduler.is_idle and now - last_send > HEARTBEAT_S):
                 self.to_detokenizer.send(BatchTokenIDOutput(outputs=token_outputs))
                 last_send = now
+            if self.dp_rank is not None:
+                self.report_finished(outputs)
+
+    def report_finished(self, outputs: list[SchedulerOutput]) -> None:
+        finished = [out.output.rid for out in outputs if out.output.finish_reason is not None]
+        if finished:
+            self.to_tokenizer.send(ReplicaLoad(dp_rank=self.dp_rank or 0, finished_rids=finished))
 
     def handle(self, message: Message) -> list[SchedulerOutput]:
         s = self.scheduler
@@ -120,30 +134,50 @@ class SchedulerLoop:
             case FlushCacheReq():
                 ok = s.flush_cache()
                 message_text = "" if ok else "requests are running"
-                self.to_tokenizer.send(
+                self.send_reply(
                     FlushCacheReqOutput(success=ok, message=message_text, http_worker_ipc=message.http_worker_ipc)
                 )
             case UpdateWeightsFromDiskReq():
                 if (refused := s.request_weight_update(message)) is not None:
-                    self.to_tokenizer.send(refused)
+                    self.send_reply(refused)
             case GetInternalStateReq():
                 state = s.internal_state()
                 state.http_worker_ipc = message.http_worker_ipc
-                self.to_tokenizer.send(state)
+                self.send_reply(state)
             case _:
                 logger.warning("scheduler ignored an unexpected %s", type(message).__name__)
         return []
 
+    def send_reply(self, reply: FlushCacheReqOutput | InternalState | UpdateWeightsFromDiskReqOutput) -> None:
+        reply.dp_rank = self.dp_rank or 0
+        self.to_tokenizer.send(reply)
 
-def run_scheduler_process(server_args_data: bytes, port_args_data: bytes) -> None:
+
+def pin_to_cores(args: ServerArgs, dp_rank: int) -> None:
+    """--cpu-affinity: replica r runs on cores r*t .. r*t+t-1 (t: its threads), before any
+    compute thread starts (they inherit the set)."""
+    threads = args.threads_per_scheduler()
+    cores = sorted(os.sched_getaffinity(0))
+    mine = cores[dp_rank * threads : (dp_rank + 1) * threads]
+    if len(mine) < threads:
+        logger.warning("--cpu-affinity: %d cores for replica %d, which has %d threads", len(mine), dp_rank, threads)
+    if mine:
+        os.sched_setaffinity(0, mine)
+
+
+def run_scheduler_process(server_args_data: bytes, port_args_data: bytes, dp_rank: int | None = None) -> None:
+    """`dp_rank`: this process is that replica of --dp-size > 1 (port_args are its own)."""
     args = ServerArgs.decode(server_args_data)
     port_args = PortArgs.decode(port_args_data)
-    become_child_process("scheduler", args.num_threads or os.cpu_count() or 1, args.log_level)
+    if args.cpu_affinity:
+        pin_to_cores(args, dp_rank or 0)
+    name = "scheduler" if dp_rank is None else f"scheduler-{dp_rank}"
+    become_child_process(name, args.threads_per_scheduler(), args.log_level)
     context = zmq.Context(1)
     to_tokenizer = Sender(context, port_args.tokenizer_input)
     try:
         scheduler = build_scheduler(args)
-        loop = SchedulerLoop(scheduler, port_args)
+        loop = SchedulerLoop(scheduler, port_args, dp_rank)
         to_tokenizer.send(
             SchedulerReady(
                 max_req_input_len=scheduler.max_req_input_len,
@@ -154,6 +188,7 @@ def run_scheduler_process(server_args_data: bytes, port_args_data: bytes) -> Non
                 num_image_tokens=scheduler.config.num_image_tokens if scheduler.config.vision else 0,
                 execution=scheduler.runner.execution_info,
                 embedding_dim=scheduler.config.hidden_size,
+                dp_rank=dp_rank or 0,
             )
         )
         loop.run_forever()

@@ -9,6 +9,7 @@ request is retracted to the waiting queue and later resumes where it stopped.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections import Counter
 from concurrent.futures import FIRST_COMPLETED, wait
@@ -230,6 +231,7 @@ class Scheduler:
             num_retractions=self.num_retractions,
             messages_received=dict(self.received_by_type),
             finished_reqs=dict(self.finished_by_reason),
+            pid=os.getpid(),
         )
 
     @property

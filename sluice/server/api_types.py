@@ -118,12 +118,18 @@ class ModelInfo(msgspec.Struct, kw_only=True):
     weight_version: str
 
 
+class ReplicaStates(InternalState, tag=False, kw_only=True):
+    """One Scheduler replica's InternalState (--dp-size > 1), less its routing fields."""
+
+
 class SchedulerStates(InternalState, tag=False, kw_only=True):
-    """The Scheduler's InternalState (less its routing fields), and the live request states
-    of every HTTP worker and the requests a pause holds there."""
+    """The Scheduler's InternalState (less its routing fields; with --dp-size > 1 the sums over
+    the replicas, each replica's own in `replicas`), and the live request states of every
+    HTTP worker and the requests a pause holds there."""
 
     rid_to_state_size: int
     num_paused_reqs: int
+    replicas: list[ReplicaStates]  # type: ignore[assignment]  # the response form of each; empty with one Scheduler
 
 
 class ServerInfo(msgspec.Struct, kw_only=True):

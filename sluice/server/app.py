@@ -11,7 +11,7 @@ import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from sluice.messages import SamplingParams
+from sluice.messages import InternalState, SamplingParams
 from sluice.sampling import ClientError
 from sluice.server.api_types import (
     AbortRequestInput,
@@ -68,8 +68,12 @@ def create_app(state: ServerState, lifespan=None) -> FastAPI:
 
     @app.get("/health", response_class=Response, openapi_extra=docs.operation(errors=(503,)))
     async def health():
+        """200 when ready (with --dp-size, while any Scheduler replica lives: then a body says
+        how many do), 503 while starting or when the back end is gone."""
         if reason := state.unavailable():
             return error_response(503, reason)
+        if degraded := state.tm.degraded():
+            return JSONResponse(degraded)
         return Response(status_code=200)
 
     @app.get("/health_generate", response_class=Response, openapi_extra=docs.operation(errors=_ANY_ROUTE))
@@ -136,9 +140,8 @@ def create_app(state: ServerState, lifespan=None) -> FastAPI:
     @app.get("/get_server_info", openapi_extra=docs.operation(response=ServerInfo, errors=_ANY_ROUTE))
     async def get_server_info():
         internal = await state.tm.get_internal_state()
-        states = msgspec.to_builtins(internal)
-        states.pop("type", None)
-        states.pop("http_worker_ipc", None)
+        states = _public_states(internal)
+        states["replicas"] = [_public_states(replica) for replica in internal.replicas]
         workers = await state.tm.worker_stats_total()
         states["rid_to_state_size"] = workers.rid_to_state_size
         states["num_paused_reqs"] = workers.num_paused_reqs
@@ -200,6 +203,13 @@ def create_app(state: ServerState, lifespan=None) -> FastAPI:
     install_openai_routes(app, state, docs)
     docs.install(app)
     return app
+
+
+def _public_states(internal: InternalState) -> dict[str, Any]:
+    states = msgspec.to_builtins(internal)
+    for routing in ("type", "http_worker_ipc", "replicas"):
+        states.pop(routing, None)
+    return states
 
 
 async def serve_generate(tm: TokenizerManager, obj: GenerateReqInput, request: Request):

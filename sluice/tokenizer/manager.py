@@ -33,6 +33,7 @@ from sluice.messages import (
     InternalState,
     Message,
     ProcessFailed,
+    ReplicaDied,
     ReqOutput,
     SchedulerReady,
     SetPause,
@@ -138,6 +139,7 @@ class TokenizerManager:
         self.num_paused_reqs = 0  # requests waiting for generation to continue
         self.backend_error: str | None = None  # the back end is gone: requests fail
         self.health_error: str | None = None  # something else is wrong: /health says so
+        self.dead_replicas: set[int] = set()  # --dp-size: Scheduler replicas that died
         self.last_receive_tstamp = time.time()
         self._control_waiters: dict[type[Message], deque[asyncio.Future[Message]]] = {}
         self._handle_loop_task: asyncio.Task[None] | None = None
@@ -234,7 +236,7 @@ class TokenizerManager:
         limit = self.server_args.max_queued_requests
         if not limit:
             return
-        queued = len(self.rid_to_state) - self.server_args.max_running_requests
+        queued = len(self.rid_to_state) - self.server_args.max_running_requests * self.server_args.dp_size
         if queued >= limit:
             self.metrics.on_rejected("queue_full")
             raise ServerBusy(
@@ -333,6 +335,8 @@ class TokenizerManager:
                 self._handle_batch_output(recv_obj)
             case ProcessFailed():
                 self.fail_all(f"the {recv_obj.process} process failed")
+            case ReplicaDied():
+                self.dead_replicas.add(recv_obj.dp_rank)
             case WorkerDied():
                 # Requests of the other workers are unharmed; the server reports unhealthy.
                 self.health_error = f"HTTP worker {recv_obj.pid} died"
@@ -456,6 +460,13 @@ class TokenizerManager:
         async with self.is_pause_cond:
             self.is_pause = paused
             self.is_pause_cond.notify_all()
+
+    def degraded(self) -> dict[str, object] | None:
+        """What /health says while some Scheduler replicas died and others serve."""
+        if not self.dead_replicas:
+            return None
+        size = self.server_args.dp_size
+        return {"status": "degraded", "replicas_alive": size - len(self.dead_replicas), "dp_size": size}
 
     def _worker_stats(self, asked_by: str) -> WorkerStats:
         return WorkerStats(

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 import traceback
 from collections import defaultdict
 from typing import Any
@@ -21,7 +20,7 @@ import msgspec
 import zmq
 
 from sluice.config import PortArgs, ServerArgs
-from sluice.ipc import Receiver, Sender
+from sluice.ipc import Receiver, Sender, dispatch_forever
 from sluice.messages import (
     AbortReq,
     BatchEmbeddingOutput,
@@ -34,6 +33,7 @@ from sluice.messages import (
     Message,
     ProcessFailed,
     RegisterWorker,
+    ReplicaDied,
     ReqOutput,
     SetPause,
     StrOutput,
@@ -45,7 +45,7 @@ from sluice.messages import (
     WorkerDied,
     WorkerStatsReq,
 )
-from sluice.procutil import become_child_process
+from sluice.procutil import become_child_process, is_alive
 from sluice.tokenizer.shared_args import remove_shared_args
 
 logger = logging.getLogger(__name__)
@@ -63,7 +63,7 @@ TO_SCHEDULER = (
 # Results that hold one output per request, each routed to the worker that owns it.
 PER_REQUEST_OUTPUTS = (BatchStrOutput, BatchEmbeddingOutput)
 # Every worker hears these; a weight update's end, so each reports the new weight_version.
-BROADCAST = (SetPause, WorkerStatsReq, WorkerDied, ProcessFailed, UpdateWeightsFromDiskReqOutput)
+BROADCAST = (SetPause, WorkerStatsReq, WorkerDied, ProcessFailed, UpdateWeightsFromDiskReqOutput, ReplicaDied)
 LIVENESS_CHECK_S = 1.0
 
 
@@ -80,14 +80,7 @@ class MultiTokenizerRouter:
         self.live_rids: set[str] = set()
 
     def handle_loop(self) -> None:
-        last_check = time.monotonic()
-        while True:
-            message = self.inbox.recv(timeout_ms=int(LIVENESS_CHECK_S * 1000))
-            if message is not None:
-                self.dispatch(message)
-            if time.monotonic() - last_check > LIVENESS_CHECK_S:
-                self.check_workers_alive()
-                last_check = time.monotonic()
+        dispatch_forever(self.inbox, self.dispatch, LIVENESS_CHECK_S, self.check_workers_alive)
 
     def dispatch(self, message: Message) -> None:
         if isinstance(message, RegisterWorker):
@@ -169,26 +162,12 @@ class MultiTokenizerRouter:
 
     def check_workers_alive(self) -> None:
         for ipc, pid in list(self.worker_pids.items()):
-            if pid in self.dead_pids or _alive(pid):
+            if pid in self.dead_pids or is_alive(pid):
                 continue
             self.dead_pids.add(pid)
             logger.error("HTTP worker %d died; the server reports unhealthy", pid)
             self.workers.pop(ipc).close()
             self.broadcast(WorkerDied(pid=pid))
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie (exited, not yet reaped by its parent) counts as dead
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ", 1)[1][0] != "Z"
-    except OSError:
-        return False
 
 
 def run_router_process(server_args_data: bytes, port_args_data: bytes) -> None:

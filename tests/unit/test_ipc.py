@@ -28,6 +28,8 @@ from sluice.messages import (
     InternalState,
     ProcessFailed,
     RegisterWorker,
+    ReplicaDied,
+    ReplicaLoad,
     ReqOutput,
     SamplingParams,
     SchedulerReady,
@@ -86,6 +88,8 @@ EXAMPLES = [
     AbortReq(rid="r-1", abort_all=True, finished_by_stop_string=True, http_worker_ipc=WORKER),
     FlushCacheReq(http_worker_ipc=WORKER),
     UpdateWeightsFromDiskReq(model_path="/models/tuned.gguf", weight_version="v2", http_worker_ipc=WORKER),
+    ReplicaLoad(dp_rank=1, finished_rids=["r-1", "r-2::0"]),
+    ReplicaDied(dp_rank=1, replicas_alive=3),
     GetInternalStateReq(http_worker_ipc=WORKER),
     BatchTokenIDOutput(
         outputs=[

@@ -1,0 +1,123 @@
+"""The DataParallelController's placement and merging, without replicas: its sockets only
+bind and connect, so what it sends is read back from the replicas' inboxes."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import zmq
+
+from sluice.config import PortArgs, ServerArgs
+from sluice.ipc import Receiver
+from sluice.messages import (
+    BatchTokenizedGenerateReqInput,
+    GetInternalStateReq,
+    InternalState,
+    ReplicaLoad,
+    SamplingParams,
+    TokenizedGenerateReqInput,
+)
+from sluice.scheduler.dp_controller import DataParallelController, replica_port_args
+from sluice.scheduler.prefix_index import BLOCK_TOKENS, PrefixIndex
+
+PREFIX = list(range(100, 164))  # four blocks
+
+
+def request(rid: str, ids: list[int]) -> TokenizedGenerateReqInput:
+    return TokenizedGenerateReqInput(rid=rid, input_ids=ids, sampling_params=SamplingParams())
+
+
+@pytest.fixture
+def wired():
+    """A controller of two replicas, the replicas' inboxes, and the tokenizer's."""
+
+    def make(method: str):
+        port_args = PortArgs.create()
+        controller = DataParallelController(ServerArgs(dp_size=2, load_balance_method=method), port_args, [0, 0])
+        context = zmq.Context(1)
+        inboxes = [Receiver(context, replica_port_args(port_args, r).scheduler_input) for r in range(2)]
+        tokenizer = Receiver(context, port_args.tokenizer_input)
+        made.append((port_args, context, [*inboxes, tokenizer], controller))
+        return controller, inboxes, tokenizer
+
+    made: list = []
+    yield make
+    for port_args, context, receivers, controller in made:
+        for receiver in receivers:
+            receiver.close()
+        controller.inbox.close()
+        for sender in [*controller.replicas, controller.to_tokenizer, controller.to_detokenizer]:
+            sender.close()
+        context.term()
+        controller.context.term()
+        shutil.rmtree(port_args.ipc_dir, ignore_errors=True)
+
+
+def received_rids(inbox: Receiver) -> list[str]:
+    rids = []
+    while (message := inbox.recv(timeout_ms=200)) is not None:
+        reqs = message.reqs if isinstance(message, BatchTokenizedGenerateReqInput) else [message]
+        rids += [req.rid for req in reqs]
+    return rids
+
+
+def test_the_prefix_index_matches_whole_blocks_of_a_prefix():
+    index = PrefixIndex(2)
+    names = PrefixIndex.block_names([*PREFIX, 1, 2, 3])
+    assert len(names) == 4
+    index.insert(names, 1)
+    assert index.matched_tokens(PrefixIndex.block_names(PREFIX[:40] + [9] * 40), 1) == 2 * BLOCK_TOKENS
+    assert index.matched_tokens(names, 0) == 0
+    small = PrefixIndex(1, max_blocks=4)
+    small.insert(names, 0)
+    small.insert(PrefixIndex.block_names([7] * 32), 0)  # the longest blocks of the first go first
+    assert small.matched_tokens(names, 0) == 2 * BLOCK_TOKENS
+
+
+def test_cache_aware_follows_the_prefix_until_the_loads_part(wired):
+    controller, inboxes, _ = wired("cache_aware")
+    for i in range(12):
+        controller.dispatch(request(f"r{i}", [*PREFIX, i]))
+    first, second = (received_rids(inbox) for inbox in inboxes)
+    # One replica takes the shared prefix until it has 9 more in flight than the other; then
+    # the other holds the prefix too, and the less loaded of the two takes the rest.
+    assert first == [f"r{i}" for i in range(9)] and second == ["r9", "r10", "r11"]
+    controller.dispatch(ReplicaLoad(dp_rank=0, finished_rids=[f"r{i}" for i in range(9)]))
+    controller.dispatch(request("again", [*PREFIX, 99]))
+    assert received_rids(inboxes[0]) == ["again"]
+
+
+def test_round_robin_alternates_and_samples_follow_their_parent(wired):
+    controller, inboxes, _ = wired("round_robin")
+    controller.dispatch(request("a", PREFIX))
+    controller.dispatch(request("p::prefix", PREFIX))
+    children = [request(f"p::{i}", PREFIX) for i in range(4)]
+    controller.dispatch(BatchTokenizedGenerateReqInput(reqs=children))
+    assert received_rids(inboxes[0]) == ["a"]
+    assert received_rids(inboxes[1]) == ["p::prefix", "p::0", "p::1", "p::2", "p::3"]
+
+
+def test_internal_states_of_every_replica_merge_into_one(wired):
+    controller, _, tokenizer = wired("round_robin")
+    controller.dispatch(GetInternalStateReq(http_worker_ipc="w"))
+    for rank, running in ((1, 3), (0, 2)):
+        state = InternalState(
+            num_running_reqs=running,
+            num_waiting_reqs=1,
+            kv_tokens_total=100,
+            kv_tokens_free=50,
+            kv_tokens_cached=10,
+            kv_tokens_in_use=40,
+            messages_received={"GetInternalStateReq": 1},
+            dp_rank=rank,
+        )
+        controller.dispatch(state)
+    merged = tokenizer.recv(timeout_ms=1000)
+    assert isinstance(merged, InternalState) and merged.http_worker_ipc == "w"
+    assert (merged.num_running_reqs, merged.kv_tokens_total, merged.messages_received) == (
+        5,
+        200,
+        {"GetInternalStateReq": 2},
+    )
+    assert [r.dp_rank for r in merged.replicas] == [0, 1]
