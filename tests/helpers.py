@@ -33,11 +33,15 @@ class RunningServer:
         self.log = open(self.log_path, "w")  # noqa: SIM115 (the server writes to it until stop() closes it)
         cmd = [sys.executable, "-m", "sluice", "serve", "--port", str(self.port), *flags]
         self.process = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
-        self._wait_ready()
-        if "--skip-warmup" not in flags:
-            self._wait_for_warm_ups(
-                int(_flag_value(flags, "--tokenizer-worker-num", "1")), _flag_value(flags, "--api-key", "")
-            )
+        try:
+            self._wait_ready()
+            if "--skip-warmup" not in flags:
+                self._wait_for_warm_ups(
+                    int(_flag_value(flags, "--tokenizer-worker-num", "1")), _flag_value(flags, "--api-key", "")
+                )
+        except BaseException:
+            self.stop()  # a server that failed to start must not outlive the test
+            raise
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + SERVER_START_TIMEOUT_S
@@ -50,7 +54,6 @@ class RunningServer:
             except httpx.HTTPError:
                 pass
             time.sleep(0.5)
-        self.stop()
         raise RuntimeError(f"server not ready in {SERVER_START_TIMEOUT_S} s:\n{self.read_log()}")
 
     def _wait_for_warm_ups(self, workers: int, api_key: str) -> None:
@@ -66,7 +69,6 @@ class RunningServer:
             if warmed and states["num_running_reqs"] == 0 and states["num_waiting_reqs"] == 0:
                 return
             if time.monotonic() > deadline:
-                self.stop()
                 raise RuntimeError(f"the {workers} workers' warm-ups did not finish:\n{self.read_log()}")
             time.sleep(0.2)
 
