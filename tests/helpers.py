@@ -73,22 +73,33 @@ class RunningServer:
             time.sleep(0.2)
 
     def read_log(self) -> str:
-        self.log.flush()
-        with open(self.log_path) as f:
-            return f.read()
+        return read_log(self.log, self.log_path)
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.process.wait(20)
-        # Whatever is left of its process group goes too: no test leaves a process behind.
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.process.pid, signal.SIGKILL)
+        stop_process_group(self.process, grace_s=20)
         # A server that had to be killed (and its router with it) could not remove its
         # shared-args block; a normal stop already has.
         remove_shared_args(self.process.pid)
         self.log.close()
+
+
+def stop_process_group(process: subprocess.Popen, grace_s: float) -> None:
+    """SIGTERM, up to `grace_s` to exit, then SIGKILL to whatever is left of its process group:
+    no test leaves a process behind."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(grace_s)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+
+
+def read_log(log, path: str) -> str:
+    """What a process wrote so far to the log file `log` (open for writing at `path`)."""
+    if not log.closed:
+        log.flush()
+    with open(path) as f:
+        return f.read()
 
 
 def _flag_value(flags: tuple[str, ...], name: str, default: str) -> str:

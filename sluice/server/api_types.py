@@ -63,6 +63,26 @@ class WeightVersion(msgspec.Struct, kw_only=True):
     weight_version: str
 
 
+class SchedulerLoad(msgspec.Struct, kw_only=True):
+    """One Scheduler replica's load, in the shape of SGLang's /v1/loads (what the SGLang
+    Model Gateway polls): the fields sluice measures."""
+
+    dp_rank: int
+    num_running_reqs: int
+    num_waiting_reqs: int
+    num_total_reqs: int
+    num_used_tokens: int  # KV slots held by running requests
+    max_total_num_tokens: int
+    token_usage: float  # num_used_tokens / max_total_num_tokens
+    max_running_requests: int
+
+
+class Loads(msgspec.Struct, kw_only=True):
+    timestamp: str  # ISO 8601, UTC
+    dp_rank_count: int
+    loads: list[SchedulerLoad]
+
+
 # ---------------------------------------------------------------- native
 
 
@@ -160,6 +180,7 @@ class ModelCard(msgspec.Struct, kw_only=True):
     object: str
     created: int
     owned_by: str
+    max_model_len: int  # the context length, as vLLM names it (gateways read it)
 
 
 class ModelList(msgspec.Struct, kw_only=True):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+from datetime import UTC, datetime
 from typing import Any
 
 import msgspec
@@ -17,6 +18,7 @@ from sluice.server.api_types import (
     AbortRequestInput,
     EmbeddingResult,
     GenerateResult,
+    Loads,
     ModelInfo,
     ServerInfo,
     Success,
@@ -27,6 +29,7 @@ from sluice.server.api_types import (
 from sluice.server.embeddings import embedding_chunks
 from sluice.server.embeddings import native_json as embedding_json
 from sluice.server.errors import (
+    NotFoundError,
     error_response,
     failure_message,
     failure_response,
@@ -47,6 +50,8 @@ from sluice.tokenizer.result import GenerateChunk, NativeStream, native_json
 logger = logging.getLogger(__name__)
 
 HEALTH_GENERATE_TIMEOUT_S = 20.0
+# The model the SGLang Model Gateway names in a /generate whose client named none.
+GATEWAY_UNNAMED_MODEL = "unknown"
 
 
 # The errors a route can answer with, besides its own: 401 with --api-key, 503 when the
@@ -99,11 +104,13 @@ def create_app(state: ServerState, lifespan=None) -> FastAPI:
             body_fields={"sampling_params": SamplingParams | list[SamplingParams] | None},
             response=GenerateResult | list[GenerateResult],
             stream_event=GenerateResult,
-            errors=_BODY_ROUTE,
+            errors=(*_BODY_ROUTE, 404),
         ),
     )
     async def generate(request: Request):
         obj = decode_json(await request.body(), GenerateReqInput)
+        if obj.model not in (None, "", GATEWAY_UNNAMED_MODEL, state.model_name):
+            raise NotFoundError(f"The model `{obj.model}` does not exist.", "model")
         return await serve_generate(state.tm, obj, request)
 
     @app.post(
@@ -146,6 +153,21 @@ def create_app(state: ServerState, lifespan=None) -> FastAPI:
         states["rid_to_state_size"] = workers.rid_to_state_size
         states["num_paused_reqs"] = workers.num_paused_reqs
         return {**args.public_dict(), "execution": state.tm.scheduler_info.execution, "internal_states": [states]}
+
+    @app.get("/v1/loads", openapi_extra=docs.operation(response=Loads, errors=(400, *_ANY_ROUTE)))
+    async def loads(include: str = "core"):
+        """Each Scheduler replica's load, as SGLang's /v1/loads answers it (`include`: a comma
+        list; sluice has the `core` section only, the others are answered as absent)."""
+        sections = set(include.split(","))
+        if unknown := sections - {"core", "disagg", "queues", "memory", "all"}:
+            raise ClientError(f"include: unknown section(s) {sorted(unknown)}", "include")
+        internal = await state.tm.get_internal_state()
+        replicas = internal.replicas or [internal]
+        return {
+            "timestamp": datetime.now(UTC).isoformat(),
+            "dp_rank_count": len(replicas),
+            "loads": [_replica_load(replica, args.max_running_requests) for replica in replicas],
+        }
 
     metrics_docs = docs.operation(text_response="Prometheus text exposition format 0.0.4", errors=_ANY_ROUTE)
 
@@ -203,6 +225,20 @@ def create_app(state: ServerState, lifespan=None) -> FastAPI:
     install_openai_routes(app, state, docs)
     docs.install(app)
     return app
+
+
+def _replica_load(replica: InternalState, max_running_requests: int) -> dict[str, Any]:
+    total = max(replica.kv_tokens_total, 1)
+    return {
+        "dp_rank": replica.dp_rank,
+        "num_running_reqs": replica.num_running_reqs,
+        "num_waiting_reqs": replica.num_waiting_reqs,
+        "num_total_reqs": replica.num_running_reqs + replica.num_waiting_reqs,
+        "num_used_tokens": replica.kv_tokens_in_use,
+        "max_total_num_tokens": replica.kv_tokens_total,
+        "token_usage": replica.kv_tokens_in_use / total,
+        "max_running_requests": max_running_requests,
+    }
 
 
 def _public_states(internal: InternalState) -> dict[str, Any]:

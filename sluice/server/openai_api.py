@@ -64,7 +64,13 @@ def install_openai_routes(app: FastAPI, state: ServerState, docs: ApiDocs) -> No
 
     @app.get("/v1/models", openapi_extra=docs.operation(response=ModelList, errors=(401,)))
     async def list_models():
-        model = {"id": state.model_name, "object": "model", "created": 0, "owned_by": "sluice"}
+        model = {
+            "id": state.model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "sluice",
+            "max_model_len": state.tm.context_len,
+        }
         return {"object": "list", "data": [model]}
 
     @app.post(

@@ -30,6 +30,17 @@ class GenerateReqInput(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     priority: int | None = None
     # meta_info gets `timings`: each stage in seconds since the request was received.
     return_timings: bool = False
+    # Fields the SGLang Model Gateway adds to every /generate it forwards. `model` names the
+    # served model ("unknown" when the gateway's client named none; the route checks it);
+    # log_metrics and no_logs change nothing here (metrics are always kept, prompts never
+    # logged); the others are SGLang outputs sluice does not produce: true is refused.
+    model: str | None = None
+    log_metrics: bool = True
+    no_logs: bool = False
+    return_text_in_logprobs: bool = False
+    return_bytes: bool = False
+    return_entropy: bool = False
+    background: bool = False
 
     @property
     def is_single(self) -> bool:
@@ -172,6 +183,9 @@ class GenerateReqInput(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
                 f"top_logprobs_num must be <= {MAX_TOP_LOGPROBS}, got {self.top_logprobs_num}", "top_logprobs_num"
             )
         check_priority(self.priority)
+        for unsupported in ("return_text_in_logprobs", "return_bytes", "return_entropy", "background"):
+            if getattr(self, unsupported):
+                raise ClientError(f"{unsupported}: true is not supported (only false)", unsupported)
         if self.logprob_start_len < -1:
             raise ClientError(f"logprob_start_len must be >= -1, got {self.logprob_start_len}", "logprob_start_len")
 

@@ -122,6 +122,10 @@ def test_control_routes_cover_every_replica(round_robin):
         running = wait_for_states(base_url, lambda s: s["num_running_reqs"] == 2, "one request on each replica")
         assert [r["num_running_reqs"] for r in running["replicas"]] == [1, 1]
         assert scrape(base_url)["sluice:num_requests_running"] == 2
+        loads = httpx.get(base_url + "/v1/loads", params={"include": "core,disagg,queues,memory"}, timeout=30).json()
+        assert loads["dp_rank_count"] == 2
+        assert [(load["dp_rank"], load["num_running_reqs"]) for load in loads["loads"]] == [(0, 1), (1, 1)]
+        assert all(0 < load["token_usage"] < 1 for load in loads["loads"])
         assert httpx.post(base_url + "/abort_request", json={"abort_all": True}, timeout=30).status_code == 200
         assert [f.result().json()["meta_info"]["finish_reason"]["type"] for f in held] == ["abort", "abort"]
     wait_until_drained(base_url)

@@ -171,6 +171,7 @@ FUZZED_ROUTES = [
     ("POST", "/generate"),
     ("GET", "/get_model_info"),
     ("GET", "/get_weight_version"),
+    ("GET", "/v1/loads"),
     ("GET", "/get_server_info"),
     ("GET", "/metrics"),
     ("POST", "/encode"),
