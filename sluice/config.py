@@ -226,6 +226,9 @@ class ServerArgs:
             ),
         },
     )
+    disable_web_ui: bool = field(
+        default=False, metadata={"help": "Do not serve the playground page at / (chat and server panel)."}
+    )
     skip_warmup: bool = field(default=False, metadata={"help": "Report ready without a warm-up generation."})
     debug_checks: bool = field(
         default=False, metadata={"help": "Check KV cache integrity whenever the scheduler is idle."}

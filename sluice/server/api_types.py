@@ -136,6 +136,7 @@ class ModelInfo(msgspec.Struct, kw_only=True):
     max_req_input_len: int
     eos_token_ids: list[int]
     weight_version: str
+    has_image_understanding: bool  # the model takes images (image_data, image_url parts)
 
 
 class ReplicaStates(InternalState, tag=False, kw_only=True):

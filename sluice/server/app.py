@@ -6,11 +6,13 @@ import asyncio
 import logging
 import uuid
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import msgspec
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import FileResponse, JSONResponse, Response
+from fastapi.staticfiles import StaticFiles
 
 from sluice.messages import InternalState, SamplingParams
 from sluice.sampling import ClientError
@@ -138,6 +140,7 @@ def create_app(state: ServerState, lifespan=None) -> FastAPI:
             "max_req_input_len": tm.max_req_input_len,
             "eos_token_ids": tm.scheduler_info.eos_token_ids,
             "weight_version": tm.weight_version,
+            "has_image_understanding": tm.scheduler_info.image_token_id is not None,
         }
 
     @app.get("/get_weight_version", openapi_extra=docs.operation(response=WeightVersion, errors=_ANY_ROUTE))
@@ -223,8 +226,24 @@ def create_app(state: ServerState, lifespan=None) -> FastAPI:
         return {"success": True, "message": result.message, "weight_version": result.weight_version}
 
     install_openai_routes(app, state, docs)
+    if not args.disable_web_ui:
+        install_web_ui(app)
     docs.install(app)
     return app
+
+
+WEB_DIR = Path(__file__).parent / "web"
+
+
+def install_web_ui(app: FastAPI) -> None:
+    """The playground: / is its page, /web/ its script and style (package files; nothing is
+    fetched from elsewhere)."""
+
+    @app.get("/", include_in_schema=False)
+    async def playground():
+        return FileResponse(WEB_DIR / "index.html")
+
+    app.mount("/web", StaticFiles(directory=WEB_DIR), name="web")
 
 
 def _replica_load(replica: InternalState, max_running_requests: int) -> dict[str, Any]:
@@ -261,7 +280,9 @@ async def serve_generate(tm: TokenizerManager, obj: GenerateReqInput, request: R
     return JSONResponse([native_json(result) for result in results])
 
 
-def finished_response(result: GenerateChunk) -> Response:
+def finished_response(result: GenerateChunk | None) -> Response:
+    if result is None:  # the client went away first: the request is aborted, no one reads this
+        return error_response(400, "the client disconnected")
     if failure_status(result):
         return failure_response(result, native_error_message(result))
     return JSONResponse(native_json(result))

@@ -10,7 +10,9 @@ import hmac
 
 from sluice.server.errors import BodyTooLarge, error_response
 
-OPEN_PATHS = frozenset({"/health"})
+# The playground page and its files hold nothing secret: it asks for the key itself.
+OPEN_PATHS = frozenset({"/health", "/"})
+OPEN_PREFIXES = ("/web/",)
 ADMIN_PATHS = frozenset(
     {"/flush_cache", "/abort_request", "/pause_generation", "/continue_generation", "/update_weights_from_disk"}
 )
@@ -52,7 +54,7 @@ class RequestGuard:
 
     def _required_keys(self, path: str) -> list[bytes]:
         """The keys that open `path`; empty when it is open to all."""
-        if path in OPEN_PATHS:
+        if path in OPEN_PATHS or path.startswith(OPEN_PREFIXES):
             return []
         if path in ADMIN_PATHS and self.admin_api_key:
             return [self.admin_api_key]
