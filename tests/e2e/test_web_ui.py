@@ -140,7 +140,23 @@ def test_stop_aborts_the_request_and_the_panel_showed_it_running(browser, server
     assert console_errors(browser) == []
 
 
-def test_markup_in_a_reply_is_shown_as_text(browser, server):
+def test_a_streamed_reply_with_markup_is_shown_as_text(browser, server):
+    # A schema whose only answer is a JSON string holding an <img onerror> tag: the model
+    # itself writes the markup, through the real stream.
+    open_page(browser, server.base_url)
+    fill(browser, "temperature", "0")
+    fill(browser, "max-tokens", "64")
+    fill(browser, "schema", json.dumps({"type": "string", "const": "<img src=x onerror=alert(1)>"}))
+    send(browser, "Say something.")
+    wait_for(browser, lambda: len(stored_conversation(browser)) == 2 and is_idle(browser), "the reply finished")
+    assert stored_conversation(browser)[-1]["content"] == '"<img src=x onerror=alert(1)>"'
+    content = browser.find_elements("css selector", ".message.assistant .content")[-1]
+    assert content.text == '"<img src=x onerror=alert(1)>"'
+    assert browser.execute_script("return document.querySelectorAll('img').length") == 0
+    assert console_errors(browser) == []
+
+
+def test_markup_in_a_stored_reply_is_shown_as_text(browser, server):
     attack = "Look: <img src=x onerror=alert(1)> and <script>alert(2)</script>\n```html\n<b>bold?</b>\n```"
     conversation = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": attack}]
     open_page(browser, server.base_url, conversation)
