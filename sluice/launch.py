@@ -25,8 +25,9 @@ from sluice.sampling import ClientError
 from sluice.server.app import ServerState, create_app
 from sluice.server.errors import failure_status
 from sluice.server.http import serve_http
+from sluice.tokenizer.control import BackendError
 from sluice.tokenizer.io_struct import GenerateReqInput
-from sluice.tokenizer.manager import BackendError, TokenizerManager, wait_for_backend
+from sluice.tokenizer.manager import TokenizerManager, wait_for_backend
 from sluice.tokenizer.metrics import MULTIPROC_DIR_ENV
 from sluice.tokenizer.result import native_json
 from sluice.tokenizer.router import run_router_process

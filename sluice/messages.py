@@ -110,11 +110,18 @@ class AbortReq(Message):
     http_worker_ipc: str | None = None
 
 
+# A control request carries a `control_id` that its reply repeats, so a reply always finds
+# the call that asked for it (with several HTTP workers and Scheduler replicas, or after a
+# call that timed out); 0 when the sender does not match replies.
+
+
 class FlushCacheReq(Message):
+    control_id: int = 0
     http_worker_ipc: str | None = None
 
 
 class GetInternalStateReq(Message):
+    control_id: int = 0
     http_worker_ipc: str | None = None
 
 
@@ -125,6 +132,7 @@ class UpdateWeightsFromDiskReq(Message):
 
     model_path: str
     weight_version: str | None = None
+    control_id: int = 0
     http_worker_ipc: str | None = None
 
 
@@ -252,6 +260,7 @@ class FlushCacheReqOutput(Message):
     success: bool
     message: str = ""
     dp_rank: int = 0
+    control_id: int = 0
     http_worker_ipc: str | None = None
 
 
@@ -265,6 +274,7 @@ class UpdateWeightsFromDiskReqOutput(Message):
     model_path: str = ""  # the weights served now
     param: str | None = None  # the request field a refusal is about
     dp_rank: int = 0
+    control_id: int = 0
     http_worker_ipc: str | None = None
 
 
@@ -286,6 +296,7 @@ class InternalState(Message):
     replicas: list[InternalState] = []
     dp_rank: int = 0
     pid: int = 0  # the Scheduler process (a sum over replicas: 0)
+    control_id: int = 0
     http_worker_ipc: str | None = None
 
 

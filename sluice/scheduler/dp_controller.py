@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import traceback
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import count
@@ -105,7 +105,8 @@ class DataParallelController:
         self.parents: OrderedDict[str, int] = OrderedDict()  # parent rid -> replica of its samples
         self.prefixes = PrefixIndex(self.size)
         self.turns = count()
-        self.pending: dict[type, deque[PendingReplies]] = {}
+        # Control requests waiting for their replicas, by (reply type, HTTP worker, control_id).
+        self.pending: dict[tuple[type, str | None, int], PendingReplies] = {}
 
     # ------------------------------------------------------------ start-up
 
@@ -138,9 +139,13 @@ class DataParallelController:
                 self.place(list(message.reqs), lambda reqs: msgspec.structs.replace(message, reqs=reqs))
             case AbortReq():
                 self.send_to_live(message)
+            case UpdateWeightsFromDiskReq() if self.update_pending():
+                # One update at a time over all replicas: two at once could leave them on
+                # different weights (each replica takes the first that reaches it).
+                self.to_tokenizer.send(merge_replies(message, {}, "another weight update is in progress"))
             case FlushCacheReq() | GetInternalStateReq() | UpdateWeightsFromDiskReq():
-                live = self.send_to_live(message)
-                self.pending.setdefault(_reply_type(message), deque()).append(PendingReplies(message, live))
+                key = (_reply_type(message), message.http_worker_ipc, message.control_id)
+                self.pending[key] = PendingReplies(message, self.send_to_live(message))
                 self.answer_complete()
             case ReplicaLoad():
                 for rid in message.finished_rids:
@@ -211,20 +216,22 @@ class DataParallelController:
 
     # ------------------------------------------------------------ control replies
 
+    def update_pending(self) -> bool:
+        return any(reply_type is UpdateWeightsFromDiskReqOutput for reply_type, _, _ in self.pending)
+
     def collect(self, reply: ControlReply) -> None:
-        for pending in self.pending.get(type(reply), ()):
-            if reply.dp_rank in pending.waiting_for and reply.dp_rank not in pending.replies:
-                pending.replies[reply.dp_rank] = reply
-                break
-        else:
+        pending = self.pending.get((type(reply), reply.http_worker_ipc, reply.control_id))
+        if pending is None or reply.dp_rank not in pending.waiting_for:
             logger.warning("no request waits for a %s of replica %d", type(reply).__name__, reply.dp_rank)
+            return
+        pending.replies[reply.dp_rank] = reply
         self.answer_complete()
 
     def answer_complete(self) -> None:
-        """Answer, in order, every control request whose live replicas have all replied."""
-        for queue in self.pending.values():
-            while queue and queue[0].waiting_for <= queue[0].replies.keys():
-                pending = queue.popleft()
+        """Answer every control request whose live replicas have all replied."""
+        for key, pending in list(self.pending.items()):
+            if pending.waiting_for <= pending.replies.keys():
+                del self.pending[key]
                 self.to_tokenizer.send(merge_replies(pending.request, pending.replies))
 
     # ------------------------------------------------------------ failures
@@ -244,14 +251,13 @@ class DataParallelController:
             "Scheduler replica %d died with %d requests in flight; %d replicas left", replica, len(lost), alive
         )
         self.fail(lost, f"Scheduler replica {replica} died")
-        for queue in self.pending.values():
-            for pending in queue:
-                pending.waiting_for.discard(replica)
-        self.answer_complete()
         if alive:
             self.to_tokenizer.send(ReplicaDied(dp_rank=replica, replicas_alive=alive))
         else:
             self.to_tokenizer.send(ProcessFailed(process="scheduler", error="every Scheduler replica died"))
+        for pending in self.pending.values():
+            pending.waiting_for.discard(replica)
+        self.answer_complete()
 
     def fail(self, reqs: list[tuple[str, str | None]], why: str) -> None:
         """End requests with a 503, through the detokenizer as any last output."""
@@ -273,28 +279,35 @@ def _reply_type(request: Message) -> type:
     return UpdateWeightsFromDiskReqOutput
 
 
-def merge_replies(request: Message, replies: dict[int, ControlReply]) -> Message:
-    """One reply for the whole server, addressed to the HTTP worker that asked."""
+def merge_replies(request: Message, replies: dict[int, ControlReply], refusal: str = "") -> Message:
+    """One reply for the whole server, addressed to the HTTP worker (and the call) that asked.
+    With no replies (no replica lives, or `refusal`), a failure."""
     ipc = getattr(request, "http_worker_ipc", None)
+    control_id = getattr(request, "control_id", 0)
     ordered = [replies[r] for r in sorted(replies)]
     if isinstance(request, GetInternalStateReq):
-        return merge_states([r for r in ordered if isinstance(r, InternalState)], ipc)
+        return merge_states([r for r in ordered if isinstance(r, InternalState)], ipc, control_id)
+    if not ordered:
+        why = refusal or "no Scheduler replica is alive"
+        if isinstance(request, FlushCacheReq):
+            return FlushCacheReqOutput(success=False, message=why, control_id=control_id, http_worker_ipc=ipc)
+        return UpdateWeightsFromDiskReqOutput(success=False, message=why, control_id=control_id, http_worker_ipc=ipc)
     if isinstance(request, FlushCacheReq):
         failed = [r for r in ordered if isinstance(r, FlushCacheReqOutput) and not r.success]
         message = "; ".join(f"replica {r.dp_rank}: {r.message}" for r in failed)
-        return FlushCacheReqOutput(success=not failed, message=message, http_worker_ipc=ipc)
+        return FlushCacheReqOutput(success=not failed, message=message, control_id=control_id, http_worker_ipc=ipc)
     updates = [r for r in ordered if isinstance(r, UpdateWeightsFromDiskReqOutput)]
     if all(r.success for r in updates):
-        return msgspec.structs.replace(updates[0], http_worker_ipc=ipc)
+        return msgspec.structs.replace(updates[0], http_worker_ipc=ipc, control_id=control_id)
     first = next(r for r in updates if not r.success)
     done = [r.dp_rank for r in updates if r.success]
     message = "; ".join(f"replica {r.dp_rank}: {r.message}" for r in updates if not r.success)
     if done:
         message += f"; replicas {done} did load the new weights (each output's weight_version says which served it)"
-    return msgspec.structs.replace(first, message=message, http_worker_ipc=ipc)
+    return msgspec.structs.replace(first, message=message, http_worker_ipc=ipc, control_id=control_id)
 
 
-def merge_states(states: list[InternalState], ipc: str | None) -> InternalState:
+def merge_states(states: list[InternalState], ipc: str | None, control_id: int = 0) -> InternalState:
     def total(name: str) -> int:
         return sum(getattr(state, name) for state in states)
 
@@ -317,6 +330,7 @@ def merge_states(states: list[InternalState], ipc: str | None) -> InternalState:
         messages_received=summed("messages_received"),
         finished_reqs=summed("finished_reqs"),
         replicas=states,
+        control_id=control_id,
         http_worker_ipc=ipc,
     )
 

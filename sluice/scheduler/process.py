@@ -135,7 +135,12 @@ class SchedulerLoop:
                 ok = s.flush_cache()
                 message_text = "" if ok else "requests are running"
                 self.send_reply(
-                    FlushCacheReqOutput(success=ok, message=message_text, http_worker_ipc=message.http_worker_ipc)
+                    FlushCacheReqOutput(
+                        success=ok,
+                        message=message_text,
+                        control_id=message.control_id,
+                        http_worker_ipc=message.http_worker_ipc,
+                    )
                 )
             case UpdateWeightsFromDiskReq():
                 if (refused := s.request_weight_update(message)) is not None:
@@ -143,6 +148,7 @@ class SchedulerLoop:
             case GetInternalStateReq():
                 state = s.internal_state()
                 state.http_worker_ipc = message.http_worker_ipc
+                state.control_id = message.control_id
                 self.send_reply(state)
             case _:
                 logger.warning("scheduler ignored an unexpected %s", type(message).__name__)

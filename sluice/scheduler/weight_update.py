@@ -80,5 +80,6 @@ def update_reply(
         param=None if refusal is None else refusal.param,
         weight_version=weight_version,
         model_path=model_path,
+        control_id=request.control_id,
         http_worker_ipc=request.http_worker_ipc,
     )

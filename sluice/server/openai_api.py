@@ -42,8 +42,9 @@ from sluice.server.openapi import ApiDocs
 from sluice.server.sse import stream_response
 from sluice.server.state import ServerState
 from sluice.server.tool_calls import default_parser, forced_schema, template_knows_tools, with_tools_in_text
+from sluice.tokenizer.control import BackendError
 from sluice.tokenizer.io_struct import GenerateReqInput
-from sluice.tokenizer.manager import BackendError, TokenizerManager
+from sluice.tokenizer.manager import TokenizerManager
 
 # The native checks name SGLang's fields; the client wrote OpenAI's.
 _OPENAI_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}

@@ -17,7 +17,7 @@ from sluice.server.errors import failure_message
 from sluice.server.openai_protocol import ChatCompletionRequest, CompletionRequest
 from sluice.server.reasoning import split_reasoning
 from sluice.server.tool_calls import ToolCall, forced_calls, may_start_call, parse_tool_calls
-from sluice.tokenizer.manager import BackendError
+from sluice.tokenizer.control import BackendError
 from sluice.tokenizer.result import GenerateChunk
 
 if TYPE_CHECKING:

@@ -19,7 +19,7 @@ import msgspec
 from fastapi.responses import Response, StreamingResponse
 
 from sluice.server.errors import error_body, error_response, failure_response, failure_status
-from sluice.tokenizer.manager import BackendError
+from sluice.tokenizer.control import BackendError
 from sluice.tokenizer.result import GenerateChunk
 
 logger = logging.getLogger(__name__)

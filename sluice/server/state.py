@@ -4,7 +4,8 @@ started, and whether the server is ready. Both the native and the OpenAI routes 
 from __future__ import annotations
 
 from sluice.config import ServerArgs
-from sluice.tokenizer.manager import BackendError, TokenizerManager
+from sluice.tokenizer.control import BackendError
+from sluice.tokenizer.manager import TokenizerManager
 
 
 class ServerState:

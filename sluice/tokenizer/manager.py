@@ -11,9 +11,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING
 
 import zmq
 import zmq.asyncio
@@ -48,6 +47,7 @@ from sluice.messages import (
 )
 from sluice.sampling import ClientError
 from sluice.tokenizer.batch_request import handle_batch_request
+from sluice.tokenizer.control import BackendError, ControlChannel
 from sluice.tokenizer.embedding_request import handle_embedding_request
 from sluice.tokenizer.io_struct import EmbeddingReqInput, GenerateReqInput
 from sluice.tokenizer.metrics import RequestMetrics
@@ -69,10 +69,6 @@ logger = logging.getLogger(__name__)
 DISCONNECT_POLL_S = 1.0
 # A weight update waits for the running requests to finish, then loads: it may take long.
 WEIGHT_UPDATE_TIMEOUT_S = 3600.0
-
-
-class BackendError(RuntimeError):
-    """The Scheduler or DetokenizerManager is gone or not answering."""
 
 
 class ServerBusy(RuntimeError):
@@ -97,9 +93,6 @@ async def wait_for_backend(inbox: AsyncReceiver, timeout_s: float = 600.0) -> Sc
             separator = "\n" if "\n" in message.error else " "  # a traceback, or one line saying why
             raise BackendError(f"the {message.process} failed to start:{separator}{message.error}")
     return info
-
-
-Reply = TypeVar("Reply", bound=Message)
 
 
 class TokenizerManager:
@@ -141,7 +134,7 @@ class TokenizerManager:
         self.health_error: str | None = None  # something else is wrong: /health says so
         self.dead_replicas: set[int] = set()  # --dp-size: Scheduler replicas that died
         self.last_receive_tstamp = time.time()
-        self._control_waiters: dict[type[Message], deque[asyncio.Future[Message]]] = {}
+        self.control = ControlChannel(self.send)
         self._handle_loop_task: asyncio.Task[None] | None = None
         self.soft_watchdog = SoftWatchdog(
             server_args.soft_watchdog_timeout, lambda: len(self.rid_to_state), self._describe_state
@@ -343,16 +336,16 @@ class TokenizerManager:
             case SetPause():
                 asyncio.get_running_loop().create_task(self._set_pause(recv_obj.paused))
                 if recv_obj.http_worker_ipc == self.http_worker_ipc:
-                    self._result_dispatcher(recv_obj)  # this worker's own, back from the router
+                    self.control.deliver(recv_obj)  # this worker's own, back from the router
             case UpdateWeightsFromDiskReqOutput():
                 if recv_obj.success:
                     self.weight_version, self.weights_path = recv_obj.weight_version, recv_obj.model_path
                 if recv_obj.http_worker_ipc == self.http_worker_ipc:
-                    self._result_dispatcher(recv_obj)  # the worker that asked (every worker hears it)
+                    self.control.deliver(recv_obj)  # the worker that asked (every worker hears it)
             case WorkerStatsReq():
                 self.send_to_scheduler.send(self._worker_stats(recv_obj.http_worker_ipc))
             case _:
-                self._result_dispatcher(recv_obj)
+                self.control.deliver(recv_obj)
 
     def _handle_batch_output(self, batch: BatchStrOutput | BatchEmbeddingOutput) -> None:
         now = time.time()
@@ -372,24 +365,11 @@ class TokenizerManager:
                 del self.rid_to_state[out.output.rid]
             state.event.set()
 
-    def _result_dispatcher(self, recv_obj: Message) -> None:
-        waiters = self._control_waiters.get(type(recv_obj))
-        while waiters:
-            future = waiters.popleft()
-            if not future.done():
-                future.set_result(recv_obj)
-                return
-        logger.warning("no one waits for a %s", type(recv_obj).__name__)
-
     def fail_all(self, reason: str) -> None:
         """The back end died: end every live request and control call with an error, report
         unhealthy."""
         self.backend_error = reason
-        for waiters in self._control_waiters.values():
-            for future in waiters:
-                if not future.done():
-                    future.set_exception(BackendError(reason))
-            waiters.clear()
+        self.control.fail_all(reason)
         for rid, state in list(self.rid_to_state.items()):
             chunk = state.abort_chunk(reason, status_code=503)
             lost = ReqOutput(rid=rid, new_token_ids=[], finish_reason=chunk.finish_reason)
@@ -406,27 +386,15 @@ class TokenizerManager:
         # children, or (with several workers) belong to another worker.
         self.send(AbortReq(rid=rid, abort_all=abort_all))
 
-    async def _control(self, request: Message, reply_type: type[Reply], timeout_s: float = 30.0) -> Reply:
-        future: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
-        self._control_waiters.setdefault(reply_type, deque()).append(future)
-        self.send(request)
-        try:
-            reply = await asyncio.wait_for(future, timeout_s)
-        except TimeoutError:
-            raise BackendError(f"the scheduler did not answer a {type(request).__name__} in {timeout_s} s") from None
-        if not isinstance(reply, reply_type):  # the dispatcher hands each waiter its own type
-            raise BackendError(f"the scheduler answered a {type(request).__name__} with a {type(reply).__name__}")
-        return reply
-
     async def get_internal_state(self) -> InternalState:
-        return await self._control(GetInternalStateReq(), InternalState)
+        return await self.control.call(GetInternalStateReq(), InternalState)
 
     async def render_metrics(self) -> bytes:
         return self.metrics.render(await self.get_internal_state())
 
     async def flush_cache(self) -> FlushCacheReqOutput:
         async with self.model_update_lock.writer_lock():
-            return await self._control(FlushCacheReq(), FlushCacheReqOutput)
+            return await self.control.call(FlushCacheReq(), FlushCacheReqOutput)
 
     async def update_weights_from_disk(
         self, model_path: str, weight_version: str | None = None, abort_all_requests: bool = False
@@ -439,7 +407,7 @@ class TokenizerManager:
             self.abort_request(abort_all=True)
         async with self.model_update_lock.writer_lock():
             request = UpdateWeightsFromDiskReq(model_path=model_path, weight_version=weight_version)
-            return await self._control(request, UpdateWeightsFromDiskReqOutput, WEIGHT_UPDATE_TIMEOUT_S)
+            return await self.control.call(request, UpdateWeightsFromDiskReqOutput, WEIGHT_UPDATE_TIMEOUT_S)
 
     async def pause_generation(self) -> None:
         await self._set_pause(True)
@@ -454,7 +422,7 @@ class TokenizerManager:
         sends this worker's copy last), so a request that any worker takes after the
         route answered sees the change."""
         if self.http_worker_ipc is not None:
-            await self._control(message, SetPause)
+            await self.control.call(message, SetPause)
 
     async def _set_pause(self, paused: bool) -> None:
         async with self.is_pause_cond:
@@ -478,14 +446,8 @@ class TokenizerManager:
         every HTTP worker (those that answer within 5 s)."""
         if self.http_worker_ipc is None:
             return self._worker_stats("")
-        workers = self.server_args.tokenizer_worker_num
-        futures: list[asyncio.Future[Message]] = [asyncio.get_running_loop().create_future() for _ in range(workers)]
-        self._control_waiters.setdefault(WorkerStats, deque()).extend(futures)
-        self.send(WorkerStatsReq(http_worker_ipc=self.http_worker_ipc))
-        done, pending = await asyncio.wait(futures, timeout=5.0)
-        for future in pending:
-            future.cancel()
-        answers = [reply for future in done if isinstance(reply := future.result(), WorkerStats)]
+        request = WorkerStatsReq(http_worker_ipc=self.http_worker_ipc)
+        answers = await self.control.gather(request, WorkerStats, self.server_args.tokenizer_worker_num, 5.0)
         return WorkerStats(
             rid_to_state_size=sum(stats.rid_to_state_size for stats in answers),
             num_paused_reqs=sum(stats.num_paused_reqs for stats in answers),

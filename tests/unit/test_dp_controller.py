@@ -12,11 +12,17 @@ from sluice.config import PortArgs, ServerArgs
 from sluice.ipc import Receiver
 from sluice.messages import (
     BatchTokenizedGenerateReqInput,
+    FlushCacheReq,
+    FlushCacheReqOutput,
     GetInternalStateReq,
     InternalState,
+    ProcessFailed,
+    ReplicaDied,
     ReplicaLoad,
     SamplingParams,
     TokenizedGenerateReqInput,
+    UpdateWeightsFromDiskReq,
+    UpdateWeightsFromDiskReqOutput,
 )
 from sluice.scheduler.dp_controller import DataParallelController, replica_port_args
 from sluice.scheduler.prefix_index import BLOCK_TOKENS, PrefixIndex
@@ -100,7 +106,7 @@ def test_round_robin_alternates_and_samples_follow_their_parent(wired):
 
 def test_internal_states_of_every_replica_merge_into_one(wired):
     controller, _, tokenizer = wired("round_robin")
-    controller.dispatch(GetInternalStateReq(http_worker_ipc="w"))
+    controller.dispatch(GetInternalStateReq(control_id=7, http_worker_ipc="w"))
     for rank, running in ((1, 3), (0, 2)):
         state = InternalState(
             num_running_reqs=running,
@@ -111,13 +117,48 @@ def test_internal_states_of_every_replica_merge_into_one(wired):
             kv_tokens_in_use=40,
             messages_received={"GetInternalStateReq": 1},
             dp_rank=rank,
+            control_id=7,
+            http_worker_ipc="w",
         )
         controller.dispatch(state)
     merged = tokenizer.recv(timeout_ms=1000)
-    assert isinstance(merged, InternalState) and merged.http_worker_ipc == "w"
+    assert isinstance(merged, InternalState) and (merged.http_worker_ipc, merged.control_id) == ("w", 7)
     assert (merged.num_running_reqs, merged.kv_tokens_total, merged.messages_received) == (
         5,
         200,
         {"GetInternalStateReq": 2},
     )
     assert [r.dp_rank for r in merged.replicas] == [0, 1]
+
+
+def test_replies_find_their_call_across_workers_and_one_update_runs_at_a_time(wired):
+    controller, _, tokenizer = wired("round_robin")
+    for worker in ("a", "b"):
+        controller.dispatch(FlushCacheReq(control_id=1, http_worker_ipc=worker))
+    controller.dispatch(UpdateWeightsFromDiskReq(model_path="/m.gguf", control_id=2, http_worker_ipc="a"))
+    controller.dispatch(UpdateWeightsFromDiskReq(model_path="/n.gguf", control_id=2, http_worker_ipc="b"))
+    refused = tokenizer.recv(timeout_ms=1000)
+    assert isinstance(refused, UpdateWeightsFromDiskReqOutput) and not refused.success
+    assert (refused.http_worker_ipc, refused.control_id, refused.message) == (
+        "b",
+        2,
+        "another weight update is in progress",
+    )
+    # Worker b's flush is answered by both replicas first: it goes to b, a still waits.
+    for rank in (1, 0):
+        controller.dispatch(FlushCacheReqOutput(success=True, dp_rank=rank, control_id=1, http_worker_ipc="b"))
+    answer = tokenizer.recv(timeout_ms=1000)
+    assert isinstance(answer, FlushCacheReqOutput) and answer.http_worker_ipc == "b" and answer.success
+    assert tokenizer.recv(timeout_ms=100) is None
+
+
+def test_when_the_last_replica_dies_pending_calls_fail_after_process_failed(wired):
+    controller, _, tokenizer = wired("round_robin")
+    controller.dispatch(UpdateWeightsFromDiskReq(model_path="/m.gguf", control_id=3, http_worker_ipc="a"))
+    controller.replica_died(0)
+    died = tokenizer.recv(timeout_ms=1000)
+    assert isinstance(died, ReplicaDied) and died.replicas_alive == 1
+    controller.replica_died(1)
+    assert isinstance(tokenizer.recv(timeout_ms=1000), ProcessFailed)
+    failed = tokenizer.recv(timeout_ms=1000)
+    assert isinstance(failed, UpdateWeightsFromDiskReqOutput) and not failed.success and failed.control_id == 3

@@ -9,7 +9,7 @@ from sluice.messages import FinishReason, TokenLogprob
 from sluice.server.chat_messages import ChatMessage
 from sluice.server.openai_protocol import ChatCompletionRequest, CompletionRequest, StreamOptions
 from sluice.server.openai_views import ChatView, CompletionView, TokenTexts, finish_reason
-from sluice.tokenizer.manager import BackendError
+from sluice.tokenizer.control import BackendError
 from sluice.tokenizer.result import GenerateChunk
 
 WORDS = {1: "The", 2: " cat", 3: " sat", 4: " on", 5: " é", 6: " mat"}

@@ -17,7 +17,7 @@ from sluice.server.app import NativeStreamFormat
 from sluice.server.openai_protocol import CompletionRequest
 from sluice.server.openai_views import CompletionView, TokenTexts
 from sluice.server.sse import stream_response
-from sluice.tokenizer.manager import BackendError
+from sluice.tokenizer.control import BackendError
 from sluice.tokenizer.result import GenerateChunk
 
 

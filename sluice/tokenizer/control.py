@@ -1,0 +1,95 @@
+"""Control calls of a TokenizerManager: send a request to the Scheduler (through the router,
+if any) and wait for its reply. A request with a `control_id` field gets a fresh id that its
+reply repeats, so a reply finds its own call even after an earlier call timed out; other
+replies (a worker's stats, a pause echoed back) go to the oldest waiter of their type."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections import deque
+from collections.abc import Callable
+from typing import TypeVar
+
+from sluice.messages import Message
+
+logger = logging.getLogger(__name__)
+
+Reply = TypeVar("Reply", bound=Message)
+
+
+class BackendError(RuntimeError):
+    """The Scheduler or DetokenizerManager is gone or not answering."""
+
+
+class ControlChannel:
+    def __init__(self, send: Callable[[Message], None]) -> None:
+        self._send = send
+        self._waiters: dict[type[Message], deque[asyncio.Future[Message]]] = {}
+        self._by_id: dict[int, asyncio.Future[Message]] = {}
+        self._ids = itertools.count(1)
+
+    async def call(self, request: Message, reply_type: type[Reply], timeout_s: float = 30.0) -> Reply:
+        """Send `request`; its reply, or a BackendError when none comes within `timeout_s`."""
+        if hasattr(request, "control_id"):
+            request.control_id = control_id = next(self._ids)
+            future: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
+            self._by_id[control_id] = future
+        else:
+            future = self._expect(reply_type, 1)[0]
+        self._send(request)
+        try:
+            reply = await asyncio.wait_for(future, timeout_s)
+        except TimeoutError:
+            raise BackendError(f"the scheduler did not answer a {type(request).__name__} in {timeout_s} s") from None
+        finally:
+            self._by_id.pop(getattr(request, "control_id", 0), None)
+        if not isinstance(reply, reply_type):  # deliver() hands each waiter its own type
+            raise BackendError(f"the scheduler answered a {type(request).__name__} with a {type(reply).__name__}")
+        return reply
+
+    async def gather(self, request: Message, reply_type: type[Reply], count: int, timeout_s: float) -> list[Reply]:
+        """Send `request`, which `count` processes answer; the replies that came in time."""
+        futures = self._expect(reply_type, count)
+        self._send(request)
+        done, pending = await asyncio.wait(futures, timeout=timeout_s)
+        for future in pending:
+            future.cancel()
+        return [reply for future in done if isinstance(reply := future.result(), reply_type)]
+
+    def deliver(self, reply: Message) -> None:
+        """A reply came: to the call with its control_id, else to the oldest waiter for its type."""
+        control_id = getattr(reply, "control_id", 0)
+        if control_id:
+            future = self._by_id.pop(control_id, None)
+            if future is not None and not future.done():
+                future.set_result(reply)
+            else:
+                logger.warning("a %s came after its call ended", type(reply).__name__)
+            return
+        waiters = self._waiters.get(type(reply))
+        while waiters:
+            future = waiters.popleft()
+            if not future.done():
+                future.set_result(reply)
+                return
+        logger.warning("no one waits for a %s", type(reply).__name__)
+
+    def fail_all(self, reason: str) -> None:
+        """The back end is gone: every waiting call raises BackendError(reason)."""
+        for future in self._by_id.values():
+            if not future.done():
+                future.set_exception(BackendError(reason))
+        self._by_id.clear()
+        for waiters in self._waiters.values():
+            for future in waiters:
+                if not future.done():
+                    future.set_exception(BackendError(reason))
+            waiters.clear()
+
+    def _expect(self, reply_type: type[Message], count: int) -> list[asyncio.Future[Message]]:
+        loop = asyncio.get_running_loop()
+        futures: list[asyncio.Future[Message]] = [loop.create_future() for _ in range(count)]
+        self._waiters.setdefault(reply_type, deque()).extend(futures)
+        return futures
