@@ -47,7 +47,16 @@ async function errorText(response) {
 // ------------------------------------------------------------ the conversation
 
 function save() {
-  localStorage.setItem(STORE, JSON.stringify(conversation));
+  // Images stay in the page only: their data URLs would soon fill localStorage.
+  const stored = conversation.map((message) =>
+    typeof message.content === "string"
+      ? message
+      : { ...message, content: message.content.filter((part) => part.type === "text") });
+  try {
+    localStorage.setItem(STORE, JSON.stringify(stored));
+  } catch (error) {
+    console.warn("the conversation is not kept:", error);
+  }
 }
 
 function messageText(message) {
