@@ -40,7 +40,11 @@ class Server:
     def __init__(self, *flags: str):
         command = [sys.executable, "-m", "sluice", "serve", "--port", str(PORT), *flags]
         self.process = subprocess.Popen(command, cwd=REPO, start_new_session=True, stdout=subprocess.DEVNULL)
-        wait_until_serving(BASE_URL, self.process, 300)
+        try:
+            wait_until_serving(BASE_URL, self.process, 300)
+        except BaseException:
+            self.__exit__()
+            raise
 
     def __enter__(self) -> Server:
         return self
