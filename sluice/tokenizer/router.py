@@ -75,6 +75,10 @@ class MultiTokenizerRouter:
         self.workers: dict[str, Sender] = {}  # http_worker_ipc -> socket
         self.worker_pids: dict[str, int] = {}
         self.dead_pids: set[int] = set()
+        # What a worker that registers late (a replacement) must hear to report the server as
+        # the others do: the weights served now, and the Scheduler replicas that died.
+        self.last_weight_update: UpdateWeightsFromDiskReqOutput | None = None
+        self.replica_deaths: list[ReplicaDied] = []
         # Live rids over all workers: a worker only knows its own, so a rid that is live
         # on another worker is refused here.
         self.live_rids: set[str] = set()
@@ -97,8 +101,13 @@ class MultiTokenizerRouter:
             self.workers[message.http_worker_ipc] = Sender(self.context, message.http_worker_ipc)
         self.worker_pids[message.http_worker_ipc] = message.pid
         logger.info("worker %d registered (%d workers)", message.pid, len(self.workers))
+        sender = self.workers[message.http_worker_ipc]
         for pid in self.dead_pids:  # a replacement worker reports the loss too
-            self.workers[message.http_worker_ipc].send(WorkerDied(pid=pid))
+            sender.send(WorkerDied(pid=pid))
+        if self.last_weight_update is not None:
+            sender.send(msgspec.structs.replace(self.last_weight_update, http_worker_ipc=None, control_id=0))
+        for death in self.replica_deaths:
+            sender.send(death)
 
     def router_worker_obj(self, message: Message) -> None:
         """A worker's request or control message: on to the Scheduler."""
@@ -132,6 +141,10 @@ class MultiTokenizerRouter:
     def broadcast(self, message: Message) -> None:
         # The worker that sent it hears last: its copy coming back means that every other
         # worker's copy is already queued before it.
+        if isinstance(message, UpdateWeightsFromDiskReqOutput) and message.success:
+            self.last_weight_update = message
+        elif isinstance(message, ReplicaDied):
+            self.replica_deaths.append(message)
         origin = getattr(message, "http_worker_ipc", None)
         for ipc, sender in self.workers.items():
             if ipc != origin:

@@ -19,11 +19,13 @@ from sluice.messages import (
     InternalState,
     Message,
     RegisterWorker,
+    ReplicaDied,
     ReqOutput,
     SamplingParams,
     SetPause,
     StrOutput,
     TokenizedGenerateReqInput,
+    UpdateWeightsFromDiskReqOutput,
     WorkerDied,
 )
 from sluice.tokenizer.router import MultiTokenizerRouter
@@ -210,3 +212,20 @@ def test_the_worker_that_sent_a_broadcast_hears_it_last(hub):
     finally:
         hub.router.workers = senders
     assert order == [b, a, a, b]
+
+
+def test_a_late_worker_hears_the_weights_served_and_the_replicas_that_died(hub, tmp_path):
+    update = UpdateWeightsFromDiskReqOutput(
+        success=True, weight_version="3", model_path="/m.gguf", control_id=5, http_worker_ipc=hub.addresses["a"]
+    )
+    hub.router.dispatch(update)
+    hub.router.dispatch(ReplicaDied(dp_rank=1, replicas_alive=1))
+    late = Receiver(hub.context, f"ipc://{tmp_path}/late")
+    try:
+        hub.router.dispatch(RegisterWorker(http_worker_ipc=f"ipc://{tmp_path}/late", pid=77))
+        replayed = hub.received(late)
+        assert isinstance(replayed, UpdateWeightsFromDiskReqOutput)
+        assert (replayed.weight_version, replayed.http_worker_ipc, replayed.control_id) == ("3", None, 0)
+        assert hub.received(late) == ReplicaDied(dp_rank=1, replicas_alive=1)
+    finally:
+        late.close()
