@@ -21,12 +21,11 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import httpx
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_serving import make_prompt
+from bench_serving import make_prompt, workload_options
 from bench_serving import run as run_workload
 from compare_servers import PORT, REPO, wait_until_serving
 
@@ -55,18 +54,7 @@ class Server:
 
 
 def streams(concurrency: int, num_prompts: int, seed: int) -> dict:
-    options = SimpleNamespace(
-        base_url=BASE_URL,
-        model="",
-        request_rate=0.0,
-        timeout_s=1800,
-        seed=seed,
-        num_prompts=num_prompts,
-        concurrency=concurrency,
-        prompt_words=100,
-        shared_prefix_words=0,
-        output_len=128,
-    )
+    options = workload_options(BASE_URL, num_prompts, concurrency, seed=seed)
     result = asyncio.run(run_workload(options))
     assert result["requests_failed"] == 0, result.get("first_error")
     return result

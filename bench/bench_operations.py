@@ -31,6 +31,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_serving import run as run_workload
+from bench_serving import workload_options
 from compare_servers import PORT, REPO, THREADS, wait_until_serving
 
 from sluice.model.model_config import ModelConfig
@@ -41,18 +42,7 @@ EMBED_TOKENS = 128
 
 
 def streams_workload(base_url: str, seed: int, num_prompts: int, output_len: int) -> SimpleNamespace:
-    return SimpleNamespace(
-        base_url=base_url,
-        model="",
-        request_rate=0.0,
-        timeout_s=1800,
-        seed=seed,
-        num_prompts=num_prompts,
-        concurrency=32,
-        prompt_words=100,
-        shared_prefix_words=0,
-        output_len=output_len,
-    )
+    return workload_options(base_url, num_prompts, concurrency=32, seed=seed, output_len=output_len)
 
 
 class ScrapeLoop:

@@ -17,6 +17,7 @@ import random
 import statistics
 import time
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import httpx
 
@@ -94,6 +95,25 @@ def percentiles(values: list[float]) -> tuple[float, float, float]:
     ordered = sorted(values)
     p99 = ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))]
     return statistics.fmean(ordered), statistics.median(ordered), p99
+
+
+def workload_options(
+    base_url: str, num_prompts: int, concurrency: int, seed: int = 0, prompt_words: int = 100, output_len: int = 128
+) -> SimpleNamespace:
+    """The options `run` takes, as the command line would give them: all requests at once
+    (no request rate), no shared prefix, the first served model."""
+    return SimpleNamespace(
+        base_url=base_url,
+        model="",
+        request_rate=0.0,
+        timeout_s=1800,
+        seed=seed,
+        num_prompts=num_prompts,
+        concurrency=concurrency,
+        prompt_words=prompt_words,
+        shared_prefix_words=0,
+        output_len=output_len,
+    )
 
 
 async def run(args) -> dict:
