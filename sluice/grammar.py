@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import re
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Final
 
 from sluice.messages import SamplingParams
@@ -112,3 +113,15 @@ def grammar_tokenizer(hf_tokenizer: Any, vocab_size: int) -> llguidance.LLTokeni
     import llguidance.hf
 
     return llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size)
+
+
+def start_grammar_tokenizer(hf_tokenizer: Any, vocab_size: int) -> Future[llguidance.LLTokenizer]:
+    """grammar_tokenizer, built in a thread of its own. llguidance.hf, and the transformers
+    classes it names, are imported first in the caller's thread: transformers' lazy module
+    is not safe to import from two threads at once (with 5.24 a concurrent `from
+    transformers import AutoTokenizer` failed with an ImportError)."""
+    import llguidance.hf  # noqa: F401
+
+    return ThreadPoolExecutor(1, thread_name_prefix="grammar-tokenizer").submit(
+        grammar_tokenizer, hf_tokenizer, vocab_size
+    )

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Container
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 from sluice.config import ServerArgs
-from sluice.grammar import check_grammar, grammar_field, grammar_tokenizer
+from sluice.grammar import check_grammar, grammar_field, start_grammar_tokenizer
 from sluice.messages import (
     ImageInput,
     SamplingParams,
@@ -35,9 +35,7 @@ class RequestTokenizer:
         # in a thread from the start, off the event loop.
         self._grammar_tokenizer: Future[Any] | None = None
         if tokenizer is not None:  # unit tests may run without one
-            self._grammar_tokenizer = ThreadPoolExecutor(1, thread_name_prefix="grammar-tokenizer").submit(
-                grammar_tokenizer, tokenizer, len(tokenizer)
-            )
+            self._grammar_tokenizer = start_grammar_tokenizer(tokenizer, len(tokenizer))
 
     async def tokenize(
         self,
