@@ -26,16 +26,25 @@ LAYER_NAMES = {
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
 }
+# Gemma's norms around the attention and MLP outputs (its "ffn_norm" is the norm before the MLP).
+SANDWICH_NORM_NAMES = {
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
 TOP_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+# llama.cpp's converter stores Gemma's norm weights as 1 + w.
+GEMMA_ARCHES = {"gemma2", "gemma3"}
 # llama.cpp interleaves the rotary halves of each Q/K head of these architectures.
 PERMUTED_QK = {"llama"}
 
 
-def gguf_name(hf_name: str) -> str:
+def gguf_name(hf_name: str, arch: str = "llama") -> str:
     stem, _, suffix = hf_name.rpartition(".")
     if stem.startswith("model.layers."):
         layer, part = stem.removeprefix("model.layers.").split(".", 1)
-        return f"blk.{layer}.{LAYER_NAMES[part]}.{suffix}"
+        names = {**LAYER_NAMES, **SANDWICH_NORM_NAMES} if arch in GEMMA_ARCHES else LAYER_NAMES
+        return f"blk.{layer}.{names[part]}.{suffix}"
     return f"{TOP_NAMES[stem]}.{suffix}"
 
 
@@ -100,7 +109,9 @@ def write_gguf(
     writer.add_head_count_kv(kv_heads)
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
-    rope_theta = getattr(config, "rope_theta", None) or config.rope_parameters["rope_theta"]
+    # Gemma 3 has one set of RoPE parameters per kind of layer: the file's are the global ones.
+    global_rope = config.rope_parameters.get("full_attention", config.rope_parameters)
+    rope_theta = getattr(config, "rope_theta", None) or global_rope["rope_theta"]
     writer.add_rope_freq_base(float(rope_theta))
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     rope = dict(getattr(config, "rope_parameters", None) or {})
@@ -121,6 +132,8 @@ def write_gguf(
         scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
         plain = 1.0 / (rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
         writer.add_tensor("rope_freqs.weight", (plain / scaled).numpy().astype(np.float32))
+    if arch in GEMMA_ARCHES:
+        _add_gemma_fields(writer, config, arch)
     writer.add_tokenizer_model("gpt2")
     writer.add_token_list([f"<t{i}>" for i in range(config.vocab_size)])
     block_type = None if quantize_matrices is None else gguf.GGMLQuantizationType[quantize_matrices]
@@ -128,6 +141,8 @@ def write_gguf(
         if hf_name == "lm_head.weight" and config.tie_word_embeddings:
             continue
         array = parameter.detach().float().numpy()
+        if arch in GEMMA_ARCHES and hf_name.endswith("norm.weight"):
+            array = array + 1
         if arch in PERMUTED_QK and hf_name.endswith("self_attn.q_proj.weight"):
             array = _interleave_rotary_halves(array, heads)
         elif arch in PERMUTED_QK and hf_name.endswith("self_attn.k_proj.weight"):
@@ -135,13 +150,31 @@ def write_gguf(
         if raw_matrices is not None and hf_name in raw_matrices:
             raw, type_name = raw_matrices[hf_name]
             kind = gguf.GGMLQuantizationType[type_name]
-            writer.add_tensor(gguf_name(hf_name), raw, raw_shape=raw.shape, raw_dtype=kind)
+            writer.add_tensor(gguf_name(hf_name, arch), raw, raw_shape=raw.shape, raw_dtype=kind)
         elif block_type is not None and array.ndim == 2:
-            writer.add_tensor(gguf_name(hf_name), gguf.quants.quantize(array, block_type), raw_dtype=block_type)
+            writer.add_tensor(gguf_name(hf_name, arch), gguf.quants.quantize(array, block_type), raw_dtype=block_type)
         else:
-            writer.add_tensor(gguf_name(hf_name), np.ascontiguousarray(array, dtype=np.float32))
+            writer.add_tensor(gguf_name(hf_name, arch), np.ascontiguousarray(array, dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def _add_gemma_fields(writer, config, arch: str) -> None:
+    """What llama.cpp's converter writes for Gemma 2 / 3: the window, the soft-caps, Gemma 3's
+    global RoPE (its local base is fixed at 10,000) and, where the layers do not follow the
+    default interleaving, which layers slide."""
+    import gguf
+
+    writer.add_sliding_window(config.sliding_window)
+    if arch == "gemma2":
+        writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
+        writer.add_final_logit_softcapping(config.final_logit_softcapping)
+        return
+    global_rope = config.rope_parameters["full_attention"]
+    if global_rope.get("rope_type") == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(global_rope["factor"])
+    writer.add_sliding_window_pattern([kind == "sliding_attention" for kind in config.layer_types])

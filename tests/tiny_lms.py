@@ -43,7 +43,41 @@ def phi3_config(vocab_size: int, eos_token_id: int):
     )
 
 
-CONFIGS = {"qwen3": qwen3_config, "phi3": phi3_config}
+def gemma2_config(vocab_size: int, eos_token_id: int):
+    from transformers import Gemma2Config
+
+    # Every other layer sees a window of 8 keys; scores and logits soft-capped where they bend.
+    return Gemma2Config(
+        **SHAPE,
+        vocab_size=vocab_size,
+        head_dim=16,
+        sliding_window=8,
+        query_pre_attn_scalar=16,
+        attn_logit_softcapping=2.0,
+        final_logit_softcapping=5.0,
+        eos_token_id=eos_token_id,
+        pad_token_id=0,
+        attn_implementation="eager",
+    )
+
+
+def gemma3_config(vocab_size: int, eos_token_id: int):
+    from transformers import Gemma3TextConfig
+
+    # A window of 8 keys in the first layer (RoPE base 10,000), the second global (1,000,000).
+    return Gemma3TextConfig(
+        **SHAPE,
+        vocab_size=vocab_size,
+        head_dim=32,
+        sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"],
+        query_pre_attn_scalar=32,
+        eos_token_id=eos_token_id,
+        pad_token_id=0,
+    )
+
+
+CONFIGS = {"qwen3": qwen3_config, "phi3": phi3_config, "gemma2": gemma2_config, "gemma3": gemma3_config}
 
 
 def build_tiny_model(folder: Path, family: str, seed: int = 0):

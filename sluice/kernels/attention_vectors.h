@@ -40,6 +40,7 @@ typedef __m512 vec;
 #define vadd _mm512_add_ps
 #define vsub _mm512_sub_ps
 #define vmul _mm512_mul_ps
+#define vdiv _mm512_div_ps
 #define vmax _mm512_max_ps
 #define vfmadd _mm512_fmadd_ps
 #define vexp exp512
@@ -110,6 +111,7 @@ typedef __m256 vec;
 #define vadd _mm256_add_ps
 #define vsub _mm256_sub_ps
 #define vmul _mm256_mul_ps
+#define vdiv _mm256_div_ps
 #define vmax _mm256_max_ps
 #define vfmadd _mm256_fmadd_ps
 #define vexp exp256

@@ -32,6 +32,7 @@ static const struct {
     FIELD(sluice_layer_weights, qkv_bias),
     FIELD(sluice_layer_weights, q_norm),
     FIELD(sluice_layer_weights, k_norm),
+    FIELD(sluice_layer_weights, sliding_window),
     SIZE(sluice_model_dims),
     FIELD(sluice_model_dims, num_layers),
     FIELD(sluice_model_dims, hidden),
@@ -166,8 +167,8 @@ static int check_attention(int kv_dtype) {
     const void *k_pool = kv_dtype == SLUICE_KV_FLOAT32 ? (const void *)k : (const void *)k16;
     const void *v_pool = kv_dtype == SLUICE_KV_FLOAT32 ? (const void *)v : (const void *)v16;
     const float scale = 0.125f;
-    if (sluice_decode_attention(1, HEADS, KV_HEADS, DIM, LEN, scale, q, HEADS * DIM, k_pool, v_pool, kv_dtype, slots,
-                                NULL, &seq_len, out) != 0)
+    if (sluice_decode_attention(1, HEADS, KV_HEADS, DIM, LEN, scale, 0, 0.0f, q, HEADS * DIM, k_pool, v_pool, kv_dtype,
+                                slots, NULL, &seq_len, out) != 0)
         return 1;
     for (int h = 0; h < HEADS; h++) {
         const int kvh = h / (HEADS / KV_HEADS);

@@ -55,6 +55,7 @@ class LayerWeights(ctypes.Structure):
         ("qkv_bias", _float_p),
         ("q_norm", _float_p),
         ("k_norm", _float_p),
+        ("sliding_window", ctypes.c_int),
     ]
 
 

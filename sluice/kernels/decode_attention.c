@@ -8,9 +8,13 @@
  * slot_rows [queries]: the row of `slots` each query reads (NULL: query i reads row i, one
  * query per request, a decode step); seq_lens [queries]: how many of those slots it sees.
  * Query heads h * group .. h * group + group - 1 share KV head h (grouped-query attention).
+ * window > 0: a query sees only the last `window` of its slots (a sliding-window layer: keys
+ * at positions > its own - window); softcap > 0: each score s becomes softcap * tanh(s /
+ * softcap) before the softmax (Gemma 2's attention logit soft-capping).
  *
  * Every query is computed the same way, whatever else is in the call: its slots in tiles of
- * KV_TILE from position 0, each tile's scores, an online softmax (the running maximum and
+ * KV_TILE from position 0 (from the tile holding its window's first slot, the slots before
+ * that masked out), each tile's scores, an online softmax (the running maximum and
  * sum rescale what came before, as in flash attention), and its values accumulated token
  * by token. A prompt token at position p is thus computed exactly as a decode step at p
  * would be, so a request's results do not depend on how its prompt was split into chunks,
@@ -93,6 +97,19 @@ static void softmax(float *s, int len) {
     softmax_tile(s, len, &max_score, &total);
     const float inv_total = 1.0f / total;
     for (int t = 0; t < len; t++) s[t] *= inv_total;
+}
+
+/* The first slot a query that sees `len` slots attends to. */
+static inline int window_start(int len, int window) { return window > 0 && len > window ? len - window : 0; }
+
+/* s[0..n) = softcap * tanh(s / softcap), whole vectors at a time (the tile has room up to
+ * the next multiple of VLEN; lanes past n are not read), tanh(x) as 1 - 2 / (exp(2x) + 1). */
+ALWAYS_INLINE void softcap_tile(float *s, int n, float softcap) {
+    const vec to_x2 = vset1(2.0f / softcap), one = vset1(1.0f), two = vset1(2.0f), cap = vset1(softcap);
+    for (int t = 0; t < n; t += VLEN) {
+        const vec e = vexp(vmul(vload(s + t), to_x2));
+        vstore(s + t, vmul(cap, vsub(one, vdiv(two, vadd(e, one)))));
+    }
 }
 
 /* Element size of a KV pool's dtype. */
@@ -285,9 +302,9 @@ ALWAYS_INLINE void group_values(const int G, const int width, const int kv_dtype
  * each K tile once for all of them. scratch: count * G * KV_TILE floats, then the
  * transposed tile (head_dim * KV_TILE). */
 ALWAYS_INLINE void attend_block(const int G, const int width, const int kv_dtype, int count, const float *q,
-                                long q_stride, int head_dim, const int64_t *lens, float scale, kv_rows keys,
-                                kv_rows values, const int64_t *req_slots, float *scratch, float *out,
-                                size_t out_stride) {
+                                long q_stride, int head_dim, const int64_t *lens, float scale, int window,
+                                float softcap, kv_rows keys, kv_rows values, const int64_t *req_slots,
+                                float *scratch, float *out, size_t out_stride) {
     float running_max[QUERY_BLOCK][MAX_GROUP], running_sum[QUERY_BLOCK][MAX_GROUP];
     for (int i = 0; i < count; i++)
         for (int g = 0; g < G; g++) running_max[i][g] = -INFINITY, running_sum[i][g] = 0.0f;
@@ -295,7 +312,8 @@ ALWAYS_INLINE void attend_block(const int G, const int width, const int kv_dtype
     const int transposed = count >= TRANSPOSED_KEYS_FROM;
     float *kt = scratch + (size_t)QUERY_BLOCK * G * KV_TILE, *vt = kt + (size_t)head_dim * KV_TILE;
     const kv_rows widened_values = {(const char *)vt, sizeof(float) * head_dim};
-    for (int t0 = 0; t0 < longest; t0 += KV_TILE) {
+    /* The first query of the block has the earliest window. */
+    for (int t0 = window_start((int)lens[0], window) / KV_TILE * KV_TILE; t0 < longest; t0 += KV_TILE) {
         if (transposed) {
             const int n = t0 + KV_TILE < longest ? KV_TILE : longest - t0;
             transpose_keys(kv_dtype, head_dim, t0, n, longest, keys, req_slots, kt);
@@ -318,19 +336,25 @@ ALWAYS_INLINE void attend_block(const int G, const int width, const int kv_dtype
         }
         for (int i = 0; i < count; i++) {
             const int len = (int)lens[i], t1 = t0 + KV_TILE < len ? t0 + KV_TILE : len;
-            if (t1 <= t0) continue;
+            const int start = window_start(len, window);
+            if (t1 <= t0 || t0 + KV_TILE <= start) continue;
             float *tile = scratch + (size_t)i * G * KV_TILE, correction[MAX_GROUP];
             if (!transposed)
                 group_scores(G, kv_dtype, q + (size_t)i * q_stride, head_dim, t0, t1, len, scale, keys, req_slots,
                              tile, KV_TILE);
-            for (int g = 0; g < G; g++)
-                correction[g] = softmax_tile(tile + (size_t)g * KV_TILE, t1 - t0, &running_max[i][g], &running_sum[i][g]);
+            for (int g = 0; g < G; g++) {
+                float *head_tile = tile + (size_t)g * KV_TILE;
+                if (softcap > 0.0f) softcap_tile(head_tile, t1 - t0, softcap);
+                for (int t = t0; t < start; t++) head_tile[t - t0] = -INFINITY; /* before the window */
+                correction[g] = softmax_tile(head_tile, t1 - t0, &running_max[i][g], &running_sum[i][g]);
+            }
+            const int first_tile = t0 <= start; /* the tile holding the window's first slot (0 without one) */
             if (transposed)
-                group_values(G, width, SLUICE_KV_FLOAT32, tile, KV_TILE, correction, head_dim, t0 == 0, 0, t1 - t0, 0,
-                             widened_values, TILE_ROWS, out + (size_t)i * out_stride);
+                group_values(G, width, SLUICE_KV_FLOAT32, tile, KV_TILE, correction, head_dim, first_tile, 0, t1 - t0,
+                             0, widened_values, TILE_ROWS, out + (size_t)i * out_stride);
             else
-                group_values(G, width, kv_dtype, tile, KV_TILE, correction, head_dim, t0 == 0, t0, t1, len, values, req_slots,
-                         out + (size_t)i * out_stride);
+                group_values(G, width, kv_dtype, tile, KV_TILE, correction, head_dim, first_tile, t0, t1, len, values,
+                             req_slots, out + (size_t)i * out_stride);
         }
     }
     for (int i = 0; i < count; i++)
@@ -342,20 +366,22 @@ ALWAYS_INLINE void attend_block(const int G, const int width, const int kv_dtype
 }
 
 /* Any head_dim and group: one head of one query at a time, scalar. */
-static void attend_head_scalar(const float *qh, int kv_dtype, int head_dim, int len, float scale, kv_rows keys,
-                               kv_rows values, const int64_t *req_slots, float *scores, float *oh) {
+static void attend_head_scalar(const float *qh, int kv_dtype, int head_dim, int len, float scale, int window,
+                               float softcap, kv_rows keys, kv_rows values, const int64_t *req_slots, float *scores,
+                               float *oh) {
     const size_t elem = kv_element_bytes(kv_dtype);
-    for (int t = 0; t < len; t++) {
+    const int start = window_start(len, window);
+    for (int t = start; t < len; t++) {
         const char *kt = kv_row(keys, req_slots, t);
         float dot = 0.0f;
         for (int i = 0; i < head_dim; i++) dot += qh[i] * load_kv1(kt + i * elem, kv_dtype);
-        scores[t] = dot * scale;
+        scores[t - start] = softcap > 0.0f ? softcap * tanhf(dot * scale / softcap) : dot * scale;
     }
-    softmax(scores, len);
+    softmax(scores, len - start);
     for (int i = 0; i < head_dim; i++) oh[i] = 0.0f;
-    for (int t = 0; t < len; t++) {
+    for (int t = start; t < len; t++) {
         const char *vt = kv_row(values, req_slots, t);
-        for (int i = 0; i < head_dim; i++) oh[i] += scores[t] * load_kv1(vt + i * elem, kv_dtype);
+        for (int i = 0; i < head_dim; i++) oh[i] += scores[t - start] * load_kv1(vt + i * elem, kv_dtype);
     }
 }
 
@@ -384,8 +410,8 @@ static int value_width(int group, int head_dim) {
 
 /* One block of the group's query heads, with G, the value width and the dtype constants. */
 #define BLOCK_CALL(G, W, DTYPE)                                                                             \
-    attend_block(G, W, DTYPE, count, q_first, q_stride, head_dim, seq_lens + first, scale, keys, values,   \
-                 req_slots, scores, out_first, (size_t)heads * head_dim)
+    attend_block(G, W, DTYPE, count, q_first, q_stride, head_dim, seq_lens + first, scale, window, softcap, \
+                 keys, values, req_slots, scores, out_first, (size_t)heads * head_dim)
 #define WIDTH_SWITCH(G, DTYPE)                                                                              \
     case G:                                                                                                 \
         if (width == 4) BLOCK_CALL(G, 4, DTYPE);                                                            \
@@ -398,9 +424,10 @@ static int value_width(int group, int head_dim) {
         WIDTH_SWITCH(5, DTYPE) WIDTH_SWITCH(6, DTYPE) WIDTH_SWITCH(7, DTYPE) WIDTH_SWITCH(8, DTYPE)         \
     }
 
-int sluice_decode_attention(int queries, int heads, int kv_heads, int head_dim, int max_len, float scale,
-                            const float *q, long q_stride, const void *k_pool, const void *v_pool, int kv_dtype,
-                            const int64_t *slots, const int64_t *slot_rows, const int64_t *seq_lens, float *out) {
+int sluice_decode_attention(int queries, int heads, int kv_heads, int head_dim, int max_len, float scale, int window,
+                            float softcap, const float *q, long q_stride, const void *k_pool, const void *v_pool,
+                            int kv_dtype, const int64_t *slots, const int64_t *slot_rows, const int64_t *seq_lens,
+                            float *out) {
     const int group = heads / kv_heads;
     const int vectorized = head_dim % VLEN == 0 && group <= MAX_GROUP;
     const int width = value_width(group, head_dim);
@@ -436,7 +463,8 @@ int sluice_decode_attention(int queries, int heads, int kv_heads, int head_dim, 
                     for (int i = 0; i < count; i++)
                         for (int g = 0; g < group; g++)
                             attend_head_scalar(q_first + (size_t)i * q_stride + g * head_dim, kv_dtype, head_dim,
-                                               (int)seq_lens[first + i], scale, keys, values, req_slots, scores,
+                                               (int)seq_lens[first + i], scale, window, softcap, keys, values,
+                                               req_slots, scores,
                                                out_first + (size_t)i * heads * head_dim + g * head_dim);
                     continue;
                 }

@@ -61,8 +61,9 @@ int sluice_decode_layers(const sluice_model_dims *d, const sluice_layer_weights 
             }
         sluice_rope_store(M, d->heads, d->kv_heads, d->head_dim, qkv, cos, signed_sin, k_pools[l], v_pools[l],
                           d->kv_dtype, out_slots);
-        status |= sluice_decode_attention(M, d->heads, d->kv_heads, d->head_dim, max_len, d->attention_scale, qkv, qkv_cols,
-                                          k_pools[l], v_pools[l], d->kv_dtype, attn_slots, slot_rows, seq_lens, attn);
+        status |= sluice_decode_attention(M, d->heads, d->kv_heads, d->head_dim, max_len, d->attention_scale,
+                                          w->sliding_window, 0.0f, qkv, qkv_cols, k_pools[l], v_pools[l], d->kv_dtype,
+                                          attn_slots, slot_rows, seq_lens, attn);
         status |= sluice_qgemm(M, D, attn_width, attn, w->o_format, w->o, pending, qgemm_scratch);
         sluice_add_rmsnorm(M, D, hidden, pending, w->post_attention_norm, d->eps, normed);
         status |= sluice_qgemm(M, 2 * I, D, normed, w->gate_up_format, w->gate_up, gate_up, qgemm_scratch);

@@ -38,6 +38,7 @@ class LayerTensors:
     qkv_bias: torch.Tensor | None
     q_norm: torch.Tensor | None = None  # per-head RMSNorm of q and k (Qwen3)
     k_norm: torch.Tensor | None = None
+    sliding_window: int | None = None  # keys a query sees, its own included; None: all
 
 
 _FLOAT_P = next(kind for name, kind, *_ in LayerWeights._fields_ if name == "input_norm")
@@ -99,6 +100,7 @@ class DecodeLayers:
                     qkv_bias=_pointer(layer.qkv_bias, _FLOAT_P),
                     q_norm=_pointer(layer.q_norm, _FLOAT_P),
                     k_norm=_pointer(layer.k_norm, _FLOAT_P),
+                    sliding_window=layer.sliding_window or 0,
                 )
                 for layer in layers
             ]

@@ -51,6 +51,7 @@ typedef struct {
     int qkv_format, o_format, gate_up_format, down_format;
     const float *qkv_bias;       /* NULL when the model has none */
     const float *q_norm, *k_norm; /* per-head RMSNorm weights [head_dim] (Qwen3); NULL when none */
+    int sliding_window;           /* keys this layer's queries see, their own included; 0: all */
 } sluice_layer_weights;
 
 typedef struct {
@@ -83,10 +84,12 @@ void sluice_rope_store(int tokens, int heads, int kv_heads, int head_dim, float 
                        const float *signed_sin, void *k_pool, void *v_pool, int kv_dtype, const int64_t *slots);
 void sluice_silu_mul(int rows, int width, const float *gate_up, float *out);
 
-/* decode_attention.c: returns 0, or -1 when its score buffers could not be allocated. */
-int sluice_decode_attention(int queries, int heads, int kv_heads, int head_dim, int max_len, float scale,
-                            const float *q, long q_stride, const void *k_pool, const void *v_pool, int kv_dtype,
-                            const int64_t *slots, const int64_t *slot_rows, const int64_t *seq_lens, float *out);
+/* decode_attention.c: returns 0, or -1 when its score buffers could not be allocated. window: how
+ * many of its last slots a query sees (0: all); softcap: scores soft-capped at it (0: none). */
+int sluice_decode_attention(int queries, int heads, int kv_heads, int head_dim, int max_len, float scale, int window,
+                            float softcap, const float *q, long q_stride, const void *k_pool, const void *v_pool,
+                            int kv_dtype, const int64_t *slots, const int64_t *slot_rows, const int64_t *seq_lens,
+                            float *out);
 
 /* decode_layers.c: every decoder layer of a step in one call; returns 0 or -1 as above. */
 size_t sluice_decode_layers_scratch_bytes(const sluice_model_dims *dims, int M);

@@ -112,9 +112,14 @@ class KernelOps:
         seq_lens: torch.Tensor,
         max_len: int,
         slot_rows: torch.Tensor | None = None,
+        scale: float | None = None,
+        sliding_window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         """q [queries, heads, head_dim] over pooled K/V through padded slots [requests * max_len]:
-        query i sees the first seq_lens[i] slots of row slot_rows[i] (None: row i).
+        query i sees the first seq_lens[i] slots of row slot_rows[i] (None: row i), or only the
+        last `sliding_window` of them. Scores are q.k * scale (None: head_dim ** -0.5), then
+        softcap * tanh(score / softcap) when a softcap is given.
         q's rows may be strided (a view into the qkv projection); each row's heads must be contiguous."""
         queries, heads, head_dim = q.shape
         if q.stride(2) != 1 or q.stride(1) != head_dim:
@@ -132,7 +137,9 @@ class KernelOps:
             kv_heads,
             head_dim,
             max_len,
-            head_dim**-0.5,
+            head_dim**-0.5 if scale is None else scale,
+            sliding_window or 0,
+            softcap or 0.0,
             _pointer(q, "q", torch.float32, False),
             q.stride(0),
             k_pointer,

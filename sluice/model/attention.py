@@ -22,6 +22,15 @@ from sluice.model.forward_batch import ForwardBatch
 PADDING_SLOT = 0  # reserved by the KV pool, never holds a real token
 
 
+@dataclass(frozen=True, slots=True)
+class AttentionOptions:
+    """How one layer's queries attend, beyond causally over their own sequence."""
+
+    scale: float  # scores are q.k * scale
+    sliding_window: int | None = None  # a query sees this many keys, its own included; None: all
+    softcap: float | None = None  # scores s become softcap * tanh(s / softcap) (Gemma 2)
+
+
 @dataclass(slots=True)
 class PrefillSegment:
     """One request with more than one new token."""
@@ -142,6 +151,7 @@ def torch_attention(
     k_buffer: torch.Tensor,
     v_buffer: torch.Tensor,
     metadata: AttentionMetadata,
+    options: AttentionOptions,
 ) -> torch.Tensor:
     """Attend over the pool, which already holds this step's k/v; returns [num_tokens, num_heads * head_dim].
 
@@ -150,30 +160,40 @@ def torch_attention(
     num_tokens, num_heads, head_dim = q.shape
 
     if metadata.decode_only:
-        return _decode_attention(q, k_buffer, v_buffer, metadata).view(num_tokens, num_heads * head_dim)
+        return _decode_attention(q, k_buffer, v_buffer, metadata, options).view(num_tokens, num_heads * head_dim)
 
     out = q.new_empty(num_tokens, num_heads, head_dim)
     if metadata.decode_rows is not None:
-        out[metadata.decode_rows] = _decode_attention(q[metadata.decode_rows], k_buffer, v_buffer, metadata)
+        out[metadata.decode_rows] = _decode_attention(q[metadata.decode_rows], k_buffer, v_buffer, metadata, options)
     for segment in metadata.prefills:
         rows = slice(segment.token_start, segment.token_end)
-        out[rows] = _prefill_attention(q[rows], k[rows], v[rows], k_buffer, v_buffer, segment)
+        out[rows] = _prefill_attention(q[rows], k[rows], v[rows], k_buffer, v_buffer, segment, options)
     return out.view(num_tokens, num_heads * head_dim)
 
 
 def _decode_attention(
-    q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, metadata: AttentionMetadata
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    metadata: AttentionMetadata,
+    options: AttentionOptions,
 ) -> torch.Tensor:
     num_requests, num_heads, head_dim = q.shape
     num_kv_heads = k_buffer.shape[1]
     gathered_shape = (num_requests, metadata.decode_max_seq_len, num_kv_heads, head_dim)
     keys = k_buffer.index_select(0, metadata.decode_slots).to(q.dtype).view(gathered_shape).transpose(1, 2)
     values = v_buffer.index_select(0, metadata.decode_slots).to(q.dtype).view(gathered_shape).transpose(1, 2)
+    mask = metadata.decode_mask
+    if options.sliding_window is not None:
+        lengths = metadata.decode_lens.unsqueeze(1)
+        positions = torch.arange(metadata.decode_max_seq_len).unsqueeze(0)
+        seen = (positions < lengths) & (positions >= lengths - options.sliding_window)
+        mask = seen.view(num_requests, 1, 1, -1)
     # The query heads sharing a KV head become that head's "query positions": all sit at the
     # same position, so one mask row serves them, and no KV repeat is needed (SDPA's own
     # GQA path is several times slower in bf16 on CPU).
     grouped_q = q.view(num_requests, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    out = F.scaled_dot_product_attention(grouped_q, keys, values, attn_mask=metadata.decode_mask)
+    out = _attend(grouped_q, keys, values, mask, False, options)
     return out.view(num_requests, num_heads, head_dim)
 
 
@@ -184,18 +204,51 @@ def _prefill_attention(
     k_buffer: torch.Tensor,
     v_buffer: torch.Tensor,
     segment: PrefillSegment,
+    options: AttentionOptions,
 ) -> torch.Tensor:
     if segment.kv_slots is not None:
         k = k_buffer.index_select(0, segment.kv_slots).to(q.dtype)
         v = v_buffer.index_select(0, segment.kv_slots).to(q.dtype)
+    mask = segment.mask
+    if options.sliding_window is not None:
+        # This segment's queries are the last len(q) positions of a sequence of len(k).
+        query_positions = torch.arange(len(k) - len(q), len(k)).unsqueeze(1)
+        key_positions = torch.arange(len(k)).unsqueeze(0)
+        mask = (key_positions <= query_positions) & (key_positions > query_positions - options.sliding_window)
     # [tokens, heads, dim] -> [1, heads, tokens, dim]: with a batch axis SDPA takes its CPU
     # flash kernel; 3-D inputs fall back to a path ~5x slower on long prompts.
-    out = F.scaled_dot_product_attention(
+    out = _attend(
         q.transpose(0, 1).unsqueeze(0),
         k.transpose(0, 1).unsqueeze(0),
         v.transpose(0, 1).unsqueeze(0),
-        attn_mask=segment.mask,
-        is_causal=segment.mask is None,
-        enable_gqa=True,
+        mask,
+        mask is None,
+        options,
     )
     return out[0].transpose(0, 1)
+
+
+def _attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    is_causal: bool,
+    options: AttentionOptions,
+) -> torch.Tensor:
+    """SDPA over q [..., Hq, L, D] and k/v [..., Hkv, S, D] (Hq a multiple of Hkv) with a bool
+    mask (True = may attend) or none. Soft-capped scores, which SDPA cannot take, go through
+    plain ops."""
+    if options.softcap is None:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=is_causal, scale=options.scale, enable_gqa=True
+        )
+    group = q.shape[-3] // k.shape[-3]
+    k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
+    scores = (q @ k.transpose(-1, -2)).float() * options.scale
+    scores = torch.tanh(scores / options.softcap) * options.softcap
+    if is_causal:
+        mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).tril()
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return scores.softmax(dim=-1).to(v.dtype) @ v

@@ -5,7 +5,8 @@ Two backends with one interface; the layers hold one and never ask again which p
 - `KernelBackend`: float32 activations through sluice's C kernels, the build for this CPU's
   best instruction set (AVX-512 VNNI or AVX2). Block-quantized projections go through the
   quantized matmul, dense ones through torch's `F.linear`; RMSNorm, rotary + KV store,
-  silu * mul and attention run in C, every token attending as a decode step at its position,
+  silu * mul and attention (sliding windows and soft-capping included) run in C, every
+  token attending as a decode step at its position,
   so a request's results never depend on its batch, its chunking or its cached prefix.
 - `TorchBackend`: plain torch ops in the model dtype, for bfloat16 or where the kernels
   cannot run (no AVX2, no compiler): decoding requests attend as one padded batch,
@@ -18,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from sluice.kernels.ops import KernelOps
-from sluice.model.attention import AttentionMetadata, torch_attention
+from sluice.model.attention import AttentionMetadata, AttentionOptions, torch_attention
 from sluice.model.quantized_linear import QuantizedLinearWeight
 
 
@@ -75,6 +76,9 @@ class KernelBackend:
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return self.ops.silu_mul(gate_up)
 
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return gelu_tanh_mul(gate_up)
+
     def attention(
         self,
         q: torch.Tensor,
@@ -83,6 +87,7 @@ class KernelBackend:
         k_buffer: torch.Tensor,
         v_buffer: torch.Tensor,
         metadata: AttentionMetadata,
+        options: AttentionOptions,
     ) -> torch.Tensor:
         """[num_tokens, num_heads * head_dim]; every token reads the pool at its position."""
         num_tokens, num_heads, head_dim = q.shape
@@ -94,6 +99,9 @@ class KernelBackend:
             metadata.decode_lens,
             metadata.decode_max_seq_len,
             metadata.decode_slot_rows,
+            scale=options.scale,
+            sliding_window=options.sliding_window,
+            softcap=options.softcap,
         )
         return out.view(num_tokens, num_heads * head_dim)
 
@@ -147,6 +155,9 @@ class TorchBackend:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return gelu_tanh_mul(gate_up)
+
     def attention(
         self,
         q: torch.Tensor,
@@ -155,8 +166,16 @@ class TorchBackend:
         k_buffer: torch.Tensor,
         v_buffer: torch.Tensor,
         metadata: AttentionMetadata,
+        options: AttentionOptions,
     ) -> torch.Tensor:
-        return torch_attention(q, k, v, k_buffer, v_buffer, metadata)
+        return torch_attention(q, k, v, k_buffer, v_buffer, metadata, options)
+
+
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gelu(gate) * up (GELU's tanh form, Gemma's GeGLU) for gate_up = [gate | up]: torch's
+    elementwise ops on both backends."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
 
 
 Backend = KernelBackend | TorchBackend

@@ -73,21 +73,26 @@ class Linear(nn.Module):
         return self.backend.linear(x, self.weight, self.quantized)
 
 
-class SwiGLUMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)), with gate and up stacked into one weight."""
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)), with gate and up stacked into one weight: SwiGLU (act =
+    silu) or GeGLU (act = GELU's tanh form, Gemma)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype, backend: Backend) -> None:
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, activation: str, dtype: torch.dtype, backend: Backend
+    ) -> None:
         super().__init__()
         self.gate_up_weight = _frozen(2 * intermediate_size, hidden_size, dtype=dtype)
         self.down_weight = _frozen(hidden_size, intermediate_size, dtype=dtype)
         self.gate_up_quantized: QuantizedLinearWeight | None = None
         self.down_quantized: QuantizedLinearWeight | None = None
         self.backend = backend
+        if activation not in ("silu", "gelu_tanh"):
+            raise ValueError(f"MLP activation {activation!r} is not supported; supported: silu, gelu_tanh")
+        self.activate_and_mul = backend.silu_mul if activation == "silu" else backend.gelu_tanh_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.backend.linear(x, self.gate_up_weight, self.gate_up_quantized)
-        activated = self.backend.silu_mul(gate_up)
-        return self.backend.linear(activated, self.down_weight, self.down_quantized)
+        return self.backend.linear(self.activate_and_mul(gate_up), self.down_weight, self.down_quantized)
 
 
 class RotaryEmbedding(nn.Module):

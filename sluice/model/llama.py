@@ -1,4 +1,9 @@
-"""Llama-family causal LM (Llama, SmolLM2, Mistral, Qwen2, Qwen3, Phi-3)."""
+"""Llama-family causal LM (Llama, SmolLM2, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2 and 3).
+
+Gemma differs in configuration only (model_config.py): GeGLU, sandwich norms (attention and
+MLP outputs normed before the residual add), scaled embeddings, sliding-window layers with
+their own RoPE base, soft-capped scores and logits.
+"""
 
 from __future__ import annotations
 
@@ -10,10 +15,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from sluice.kernels.decode_layers import DecodeLayers, LayerTensors
-from sluice.model.attention import AttentionMetadata
+from sluice.model.attention import AttentionMetadata, AttentionOptions
 from sluice.model.backend import Backend, KernelBackend, TorchBackend
 from sluice.model.forward_batch import ForwardBatch
-from sluice.model.layers import Linear, QKVProjection, RMSNorm, RotaryEmbedding, SwiGLUMLP
+from sluice.model.layers import GatedMLP, Linear, QKVProjection, RMSNorm, RotaryEmbedding
 from sluice.model.model_config import ModelConfig
 from sluice.model.quantized_linear import BlockFormat, BlockRows, QuantizedLinearWeight, fused_format
 from sluice.model.weights import Weight
@@ -23,8 +28,12 @@ _QKV_SOURCES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
 _GATE_UP_SOURCES = ("mlp.gate_proj", "mlp.up_proj")
 
 
+# A layer's rotation: the RotaryEmbedding and the cos / signed sin of this step's positions.
+RopeTables = tuple[RotaryEmbedding, torch.Tensor, torch.Tensor]
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, backend: Backend) -> None:
+    def __init__(self, config: ModelConfig, index: int, dtype: torch.dtype, backend: Backend) -> None:
         super().__init__()
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
@@ -44,16 +53,27 @@ class DecoderLayer(nn.Module):
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype, backend) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype, backend) if config.qk_norm else None
         self.o_proj = Linear(config.num_heads * config.head_dim, config.hidden_size, dtype, backend)
+        # Without sandwich norms this is the norm before the MLP; with them (Gemma), the norm
+        # of the attention output, and the two feed-forward norms surround the MLP.
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, backend)
-        self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size, dtype, backend)
+        self.pre_feedforward_layernorm: RMSNorm | None = None
+        self.post_feedforward_layernorm: RMSNorm | None = None
+        if config.sandwich_norms:
+            self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, backend)
+            self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, backend)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_activation, dtype, backend)
+        self.attention_options = AttentionOptions(
+            config.attention_scale, config.sliding_window(index), config.attn_logit_softcap
+        )
+        # Which of the model's rotations this layer takes: Gemma 3's sliding-window layers
+        # have their own RoPE base (LlamaForCausalLM.rotaries[1]).
+        self.rope_index = int(config.local_rope_theta is not None and config.sliding_window(index) is not None)
 
     def forward(
         self,
         hidden: torch.Tensor,
         pending: torch.Tensor | None,
-        rotary: RotaryEmbedding,
-        cos: torch.Tensor,
-        signed_sin: torch.Tensor,
+        rope: RopeTables,
         k_buffer: torch.Tensor,
         v_buffer: torch.Tensor,
         out_cache_loc: torch.Tensor,
@@ -70,12 +90,17 @@ class DecoderLayer(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             self._norm_heads(qkv[:, : self.num_heads], self.q_norm)
             self._norm_heads(qkv[:, self.num_heads : num_qk_heads], self.k_norm)
+        rotary, cos, signed_sin = rope
         q, k = self.backend.rotate_and_store(
             qkv, self.num_heads, self.num_kv_heads, rotary, cos, signed_sin, k_buffer, v_buffer, out_cache_loc
         )
-        attn = self.backend.attention(q, k, qkv[:, num_qk_heads:], k_buffer, v_buffer, metadata)
-        hidden, normed = self.post_attention_layernorm.add_and_norm(hidden, self.o_proj(attn))
-        return hidden, self.mlp(normed)
+        attn = self.backend.attention(q, k, qkv[:, num_qk_heads:], k_buffer, v_buffer, metadata, self.attention_options)
+        if self.pre_feedforward_layernorm is None or self.post_feedforward_layernorm is None:
+            hidden, normed = self.post_attention_layernorm.add_and_norm(hidden, self.o_proj(attn))
+            return hidden, self.mlp(normed)
+        attended = self.post_attention_layernorm(self.o_proj(attn))
+        hidden, normed = self.pre_feedforward_layernorm.add_and_norm(hidden, attended)
+        return hidden, self.post_feedforward_layernorm(self.mlp(normed))
 
     def _norm_heads(self, heads: torch.Tensor, norm: RMSNorm) -> None:
         """RMS-normalize each head_dim row of heads [tokens, n, head_dim] (a view into qkv) in place."""
@@ -100,10 +125,17 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Parameter(
             torch.empty(config.vocab_size, config.hidden_size, dtype=dtype), requires_grad=False
         )
-        self.rotary = RotaryEmbedding(
+        rotary = RotaryEmbedding(
             config.head_dim, config.rope_theta, config.rope_scaling, config.context_len, dtype, config.rotary_dim
         )
-        self.layers = nn.ModuleList(DecoderLayer(config, dtype, self.backend) for _ in range(config.num_layers))
+        if config.local_rope_theta is None:
+            self.rotaries = nn.ModuleList([rotary])
+        else:  # Gemma 3's sliding-window layers: their own base, unscaled
+            local = RotaryEmbedding(config.head_dim, config.local_rope_theta, None, config.context_len, dtype)
+            self.rotaries = nn.ModuleList([rotary, local])
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, index, dtype, self.backend) for index in range(config.num_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, self.backend)
         self.lm_head = self.embed_tokens  # replaced by load_weights when the model is untied
         self.lm_head_quantized: QuantizedLinearWeight | None = None
@@ -120,9 +152,11 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         """float32 logits of shape [len(fb.logits_indices), vocab_size]."""
         metadata = AttentionMetadata.build(fb, every_token_decodes=self.backend.every_token_decodes)
-        cos, signed_sin = self.rotary.lookup(fb.positions)
+        rotaries = cast(list[RotaryEmbedding], list(self.rotaries))  # nn.ModuleList holds them untyped
+        ropes: list[RopeTables] = [(rotary, *rotary.lookup(fb.positions)) for rotary in rotaries]
         hidden = self._embed(fb)
         if self.decode_layers is not None and metadata.decode_only:
+            _, cos, signed_sin = ropes[0]
             hidden = self.decode_layers.run(
                 hidden,
                 cos,
@@ -137,9 +171,9 @@ class LlamaForCausalLM(nn.Module):
             )
         else:
             pending = None
-            for layer, k_buffer, v_buffer in zip(self.layers, fb.k_buffers, fb.v_buffers, strict=True):
+            for layer, k_buffer, v_buffer in zip(self.decoder_layers, fb.k_buffers, fb.v_buffers, strict=True):
                 hidden, pending = layer(
-                    hidden, pending, self.rotary, cos, signed_sin, k_buffer, v_buffer, fb.out_cache_loc, metadata
+                    hidden, pending, ropes[layer.rope_index], k_buffer, v_buffer, fb.out_cache_loc, metadata
                 )
             assert pending is not None, "a model has at least one layer"
             hidden = hidden + pending
@@ -147,7 +181,9 @@ class LlamaForCausalLM(nn.Module):
             fb.hidden_states = self.norm(hidden[fb.hidden_indices]).float()
         # Norm and LM head only for the rows whose logits are wanted: the rest are never read.
         last_hidden = self.norm(hidden[fb.logits_indices])
-        return self.backend.linear(last_hidden, self.lm_head, self.lm_head_quantized).float()
+        logits = self.backend.linear(last_hidden, self.lm_head, self.lm_head_quantized).float()
+        cap = self.config.final_logit_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def _embed(self, fb: ForwardBatch) -> torch.Tensor:
         if fb.mm_rows is None:
@@ -160,12 +196,16 @@ class LlamaForCausalLM(nn.Module):
         return hidden.index_copy_(0, fb.mm_rows, fb.mm_embeds.to(hidden))
 
     def lookup(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """The embeddings of `input_ids` [tokens] -> [tokens, hidden]."""
+        """The embeddings of `input_ids` [tokens] -> [tokens, hidden] (scaled, for Gemma)."""
         if self.embedding_blocks is None:
-            return F.embedding(input_ids, self.embed_tokens)
-        if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.config.vocab_size):
-            raise IndexError(f"token ids must lie in [0, {self.config.vocab_size})")
-        return self.embedding_blocks.rows(input_ids).to(self.dtype)
+            embeddings = F.embedding(input_ids, self.embed_tokens)
+        else:
+            if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.config.vocab_size):
+                raise IndexError(f"token ids must lie in [0, {self.config.vocab_size})")
+            embeddings = self.embedding_blocks.rows(input_ids).to(self.dtype)
+        multiplier = self.config.embedding_multiplier
+        # As transformers does, the multiplier rounded to the model dtype first.
+        return embeddings if multiplier is None else embeddings * torch.tensor(multiplier, dtype=self.dtype)
 
     @torch.no_grad()
     def load_weights(self, weights: dict[str, Weight]) -> None:
@@ -255,7 +295,13 @@ class LlamaForCausalLM(nn.Module):
         return [weight for weight in weights if weight is not None]
 
     def _fused_decode_layers(self, backend: KernelBackend) -> DecodeLayers | None:
-        """The one-call path, when every layer's four projections are quantized."""
+        """The one-call path, when every layer's four projections are quantized and the layers
+        are Llama's (Gemma's run op by op)."""
+        config = self.config
+        if config.sandwich_norms or config.mlp_activation != "silu" or len(self.rotaries) > 1:
+            return None
+        if config.attn_logit_softcap is not None or config.query_pre_attn_scalar is not None:
+            return None
         tensors: list[LayerTensors] = []
         for layer in self.decoder_layers:
             qkv, o, gate_up, down = (
@@ -277,9 +323,9 @@ class LlamaForCausalLM(nn.Module):
                     qkv_bias=layer.qkv_proj.bias,
                     q_norm=None if layer.q_norm is None else layer.q_norm.weight,
                     k_norm=None if layer.k_norm is None else layer.k_norm.weight,
+                    sliding_window=layer.attention_options.sliding_window,
                 )
             )
-        config = self.config
         return DecodeLayers(
             backend.ops,
             tensors,
@@ -298,6 +344,9 @@ def _load_layer(layer: DecoderLayer, blocks: _BlockLoader, prefix: str) -> None:
     attn = prefix + "self_attn."
     _copy_in(layer.input_layernorm.weight, weights, prefix + "input_layernorm.weight")
     _copy_in(layer.post_attention_layernorm.weight, weights, prefix + "post_attention_layernorm.weight")
+    if layer.pre_feedforward_layernorm is not None and layer.post_feedforward_layernorm is not None:
+        _copy_in(layer.pre_feedforward_layernorm.weight, weights, prefix + "pre_feedforward_layernorm.weight")
+        _copy_in(layer.post_feedforward_layernorm.weight, weights, prefix + "post_feedforward_layernorm.weight")
     layer.qkv_proj.quantized = blocks.take(layer.qkv_proj, "weight", [f"{attn}{name}_proj.weight" for name in "qkv"])
     if layer.qkv_proj.bias is not None:
         _copy_in(layer.qkv_proj.bias, weights, *[f"{attn}{name}_proj.bias" for name in "qkv"])

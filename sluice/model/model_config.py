@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import functools
 import json
-import logging
 from dataclasses import dataclass
+from dataclasses import field as dataclass_field
 from pathlib import Path
 from typing import Any
 
 from sluice.model.gguf_header import read_architecture
-
-logger = logging.getLogger(__name__)
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -19,7 +17,12 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3ForCausalLM",
     "MistralForCausalLM",
     "Phi3ForCausalLM",
+    "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM",
 )
+# Gemma 2 and 3: (1 + w) norms, on the attention and MLP outputs too, GeGLU, embeddings
+# scaled by sqrt(hidden), sliding-window layers interleaved with global ones.
+GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 # Vision-language architectures: a vision tower and projector in front of one of the above.
 SUPPORTED_VLM_ARCHITECTURES = ("LlavaForConditionalGeneration",)
 
@@ -29,6 +32,8 @@ _ARCHITECTURE_BY_GGUF_NAME = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
 }
 _ARCHITECTURE_BY_MODEL_TYPE = {
     "llama": "LlamaForCausalLM",
@@ -36,7 +41,13 @@ _ARCHITECTURE_BY_MODEL_TYPE = {
     "qwen3": "Qwen3ForCausalLM",
     "mistral": "MistralForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
 }
+# Every how many layers a Gemma model has a global one, where its config does not list
+# them (transformers' and llama.cpp's defaults): the others attend over a sliding window.
+_GEMMA_WINDOW_PATTERNS = {"Gemma2ForCausalLM": 2, "Gemma3ForCausalLM": 6}
+_GEMMA_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu_tanh")
 
 
 @dataclass(slots=True)
@@ -109,14 +120,33 @@ class ModelConfig:
     rms_norm_eps: float
     tie_word_embeddings: bool
     attention_bias: bool  # q/k/v projections carry a bias (Qwen2)
-    qk_norm: bool  # each q and k head is RMS-normalized before the rotation (Qwen3)
+    qk_norm: bool  # each q and k head is RMS-normalized before the rotation (Qwen3, Gemma 3)
     context_len: int  # max_position_embeddings
     eos_token_ids: list[int]
     # Dimensions of each q/k head that rotate (Phi-4-mini: 3/4 of them); None: all of head_dim.
     rotary_dim: int | None = None
+    # Per layer, how many keys a query sees, its own included (a sliding window); None: all.
+    # An empty list: every layer attends over the whole sequence.
+    layer_windows: list[int | None] = dataclass_field(default_factory=list)
+    # Gemma 2/3 (GEMMA_ARCHITECTURES); the defaults are every other family's.
+    mlp_activation: str = "silu"  # of the gate: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
+    sandwich_norms: bool = False  # attention and MLP outputs are normed too, before the residual add
+    norm_weight_offset: float = 0.0  # added to every norm weight at load: Gemma's HF norms scale by 1 + w
+    embedding_multiplier: float | None = None  # token embeddings are scaled by it (Gemma: sqrt(hidden))
+    query_pre_attn_scalar: float | None = None  # scores are q.k / sqrt(this); None: head_dim
+    attn_logit_softcap: float | None = None  # scores s become cap * tanh(s / cap) (Gemma 2)
+    final_logit_softcap: float | None = None  # and so do the logits
+    local_rope_theta: float | None = None  # sliding-window layers' RoPE base, unscaled (Gemma 3)
     # Vision-language models only; the fields above then describe the language model.
     vision: VisionConfig | None = None
     image_token_id: int | None = None  # the placeholder token an image stands for in a prompt
+
+    @property
+    def attention_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def sliding_window(self, layer: int) -> int | None:
+        return self.layer_windows[layer] if self.layer_windows else None
 
     @property
     def num_image_tokens(self) -> int:
@@ -197,6 +227,7 @@ def _from_gguf(path: Path) -> ModelConfig:
     head_dim = int(field(f"{arch_name}.attention.key_length", hidden_size // num_heads))
     rotary_dims = field(f"{arch_name}.rope.dimension_count")
     rotary_dim = _checked_rotary_dim(None if rotary_dims is None else int(rotary_dims), head_dim)
+    num_layers = int(field(f"{arch_name}.block_count"))
     tokens = reader.fields["tokenizer.ggml.tokens"]
     eos_token_ids = [
         int(token_id)
@@ -208,7 +239,7 @@ def _from_gguf(path: Path) -> ModelConfig:
         vocab_size=len(tokens.data),
         hidden_size=hidden_size,
         intermediate_size=int(field(f"{arch_name}.feed_forward_length")),
-        num_layers=int(field(f"{arch_name}.block_count")),
+        num_layers=num_layers,
         num_heads=num_heads,
         num_kv_heads=int(field(f"{arch_name}.attention.head_count_kv", num_heads)),
         head_dim=head_dim,
@@ -218,12 +249,58 @@ def _from_gguf(path: Path) -> ModelConfig:
         tie_word_embeddings="output.weight" not in tensor_names,
         attention_bias="blk.0.attn_q.bias" in tensor_names,
         qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
-        context_len=_within_sliding_window(
-            int(field(f"{arch_name}.context_length", 2048)), field(f"{arch_name}.attention.sliding_window") or None
-        ),
+        context_len=int(field(f"{arch_name}.context_length", 2048)),
         eos_token_ids=list(dict.fromkeys(eos_token_ids)),
         rotary_dim=rotary_dim,
+        layer_windows=_layer_windows(
+            architecture,
+            num_layers,
+            field(f"{arch_name}.attention.sliding_window") or None,
+            field(f"{arch_name}.attention.sliding_window_pattern"),
+        ),
+        **(_gemma_gguf_fields(field, arch_name, architecture, num_layers, hidden_size, num_heads)),
     )
+
+
+def _gemma_gguf_fields(
+    field, arch_name: str, architecture: str, num_layers: int, hidden_size: int, num_heads: int
+) -> dict[str, Any]:
+    """Gemma's ModelConfig fields from a GGUF, read as llama.cpp reads them: its converter
+    stores norm weights as 1 + w already, and the 27 B models (46 or 62 layers) scale
+    scores by hidden / heads instead of head_dim."""
+    if architecture not in GEMMA_ARCHITECTURES:
+        return {}
+    big = (architecture, num_layers) in (("Gemma2ForCausalLM", 46), ("Gemma3ForCausalLM", 62))
+    return dict(
+        mlp_activation="gelu_tanh",
+        sandwich_norms=True,
+        embedding_multiplier=hidden_size**0.5,
+        query_pre_attn_scalar=hidden_size / num_heads if big else None,
+        attn_logit_softcap=field(f"{arch_name}.attn_logit_softcapping"),
+        final_logit_softcap=field(f"{arch_name}.final_logit_softcapping"),
+        local_rope_theta=10000.0 if architecture == "Gemma3ForCausalLM" else None,
+    )
+
+
+def _layer_windows(
+    architecture: str, num_layers: int, sliding_window: int | None, pattern: Any, layer_types: list[str] | None = None
+) -> list[int | None]:
+    """Each layer's sliding window (None: global), from a config's `layer_types`, else a GGUF's
+    `sliding_window_pattern` (every how many layers one is global, or a bool per layer,
+    True = sliding), else the architecture's default: Gemma's interleaving, every layer
+    for the rest (Mistral v0.1)."""
+    if sliding_window is None:
+        return []
+    if layer_types is not None:
+        if len(layer_types) != num_layers:
+            raise ValueError(f"layer_types lists {len(layer_types)} layers, not num_hidden_layers = {num_layers}")
+        sliding = [kind == "sliding_attention" for kind in layer_types]
+    elif isinstance(pattern, list):
+        sliding = [bool(flag) for flag in pattern][:num_layers]
+    else:
+        every = int(pattern or _GEMMA_WINDOW_PATTERNS.get(architecture, 0))
+        sliding = [every == 0 or (layer + 1) % every != 0 for layer in range(num_layers)]
+    return [int(sliding_window) if flag else None for flag in sliding] if any(sliding) else []
 
 
 def _checked_rotary_dim(rotary_dim: int | None, head_dim: int) -> int | None:
@@ -275,8 +352,10 @@ def _text_fields(config: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(f"architecture {architecture!r} is not supported; supported: {list(SUPPORTED_ARCHITECTURES)}")
 
     # transformers 5 writes `rope_parameters` (theta included); older versions write
-    # `rope_theta` and `rope_scaling` separately.
+    # `rope_theta` and `rope_scaling` separately. Gemma 3's has one set per kind of layer.
     rope_parameters = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+    local_rope = rope_parameters.pop("sliding_attention", None)
+    rope_parameters = dict(rope_parameters.pop("full_attention", None) or rope_parameters)
     rope_theta = float(config.get("rope_theta") or rope_parameters.pop("rope_theta", None) or 10000.0)
     rope_parameters.pop("rope_theta", None)
     if "type" in rope_parameters:
@@ -299,6 +378,7 @@ def _text_fields(config: dict[str, Any]) -> dict[str, Any]:
     head_dim = config.get("head_dim") or hidden_size // num_heads
     context_len = config.get("max_position_embeddings", 2048)
     rotary_dim = None if partial_rotary_factor is None else int(head_dim * partial_rotary_factor)
+    use_sliding_window = config.get("use_sliding_window", True) or config.get("layer_types") is not None
     return dict(
         architecture=architecture,
         vocab_size=config["vocab_size"],
@@ -314,27 +394,40 @@ def _text_fields(config: dict[str, Any]) -> dict[str, Any]:
         rms_norm_eps=config.get("rms_norm_eps", 1e-6),
         tie_word_embeddings=config.get("tie_word_embeddings", False),
         attention_bias=config.get("attention_bias", architecture == "Qwen2ForCausalLM"),
-        qk_norm=architecture == "Qwen3ForCausalLM",
-        context_len=_within_sliding_window(
-            context_len, config.get("sliding_window") if config.get("use_sliding_window", True) else None
+        qk_norm=architecture in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
+        context_len=context_len,
+        layer_windows=_layer_windows(
+            architecture,
+            config["num_hidden_layers"],
+            config.get("sliding_window") if use_sliding_window else None,
+            config.get("sliding_window_pattern"),
+            config.get("layer_types"),
         ),
+        **_gemma_hf_fields(config, architecture, local_rope),
     )
 
 
-def _within_sliding_window(context_len: int, sliding_window: int | None) -> int:
-    """The attention kernels attend over the whole sequence; a model whose layers see only
-    the last `sliding_window` tokens gets the same answers only while sequences fit in the
-    window, so the context is capped there (as vLLM does on backends without windows)."""
-    if sliding_window is None or sliding_window >= context_len:
-        return context_len
-    logger.warning(
-        "the model attends over a sliding window of %d tokens, which sluice does not implement: "
-        "serving a context of %d tokens instead of %d, where full attention is the same",
-        sliding_window,
-        sliding_window,
-        context_len,
+def _gemma_hf_fields(config: dict[str, Any], architecture: str, local_rope: dict[str, Any] | None) -> dict[str, Any]:
+    """Gemma's ModelConfig fields from its config.json (transformers' defaults where absent)."""
+    if architecture not in GEMMA_ARCHITECTURES:
+        return {}
+    activation = config.get("hidden_activation") or config.get("hidden_act") or "gelu_pytorch_tanh"
+    if activation not in _GEMMA_ACTIVATIONS:
+        raise ValueError(f"hidden_activation {activation!r} is not supported; supported: {list(_GEMMA_ACTIVATIONS)}")
+    gemma2 = architecture == "Gemma2ForCausalLM"
+    local_rope = local_rope or {"rope_theta": config.get("rope_local_base_freq", 10000.0)}
+    if local_rope.get("rope_type", "default") != "default":
+        raise ValueError(f"rope_parameters.sliding_attention.rope_type {local_rope['rope_type']!r} is not supported")
+    return dict(
+        mlp_activation="gelu_tanh",
+        sandwich_norms=True,
+        norm_weight_offset=1.0,
+        embedding_multiplier=config["hidden_size"] ** 0.5,
+        query_pre_attn_scalar=config.get("query_pre_attn_scalar", 256),
+        attn_logit_softcap=config.get("attn_logit_softcapping", 50.0 if gemma2 else None),
+        final_logit_softcap=config.get("final_logit_softcapping", 30.0 if gemma2 else None),
+        local_rope_theta=None if gemma2 else float(local_rope["rope_theta"]),
     )
-    return int(sliding_window)
 
 
 # Old llava-hf checkpoints (llava-1.5) store only the fields that differ from these

@@ -37,6 +37,12 @@ _GGUF_LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Gemma's four norms a layer: llama.cpp's "ffn_norm" is the norm before the MLP there.
+_GGUF_SANDWICH_NORM_NAMES = {
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
 _GGUF_TOP_NAMES = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
@@ -55,7 +61,13 @@ def load_weights(
     if is_gguf(path):
         weights = _load_gguf(Path(path), config, dtype, format_of)
     else:
-        weights = {**_load_safetensors_folder(Path(path), dtype)}
+        tensors = _load_safetensors_folder(Path(path), dtype)
+        if config.norm_weight_offset:
+            # Gemma's norms scale by (1 + w), and its checkpoints store w (llama.cpp's
+            # converter stores 1 + w in the GGUF already).
+            for name in [name for name in tensors if name.endswith("norm.weight")]:
+                tensors[name] = tensors[name].float().add_(config.norm_weight_offset).to(dtype)
+        weights = {**tensors}
         if config.vision is not None:
             weights = {_llava_name(name): tensor for name, tensor in weights.items()}
     return _order_for_partial_rotary(_split_fused_projections(weights, config), config)
@@ -136,8 +148,8 @@ def _load_gguf(path: Path, config: ModelConfig, dtype: torch.dtype, format_of: F
 
     reader = open_gguf(str(path))
     # llama.cpp's converter permutes Q/K rows of llama models for its rotary layout; Qwen2,
-    # Qwen3 and Phi-3 use the NeoX layout there and are stored unpermuted.
-    unpermute_qk = config.architecture not in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM")
+    # Qwen3, Phi-3 and Gemma use the NeoX layout there and are stored unpermuted.
+    unpermute_qk = config.architecture in ("LlamaForCausalLM", "MistralForCausalLM")
     weights: dict[str, Weight] = {}
     for tensor in reader.tensors:
         name = _hf_name(tensor.name, config)
@@ -192,6 +204,8 @@ def _hf_name(gguf_name: str, config: ModelConfig) -> str | None:
     if stem.startswith("blk."):
         _, layer, part = stem.split(".", 2)
         hf_part = _GGUF_LAYER_NAMES.get(part)
+        if config.sandwich_norms:
+            hf_part = _GGUF_SANDWICH_NORM_NAMES.get(part, hf_part)
         if part == "ffn_up" and config.architecture == "Phi3ForCausalLM":
             hf_part = "mlp.gate_up_proj"  # Phi-3's ffn_up holds gate and up, one above the other
         return None if hf_part is None else f"model.layers.{layer}.{hf_part}.{suffix}"

@@ -149,6 +149,38 @@ def test_decode_attention_reads_each_request_slots_in_place(ops, heads, kv_heads
         torch.testing.assert_close(out[row], expected, rtol=1e-4, atol=1e-5)
 
 
+class Prompts:
+    """Whole prompts of random K/V in one pool (slots shuffled) and a query per token, each
+    token seeing its prompt up to itself, as a prefill does."""
+
+    def __init__(self, generator, lengths: list[int], heads: int, kv_heads: int, head_dim: int, kv_dtype) -> None:
+        num_slots = sum(lengths) + 1
+        self.k_pool = torch.randn(num_slots, kv_heads, head_dim, generator=generator).to(kv_dtype)
+        self.v_pool = torch.randn(num_slots, kv_heads, head_dim, generator=generator).to(kv_dtype)
+        self.request_slots = list(torch.randperm(num_slots - 1, generator=generator).add(1).split(lengths))
+        self.max_len = max(lengths)
+        self.padded = torch.zeros(len(lengths), self.max_len, dtype=torch.int64)
+        for row, slots in enumerate(self.request_slots):
+            self.padded[row, : len(slots)] = slots
+        self.q = torch.randn(sum(lengths), heads, head_dim, generator=generator)
+        self.slot_rows = torch.cat([torch.full((n,), row) for row, n in enumerate(lengths)])
+        self.seq_lens = torch.cat([torch.arange(1, n + 1) for n in lengths])
+
+    def attend_together(self, ops: KernelOps, **options) -> torch.Tensor:
+        slots = self.padded.view(-1)
+        return ops.decode_attention(
+            self.q, self.k_pool, self.v_pool, slots, self.seq_lens, self.max_len, self.slot_rows, **options
+        )
+
+    def assert_each_token_as_a_decode_step(self, ops: KernelOps, together: torch.Tensor, **options) -> None:
+        for i in range(len(self.q)):
+            slots, seq_len = self.padded[self.slot_rows[i]].clone(), self.seq_lens[i : i + 1]
+            alone = ops.decode_attention(
+                self.q[i : i + 1], self.k_pool, self.v_pool, slots, seq_len, self.max_len, **options
+            )
+            assert torch.equal(together[i], alone[0]), f"query {i}"
+
+
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("heads, kv_heads, head_dim", [(9, 3, 64), (16, 2, 64), (8, 2, 128), (4, 4, 32), (4, 1, 20)])
 def test_prompt_attention_gives_each_token_the_bits_of_a_decode_step_at_its_position(
@@ -156,33 +188,58 @@ def test_prompt_attention_gives_each_token_the_bits_of_a_decode_step_at_its_posi
 ):
     """Prompt tokens go in blocks that share each K/V tile (their keys transposed once); each
     token's result must be the bits it gets alone, as a decode step, and causal attention."""
-    generator = torch.Generator().manual_seed(4)
-    lengths = [150, 7]  # a long prompt (full and partial blocks and tiles) and a short one beside it
-    num_slots = sum(lengths) + 1
-    k_pool = torch.randn(num_slots, kv_heads, head_dim, generator=generator).to(kv_dtype)
-    v_pool = torch.randn(num_slots, kv_heads, head_dim, generator=generator).to(kv_dtype)
-    request_slots = list(torch.randperm(num_slots - 1, generator=generator).add(1).split(lengths))
-    max_len = max(lengths)
-    padded = torch.zeros(len(lengths), max_len, dtype=torch.int64)
-    for row, slots in enumerate(request_slots):
-        padded[row, : len(slots)] = slots
-    q = torch.randn(sum(lengths), heads, head_dim, generator=generator)
-    slot_rows = torch.cat([torch.full((n,), row) for row, n in enumerate(lengths)])
-    seq_lens = torch.cat([torch.arange(1, n + 1) for n in lengths])
-
-    together = ops.decode_attention(q, k_pool, v_pool, padded.view(-1), seq_lens, max_len, slot_rows)
-
-    for i in range(len(q)):
-        alone_slots = padded[slot_rows[i]].clone()
-        alone = ops.decode_attention(q[i : i + 1], k_pool, v_pool, alone_slots, seq_lens[i : i + 1], max_len)
-        assert torch.equal(together[i], alone[0]), f"query {i}"
+    # A long prompt (full and partial blocks and tiles) and a short one beside it.
+    prompts = Prompts(torch.Generator().manual_seed(4), [150, 7], heads, kv_heads, head_dim, kv_dtype)
+    together = prompts.attend_together(ops)
+    prompts.assert_each_token_as_a_decode_step(ops, together)
+    k_pool, v_pool, q = prompts.k_pool, prompts.v_pool, prompts.q
     first = 0
-    for slots in request_slots:
+    for slots in prompts.request_slots:
         n = len(slots)
         keys = k_pool[slots].float().repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)
         values = v_pool[slots].float().repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)
         expected = F.scaled_dot_product_attention(q[first : first + n].transpose(0, 1), keys, values, is_causal=True)
         torch.testing.assert_close(together[first : first + n], expected.transpose(0, 1), rtol=1e-4, atol=1e-5)
+        first += n
+
+
+def windowed_reference(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, window: int, softcap: float | None
+) -> torch.Tensor:
+    """Causal attention of q [n, heads, dim] over keys/values [n, heads, dim] in float64, each
+    query seeing the last `window` positions (its own included), scores soft-capped."""
+    q, keys, values = (tensor.double().transpose(0, 1) for tensor in (q, keys, values))
+    scores = q @ keys.transpose(1, 2) * scale
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    positions = torch.arange(len(keys[0]))
+    seen = (positions[None, :] <= positions[:, None]) & (positions[None, :] > positions[:, None] - window)
+    weights = scores.masked_fill(~seen, float("-inf")).softmax(-1)
+    return (weights @ values).transpose(0, 1).float()
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("window, softcap", [(70, None), (5, 2.0), (1000, 3.0), (64, 0.5)])
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(8, 2, 64), (4, 1, 256), (4, 1, 20)])
+def test_a_sliding_window_and_softcapped_scores_keep_the_bits_of_a_decode_step(
+    ops, heads, kv_heads, head_dim, window, softcap, kv_dtype
+):
+    """Gemma's attention: each query sees only its window (tiles before it skipped, the rest
+    of its first tile masked), scores soft-capped; a prompt token's bits are its decode
+    step's, and both are the float reference's values."""
+    prompts = Prompts(torch.Generator().manual_seed(6), [300, 17], heads, kv_heads, head_dim, kv_dtype)
+    scale = 0.3 / head_dim**0.5
+    options = dict(scale=scale, sliding_window=window, softcap=softcap)
+    together = prompts.attend_together(ops, **options)
+    prompts.assert_each_token_as_a_decode_step(ops, together, **options)
+    k_pool, v_pool, q = prompts.k_pool, prompts.v_pool, prompts.q
+    first = 0
+    for slots in prompts.request_slots:
+        n = len(slots)
+        keys = k_pool[slots].float().repeat_interleave(heads // kv_heads, dim=1)
+        values = v_pool[slots].float().repeat_interleave(heads // kv_heads, dim=1)
+        expected = windowed_reference(q[first : first + n], keys, values, scale, window, softcap)
+        torch.testing.assert_close(together[first : first + n], expected, rtol=1e-4, atol=1e-5)
         first += n
 
 
@@ -220,7 +277,7 @@ def test_every_declared_function_is_bound_with_the_header_types(ops):
     signatures = contract.declared_signatures()
     assert {"sluice_qgemm", "sluice_decode_attention", "sluice_decode_layers", "sluice_self_test"} <= set(signatures)
     restype, argtypes = signatures["sluice_decode_attention"]
-    assert restype is not None and len(argtypes) == 15
+    assert restype is not None and len(argtypes) == 17
     assert ops.lib.sluice_decode_attention.argtypes == argtypes
     assert ops.lib.sluice_self_test() == 0
 

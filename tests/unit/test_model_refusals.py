@@ -27,7 +27,7 @@ def qwen3_gguf(tmp_path_factory) -> Path:
 def write_unsupported(path: Path) -> Path:
     import gguf
 
-    writer = gguf.GGUFWriter(str(path), "gemma3")
+    writer = gguf.GGUFWriter(str(path), "mamba")
     writer.add_block_count(1)
     writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
     writer.write_header_to_file()
@@ -73,7 +73,7 @@ def test_a_file_that_is_not_gguf_is_refused(tmp_path):
 @pytest.mark.parametrize(
     "make, message",
     [
-        (lambda tmp: write_unsupported(tmp / "gemma.gguf"), "GGUF architecture 'gemma3' is not supported"),
+        (lambda tmp: write_unsupported(tmp / "mamba.gguf"), "GGUF architecture 'mamba' is not supported"),
         (lambda tmp: tmp / "missing.gguf", "no such file"),
         (lambda tmp: tmp, "neither a .gguf file nor a folder with config.json"),
     ],

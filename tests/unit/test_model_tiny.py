@@ -110,6 +110,59 @@ def mistral_wide_heads():
     return MistralForCausalLM(MistralConfig(**SHAPE, head_dim=32, sliding_window=None))
 
 
+def mistral_sliding_window():
+    from transformers import MistralConfig, MistralForCausalLM
+
+    # Mistral v0.1's window over every layer: 6 keys, so most of the 28 tokens look past it.
+    return MistralForCausalLM(MistralConfig(**SHAPE, sliding_window=6))
+
+
+def gemma2(query_pre_attn_scalar: int):
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    # Layer 0 attends over a window of 5 keys, layer 1 over everything; scores and logits
+    # soft-capped low enough to bend them.
+    config = Gemma2Config(
+        **SHAPE,
+        head_dim=16,
+        sliding_window=5,
+        query_pre_attn_scalar=query_pre_attn_scalar,
+        attn_logit_softcapping=1.5,
+        final_logit_softcapping=4.0,
+        attn_implementation="eager",
+    )
+    return Gemma2ForCausalLM(config)
+
+
+def gemma2_softcapped_windows():
+    return gemma2(query_pre_attn_scalar=24)  # scores scaled by 1/sqrt(24), not 1/sqrt(head_dim)
+
+
+def gemma2_as_llama_cpp_reads_it():
+    # A GGUF does not store query_pre_attn_scalar: llama.cpp takes head_dim.
+    return gemma2(query_pre_attn_scalar=16)
+
+
+def gemma3_local_and_global_rope():
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    # Per-head q/k norms; the sliding layer rotates with base 10,000, the global one with
+    # 1,000,000 and linear scaling by 8 (Gemma 3 4B's).
+    rope = {
+        "full_attention": {"rope_type": "linear", "rope_theta": 1_000_000.0, "factor": 8.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+    }
+    config = Gemma3TextConfig(
+        **SHAPE,
+        head_dim=32,
+        sliding_window=7,
+        layer_types=["sliding_attention", "full_attention"],
+        query_pre_attn_scalar=32,
+        rope_parameters=rope,
+    )
+    return Gemma3ForCausalLM(config)
+
+
 VARIANTS = [
     llama_llama3_rope_untied,
     llama_linear_rope_tied,
@@ -118,7 +171,12 @@ VARIANTS = [
     phi3_longrope,
     phi4_mini_partial_rotary,
     mistral_wide_heads,
+    mistral_sliding_window,
+    gemma2_softcapped_windows,
+    gemma3_local_and_global_rope,
 ]
+# Gemma's layers (sandwich norms, GeGLU, soft-capping, two RoPE bases) run op by op.
+ONE_CALL_VARIANTS = [build for build in VARIANTS if not build.__name__.startswith("gemma")]
 
 
 def save_random_model(build, folder: Path):
@@ -159,11 +217,8 @@ def sluice_greedy(runner: ModelRunner, prompt_ids: list[int], num_tokens: int) -
     return generated
 
 
-@pytest.mark.parametrize("build", VARIANTS, ids=lambda build: build.__name__)
-def test_logits_and_greedy_tokens_match_transformers(build, tmp_path: Path):
-    hf_model = save_random_model(build, tmp_path)
-    runner = ModelRunner(str(tmp_path), torch.float32, kv_cache_dtype="float32")
-
+def assert_matches_transformers(runner: ModelRunner, hf_model) -> None:
+    """PROMPT_IDS's logits within 1e-4 of the largest of transformers', and its greedy tokens."""
     kv_buffers = runner.new_kv_buffers(len(PROMPT_IDS) + 1)
     logits = runner.forward(
         make_batch([(PROMPT_IDS, torch.arange(1, len(PROMPT_IDS) + 1))], kv_buffers, all_logits=True)
@@ -174,12 +229,39 @@ def test_logits_and_greedy_tokens_match_transformers(build, tmp_path: Path):
     assert sluice_greedy(runner, PROMPT_IDS, NUM_GREEDY_TOKENS) == hf_greedy(hf_model, PROMPT_IDS, NUM_GREEDY_TOKENS)
 
 
+@pytest.mark.parametrize("build", VARIANTS, ids=lambda build: build.__name__)
+def test_logits_and_greedy_tokens_match_transformers(build, tmp_path: Path):
+    hf_model = save_random_model(build, tmp_path)
+    runner = ModelRunner(str(tmp_path), torch.float32, kv_cache_dtype="float32")
+    assert_matches_transformers(runner, hf_model)
+
+
+@pytest.mark.parametrize(
+    "build", [mistral_sliding_window, gemma2_softcapped_windows, gemma3_local_and_global_rope], ids=lambda b: b.__name__
+)
+def test_the_torch_path_takes_windows_and_soft_capping_too(build, tmp_path: Path, monkeypatch):
+    """Without the C kernels (torch ops in float32), sliding windows, soft-capped scores and
+    Gemma's layers still give transformers' logits and tokens."""
+    import sluice.model.execution as execution
+
+    def no_kernels():
+        raise execution.KernelUnavailable("disabled by this test")
+
+    monkeypatch.setattr(execution, "load_kernels", no_kernels)
+    hf_model = save_random_model(build, tmp_path)
+    runner = ModelRunner(str(tmp_path), torch.float32, kv_cache_dtype="float32")
+    assert not runner.execution.uses_kernels
+    assert_matches_transformers(runner, hf_model)
+
+
 GGUF_VARIANTS = [
     (qwen3_with_qk_norm, "qwen3"),
     (qwen2_with_qkv_bias, "qwen2"),
     (phi3_longrope, "phi3"),
     (phi4_mini_partial_rotary, "phi3"),
     (llama_llama3_rope_untied, "llama"),  # llama3 scaling as llama.cpp's rope_freqs tensor
+    (gemma2_as_llama_cpp_reads_it, "gemma2"),  # norms stored as 1 + w, the default interleaving
+    (gemma3_local_and_global_rope, "gemma3"),  # which layers slide, as a pattern of bools
 ]
 
 
@@ -192,48 +274,56 @@ def test_a_gguf_of_the_same_weights_matches_transformers(build, arch, tmp_path: 
         str(write_gguf(hf_model, tmp_path / "model.gguf", arch)), torch.float32, kv_cache_dtype="float32"
     )
     assert runner.config.architecture == type(hf_model).__name__
-
-    kv_buffers = runner.new_kv_buffers(len(PROMPT_IDS) + 1)
-    logits = runner.forward(
-        make_batch([(PROMPT_IDS, torch.arange(1, len(PROMPT_IDS) + 1))], kv_buffers, all_logits=True)
-    )
-    with torch.inference_mode():
-        expected = hf_model(torch.tensor([PROMPT_IDS])).logits[0]
-    assert ((logits - expected).abs().max() / expected.abs().max()).item() < 1e-4
-    assert sluice_greedy(runner, PROMPT_IDS, NUM_GREEDY_TOKENS) == hf_greedy(hf_model, PROMPT_IDS, NUM_GREEDY_TOKENS)
+    assert_matches_transformers(runner, hf_model)
 
 
 @pytest.mark.skipif(not kernels_available(), reason="the C kernels need an x86-64 CPU with AVX2 and gcc")
-@pytest.mark.parametrize("build, arch", [(qwen3_with_qk_norm, "qwen3"), (phi3_longrope, "phi3")], ids=["qwen3", "phi3"])
-def test_a_q8_0_gguf_runs_its_blocks_and_stays_invariant(build, arch, tmp_path: Path):
+@pytest.mark.parametrize(
+    "build, arch, one_call, tolerance",
+    [
+        (qwen3_with_qk_norm, "qwen3", True, 0.05),
+        (phi3_longrope, "phi3", True, 0.05),
+        # Four random norms of weight 1.5-2.5 a layer amplify the rounding of the weights alone
+        # to 4-5% of the largest logit (the same GGUF dequantized to float32 is that far too).
+        (gemma2_as_llama_cpp_reads_it, "gemma2", False, 0.1),
+        (gemma3_local_and_global_rope, "gemma3", False, 0.1),
+    ],
+    ids=["qwen3", "phi3", "gemma2", "gemma3"],
+)
+def test_a_q8_0_gguf_runs_its_blocks_and_stays_invariant(build, arch, one_call, tolerance, tmp_path: Path):
     """Q8_0 matrices (Phi-3's fused ones too) go through qgemm, decode steps through the
-    one-call path (with Qwen3's per-head q/k norm); logits stay near the float model's and
-    do not depend on chunking, batching or which path ran."""
+    one-call path (with Qwen3's per-head q/k norm; Gemma's layers run op by op); logits stay
+    near the float model's and do not depend on chunking, batching or which path ran."""
     hf_model = save_random_model(build, tmp_path / "hf")
     runner = ModelRunner(str(write_gguf(hf_model, tmp_path / "q8.gguf", arch, "Q8_0")), torch.float32, "auto")
     assert len(runner.model.quantized_weights()) == 4 * 2 + 1  # every projection and the LM head
-    assert runner.model.decode_layers is not None
+    assert (runner.model.decode_layers is not None) == one_call
     slots = torch.arange(1, len(PROMPT_IDS) + 1)
 
     kv_buffers = runner.new_kv_buffers(64)
     whole = runner.forward(make_batch([(PROMPT_IDS, slots)], kv_buffers, all_logits=True))
     with torch.inference_mode():
         expected = hf_model(torch.tensor([PROMPT_IDS])).logits[0]
-    assert ((whole - expected).abs().max() / expected.abs().max()).item() < 0.05
+    assert ((whole - expected).abs().max() / expected.abs().max()).item() < tolerance
 
     assert_same_bits_chunked_and_batched(runner, whole)
 
 
-def test_a_sliding_window_caps_the_context_where_full_attention_is_the_same(tmp_path: Path):
+def test_sliding_windows_are_read_per_layer_and_keep_the_whole_context(tmp_path: Path):
     save_random_model(mistral_wide_heads, tmp_path)
     config_path = tmp_path / "config.json"
     config = json.loads(config_path.read_text())
     config_path.write_text(json.dumps({**config, "sliding_window": 64}))
-    assert ModelConfig.from_path(tmp_path).context_len == 64
+    read = ModelConfig.from_path(tmp_path)
+    assert (read.context_len, read.layer_windows) == (512, [64, 64])
     config_path.write_text(json.dumps({**config, "sliding_window": 64, "use_sliding_window": False}))
-    assert ModelConfig.from_path(tmp_path).context_len == 512
-    config_path.write_text(json.dumps({**config, "sliding_window": 4096}))
-    assert ModelConfig.from_path(tmp_path).context_len == 512
+    assert ModelConfig.from_path(tmp_path).layer_windows == []
+    layer_types = ["full_attention", "sliding_attention"]
+    config_path.write_text(json.dumps({**config, "sliding_window": 64, "layer_types": layer_types}))
+    assert ModelConfig.from_path(tmp_path).layer_windows == [None, 64]
+    config_path.write_text(json.dumps({**config, "sliding_window": 64, "layer_types": ["full_attention"]}))
+    with pytest.raises(ValueError, match="layer_types lists 1 layers"):
+        ModelConfig.from_path(tmp_path)
 
 
 def test_longrope_takes_the_long_factors_from_the_original_length_on_per_position():
@@ -314,7 +404,7 @@ def test_config_reads_eos_from_both_files_and_sizes_kv(tmp_path: Path):
 
 
 @pytest.mark.skipif(not kernels_available(), reason="the C kernels need an x86-64 CPU with AVX2 and gcc")
-@pytest.mark.parametrize("build", VARIANTS, ids=lambda build: build.__name__)
+@pytest.mark.parametrize("build", ONE_CALL_VARIANTS, ids=lambda build: build.__name__)
 def test_one_call_layers_equal_the_per_op_path(build, tmp_path: Path):
     """A quantized float32 model runs all layers of a step in one C call; its logits must be
     those of the layer-by-layer path, bit for bit, for a prefill and the decode steps after."""
