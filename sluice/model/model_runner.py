@@ -28,6 +28,12 @@ class ModelRunner:
         """dtype / kv_cache_dtype: as --dtype / --kv-cache-dtype ("auto" picks for this CPU,
         see execution.py); a torch dtype is taken as the explicit choice."""
         self.config = ModelConfig.from_path(model_path)
+        if self.config.text_of is not None:
+            logger.warning(
+                "serving the language model of this %s checkpoint: its vision tower is not loaded, "
+                "so requests with images are refused",
+                self.config.text_of,
+            )
         # As asked: weights loaded in place of these later run the same way.
         self.load_options = (dtype, quantization, kv_cache_dtype)
         self.execution = choose_execution(dtype, kv_cache_dtype)

@@ -70,6 +70,9 @@ def load_weights(
         weights = {**tensors}
         if config.vision is not None:
             weights = {_llava_name(name): tensor for name, tensor in weights.items()}
+        elif config.text_of is not None:  # the language model of a vision-language checkpoint
+            renamed = {_llava_name(name): tensor for name, tensor in weights.items()}
+            weights = {name: tensor for name, tensor in renamed.items() if name.startswith(("model.", "lm_head."))}
     return _order_for_partial_rotary(_split_fused_projections(weights, config), config)
 
 

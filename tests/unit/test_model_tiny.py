@@ -254,6 +254,25 @@ def test_the_torch_path_takes_windows_and_soft_capping_too(build, tmp_path: Path
     assert_matches_transformers(runner, hf_model)
 
 
+def test_the_language_model_of_a_gemma3_vision_checkpoint_serves_alone(tmp_path: Path):
+    """Gemma 3 4 B and up come as Gemma3ForConditionalGeneration: its language model loads
+    (weights under language_model., the vision tower left out, a text_config of defaults
+    filled in by transformers) and gives transformers' text-only logits and tokens."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    text = {key: value for key, value in SHAPE.items() if not key.endswith("token_id")}
+    config = Gemma3Config(
+        text_config={**text, "head_dim": 16, "sliding_window": 6, "query_pre_attn_scalar": 16},
+        vision_config={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2},
+        image_token_index=255,
+    )
+    hf_model = save_random_model(lambda: Gemma3ForConditionalGeneration(config), tmp_path)
+    runner = ModelRunner(str(tmp_path), torch.float32, kv_cache_dtype="float32")
+    assert runner.config.text_of == "Gemma3ForConditionalGeneration" and runner.config.vision is None
+    assert runner.config.layer_windows == [6, 6]  # transformers' default: 5 of every 6 layers slide
+    assert_matches_transformers(runner, hf_model)
+
+
 GGUF_VARIANTS = [
     (qwen3_with_qk_norm, "qwen3"),
     (qwen2_with_qkv_bias, "qwen2"),
