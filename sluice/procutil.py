@@ -1,4 +1,5 @@
-"""What every child process does first: die with its parent, keep to its threads, log."""
+"""What every child process does first: die with its parent, keep to its threads, log; and
+handing freed heap back to the OS."""
 
 from __future__ import annotations
 
@@ -70,3 +71,14 @@ def is_alive(pid: int) -> bool:
             return f.read().split(") ", 1)[1][0] != "Z"
     except OSError:
         return False
+
+
+def release_freed_memory() -> None:
+    """Hand the heap freed so far back to the OS (glibc's malloc_trim; a no-op elsewhere).
+    Loading a model frees the float copies its blocks were made from, gigabytes at 1 B
+    parameters, which glibc would otherwise keep resident."""
+    try:
+        trim = ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return
+    trim(0)

@@ -13,6 +13,7 @@ from sluice.model.llava import LlavaForConditionalGeneration
 from sluice.model.model_config import ModelConfig
 from sluice.model.quantization import quantization_plan
 from sluice.model.weights import load_weights
+from sluice.procutil import release_freed_memory
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +52,7 @@ class ModelRunner:
         if plan is not None:
             self.language_model.quantize(plan)
         self.model.eval()
+        release_freed_memory()
         self.execution_info = describe(self.execution, self._weight_formats())
         logger.info("execution: %s", "; ".join(f"{key}: {value}" for key, value in self.execution_info.items()))
 
