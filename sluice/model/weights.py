@@ -17,6 +17,7 @@ import torch
 from sluice.model.gguf_blocks import block_rows
 from sluice.model.model_config import ModelConfig, is_gguf, open_gguf
 from sluice.model.quantized_linear import BlockFormat, BlockRows
+from sluice.procutil import release_freed_memory
 
 Weight = torch.Tensor | BlockRows
 FormatPlan = Callable[[str], BlockFormat | None]  # HF weight name -> its block format, or None: dense
@@ -43,6 +44,7 @@ _GGUF_SANDWICH_NORM_NAMES = {
     "ffn_norm": "pre_feedforward_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
+_TRIM_EVERY_BYTES = 512 * 2**20  # of float copies made and freed while reading a GGUF
 _GGUF_TOP_NAMES = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
@@ -154,6 +156,7 @@ def _load_gguf(path: Path, config: ModelConfig, dtype: torch.dtype, format_of: F
     # Qwen3, Phi-3 and Gemma use the NeoX layout there and are stored unpermuted.
     unpermute_qk = config.architecture in ("LlamaForCausalLM", "MistralForCausalLM")
     weights: dict[str, Weight] = {}
+    float_bytes_freed = 0
     for tensor in reader.tensors:
         name = _hf_name(tensor.name, config)
         if name is None:
@@ -175,6 +178,13 @@ def _load_gguf(path: Path, config: ModelConfig, dtype: torch.dtype, format_of: F
         elif unpermute_qk and name.endswith(("k_proj.weight", "k_proj.bias")):
             weight = _undo_rotary_permutation(weight, config.num_kv_heads, config.head_dim)
         weights[name] = weight
+        # Converting a tensor frees float copies tens of MB large, which glibc keeps (its mmap
+        # threshold rises past them): hand them back now and then, or they add up to
+        # gigabytes at 1 B parameters. Trimming after every tensor costs seconds.
+        float_bytes_freed += 4 * int(np.prod(tensor.shape))
+        if float_bytes_freed > _TRIM_EVERY_BYTES:
+            release_freed_memory()
+            float_bytes_freed = 0
     # Weight loading is the reader's last use; its parsed tokenizer arrays are tens of MB.
     open_gguf.cache_clear()
     return _split_fused_projections(weights, config)
