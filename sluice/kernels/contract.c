@@ -44,9 +44,11 @@ static const struct {
     FIELD(sluice_model_dims, attention_scale),
     FIELD(sluice_model_dims, kv_dtype),
     CONSTANT(SLUICE_BLOCK),
+    CONSTANT(SLUICE_SUPER_BLOCK),
     CONSTANT(SLUICE_ROW_GROUP),
     CONSTANT(SLUICE_Q8_0),
     CONSTANT(SLUICE_Q4_1),
+    CONSTANT(SLUICE_Q6_K),
     CONSTANT(SLUICE_KV_FLOAT32),
     CONSTANT(SLUICE_KV_FLOAT16),
     CONSTANT(SLUICE_KV_BFLOAT16),
@@ -102,34 +104,82 @@ static float reference_output(int format, const uint8_t *packed, int n, int K, c
     return acc;
 }
 
-/* Every tile height (and two 16-row AMX tiles plus a remainder), a partial row group and both
- * formats: the result must be exact. */
+/* Scalar q6_k over its packed layout (see qgemm.c), in the vector code's order. */
+static float reference_q6_k_output(const uint8_t *packed, int n, int K, const float *x) {
+    enum { G = SLUICE_ROW_GROUP };
+    const int supers = K / SLUICE_SUPER_BLOCK, lane = n % G;
+    float acc = 0.0f;
+    for (int s = 0; s < supers; s++) {
+        const uint8_t *super = packed + ((size_t)(n / G) * supers + s) * SLUICE_Q6_K_GROUP_SUPER_BYTES;
+        const int8_t *scales = (const int8_t *)(super + 8 * SLUICE_Q6_K_GROUP_BLOCK_BYTES);
+        uint16_t half;
+        memcpy(&half, super + 8 * SLUICE_Q6_K_GROUP_BLOCK_BYTES + 16 * G + 2 * lane, 2);
+        const float d = _cvtsh_ss(half);
+        for (int k = 0; k < 8; k++) {
+            const uint8_t *block = super + k * SLUICE_Q6_K_GROUP_BLOCK_BYTES;
+            const float *xb = x + (8 * s + k) * SLUICE_BLOCK;
+            float max_abs = 0.0f;
+            for (int w = 0; w < SLUICE_BLOCK; w++) max_abs = fmaxf(max_abs, fabsf(xb[w]));
+            const float xd = max_abs / 127.0f, inv = max_abs > 0.0f ? 127.0f / max_abs : 0.0f;
+            int dots[2] = {0, 0};
+            for (int w = 0; w < SLUICE_BLOCK; w++) {
+                const int within = w % 16, t = w % 4, g = within / 4;
+                const uint8_t nibbles = block[g * 4 * G + lane * 4 + t];
+                const uint8_t highs = block[(4 + w / 16) * 4 * G + lane * 4 + t];
+                const int q = (w < 16 ? nibbles & 0x0F : nibbles >> 4) | ((highs >> (2 * g)) & 3) << 4;
+                dots[w / 16] += (q - 32) * (int)nearbyintf(xb[w] * inv);
+            }
+            const int dot = dots[0] * scales[2 * k * G + lane] + dots[1] * scales[(2 * k + 1) * G + lane];
+            acc = fmaf((float)dot, d * xd, acc);
+        }
+    }
+    return acc;
+}
+
+/* Every tile height (and two 16-row AMX tiles plus a remainder), a partial row group and every
+ * format: the result must be exact. */
 static int check_qgemm(int format) {
-    enum { M = 37, N = 2 * SLUICE_ROW_GROUP + 3, K = 96 }; /* M: every tile height, and AMX's 16-row tiles */
+    enum { M = 37, N = 2 * SLUICE_ROW_GROUP + 3 }; /* M: every tile height, and AMX's 16-row tiles */
+    const int K = format == SLUICE_Q6_K ? 2 * SLUICE_SUPER_BLOCK : 96; /* 96: three blocks, no power of two */
     const int groups = (N + SLUICE_ROW_GROUP - 1) / SLUICE_ROW_GROUP;
-    const int block_bytes = format == SLUICE_Q8_0 ? SLUICE_Q8_0_GROUP_BLOCK_BYTES : SLUICE_Q4_1_GROUP_BLOCK_BYTES;
-    const int quant_bytes = format == SLUICE_Q8_0 ? SLUICE_BLOCK : SLUICE_BLOCK / 2;
-    const size_t packed_bytes = (size_t)groups * (K / SLUICE_BLOCK) * block_bytes;
+    /* A unit whose float16 scales are set after the random bytes: a block, or q6_k's super-block. */
+    int unit_bytes, unit_weights, scale_offset, scale_count;
+    if (format == SLUICE_Q6_K) {
+        unit_bytes = SLUICE_Q6_K_GROUP_SUPER_BYTES, unit_weights = SLUICE_SUPER_BLOCK;
+        scale_offset = 8 * SLUICE_Q6_K_GROUP_BLOCK_BYTES + 16 * SLUICE_ROW_GROUP, scale_count = SLUICE_ROW_GROUP;
+    } else {
+        const int quant_bytes = format == SLUICE_Q8_0 ? SLUICE_BLOCK : SLUICE_BLOCK / 2;
+        unit_bytes = format == SLUICE_Q8_0 ? SLUICE_Q8_0_GROUP_BLOCK_BYTES : SLUICE_Q4_1_GROUP_BLOCK_BYTES;
+        unit_weights = SLUICE_BLOCK, scale_offset = SLUICE_ROW_GROUP * quant_bytes;
+        scale_count = SLUICE_ROW_GROUP * (format == SLUICE_Q8_0 ? 1 : 2);
+    }
+    const size_t packed_bytes = (size_t)groups * (K / unit_weights) * unit_bytes;
     uint8_t *packed = malloc(packed_bytes);
-    float x[M * K], out[M * N];
+    float *x = malloc(sizeof(float) * M * K), *out = malloc(sizeof(float) * M * N);
     void *scratch = malloc(sluice_qgemm_scratch_bytes(M, K));
-    int failed = packed == NULL || scratch == NULL;
+    int failed = packed == NULL || x == NULL || out == NULL || scratch == NULL;
     uint32_t state = 12345u + (uint32_t)format;
     for (size_t i = 0; !failed && i < packed_bytes; i++) packed[i] = (uint8_t)next_random(&state);
-    for (size_t block = 0; !failed && block < packed_bytes / block_bytes; block++) {
-        uint8_t *scales = packed + block * block_bytes + SLUICE_ROW_GROUP * quant_bytes;
-        for (int i = 0; i < SLUICE_ROW_GROUP * (format == SLUICE_Q8_0 ? 1 : 2); i++) {
+    for (size_t unit = 0; !failed && unit < packed_bytes / unit_bytes; unit++) {
+        uint8_t *scales = packed + unit * unit_bytes + scale_offset;
+        for (int i = 0; i < scale_count; i++) {
             const uint16_t half = _cvtss_sh(0.01f * random_float(&state), 0);
             memcpy(scales + 2 * i, &half, 2);
         }
     }
-    for (int i = 0; i < M * K; i++) x[i] = 3.0f * random_float(&state);
+    for (int i = 0; !failed && i < M * K; i++) x[i] = 3.0f * random_float(&state);
     for (int r = 1; r <= M && !failed; r++) {
         if (sluice_qgemm(r, N, K, x, format, packed, out, scratch) != 0) failed = 1;
         for (int i = 0; i < r && !failed; i++)
-            for (int n = 0; n < N; n++)
-                if (out[i * N + n] != reference_output(format, packed, n, K, x + i * K)) failed = 1;
+            for (int n = 0; n < N; n++) {
+                const float *row = x + (size_t)i * K;
+                const float expected = format == SLUICE_Q6_K ? reference_q6_k_output(packed, n, K, row)
+                                                             : reference_output(format, packed, n, K, row);
+                if (out[i * N + n] != expected) failed = 1;
+            }
     }
+    free(x);
+    free(out);
     free(packed);
     free(scratch);
     return failed;
@@ -240,5 +290,6 @@ int sluice_self_test(void) {
     if (check_attention(SLUICE_KV_FLOAT16)) return 4;
     if (check_attention(SLUICE_KV_BFLOAT16)) return 5;
     if (check_glue()) return 6;
+    if (check_qgemm(SLUICE_Q6_K)) return 7;
     return 0;
 }

@@ -16,6 +16,7 @@
 #include <stdint.h>
 
 #define SLUICE_BLOCK 32 /* weights per quantized block, along K */
+#define SLUICE_SUPER_BLOCK 256 /* weights per q6_k super-block, along K */
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
 #define SLUICE_AVX512_VNNI 1
@@ -38,8 +39,13 @@
  * float16 minimums), one per row. */
 #define SLUICE_Q8_0_GROUP_BLOCK_BYTES (SLUICE_ROW_GROUP * (SLUICE_BLOCK + 2))
 #define SLUICE_Q4_1_GROUP_BLOCK_BYTES (SLUICE_ROW_GROUP * (SLUICE_BLOCK / 2 + 4))
+/* q6_k goes by super-blocks of 256: eight 32-weight blocks of 24 bytes a row (16 of low
+ * nibbles, 8 of 2-bit highs), then 16 int8 sub-block scales and a float16 d a row: the
+ * 210 bytes a row of GGUF's Q6_K. */
+#define SLUICE_Q6_K_GROUP_BLOCK_BYTES (SLUICE_ROW_GROUP * 24)
+#define SLUICE_Q6_K_GROUP_SUPER_BYTES (SLUICE_ROW_GROUP * 210)
 
-enum sluice_block_format { SLUICE_Q8_0 = 0, SLUICE_Q4_1 = 1 };
+enum sluice_block_format { SLUICE_Q8_0 = 0, SLUICE_Q4_1 = 1, SLUICE_Q6_K = 2 };
 
 /* Element type of the KV pools. */
 enum sluice_kv_dtype { SLUICE_KV_FLOAT32 = 0, SLUICE_KV_FLOAT16 = 1, SLUICE_KV_BFLOAT16 = 2 };
@@ -68,7 +74,8 @@ long sluice_contract_value(const char *name);
  * trusted, so that an instruction the CPU refuses kills the child, not the server. */
 int sluice_self_test(void);
 
-/* qgemm.c: out[M, N] = x[M, K] @ W^T with W in row groups. K must be a multiple of 32;
+/* qgemm.c: out[M, N] = x[M, K] @ W^T with W in row groups. K must be a multiple of 32 (of 256
+ * for q6_k);
  * returns 0, or -1 for a K or a format it cannot take. On an AMX build, -2 when the OS
  * refuses this process the tile registers. */
 size_t sluice_qgemm_scratch_bytes(int M, int K);

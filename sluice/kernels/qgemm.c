@@ -4,6 +4,8 @@
  * out[M, N] = x[M, K] @ W[N, K]^T where W is stored in blocks of 32 weights along K:
  *   q8_0: int8 q, one scale d per block            w = d * q
  *   q4_1: 4-bit q, a scale d and a minimum m        w = d * q + m
+ *   q6_k: GGUF's Q6_K: 6-bit q, an int8 scale sc per 16 weights and a float16 d per 256
+ *                                                   w = d * sc * (q - 32)
  *
  * x is quantized on the fly to int8 per block of 32 (scale = max|x| / 127), so each block's
  * dot product is an integer dot of 32 pairs: the weights are read once as bytes, which is
@@ -19,6 +21,14 @@
  *   q4_1: 16 G bytes: byte [j][i][t] = q[row i][4j + t] | q[row i][4j + t + 16] << 4
  *                     (j < 4, i < G, t < 4), then G float16 d, then G float16 m
  *   q8_0: 32 G bytes: byte [j][i][t] = q[row i][4j + t] (j < 8), then G float16 d
+ *   q6_k: a super-block of 256 weights is eight blocks of 24 G bytes: the low nibbles as in
+ *         q4_1 (16 G bytes), then two words of high bits, byte [4 + h][i][t] holding bits
+ *         4..5 of q[row i][16h + 4g + t] at bits 2g..2g+1 (g < 4); then the 16 sub-block
+ *         scales, int8 [16][G], then G float16 d
+ *
+ * A q6_k block's two 16-weight halves are integer dots with the half's sum of x taken off
+ * 32 times, each times its sub-block scale: at most 2 * 32 * 127 * 16 * 128 < 2^24, so the
+ * sum of the two is exact in int32 and in its conversion to float.
  *
  * Each block's integer dot is exact on either instruction set (no intermediate can
  * saturate), and each output is accumulated in block order by one chain of FMAs, whatever
@@ -50,9 +60,9 @@ static inline int hsum_epi32(__m256i v) {
     return _mm_cvtsi128_si32(s);
 }
 
-/* One row of K floats -> K int8, with per block: d (scale), the sum of its quants, and
- * d * that sum (for q4_1's m). */
-static void quantize_row(const float *x, int K, int8_t *q, float *d, int32_t *qsum, float *dsum) {
+/* One row of K floats -> K int8, with per block: d (scale), the sum of its quants, the sum of
+ * its first 16 (for q6_k's halves), and d * the sum (for q4_1's m). */
+static void quantize_row(const float *x, int K, int8_t *q, float *d, int32_t *qsum, int32_t *qsum_low, float *dsum) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
     const __m256i perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     const __m256i ones8 = _mm256_set1_epi8(1);
@@ -78,9 +88,11 @@ static void quantize_row(const float *x, int K, int8_t *q, float *d, int32_t *qs
         __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
         packed = _mm256_permutevar8x32_epi32(packed, perm);
         _mm256_storeu_si256((__m256i *)(q + b * QK), packed);
-        const int sum = hsum_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(ones8, packed), ones16));
+        const __m256i sums = _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, packed), ones16);
+        const int sum = hsum_epi32(sums);
         d[b] = scale;
         qsum[b] = sum;
+        qsum_low[b] = hsum_epi32(_mm256_zextsi128_si256(_mm256_castsi256_si128(sums))); /* lanes 0-3: bytes 0-15 */
         dsum[b] = scale * (float)sum;
     }
 }
@@ -146,6 +158,66 @@ ALWAYS_INLINE void group_q8_0(const int rows, int nb, int K, const uint8_t *w, c
             const __m512i biased = block_dots(q, xq + (size_t)r * K + b * QK);
             const __m512i dots = _mm512_sub_epi32(biased, _mm512_set1_epi32(128 * xqsum[index]));
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots), _mm512_mul_ps(d, _mm512_set1_ps(xd[index])), acc[r]);
+        }
+    }
+}
+
+/* Bits 4..5 of q6_k's quants for word g of a block (g < 4 within its half), from a word of
+ * high bits holding them at bits 2g..2g+1. The 16-bit shifts carry bits across bytes; the
+ * mask keeps only those that belong to the byte. */
+ALWAYS_INLINE __m512i high_bits(__m512i h, int g) {
+    const __m512i mask = _mm512_set1_epi8(0x30);
+    switch (g) {
+    case 0: return _mm512_and_si512(_mm512_slli_epi16(h, 4), mask);
+    case 1: return _mm512_and_si512(_mm512_slli_epi16(h, 2), mask);
+    case 2: return _mm512_and_si512(h, mask);
+    default: return _mm512_and_si512(_mm512_srli_epi16(h, 2), mask);
+    }
+}
+
+/* The two half-block dots of one activation block: lanes = rows, (q - 32) . x of weights
+ * 0..15 and 16..31, as int32. */
+ALWAYS_INLINE void half_block_dots(const __m512i *q, const int8_t *x, int32_t low_sum, int32_t high_sum,
+                                   __m512i *low, __m512i *high) {
+    __m512i a = _mm512_setzero_si512(), b = _mm512_setzero_si512();
+    for (int g = 0; g < 4; g++) {
+        a = _mm512_dpbusd_epi32(a, q[g], _mm512_set1_epi32(load_word(x + 4 * g)));
+        b = _mm512_dpbusd_epi32(b, q[g + 4], _mm512_set1_epi32(load_word(x + 16 + 4 * g)));
+    }
+    *low = _mm512_sub_epi32(a, _mm512_set1_epi32(32 * low_sum));
+    *high = _mm512_sub_epi32(b, _mm512_set1_epi32(32 * high_sum));
+}
+
+ALWAYS_INLINE void group_q6_k(const int rows, int nb, int K, const uint8_t *w, const int8_t *xq, const float *xd,
+                              const int32_t *xqsum, const int32_t *xqsum_low, __m512 *acc) {
+    const __m512i nibble = _mm512_set1_epi8(0x0F);
+    for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
+    for (int s = 0; s < nb / 8; s++, w += SLUICE_Q6_K_GROUP_SUPER_BYTES) {
+        const int8_t *scales = (const int8_t *)(w + 8 * SLUICE_Q6_K_GROUP_BLOCK_BYTES);
+        const __m512 d = load_halves(w + 8 * SLUICE_Q6_K_GROUP_BLOCK_BYTES + 16 * GROUP);
+        for (int k = 0; k < 8; k++) {
+            const uint8_t *block = w + k * SLUICE_Q6_K_GROUP_BLOCK_BYTES;
+            const __m512i h0 = _mm512_loadu_si512((const void *)(block + 16 * GROUP));
+            const __m512i h1 = _mm512_loadu_si512((const void *)(block + 20 * GROUP));
+            __m512i q[8];
+            for (int j = 0; j < 4; j++) {
+                const __m512i raw = _mm512_loadu_si512((const void *)(block + 64 * j));
+                q[j] = _mm512_or_si512(_mm512_and_si512(raw, nibble), high_bits(h0, j));
+                q[j + 4] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble), high_bits(h1, j));
+            }
+            const __m512i low_scale = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(scales + 2 * k * GROUP)));
+            const __m512i high_scale =
+                _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(scales + (2 * k + 1) * GROUP)));
+            const int b = 8 * s + k;
+            for (int r = 0; r < rows; r++) {
+                const size_t index = (size_t)r * nb + b;
+                __m512i low, high;
+                half_block_dots(q, xq + (size_t)r * K + b * QK, xqsum_low[index], xqsum[index] - xqsum_low[index], &low,
+                                &high);
+                const __m512i dots =
+                    _mm512_add_epi32(_mm512_mullo_epi32(low, low_scale), _mm512_mullo_epi32(high, high_scale));
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots), _mm512_mul_ps(d, _mm512_set1_ps(xd[index])), acc[r]);
+            }
         }
     }
 }
@@ -228,6 +300,62 @@ ALWAYS_INLINE void group_q8_0(const int rows, int nb, int K, const uint8_t *w, c
     }
 }
 
+/* Bits 4..5 of q6_k's quants for word g of a block; see the AVX-512 version. */
+ALWAYS_INLINE __m256i high_bits(__m256i h, int g) {
+    const __m256i mask = _mm256_set1_epi8(0x30);
+    switch (g) {
+    case 0: return _mm256_and_si256(_mm256_slli_epi16(h, 4), mask);
+    case 1: return _mm256_and_si256(_mm256_slli_epi16(h, 2), mask);
+    case 2: return _mm256_and_si256(h, mask);
+    default: return _mm256_and_si256(_mm256_srli_epi16(h, 2), mask);
+    }
+}
+
+/* (q - 32) . x of one 16-weight half (4 words), lanes = rows. maddubs pairs are at most
+ * 2 * 63 * 127, so two of them still fit int16. */
+ALWAYS_INLINE __m256i half_block_dot(const __m256i *q, const int8_t *x, int32_t x_sum) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    const __m256i first = _mm256_add_epi16(_mm256_maddubs_epi16(q[0], broadcast4(x)), _mm256_maddubs_epi16(q[1], broadcast4(x + 4)));
+    const __m256i second =
+        _mm256_add_epi16(_mm256_maddubs_epi16(q[2], broadcast4(x + 8)), _mm256_maddubs_epi16(q[3], broadcast4(x + 12)));
+    const __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(first, ones), _mm256_madd_epi16(second, ones));
+    return _mm256_sub_epi32(dot, _mm256_set1_epi32(32 * x_sum));
+}
+
+ALWAYS_INLINE void group_q6_k(const int rows, int nb, int K, const uint8_t *w, const int8_t *xq, const float *xd,
+                              const int32_t *xqsum, const int32_t *xqsum_low, __m256 *acc) {
+    const __m256i nibble = _mm256_set1_epi8(0x0F);
+    for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
+    for (int s = 0; s < nb / 8; s++, w += SLUICE_Q6_K_GROUP_SUPER_BYTES) {
+        const int8_t *scales = (const int8_t *)(w + 8 * SLUICE_Q6_K_GROUP_BLOCK_BYTES);
+        const __m256 d = load_halves(w + 8 * SLUICE_Q6_K_GROUP_BLOCK_BYTES + 16 * GROUP);
+        for (int k = 0; k < 8; k++) {
+            const uint8_t *block = w + k * SLUICE_Q6_K_GROUP_BLOCK_BYTES;
+            const __m256i h0 = _mm256_loadu_si256((const __m256i *)(block + 16 * GROUP));
+            const __m256i h1 = _mm256_loadu_si256((const __m256i *)(block + 20 * GROUP));
+            __m256i q[8];
+            for (int j = 0; j < 4; j++) {
+                const __m256i raw = _mm256_loadu_si256((const __m256i *)(block + 32 * j));
+                q[j] = _mm256_or_si256(_mm256_and_si256(raw, nibble), high_bits(h0, j));
+                q[j + 4] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble), high_bits(h1, j));
+            }
+            const __m256i low_scale = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(scales + 2 * k * GROUP)));
+            const __m256i high_scale =
+                _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(scales + (2 * k + 1) * GROUP)));
+            const int b = 8 * s + k;
+            for (int r = 0; r < rows; r++) {
+                const size_t index = (size_t)r * nb + b;
+                const int8_t *x = xq + (size_t)r * K + b * QK;
+                const __m256i low = half_block_dot(q, x, xqsum_low[index]);
+                const __m256i high = half_block_dot(q + 4, x + 16, xqsum[index] - xqsum_low[index]);
+                const __m256i dots =
+                    _mm256_add_epi32(_mm256_mullo_epi32(low, low_scale), _mm256_mullo_epi32(high, high_scale));
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), _mm256_mul_ps(d, _mm256_set1_ps(xd[index])), acc[r]);
+            }
+        }
+    }
+}
+
 ALWAYS_INLINE void store_group(float *o, int width, __m256 acc) {
     if (width == GROUP) {
         _mm256_storeu_ps(o, acc);
@@ -253,6 +381,7 @@ typedef struct {
     int8_t *q;      /* [M, K] */
     float *d;       /* [M, K / 32] scales */
     int32_t *qsum;  /* [M, K / 32] sums of each block's quants */
+    int32_t *qsum_low; /* [M, K / 32] sums of each block's first 16 quants */
     float *dsum;    /* [M, K / 32] d * qsum */
 } quantized_rows;
 
@@ -262,12 +391,13 @@ static quantized_rows scratch_rows(void *scratch, int M, int K) {
     rows.q = (int8_t *)scratch;
     rows.d = (float *)(rows.q + (size_t)M * K);
     rows.qsum = (int32_t *)(rows.d + blocks);
-    rows.dsum = (float *)(rows.qsum + blocks);
+    rows.qsum_low = rows.qsum + blocks;
+    rows.dsum = (float *)(rows.qsum_low + blocks);
     return rows;
 }
 
-/* Bytes of scratch sluice_qgemm needs: the int8 activations and three 4-byte values per block. */
-size_t sluice_qgemm_scratch_bytes(int M, int K) { return (size_t)M * ((size_t)K + 3 * 4 * (size_t)(K / QK)); }
+/* Bytes of scratch sluice_qgemm needs: the int8 activations and four 4-byte values per block. */
+size_t sluice_qgemm_scratch_bytes(int M, int K) { return (size_t)M * ((size_t)K + 4 * 4 * (size_t)(K / QK)); }
 
 #ifdef SLUICE_AMX
 /* ------------------------------------------------------------ AMX-INT8: 16 activation rows a tile
@@ -349,7 +479,7 @@ static void multiply_group(int weight_type, const uint8_t *w, int n0, int width,
                            int r_end, const quantized_rows *x, float *out, int use_tiles) {
     const int nb = K / QK;
 #ifdef SLUICE_AMX
-    if (use_tiles) {
+    if (use_tiles && weight_type != SLUICE_Q6_K) { /* q6_k's quants need unpacking the tiles do not pay back */
         for (; r_begin + AMX_ROWS <= r_end; r_begin += AMX_ROWS) {
             __m512 acc[AMX_ROWS];
             amx_group(weight_type, w, K, r_begin, x, acc);
@@ -364,14 +494,17 @@ static void multiply_group(int weight_type, const uint8_t *w, int n0, int width,
         const int8_t *xq_tile = x->q + (size_t)r0 * K;
         const size_t first_block = (size_t)r0 * nb;
         const float *xd = x->d + first_block, *xdsum = x->dsum + first_block;
-        const int32_t *xqsum = x->qsum + first_block;
+        const int32_t *xqsum = x->qsum + first_block, *xqsum_low = x->qsum_low + first_block;
         group_acc acc[TILE];
 #define Q8_0_ROWS(R) group_q8_0(R, nb, K, w, xq_tile, xd, xqsum, acc)
 #define Q4_1_ROWS(R) group_q4_1(R, nb, K, w, xq_tile, xd, xqsum, xdsum, acc)
+#define Q6_K_ROWS(R) group_q6_k(R, nb, K, w, xq_tile, xd, xqsum, xqsum_low, acc)
         if (weight_type == SLUICE_Q8_0) {
             DISPATCH_ROWS(Q8_0_ROWS)
-        } else {
+        } else if (weight_type == SLUICE_Q4_1) {
             DISPATCH_ROWS(Q4_1_ROWS)
+        } else {
+            DISPATCH_ROWS(Q6_K_ROWS)
         }
         for (int r = 0; r < rows; r++) store_group(out + (size_t)(r0 + r) * N + n0, width, acc[r]);
     }
@@ -381,11 +514,19 @@ static void multiply_group(int weight_type, const uint8_t *w, int n0, int width,
  * scratch: sluice_qgemm_scratch_bytes(M, K). */
 int sluice_qgemm(int M, int N, int K, const float *x, int weight_type, const uint8_t *packed, float *out,
                  void *scratch) {
-    if (K % QK != 0 || K <= 0 || (weight_type != SLUICE_Q8_0 && weight_type != SLUICE_Q4_1)) return -1;
+    if (K % QK != 0 || K <= 0) return -1;
     const int nb = K / QK;
+    size_t group_bytes;
+    switch (weight_type) {
+    case SLUICE_Q8_0: group_bytes = (size_t)nb * SLUICE_Q8_0_GROUP_BLOCK_BYTES; break;
+    case SLUICE_Q4_1: group_bytes = (size_t)nb * SLUICE_Q4_1_GROUP_BLOCK_BYTES; break;
+    case SLUICE_Q6_K:
+        if (K % SLUICE_SUPER_BLOCK != 0) return -1;
+        group_bytes = (size_t)(K / SLUICE_SUPER_BLOCK) * SLUICE_Q6_K_GROUP_SUPER_BYTES;
+        break;
+    default: return -1;
+    }
     const int groups = (N + GROUP - 1) / GROUP;
-    const size_t group_bytes =
-        (size_t)nb * (weight_type == SLUICE_Q8_0 ? SLUICE_Q8_0_GROUP_BLOCK_BYTES : SLUICE_Q4_1_GROUP_BLOCK_BYTES);
     const quantized_rows rows = scratch_rows(scratch, M, K);
     int use_tiles = 0;
 #ifdef SLUICE_AMX
@@ -404,7 +545,7 @@ int sluice_qgemm(int M, int N, int K, const float *x, int weight_type, const uin
         for (int r = 0; r < M; r++) {
             const size_t first_block = (size_t)r * nb;
             quantize_row(x + (size_t)r * K, K, rows.q + (size_t)r * K, rows.d + first_block, rows.qsum + first_block,
-                         rows.dsum + first_block);
+                         rows.qsum_low + first_block, rows.dsum + first_block);
         }
         /* Activation rows in chunks that stay in L2 while every row group passes over them. */
         for (int chunk = 0; chunk < M; chunk += M_CHUNK) {

@@ -8,7 +8,8 @@ blocks wherever the kernels hold the same numbers:
              and minimum mn, w = (d sc) q - (dmin mn); each becomes a q4_1 block with
              d' = d sc and m' = -dmin mn rounded to float16. The 4-bit quants are the file's;
              the one rounding moves a block's scale by at most 2^-11 of itself.
-    other quantized types (Q5_*, Q6_K, Q2_K, Q3_K, ...) -> dequantized, then rounded to q8_0
+    Q6_K  -> q6_k, the same numbers (6-bit quants, int8 scales per 16, d per 256) repacked
+    other quantized types (Q5_*, Q2_K, Q3_K, ...) -> dequantized, then rounded to q8_0
 """
 
 from __future__ import annotations
@@ -18,10 +19,11 @@ from typing import Final
 import numpy as np
 import torch
 
-from sluice.model.quantized_linear import BLOCK, BlockFormat, BlockRows, pack_nibbles
+from sluice.kernels.contract import SUPER_BLOCK  # weights per K-quant super-block
+from sluice.model.quantized_linear import BLOCK, BlockFormat, BlockRows, pack_nibbles, pack_six_bits
 
-SUPER_BLOCK: Final = 256  # weights per K-quant super-block
 _Q4_K_BYTES: Final = 144  # d, dmin (float16), 12 bytes of packed scales and minimums, 128 of nibbles
+_Q6_K_BYTES: Final = 210  # 128 bytes of low nibbles, 64 of high bits, 16 int8 scales, d (float16)
 
 # The GGUF types whose blocks become q4_1 without rounding the 4-bit quants again.
 FOUR_BIT_TYPES: Final = ("Q4_0", "Q4_1", "Q4_K")
@@ -45,6 +47,8 @@ def block_rows(data: np.ndarray, type_name: str, shape: tuple[int, int], format:
         return BlockRows(format, _bytes(raw[..., 2:]), [d, d * -8])
     if type_name == "Q4_K" and format is BlockFormat.Q4_1:
         return _q4_k_rows(raw.reshape(-1, _Q4_K_BYTES), rows, columns)  # one row per super-block
+    if type_name == "Q6_K" and format is BlockFormat.Q6_K:
+        return _q6_k_rows(raw.reshape(-1, _Q6_K_BYTES), rows, columns)
     array = gguf.quants.dequantize(data, gguf.GGMLQuantizationType[type_name])
     return BlockRows.quantize(torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32)), format)
 
@@ -63,6 +67,23 @@ def _q4_k_rows(supers: np.ndarray, rows: int, columns: int) -> BlockRows:
     scale = (d * sc).half().reshape(rows, blocks_per_row)
     minimum = (-(dmin * mn)).half().reshape(rows, blocks_per_row)
     return BlockRows(BlockFormat.Q4_1, quants, [scale, minimum])
+
+
+def _q6_k_rows(supers: np.ndarray, rows: int, columns: int) -> BlockRows:
+    # Each half of 128 weights: 64 bytes of nibbles and 32 of high bits. Quarter i of the half
+    # (weights 32i .. 32i + 31) takes the low (i = 0, 1) or high (2, 3) nibbles of bytes
+    # 0..31 (i even) or 32..63 (i odd), and bits 2i..2i+1 of the 32 high bytes.
+    low = _bytes(supers[:, :128]).reshape(-1, 2, 2, BLOCK)  # [super, half, first/second 32 bytes, byte]
+    high = _bytes(supers[:, 128:192]).reshape(-1, 2, 1, BLOCK)
+    nibbles = torch.cat((low & 0x0F, low >> 4), dim=2)  # [super, half, quarter, weight]
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(4, 1)
+    q = nibbles | (((high >> shifts) & 3) << 4)
+    blocks_per_row = columns // BLOCK
+    quants = pack_six_bits(q.reshape(rows, blocks_per_row, BLOCK))
+    supers_per_row = columns // SUPER_BLOCK
+    sub_scales = _bytes(supers[:, 192:208]).view(torch.int8).reshape(rows, supers_per_row, 16)
+    d = _float16(supers[:, 208:210]).reshape(rows, supers_per_row)
+    return BlockRows(BlockFormat.Q6_K, quants, [d, sub_scales])
 
 
 def _bytes(part: np.ndarray) -> torch.Tensor:

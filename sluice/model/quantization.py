@@ -3,8 +3,9 @@
     none  every weight stays dense (the reference path)
     q8_0  every linear weight gets a q8_0 copy
     auto  a GGUF file's quantized matrices keep their own precision: Q4_0/Q4_1/Q4_K as q4_1
-          from the file's 4-bit quants, Q8_0 as itself, other quantized types (Q5_*, Q6_K,
-          ...) rounded to q8_0 (gguf_blocks.py); float tensors and HF folders stay dense
+          from the file's 4-bit quants, Q8_0 and Q6_K as themselves, other quantized types
+          (Q5_*, Q2_K, Q3_K, ...) rounded to q8_0 (gguf_blocks.py); float tensors and HF
+          folders stay dense
 
 Blocks run only on the C kernels (float32 activations): on the torch backend `auto` keeps
 every weight dense and `q8_0` is refused.
@@ -51,6 +52,8 @@ def quantization_plan(model_path: str | Path, config: ModelConfig, mode: str, ba
         kind = types.get(name)
         if kind is None or kind in FLOAT_TYPES:
             return None
-        return BlockFormat.Q4_1 if kind in FOUR_BIT_TYPES else BlockFormat.Q8_0
+        if kind in FOUR_BIT_TYPES:
+            return BlockFormat.Q4_1
+        return BlockFormat.Q6_K if kind == "Q6_K" else BlockFormat.Q8_0
 
     return format_of

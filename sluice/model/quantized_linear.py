@@ -1,7 +1,8 @@
-"""Linear weights kept in 32-weight blocks (q8_0, q4_1) and multiplied by the C kernel.
+"""Linear weights kept in 32-weight blocks (q8_0, q4_1, and GGUF's q6_k super-blocks of
+eight of them) and multiplied by the C kernel.
 
 A decode step reads every weight once, so its speed is set by bytes per weight: 1.06 for
-q8_0 and 0.625 for q4_1 against 4 for float32. A prompt is bound by arithmetic instead,
+q8_0, 0.82 for q6_k and 0.625 for q4_1 against 4 for float32. A prompt is bound by arithmetic instead,
 where the kernel's integer dot products (32 multiply-adds in two instructions) still run
 about 1.5x MKL's float32 matmul on an AVX2 CPU. So every token of a quantized model goes
 through the kernel, and the model keeps no dense copy of a quantized weight.
@@ -13,18 +14,18 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sluice.kernels.contract import BLOCK, BlockFormat
+from sluice.kernels.contract import BLOCK, SUPER_BLOCK, BlockFormat
 from sluice.kernels.ops import KernelOps
 
 __all__ = ["BLOCK", "BlockFormat", "BlockRows", "QuantizedLinearWeight", "fused_format", "pack_nibbles"]
 
 
 def fused_format(formats: list[BlockFormat | None]) -> BlockFormat | None:
-    """The format for weights stacked into one matrix: the most precise of theirs, None if
-    any stays dense."""
+    """The format for weights stacked into one matrix: theirs when they share one, else q8_0
+    (which holds any of them within its rounding); None if any stays dense."""
     if any(format is None for format in formats):
         return None
-    return BlockFormat.Q8_0 if BlockFormat.Q8_0 in formats else BlockFormat.Q4_1
+    return formats[0] if len(set(formats)) == 1 else BlockFormat.Q8_0
 
 
 @dataclass(slots=True)
@@ -34,12 +35,16 @@ class BlockRows:
 
     q8_0: a block is 32 int8 quants and a float16 scale d (w = d * q). q4_1: 16 bytes, byte
     j holding weight j in its low nibble and weight j + 16 in its high one (GGUF's order),
-    a float16 scale d and minimum m (w = d * q + m).
+    a float16 scale d and minimum m (w = d * q + m). q6_k: 6-bit quants as q4_1's 16 bytes of
+    low nibbles and 8 of high bits (see pack_six_bits), an int8 scale per 16 weights and a
+    float16 d per 256 (w = d * sc * (q - 32)); it comes only from a GGUF's Q6_K blocks.
     """
 
     format: BlockFormat
     quants: torch.Tensor  # uint8 [rows, blocks, quant bytes]
-    scales: list[torch.Tensor]  # float16 [rows, blocks]: d, and q4_1's m
+    # q8_0, q4_1: float16 [rows, blocks]: d, and q4_1's m; q6_k: float16 d [rows, super-blocks]
+    # and the int8 sub-block scales [rows, super-blocks, 16]
+    scales: list[torch.Tensor]
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -55,6 +60,8 @@ class BlockRows:
         if in_features % BLOCK:
             raise ValueError(f"in_features {in_features} is not a multiple of {BLOCK}")
         blocks = weight.detach().float().reshape(out_features, in_features // BLOCK, BLOCK)
+        if format is BlockFormat.Q6_K:
+            raise ValueError("q6_k blocks are read from a GGUF file's Q6_K tensors, not rounded from floats")
         if format is BlockFormat.Q8_0:
             d = (blocks.abs().amax(dim=-1) / 127).half()
             q = torch.round(blocks / _nonzero(d).unsqueeze(-1)).clamp_(-127, 127).to(torch.int8)
@@ -68,6 +75,12 @@ class BlockRows:
         """The float32 [out, in] weight these blocks stand for."""
         if self.format is BlockFormat.Q8_0:
             values = self.quants.view(torch.int8).float() * self.scales[0].float().unsqueeze(-1)
+        elif self.format is BlockFormat.Q6_K:
+            rows = self.quants.shape[0]
+            d, sub_scales = self.scales
+            q = unpack_six_bits(self.quants).float() - 32  # [rows, blocks, 32]
+            scale = d.float().unsqueeze(-1) * sub_scales.float()  # [rows, super-blocks, 16]
+            values = q.reshape(rows, -1, 16) * scale.reshape(rows, -1, 1)
         else:
             q = torch.cat((self.quants & 0x0F, self.quants >> 4), dim=-1).float()
             d, m = (scale.float().unsqueeze(-1) for scale in self.scales)
@@ -102,6 +115,25 @@ def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
     return q[..., : BLOCK // 2] | (q[..., BLOCK // 2 :] << 4)
 
 
+_HIGH_SHIFTS = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(4, 1)  # word g of a half: bits 2g..2g+1
+
+
+def pack_six_bits(q: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., 32] values in [0, 64) -> [..., 24] bytes: the low nibbles as pack_nibbles,
+    then 8 bytes of the high two bits, byte 4h + t holding those of weight 16h + 4g + t at
+    bits 2g..2g+1 (qgemm.c's q6_k words)."""
+    high = (q >> 4).reshape(*q.shape[:-1], 2, 4, 4) << _HIGH_SHIFTS  # [..., half, g, t]
+    packed_high = high[..., 0, :] | high[..., 1, :] | high[..., 2, :] | high[..., 3, :]
+    return torch.cat((pack_nibbles(q & 0x0F), packed_high.reshape(*q.shape[:-1], 8)), dim=-1)
+
+
+def unpack_six_bits(quants: torch.Tensor) -> torch.Tensor:
+    """The inverse of pack_six_bits: uint8 [..., 24] -> [..., 32] values in [0, 64)."""
+    low = torch.cat((quants[..., :16] & 0x0F, quants[..., :16] >> 4), dim=-1)
+    high = (quants[..., 16:].reshape(*quants.shape[:-1], 2, 1, 4) >> _HIGH_SHIFTS) & 3  # [..., half, g, t]
+    return low | (high.reshape(*quants.shape[:-1], BLOCK) << 4)
+
+
 @dataclass(slots=True)
 class QuantizedLinearWeight:
     """A [out, in] weight as blocks of 32, interleaved by row groups for one build of the kernels.
@@ -125,11 +157,16 @@ class QuantizedLinearWeight:
     @classmethod
     def from_rows(cls, rows: BlockRows, ops: KernelOps) -> QuantizedLinearWeight:
         out_features, in_features = rows.shape
-        packed = _interleave(rows.quants, rows.scales, ops.row_group)
+        if rows.format is BlockFormat.Q6_K:
+            packed = _interleave_q6_k(rows, ops.row_group)
+        else:
+            packed = _interleave(rows.quants, rows.scales, ops.row_group)
         return cls(rows.format, out_features, in_features, packed, ops)
 
     def dequantize(self) -> torch.Tensor:
         """The float32 [out, in] weight these blocks stand for."""
+        if self.format is BlockFormat.Q6_K:
+            return self.rows(torch.arange(self.out_features))
         quant_bytes = BLOCK if self.format is BlockFormat.Q8_0 else BLOCK // 2
         num_scales = 1 if self.format is BlockFormat.Q8_0 else 2
         quants, scales = _deinterleave(
@@ -140,13 +177,16 @@ class QuantizedLinearWeight:
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """float32 [len(ids), in]: rows `ids` of the weight these blocks stand for, read from
         the packed layout (an embedding lookup from a quantized table)."""
-        quant_bytes = BLOCK if self.format is BlockFormat.Q8_0 else BLOCK // 2
-        group, blocks = self.ops.row_group, self.in_features // BLOCK
+        group = self.ops.row_group
         groups = -(-self.out_features // group)
+        within, every = ids % group, torch.arange(len(ids))
+        if self.format is BlockFormat.Q6_K:
+            supers = self.in_features // SUPER_BLOCK
+            return _q6_k_rows(self.packed.view(groups, supers, -1)[ids // group], within, group)
+        quant_bytes = BLOCK if self.format is BlockFormat.Q8_0 else BLOCK // 2
+        blocks = self.in_features // BLOCK
         picked = self.packed.view(groups, blocks, -1)[ids // group]  # [n, blocks, a row group's block bytes]
-        within = ids % group
         n = len(ids)
-        every = torch.arange(n)
         quants = picked[..., : group * quant_bytes].reshape(n, blocks, quant_bytes // 4, group, 4)
         quants = quants.permute(0, 3, 1, 2, 4)[every, within].reshape(n, blocks, quant_bytes)
         scales = [
@@ -190,6 +230,41 @@ def _interleave(quants: torch.Tensor, scales: list[torch.Tensor], row_group: int
             .view(groups, blocks, 2 * row_group)
         )
     return torch.cat(parts, dim=-1).reshape(-1).contiguous()
+
+
+def _interleave_q6_k(rows: BlockRows, row_group: int) -> torch.Tensor:
+    """q6_k BlockRows -> qgemm.c's layout: per row group and super-block, eight blocks of 24
+    bytes a row in 4-byte words, the int8 sub-block scales [16][row], the float16 d [row]."""
+    count, blocks, _ = rows.quants.shape
+    padding = -count % row_group
+    groups, supers = (count + padding) // row_group, blocks // 8
+    d, sub_scales = (torch.nn.functional.pad(part, (0, 0) * (part.dim() - 1) + (0, padding)) for part in rows.scales)
+    quants = torch.nn.functional.pad(rows.quants, (0, 0, 0, 0, 0, padding))
+    # [group, row, super, block, word, byte] -> [group, super, block, word, row, byte]
+    parts = [
+        quants.view(groups, row_group, supers, 8, 6, 4).permute(0, 2, 3, 4, 1, 5).reshape(groups, supers, -1),
+        sub_scales.view(torch.uint8)
+        .view(groups, row_group, supers, 16)
+        .permute(0, 2, 3, 1)
+        .reshape(groups, supers, -1),
+        d.view(groups, row_group, supers).transpose(1, 2).contiguous().view(torch.uint8),
+    ]
+    return torch.cat(parts, dim=-1).reshape(-1).contiguous()
+
+
+def _q6_k_rows(picked: torch.Tensor, within: torch.Tensor, row_group: int) -> torch.Tensor:
+    """float32 [n, in]: row `within[i]` of row group `picked[i]` (uint8 [n, super-blocks,
+    q6_k group super-block bytes]), dequantized."""
+    n, supers, _ = picked.shape
+    every = torch.arange(n)
+    quant_end = 8 * 24 * row_group
+    quants = picked[..., :quant_end].reshape(n, supers, 8, 6, row_group, 4).permute(0, 4, 1, 2, 3, 5)[every, within]
+    sub_scales = picked[..., quant_end : quant_end + 16 * row_group].reshape(n, supers, 16, row_group)
+    d = picked[..., quant_end + 16 * row_group :].contiguous().view(torch.float16)  # [n, supers, row_group]
+    d_of_row = d.permute(0, 2, 1)[every, within]  # [n, supers]
+    sub_scales_of_row = sub_scales.permute(0, 3, 1, 2)[every, within].contiguous().view(torch.int8)  # [n, supers, 16]
+    rows = BlockRows(BlockFormat.Q6_K, quants.reshape(n, supers * 8, 24), [d_of_row, sub_scales_of_row])
+    return rows.dequantize()
 
 
 def _deinterleave(

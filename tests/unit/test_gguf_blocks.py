@@ -19,20 +19,42 @@ from tests.gguf_files import random_blocks
 ROWS, COLUMNS = 37, 512  # 37: the last row group is partial; 512: two K-quant super-blocks a row
 
 # The file's own blocks, and the float16 rounding of Q4_K's d * sc and dmin * mn.
-KEPT = {"Q8_0": BlockFormat.Q8_0, "Q4_1": BlockFormat.Q4_1, "Q4_0": BlockFormat.Q4_1, "Q4_K": BlockFormat.Q4_1}
-ROUNDED_TO_Q8_0 = ["Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q5_K", "Q6_K"]
+KEPT = {
+    "Q8_0": BlockFormat.Q8_0,
+    "Q4_1": BlockFormat.Q4_1,
+    "Q4_0": BlockFormat.Q4_1,
+    "Q4_K": BlockFormat.Q4_1,
+    "Q6_K": BlockFormat.Q6_K,
+}
+ROUNDED_TO_Q8_0 = ["Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q5_K"]
 
 
 def file_weight(raw: np.ndarray, type_name: str) -> torch.Tensor:
     return torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[type_name]).copy())
 
 
-@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_1", "Q4_0"])
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_1", "Q4_0", "Q6_K"])
 def test_blocks_the_kernels_share_come_back_exactly(type_name):
     raw = random_blocks(ROWS, COLUMNS, type_name, seed=1)
     rows = block_rows(raw, type_name, (ROWS, COLUMNS), KEPT[type_name])
     assert rows.format is KEPT[type_name] and rows.shape == (ROWS, COLUMNS)
     assert torch.equal(rows.dequantize(), file_weight(raw, type_name))
+
+
+@pytest.mark.parametrize("isa", [isa.name for isa in supported_isas()])
+def test_q6_k_blocks_keep_every_number_of_the_file_in_the_kernels_layout(isa):
+    """The 210 bytes a row and super-block of the file, repacked: the packed weight and any
+    rows looked up in it (a tied Q6_K embedding table) are the file's weights exactly."""
+    raw = random_blocks(ROWS, COLUMNS, "Q6_K", seed=8)
+    weight = QuantizedLinearWeight.from_rows(
+        block_rows(raw, "Q6_K", (ROWS, COLUMNS), BlockFormat.Q6_K), KernelOps(load_kernels(isa))
+    )
+    row_groups = -(-ROWS // weight.ops.row_group)
+    assert weight.packed.numel() == row_groups * weight.ops.row_group * (COLUMNS // 256) * 210
+    expected = file_weight(raw, "Q6_K")
+    assert torch.equal(weight.dequantize(), expected)
+    ids = torch.tensor([36, 0, 17, 17, 15, 16])
+    assert torch.equal(weight.rows(ids), expected[ids])
 
 
 def test_q4_k_keeps_the_files_quants_and_rounds_only_block_scales():

@@ -16,8 +16,10 @@ from sluice.kernels import contract
 from sluice.kernels.cpu import DISABLE_ENV, ISA_NAMES, supported_isas
 from sluice.kernels.loader import load_kernels
 from sluice.kernels.ops import KernelOps
+from sluice.model.gguf_blocks import block_rows
 from sluice.model.layers import RotaryEmbedding
 from sluice.model.quantized_linear import BlockFormat, QuantizedLinearWeight
+from tests.gguf_files import random_blocks
 
 SUPPORTED = [isa.name for isa in supported_isas()]
 # Where the CPU has an instruction set, its build must work (gcc is part of the set-up): a
@@ -33,26 +35,39 @@ def ops(request) -> KernelOps:
     return KernelOps(load_kernels(request.param))
 
 
+ROUNDED_FORMATS = [BlockFormat.Q8_0, BlockFormat.Q4_1]  # the formats a float weight can be rounded to
+
+
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((actual - expected).abs().max() / expected.abs().max()).item()
+
+
+def block_weight(format: BlockFormat, out_features: int, in_features: int, ops: KernelOps, seed: int):
+    """A random [out, in] weight in `format`: floats rounded to its blocks, or for q6_k (which
+    only a GGUF holds) random Q6_K blocks as a file holds them, `in_features` rounded up to
+    whole super-blocks. -> (the weight, in_features)"""
+    if format is BlockFormat.Q6_K:
+        in_features = -(-in_features // 256) * 256
+        raw = random_blocks(out_features, in_features, "Q6_K", seed=seed)
+        rows = block_rows(raw, "Q6_K", (out_features, in_features), format)
+        return QuantizedLinearWeight.from_rows(rows, ops), in_features
+    weight = torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(seed)) * 0.05
+    return QuantizedLinearWeight.quantize(weight, format, ops), in_features
 
 
 @pytest.mark.parametrize("format", list(BlockFormat))
 @pytest.mark.parametrize("rows", [1, 3, 4, 7, 17, 64, 300])
 def test_quantized_matmul_matches_dense_matmul_of_the_same_blocks(ops, format, rows):
-    generator = torch.Generator().manual_seed(rows)
-    weight = torch.randn(203, 96, generator=generator) * 0.05  # 203: the last row group is partial
-    x = torch.randn(rows, 96, generator=generator)
-    quantized = QuantizedLinearWeight.quantize(weight, format, ops)
+    quantized, in_features = block_weight(format, 203, 96, ops, seed=rows)  # 203: the last row group is partial
+    x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows))
     # The only error left is x's own rounding to int8 blocks (scale max|x| / 127).
     assert relative_error(quantized.matmul(x), F.linear(x, quantized.dequantize())) < 1e-2
 
 
 @pytest.mark.parametrize("format", list(BlockFormat))
 def test_a_row_gives_the_same_bits_alone_and_in_any_batch(ops, format):
-    generator = torch.Generator().manual_seed(5)
-    quantized = QuantizedLinearWeight.quantize(torch.randn(100, 64, generator=generator), format, ops)
-    x = torch.randn(300, 64, generator=generator)
+    quantized, in_features = block_weight(format, 100, 64, ops, seed=5)
+    x = torch.randn(300, in_features, generator=torch.Generator().manual_seed(5))
     batched = quantized.matmul(x)
     for row in (0, 3, 150, 299):
         assert torch.equal(quantized.matmul(x[row : row + 1])[0], batched[row])
@@ -64,18 +79,16 @@ def test_a_row_gives_the_same_bits_alone_and_in_any_batch(ops, format):
 def test_avx512_and_avx2_builds_give_the_same_bits(format):
     """Each block's integer dot is exact on both, and the float operations are the same in the
     same order: the instruction set never changes an answer."""
-    generator = torch.Generator().manual_seed(6)
-    weight, x = torch.randn(77, 160, generator=generator), torch.randn(37, 160, generator=generator)
     results = []
     for name in ("avx2", "avx512_vnni"):
-        ops = KernelOps(load_kernels(name))
-        quantized = QuantizedLinearWeight.quantize(weight, format, ops)
+        quantized, in_features = block_weight(format, 77, 160, KernelOps(load_kernels(name)), seed=6)
+        x = torch.randn(37, in_features, generator=torch.Generator().manual_seed(6))
         assert quantized.packed.numel() > 0
         results.append(quantized.matmul(x))
     assert torch.equal(results[0], results[1])
 
 
-@pytest.mark.parametrize("format", list(BlockFormat))
+@pytest.mark.parametrize("format", ROUNDED_FORMATS)
 def test_quantizing_blocks_is_close_and_idempotent(ops, format):
     weight = torch.randn(64, 128, generator=torch.Generator().manual_seed(0))
     once = QuantizedLinearWeight.quantize(weight, format, ops).dequantize()
@@ -364,13 +377,10 @@ def test_the_best_instruction_set_is_chosen_and_can_be_switched_off():
     assert "AVX2" in _chosen_isa("avx512,avx2")  # none left: KernelUnavailable says what is needed
 
 
-@pytest.mark.parametrize("format_name", ["Q8_0", "Q4_1"])
+@pytest.mark.parametrize("format_name", ["Q8_0", "Q4_1", "Q6_K"])
 def test_rows_read_from_the_packed_layout_are_the_dequantized_rows(ops, format_name):
     """An embedding lookup from a tied, quantized table: any rows (the padded last row group
     included) equal the dequantized weight's, bit for bit."""
-    from sluice.model.quantized_linear import BlockFormat, QuantizedLinearWeight
-
-    weight = torch.randn(37, 96, generator=torch.Generator().manual_seed(5))
-    quantized = QuantizedLinearWeight.quantize(weight, BlockFormat[format_name], ops)
+    quantized, _ = block_weight(BlockFormat[format_name], 37, 96, ops, seed=5)
     ids = torch.tensor([0, 36, 17, 17, 8, 15, 16, 31])
     assert torch.equal(quantized.rows(ids), quantized.dequantize()[ids])

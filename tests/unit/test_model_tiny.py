@@ -500,17 +500,17 @@ def _q4_k_m_type(hf_name: str) -> str:
     return "Q6_K" if hf_name == "model.embed_tokens.weight" else "Q4_K"
 
 
-# Block scales that give weights of standard deviation ~0.05 for each type.
-_TYPICAL_SCALE = {"Q4_K": 3e-4, "Q6_K": 5e-5}
+# Block scales that give weights of standard deviation ~0.02 for each type.
+_TYPICAL_SCALE = {"Q4_K": 1e-4, "Q6_K": 2e-5}
 
 
 @pytest.mark.skipif(not kernels_available(), reason="the C kernels need an x86-64 CPU with AVX2 and gcc")
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_a_k_quant_gguf_runs_the_files_blocks(arch, tmp_path: Path):
     """A Q4_K_M-style file (widths of whole 256-weight super-blocks): Q4_K matrices run as q4_1
-    blocks holding the file's quants, Q6_K ones and the matrices stacked with them as q8_0,
-    the embedding is looked up in its blocks (no float table), and logits stay near those of
-    transformers on what the file's blocks dequantize to."""
+    blocks holding the file's quants, Q6_K ones as the file's q6_k blocks, and matrices stacked
+    from both as q8_0; the Q6_K embedding is looked up in its blocks (no float table), and
+    logits stay near those of transformers on what the file's blocks dequantize to."""
     import gguf
 
     from tests.gguf_files import _interleave_rotary_halves, random_blocks
@@ -549,8 +549,10 @@ def test_a_k_quant_gguf_runs_the_files_blocks(arch, tmp_path: Path):
     layer0, layer1 = model.decoder_layers
     formats = [layer.qkv_proj.quantized.format for layer in (layer0, layer1)]
     assert formats == [BlockFormat.Q8_0, BlockFormat.Q4_1]  # layer 0's v is Q6_K: its qkv stacks as q8_0
-    assert layer0.mlp.down_quantized.format is BlockFormat.Q8_0
+    assert layer0.mlp.down_quantized.format is BlockFormat.Q6_K
     assert layer1.mlp.down_quantized.format is BlockFormat.Q4_1
+    assert model.lm_head_quantized.format is BlockFormat.Q6_K
+    assert torch.equal(layer0.mlp.down_quantized.dequantize(), hf_model.model.layers[0].mlp.down_proj.weight)
     assert layer0.o_proj.quantized.format is layer0.mlp.gate_up_quantized.format is BlockFormat.Q4_1
     assert model.embedding_blocks is model.lm_head_quantized and model.embed_tokens.numel() == 0
     assert all(p.numel() == 0 for layer in (layer0, layer1) for p in (layer.qkv_proj.weight, layer.mlp.down_weight))
@@ -561,8 +563,8 @@ def test_a_k_quant_gguf_runs_the_files_blocks(arch, tmp_path: Path):
     whole = runner.forward(make_batch([(PROMPT_IDS, slots)], runner.new_kv_buffers(64), all_logits=True))
     with torch.inference_mode():
         expected = hf_model(torch.tensor([PROMPT_IDS])).logits[0]
-    # Random K-quant blocks make weights of mean ~0.05 (their minimums), whose activations the
-    # kernel's int8 rounding moves more than the Q8_0 test's: the same weights from the
-    # folder as q8_0 land 0.08 away too, while the file's dense path is within 0.002.
-    assert ((whole - expected).abs().max() / expected.abs().max()).item() < 0.12
+    # Random K-quant blocks give biased weights (a block's minimum is not its quants' mean):
+    # at larger scales the activations grow tenfold a layer, attention turns to an argmax and
+    # the kernels' int8 rounding of activations flips it, so the scales above are kept small.
+    assert ((whole - expected).abs().max() / expected.abs().max()).item() < 0.05
     assert_same_bits_chunked_and_batched(runner, whole)
