@@ -16,7 +16,7 @@
 #include <stdint.h>
 
 #define SLUICE_BLOCK 32 /* weights per quantized block, along K */
-#define SLUICE_SUPER_BLOCK 256 /* weights per q6_k super-block, along K */
+#define SLUICE_SUPER_BLOCK 256 /* weights per q4_k / q6_k super-block, along K */
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
 #define SLUICE_AVX512_VNNI 1
@@ -44,8 +44,13 @@
  * 210 bytes a row of GGUF's Q6_K. */
 #define SLUICE_Q6_K_GROUP_BLOCK_BYTES (SLUICE_ROW_GROUP * 24)
 #define SLUICE_Q6_K_GROUP_SUPER_BYTES (SLUICE_ROW_GROUP * 210)
+/* q4_k (GGUF's Q4_K) too: eight blocks of q4_1's 16 nibble bytes a row, then the 6-bit block
+ * scales and minimums unpacked to bytes, uint8 [8][G] each, then G float16 d and G dmin:
+ * 148 bytes a row where the file has 144. */
+#define SLUICE_Q4_K_GROUP_BLOCK_BYTES (SLUICE_ROW_GROUP * 16)
+#define SLUICE_Q4_K_GROUP_SUPER_BYTES (SLUICE_ROW_GROUP * 148)
 
-enum sluice_block_format { SLUICE_Q8_0 = 0, SLUICE_Q4_1 = 1, SLUICE_Q6_K = 2 };
+enum sluice_block_format { SLUICE_Q8_0 = 0, SLUICE_Q4_1 = 1, SLUICE_Q6_K = 2, SLUICE_Q4_K = 3 };
 
 /* Element type of the KV pools. */
 enum sluice_kv_dtype { SLUICE_KV_FLOAT32 = 0, SLUICE_KV_FLOAT16 = 1, SLUICE_KV_BFLOAT16 = 2 };
@@ -75,7 +80,7 @@ long sluice_contract_value(const char *name);
 int sluice_self_test(void);
 
 /* qgemm.c: out[M, N] = x[M, K] @ W^T with W in row groups. K must be a multiple of 32 (of 256
- * for q6_k);
+ * for q4_k and q6_k);
  * returns 0, or -1 for a K or a format it cannot take. On an AMX build, -2 when the OS
  * refuses this process the tile registers. */
 size_t sluice_qgemm_scratch_bytes(int M, int K);

@@ -6,6 +6,8 @@
  *   q4_1: 4-bit q, a scale d and a minimum m        w = d * q + m
  *   q6_k: GGUF's Q6_K: 6-bit q, an int8 scale sc per 16 weights and a float16 d per 256
  *                                                   w = d * sc * (q - 32)
+ *   q4_k: GGUF's Q4_K: 4-bit q, a 6-bit scale sc and minimum mn per 32 weights, float16 d
+ *         and dmin per 256                          w = (d * sc) * q - (dmin * mn)
  *
  * x is quantized on the fly to int8 per block of 32 (scale = max|x| / 127), so each block's
  * dot product is an integer dot of 32 pairs: the weights are read once as bytes, which is
@@ -25,6 +27,8 @@
  *         q4_1 (16 G bytes), then two words of high bits, byte [4 + h][i][t] holding bits
  *         4..5 of q[row i][16h + 4g + t] at bits 2g..2g+1 (g < 4); then the 16 sub-block
  *         scales, int8 [16][G], then G float16 d
+ *   q4_k: a super-block is eight blocks of q4_1's 16 G nibble bytes, then the blocks' sc as
+ *         uint8 [8][G], their mn likewise, G float16 d and G float16 dmin
  *
  * A q6_k block's two 16-weight halves are integer dots with the half's sum of x taken off
  * 32 times, each times its sub-block scale: at most 2 * 32 * 127 * 16 * 128 < 2^24, so the
@@ -122,18 +126,31 @@ ALWAYS_INLINE __m512i block_dots(const __m512i *q, const int8_t *x) {
     return _mm512_add_epi32(even, odd);
 }
 
+/* A block's 16 G nibble bytes -> q[g]: weights 4g .. 4g + 3 of each of the 16 rows (g >= 4:
+ * the high nibbles). */
+ALWAYS_INLINE void unpack_nibbles(const uint8_t *w, __m512i *q) {
+    const __m512i nibble = _mm512_set1_epi8(0x0F);
+    for (int j = 0; j < 4; j++) {
+        const __m512i raw = _mm512_loadu_si512((const void *)(w + 64 * j));
+        q[j] = _mm512_and_si512(raw, nibble);
+        q[j + 4] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble);
+    }
+}
+
+/* G bytes (a q4_k block's 6-bit scales or minimums, one a row) times a float per row. */
+ALWAYS_INLINE __m512 scaled_bytes(const uint8_t *bytes, __m512 by) {
+    return _mm512_mul_ps(by, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)bytes))));
+}
+
+ALWAYS_INLINE __m512i nibble_block_dots(const __m512i *q, const int8_t *x) { return block_dots(q, x); }
+
 ALWAYS_INLINE void group_q4_1(const int rows, int nb, int K, const uint8_t *w, const int8_t *xq,
                               const float *xd, const int32_t *xqsum, const float *xdsum, __m512 *acc) {
     (void)xqsum;
-    const __m512i nibble = _mm512_set1_epi8(0x0F);
     for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
     for (int b = 0; b < nb; b++, w += SLUICE_Q4_1_GROUP_BLOCK_BYTES) {
-        __m512i q[8]; /* q[g]: weights 4g .. 4g + 3 of each of the 16 rows (g >= 4: the high nibbles) */
-        for (int j = 0; j < 4; j++) {
-            const __m512i raw = _mm512_loadu_si512((const void *)(w + 64 * j));
-            q[j] = _mm512_and_si512(raw, nibble);
-            q[j + 4] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble);
-        }
+        __m512i q[8];
+        unpack_nibbles(w, q);
         const __m512 d = load_halves(w + 16 * GROUP), m = load_halves(w + 18 * GROUP);
         for (int r = 0; r < rows; r++) {
             const size_t index = (size_t)r * nb + b;
@@ -239,30 +256,43 @@ ALWAYS_INLINE __m256 load_halves(const uint8_t *p) {
 /* 8 outputs (one row group) for each of `rows` activation rows. A block's 8 unpacked weight
  * vectors stay in registers while the rows pass; each row's sum is a balanced tree (written
  * as one chain, gcc reassociates it and spills the 32 products of a 4-row tile). */
+/* A block's 16 G nibble bytes -> q[g]: weights 4g .. 4g + 3 of each of the 8 rows. */
+ALWAYS_INLINE void unpack_nibbles(const uint8_t *w, __m256i *q) {
+    const __m256i nibble = _mm256_set1_epi8(0x0F);
+    for (int j = 0; j < 4; j++) {
+        const __m256i raw = _mm256_loadu_si256((const __m256i *)(w + 32 * j));
+        q[j] = _mm256_and_si256(raw, nibble);
+        q[j + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
+    }
+}
+
+/* G bytes (a q4_k block's 6-bit scales or minimums, one a row) times a float per row. */
+ALWAYS_INLINE __m256 scaled_bytes(const uint8_t *bytes, __m256 by) {
+    return _mm256_mul_ps(by, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)bytes))));
+}
+
+/* The exact integer dots of one activation block with a block of unpacked nibbles. */
+ALWAYS_INLINE __m256i nibble_block_dots(const __m256i *q, const int8_t *x) {
+    __m256i pairs[4];
+    for (int g = 0; g < 8; g += 2)
+        pairs[g / 2] = _mm256_add_epi16(_mm256_maddubs_epi16(q[g], broadcast4(x + 4 * g)),
+                                        _mm256_maddubs_epi16(q[g + 1], broadcast4(x + 4 * g + 4)));
+    /* 8 products of at most 2 * 15 * 127 each: int16 cannot overflow. */
+    const __m256i sums = _mm256_add_epi16(_mm256_add_epi16(pairs[0], pairs[1]), _mm256_add_epi16(pairs[2], pairs[3]));
+    return _mm256_madd_epi16(sums, _mm256_set1_epi16(1));
+}
+
 ALWAYS_INLINE void group_q4_1(const int rows, int nb, int K, const uint8_t *w, const int8_t *xq,
                               const float *xd, const int32_t *xqsum, const float *xdsum, __m256 *acc) {
     (void)xqsum;
-    const __m256i nibble = _mm256_set1_epi8(0x0F);
-    const __m256i ones = _mm256_set1_epi16(1);
     for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
     for (int b = 0; b < nb; b++, w += SLUICE_Q4_1_GROUP_BLOCK_BYTES) {
-        __m256i q[8]; /* q[g]: weights 4g .. 4g + 3 of each of the 8 rows */
-        for (int j = 0; j < 4; j++) {
-            const __m256i raw = _mm256_loadu_si256((const __m256i *)(w + 32 * j));
-            q[j] = _mm256_and_si256(raw, nibble);
-            q[j + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
-        }
+        __m256i q[8];
+        unpack_nibbles(w, q);
         const __m256 d = load_halves(w + 16 * GROUP), m = load_halves(w + 18 * GROUP);
         for (int r = 0; r < rows; r++) {
-            const int8_t *x = xq + (size_t)r * K + b * QK;
-            __m256i pairs[4];
-            for (int g = 0; g < 8; g += 2)
-                pairs[g / 2] = _mm256_add_epi16(_mm256_maddubs_epi16(q[g], broadcast4(x + 4 * g)),
-                                                _mm256_maddubs_epi16(q[g + 1], broadcast4(x + 4 * g + 4)));
-            /* 8 products of at most 2 * 15 * 127 each: int16 cannot overflow. */
-            const __m256i sums = _mm256_add_epi16(_mm256_add_epi16(pairs[0], pairs[1]), _mm256_add_epi16(pairs[2], pairs[3]));
             const size_t index = (size_t)r * nb + b;
-            const __m256 dots = _mm256_cvtepi32_ps(_mm256_madd_epi16(sums, ones));
+            const __m256 dots = _mm256_cvtepi32_ps(nibble_block_dots(q, xq + (size_t)r * K + b * QK));
             acc[r] = _mm256_fmadd_ps(dots, _mm256_mul_ps(d, _mm256_set1_ps(xd[index])), acc[r]);
             acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(xdsum[index]), acc[r]);
         }
@@ -366,6 +396,48 @@ ALWAYS_INLINE void store_group(float *o, int width, __m256 acc) {
     for (int i = 0; i < width; i++) o[i] = lanes[i];
 }
 #endif
+
+#ifdef SLUICE_AVX512_VNNI
+#define VEC_ZERO _mm512_setzero_ps
+#define VEC_FMADD _mm512_fmadd_ps
+#define VEC_FNMADD _mm512_fnmadd_ps
+#define VEC_MUL _mm512_mul_ps
+#define VEC_SET1 _mm512_set1_ps
+#define VEC_CVT_INT _mm512_cvtepi32_ps
+typedef __m512i block_ints;
+#else
+#define VEC_ZERO _mm256_setzero_ps
+#define VEC_FMADD _mm256_fmadd_ps
+#define VEC_FNMADD _mm256_fnmadd_ps
+#define VEC_MUL _mm256_mul_ps
+#define VEC_SET1 _mm256_set1_ps
+#define VEC_CVT_INT _mm256_cvtepi32_ps
+typedef __m256i block_ints;
+#endif
+
+/* q4_k, on either instruction set: a block's scale and minimum are its super-block's d and
+ * dmin times its 6-bit sc and mn, exact in float32 (11 + 6 bits), so a block is q4_1's
+ * arithmetic with the file's exact numbers: w = (d sc) q - (dmin mn). */
+ALWAYS_INLINE void group_q4_k(const int rows, int nb, int K, const uint8_t *w, const int8_t *xq, const float *xd,
+                              const float *xdsum, group_acc *acc) {
+    for (int r = 0; r < rows; r++) acc[r] = VEC_ZERO();
+    for (int s = 0; s < nb / 8; s++, w += SLUICE_Q4_K_GROUP_SUPER_BYTES) {
+        const uint8_t *scales = w + 8 * SLUICE_Q4_K_GROUP_BLOCK_BYTES, *minimums = scales + 8 * GROUP;
+        const group_acc d = load_halves(minimums + 8 * GROUP), dmin = load_halves(minimums + 10 * GROUP);
+        for (int k = 0; k < 8; k++) {
+            block_ints q[8];
+            unpack_nibbles(w + k * SLUICE_Q4_K_GROUP_BLOCK_BYTES, q);
+            const group_acc scale = scaled_bytes(scales + k * GROUP, d), minimum = scaled_bytes(minimums + k * GROUP, dmin);
+            const int b = 8 * s + k;
+            for (int r = 0; r < rows; r++) {
+                const size_t index = (size_t)r * nb + b;
+                const group_acc dots = VEC_CVT_INT(nibble_block_dots(q, xq + (size_t)r * K + b * QK));
+                acc[r] = VEC_FMADD(dots, VEC_MUL(scale, VEC_SET1(xd[index])), acc[r]);
+                acc[r] = VEC_FNMADD(minimum, VEC_SET1(xdsum[index]), acc[r]);
+            }
+        }
+    }
+}
 
 /* A tile of 1..TILE activation rows, with the row count a compile-time constant. */
 #define DISPATCH_ROWS(call_with_rows)                              \
@@ -479,7 +551,8 @@ static void multiply_group(int weight_type, const uint8_t *w, int n0, int width,
                            int r_end, const quantized_rows *x, float *out, int use_tiles) {
     const int nb = K / QK;
 #ifdef SLUICE_AMX
-    if (use_tiles && weight_type != SLUICE_Q6_K) { /* q6_k's quants need unpacking the tiles do not pay back */
+    /* The tiles take the 32-weight formats; the super-block ones run the VNNI code at every M. */
+    if (use_tiles && (weight_type == SLUICE_Q8_0 || weight_type == SLUICE_Q4_1)) {
         for (; r_begin + AMX_ROWS <= r_end; r_begin += AMX_ROWS) {
             __m512 acc[AMX_ROWS];
             amx_group(weight_type, w, K, r_begin, x, acc);
@@ -499,12 +572,12 @@ static void multiply_group(int weight_type, const uint8_t *w, int n0, int width,
 #define Q8_0_ROWS(R) group_q8_0(R, nb, K, w, xq_tile, xd, xqsum, acc)
 #define Q4_1_ROWS(R) group_q4_1(R, nb, K, w, xq_tile, xd, xqsum, xdsum, acc)
 #define Q6_K_ROWS(R) group_q6_k(R, nb, K, w, xq_tile, xd, xqsum, xqsum_low, acc)
-        if (weight_type == SLUICE_Q8_0) {
-            DISPATCH_ROWS(Q8_0_ROWS)
-        } else if (weight_type == SLUICE_Q4_1) {
-            DISPATCH_ROWS(Q4_1_ROWS)
-        } else {
-            DISPATCH_ROWS(Q6_K_ROWS)
+#define Q4_K_ROWS(R) group_q4_k(R, nb, K, w, xq_tile, xd, xdsum, acc)
+        switch (weight_type) {
+        case SLUICE_Q8_0: DISPATCH_ROWS(Q8_0_ROWS) break;
+        case SLUICE_Q4_1: DISPATCH_ROWS(Q4_1_ROWS) break;
+        case SLUICE_Q6_K: DISPATCH_ROWS(Q6_K_ROWS) break;
+        default: DISPATCH_ROWS(Q4_K_ROWS) break;
         }
         for (int r = 0; r < rows; r++) store_group(out + (size_t)(r0 + r) * N + n0, width, acc[r]);
     }
@@ -521,8 +594,10 @@ int sluice_qgemm(int M, int N, int K, const float *x, int weight_type, const uin
     case SLUICE_Q8_0: group_bytes = (size_t)nb * SLUICE_Q8_0_GROUP_BLOCK_BYTES; break;
     case SLUICE_Q4_1: group_bytes = (size_t)nb * SLUICE_Q4_1_GROUP_BLOCK_BYTES; break;
     case SLUICE_Q6_K:
+    case SLUICE_Q4_K:
         if (K % SLUICE_SUPER_BLOCK != 0) return -1;
-        group_bytes = (size_t)(K / SLUICE_SUPER_BLOCK) * SLUICE_Q6_K_GROUP_SUPER_BYTES;
+        group_bytes = (size_t)(K / SLUICE_SUPER_BLOCK) *
+                      (weight_type == SLUICE_Q6_K ? SLUICE_Q6_K_GROUP_SUPER_BYTES : SLUICE_Q4_K_GROUP_SUPER_BYTES);
         break;
     default: return -1;
     }

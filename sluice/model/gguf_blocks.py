@@ -4,10 +4,8 @@ blocks wherever the kernels hold the same numbers:
     Q8_0  -> q8_0, the same blocks (d, 32 int8 quants)
     Q4_1  -> q4_1, the same blocks (d, m, 32 nibbles)
     Q4_0  -> q4_1 with m = -8 d (w = d (q - 8); exact in float16)
-    Q4_K  -> q4_1: a 256-weight super-block holds 8 blocks of 32, each with a 6-bit scale sc
-             and minimum mn, w = (d sc) q - (dmin mn); each becomes a q4_1 block with
-             d' = d sc and m' = -dmin mn rounded to float16. The 4-bit quants are the file's;
-             the one rounding moves a block's scale by at most 2^-11 of itself.
+    Q4_K  -> q4_k, the same numbers (a 256-weight super-block of 8 blocks of 32, each with a
+             6-bit scale sc and minimum mn, w = (d sc) q - (dmin mn)) repacked
     Q6_K  -> q6_k, the same numbers (6-bit quants, int8 scales per 16, d per 256) repacked
     other quantized types (Q5_*, Q2_K, Q3_K, ...) -> dequantized, then rounded to q8_0
 """
@@ -26,7 +24,7 @@ _Q4_K_BYTES: Final = 144  # d, dmin (float16), 12 bytes of packed scales and min
 _Q6_K_BYTES: Final = 210  # 128 bytes of low nibbles, 64 of high bits, 16 int8 scales, d (float16)
 
 # The GGUF types whose blocks become q4_1 without rounding the 4-bit quants again.
-FOUR_BIT_TYPES: Final = ("Q4_0", "Q4_1", "Q4_K")
+FOUR_BIT_TYPES: Final = ("Q4_0", "Q4_1")
 
 
 def block_rows(data: np.ndarray, type_name: str, shape: tuple[int, int], format: BlockFormat) -> BlockRows:
@@ -45,7 +43,7 @@ def block_rows(data: np.ndarray, type_name: str, shape: tuple[int, int], format:
     if type_name == "Q4_0" and format is BlockFormat.Q4_1:
         d = _float16(raw[..., :2])
         return BlockRows(format, _bytes(raw[..., 2:]), [d, d * -8])
-    if type_name == "Q4_K" and format is BlockFormat.Q4_1:
+    if type_name == "Q4_K" and format is BlockFormat.Q4_K:
         return _q4_k_rows(raw.reshape(-1, _Q4_K_BYTES), rows, columns)  # one row per super-block
     if type_name == "Q6_K" and format is BlockFormat.Q6_K:
         return _q6_k_rows(raw.reshape(-1, _Q6_K_BYTES), rows, columns)
@@ -56,17 +54,17 @@ def block_rows(data: np.ndarray, type_name: str, shape: tuple[int, int], format:
 def _q4_k_rows(supers: np.ndarray, rows: int, columns: int) -> BlockRows:
     from gguf.quants import Q4_K
 
-    d = _float16(supers[:, 0:2]).float().unsqueeze(-1)
-    dmin = _float16(supers[:, 2:4]).float().unsqueeze(-1)
-    sc, mn = (torch.from_numpy(part.astype(np.float32)) for part in Q4_K.get_scale_min(np.array(supers[:, 4:16])))
+    supers_per_row = columns // SUPER_BLOCK
+    d = _float16(supers[:, 0:2]).reshape(rows, supers_per_row, 1)
+    dmin = _float16(supers[:, 2:4]).reshape(rows, supers_per_row, 1)
+    sc, mn = (
+        torch.from_numpy(part.astype(np.uint8)).reshape(rows, supers_per_row, 8)
+        for part in Q4_K.get_scale_min(np.array(supers[:, 4:16]))
+    )
     # 128 bytes: four runs of 32, run j holding block 2j in its low nibbles and 2j + 1 in its high ones.
     runs = _bytes(supers[:, 16:]).reshape(-1, 4, 1, BLOCK)
-    q = torch.cat((runs & 0x0F, runs >> 4), dim=2).reshape(-1, 8, BLOCK)
-    blocks_per_row = columns // BLOCK
-    quants = pack_nibbles(q).reshape(rows, blocks_per_row, BLOCK // 2)
-    scale = (d * sc).half().reshape(rows, blocks_per_row)
-    minimum = (-(dmin * mn)).half().reshape(rows, blocks_per_row)
-    return BlockRows(BlockFormat.Q4_1, quants, [scale, minimum])
+    q = torch.cat((runs & 0x0F, runs >> 4), dim=2).reshape(rows, columns // BLOCK, BLOCK)
+    return BlockRows(BlockFormat.Q4_K, pack_nibbles(q), [sc, mn, d, dmin])
 
 
 def _q6_k_rows(supers: np.ndarray, rows: int, columns: int) -> BlockRows:
@@ -82,8 +80,8 @@ def _q6_k_rows(supers: np.ndarray, rows: int, columns: int) -> BlockRows:
     quants = pack_six_bits(q.reshape(rows, blocks_per_row, BLOCK))
     supers_per_row = columns // SUPER_BLOCK
     sub_scales = _bytes(supers[:, 192:208]).view(torch.int8).reshape(rows, supers_per_row, 16)
-    d = _float16(supers[:, 208:210]).reshape(rows, supers_per_row)
-    return BlockRows(BlockFormat.Q6_K, quants, [d, sub_scales])
+    d = _float16(supers[:, 208:210]).reshape(rows, supers_per_row, 1)
+    return BlockRows(BlockFormat.Q6_K, quants, [sub_scales, d])
 
 
 def _bytes(part: np.ndarray) -> torch.Tensor:

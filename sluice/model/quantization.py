@@ -2,10 +2,9 @@
 
     none  every weight stays dense (the reference path)
     q8_0  every linear weight gets a q8_0 copy
-    auto  a GGUF file's quantized matrices keep their own precision: Q4_0/Q4_1/Q4_K as q4_1
-          from the file's 4-bit quants, Q8_0 and Q6_K as themselves, other quantized types
-          (Q5_*, Q2_K, Q3_K, ...) rounded to q8_0 (gguf_blocks.py); float tensors and HF
-          folders stay dense
+    auto  a GGUF file's quantized matrices keep their own precision: Q4_0/Q4_1 as q4_1, Q8_0,
+          Q4_K and Q6_K as themselves, other quantized types (Q5_*, Q2_K, Q3_K, ...) rounded
+          to q8_0 (gguf_blocks.py); float tensors and HF folders stay dense
 
 Blocks run only on the C kernels (float32 activations): on the torch backend `auto` keeps
 every weight dense and `q8_0` is refused.
@@ -22,6 +21,7 @@ from sluice.model.quantized_linear import BlockFormat
 from sluice.model.weights import FLOAT_TYPES, FormatPlan, gguf_tensor_types
 
 QUANTIZATION_MODES = ("auto", "none", "q8_0")
+_KEPT_SUPER_BLOCKS = {"Q4_K": BlockFormat.Q4_K, "Q6_K": BlockFormat.Q6_K}
 
 
 def quantization_plan(model_path: str | Path, config: ModelConfig, mode: str, backend: Backend) -> FormatPlan | None:
@@ -54,6 +54,6 @@ def quantization_plan(model_path: str | Path, config: ModelConfig, mode: str, ba
             return None
         if kind in FOUR_BIT_TYPES:
             return BlockFormat.Q4_1
-        return BlockFormat.Q6_K if kind == "Q6_K" else BlockFormat.Q8_0
+        return _KEPT_SUPER_BLOCKS.get(kind, BlockFormat.Q8_0)
 
     return format_of

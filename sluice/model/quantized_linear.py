@@ -1,8 +1,8 @@
-"""Linear weights kept in 32-weight blocks (q8_0, q4_1, and GGUF's q6_k super-blocks of
-eight of them) and multiplied by the C kernel.
+"""Linear weights kept in 32-weight blocks (q8_0, q4_1, and GGUF's q6_k and q4_k super-blocks
+of eight of them) and multiplied by the C kernel.
 
 A decode step reads every weight once, so its speed is set by bytes per weight: 1.06 for
-q8_0, 0.82 for q6_k and 0.625 for q4_1 against 4 for float32. A prompt is bound by arithmetic instead,
+q8_0, 0.82 for q6_k, 0.625 for q4_1 and 0.58 for q4_k against 4 for float32. A prompt is bound by arithmetic instead,
 where the kernel's integer dot products (32 multiply-adds in two instructions) still run
 about 1.5x MKL's float32 matmul on an AVX2 CPU. So every token of a quantized model goes
 through the kernel, and the model keeps no dense copy of a quantized weight.
@@ -35,15 +35,17 @@ class BlockRows:
 
     q8_0: a block is 32 int8 quants and a float16 scale d (w = d * q). q4_1: 16 bytes, byte
     j holding weight j in its low nibble and weight j + 16 in its high one (GGUF's order),
-    a float16 scale d and minimum m (w = d * q + m). q6_k: 6-bit quants as q4_1's 16 bytes of
-    low nibbles and 8 of high bits (see pack_six_bits), an int8 scale per 16 weights and a
-    float16 d per 256 (w = d * sc * (q - 32)); it comes only from a GGUF's Q6_K blocks.
+    a float16 scale d and minimum m (w = d * q + m). The super-block formats come only from a
+    GGUF's blocks of the same name, their numbers kept: q6_k, 6-bit quants as q4_1's 16 bytes
+    of low nibbles and 8 of high bits (see pack_six_bits), an int8 scale per 16 weights and a
+    float16 d per 256 (w = d * sc * (q - 32)); q4_k, q4_1's nibbles, a 6-bit scale and minimum
+    per 32 (as uint8) and a float16 d and dmin per 256 (w = d * sc * q - dmin * mn).
     """
 
     format: BlockFormat
     quants: torch.Tensor  # uint8 [rows, blocks, quant bytes]
-    # q8_0, q4_1: float16 [rows, blocks]: d, and q4_1's m; q6_k: float16 d [rows, super-blocks]
-    # and the int8 sub-block scales [rows, super-blocks, 16]
+    # q8_0, q4_1: float16 [rows, blocks]: d, and q4_1's m. The super-block formats: each of
+    # SUPER_BLOCK_SCALES[format] as [rows, super-blocks, count] in its dtype.
     scales: list[torch.Tensor]
 
     @property
@@ -60,8 +62,8 @@ class BlockRows:
         if in_features % BLOCK:
             raise ValueError(f"in_features {in_features} is not a multiple of {BLOCK}")
         blocks = weight.detach().float().reshape(out_features, in_features // BLOCK, BLOCK)
-        if format is BlockFormat.Q6_K:
-            raise ValueError("q6_k blocks are read from a GGUF file's Q6_K tensors, not rounded from floats")
+        if format in SUPER_BLOCK_SCALES:
+            raise ValueError(f"{format.name.lower()} blocks come from a GGUF file, they are not rounded from floats")
         if format is BlockFormat.Q8_0:
             d = (blocks.abs().amax(dim=-1) / 127).half()
             q = torch.round(blocks / _nonzero(d).unsqueeze(-1)).clamp_(-127, 127).to(torch.int8)
@@ -77,10 +79,16 @@ class BlockRows:
             values = self.quants.view(torch.int8).float() * self.scales[0].float().unsqueeze(-1)
         elif self.format is BlockFormat.Q6_K:
             rows = self.quants.shape[0]
-            d, sub_scales = self.scales
+            sub_scales, d = self.scales
             q = unpack_six_bits(self.quants).float() - 32  # [rows, blocks, 32]
-            scale = d.float().unsqueeze(-1) * sub_scales.float()  # [rows, super-blocks, 16]
+            scale = d.float() * sub_scales.float()  # [rows, super-blocks, 16]
             values = q.reshape(rows, -1, 16) * scale.reshape(rows, -1, 1)
+        elif self.format is BlockFormat.Q4_K:
+            rows = self.quants.shape[0]
+            sc, mn, d, dmin = (part.float().reshape(rows, -1) for part in self.scales)  # per block or super-block
+            q = torch.cat((self.quants & 0x0F, self.quants >> 4), dim=-1).float()  # [rows, blocks, 32]
+            scale, minimum = (d.repeat_interleave(8, dim=1) * sc), (dmin.repeat_interleave(8, dim=1) * mn)
+            values = q * scale.unsqueeze(-1) - minimum.unsqueeze(-1)
         else:
             q = torch.cat((self.quants & 0x0F, self.quants >> 4), dim=-1).float()
             d, m = (scale.float().unsqueeze(-1) for scale in self.scales)
@@ -114,6 +122,14 @@ def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
     """uint8 [..., 32] values in [0, 16) -> [..., 16] bytes in GGUF's order (weight j low, j + 16 high)."""
     return q[..., : BLOCK // 2] | (q[..., BLOCK // 2 :] << 4)
 
+
+# The super-block formats' scales after their quants, in qgemm.c's order: (count per row and
+# super-block, dtype) each.
+SUPER_BLOCK_SCALES: dict[BlockFormat, list[tuple[int, torch.dtype]]] = {
+    BlockFormat.Q6_K: [(16, torch.int8), (1, torch.float16)],  # sub-block scales, d
+    BlockFormat.Q4_K: [(8, torch.uint8), (8, torch.uint8), (1, torch.float16), (1, torch.float16)],  # sc, mn, d, dmin
+}
+_SUPER_QUANT_BYTES = {BlockFormat.Q6_K: 24, BlockFormat.Q4_K: 16}  # a row's bytes per 32-weight block
 
 _HIGH_SHIFTS = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(4, 1)  # word g of a half: bits 2g..2g+1
 
@@ -157,15 +173,15 @@ class QuantizedLinearWeight:
     @classmethod
     def from_rows(cls, rows: BlockRows, ops: KernelOps) -> QuantizedLinearWeight:
         out_features, in_features = rows.shape
-        if rows.format is BlockFormat.Q6_K:
-            packed = _interleave_q6_k(rows, ops.row_group)
+        if rows.format in SUPER_BLOCK_SCALES:
+            packed = _interleave_super_blocks(rows, ops.row_group)
         else:
             packed = _interleave(rows.quants, rows.scales, ops.row_group)
         return cls(rows.format, out_features, in_features, packed, ops)
 
     def dequantize(self) -> torch.Tensor:
         """The float32 [out, in] weight these blocks stand for."""
-        if self.format is BlockFormat.Q6_K:
+        if self.format in SUPER_BLOCK_SCALES:
             return self.rows(torch.arange(self.out_features))
         quant_bytes = BLOCK if self.format is BlockFormat.Q8_0 else BLOCK // 2
         num_scales = 1 if self.format is BlockFormat.Q8_0 else 2
@@ -180,9 +196,10 @@ class QuantizedLinearWeight:
         group = self.ops.row_group
         groups = -(-self.out_features // group)
         within, every = ids % group, torch.arange(len(ids))
-        if self.format is BlockFormat.Q6_K:
+        if self.format in SUPER_BLOCK_SCALES:
             supers = self.in_features // SUPER_BLOCK
-            return _q6_k_rows(self.packed.view(groups, supers, -1)[ids // group], within, group)
+            picked_supers = self.packed.view(groups, supers, -1)[ids // group]
+            return _super_block_rows(self.format, picked_supers, within, group).dequantize()
         quant_bytes = BLOCK if self.format is BlockFormat.Q8_0 else BLOCK // 2
         blocks = self.in_features // BLOCK
         picked = self.packed.view(groups, blocks, -1)[ids // group]  # [n, blocks, a row group's block bytes]
@@ -232,39 +249,38 @@ def _interleave(quants: torch.Tensor, scales: list[torch.Tensor], row_group: int
     return torch.cat(parts, dim=-1).reshape(-1).contiguous()
 
 
-def _interleave_q6_k(rows: BlockRows, row_group: int) -> torch.Tensor:
-    """q6_k BlockRows -> qgemm.c's layout: per row group and super-block, eight blocks of 24
-    bytes a row in 4-byte words, the int8 sub-block scales [16][row], the float16 d [row]."""
-    count, blocks, _ = rows.quants.shape
+def _interleave_super_blocks(rows: BlockRows, row_group: int) -> torch.Tensor:
+    """q6_k / q4_k BlockRows -> qgemm.c's layout: per row group and super-block, eight blocks of
+    a row's quant bytes in 4-byte words, row after row, then each scale part [count][row]."""
+    count, blocks, quant_bytes = rows.quants.shape
     padding = -count % row_group
     groups, supers = (count + padding) // row_group, blocks // 8
-    d, sub_scales = (torch.nn.functional.pad(part, (0, 0) * (part.dim() - 1) + (0, padding)) for part in rows.scales)
     quants = torch.nn.functional.pad(rows.quants, (0, 0, 0, 0, 0, padding))
     # [group, row, super, block, word, byte] -> [group, super, block, word, row, byte]
-    parts = [
-        quants.view(groups, row_group, supers, 8, 6, 4).permute(0, 2, 3, 4, 1, 5).reshape(groups, supers, -1),
-        sub_scales.view(torch.uint8)
-        .view(groups, row_group, supers, 16)
-        .permute(0, 2, 3, 1)
-        .reshape(groups, supers, -1),
-        d.view(groups, row_group, supers).transpose(1, 2).contiguous().view(torch.uint8),
-    ]
-    return torch.cat(parts, dim=-1).reshape(-1).contiguous()
+    parts = [quants.view(groups, row_group, supers, 8, quant_bytes // 4, 4).permute(0, 2, 3, 4, 1, 5)]
+    for scale in rows.scales:
+        padded = torch.nn.functional.pad(scale, (0, 0, 0, 0, 0, padding))  # [rows, supers, count]
+        # [group, row, super, count] -> [group, super, count, row]: a row group's values side by side
+        parts.append(padded.view(groups, row_group, supers, -1).permute(0, 2, 3, 1).contiguous().view(torch.uint8))
+    return torch.cat([part.reshape(groups, supers, -1) for part in parts], dim=-1).reshape(-1).contiguous()
 
 
-def _q6_k_rows(picked: torch.Tensor, within: torch.Tensor, row_group: int) -> torch.Tensor:
-    """float32 [n, in]: row `within[i]` of row group `picked[i]` (uint8 [n, super-blocks,
-    q6_k group super-block bytes]), dequantized."""
+def _super_block_rows(format: BlockFormat, picked: torch.Tensor, within: torch.Tensor, row_group: int) -> BlockRows:
+    """Row `within[i]` of row group `picked[i]` (uint8 [n, super-blocks, a row group's
+    super-block bytes]) as BlockRows: the inverse of _interleave_super_blocks."""
     n, supers, _ = picked.shape
     every = torch.arange(n)
-    quant_end = 8 * 24 * row_group
-    quants = picked[..., :quant_end].reshape(n, supers, 8, 6, row_group, 4).permute(0, 4, 1, 2, 3, 5)[every, within]
-    sub_scales = picked[..., quant_end : quant_end + 16 * row_group].reshape(n, supers, 16, row_group)
-    d = picked[..., quant_end + 16 * row_group :].contiguous().view(torch.float16)  # [n, supers, row_group]
-    d_of_row = d.permute(0, 2, 1)[every, within]  # [n, supers]
-    sub_scales_of_row = sub_scales.permute(0, 3, 1, 2)[every, within].contiguous().view(torch.int8)  # [n, supers, 16]
-    rows = BlockRows(BlockFormat.Q6_K, quants.reshape(n, supers * 8, 24), [d_of_row, sub_scales_of_row])
-    return rows.dequantize()
+    quant_bytes = _SUPER_QUANT_BYTES[format]
+    offset = 8 * quant_bytes * row_group
+    quants = picked[..., :offset].reshape(n, supers, 8, quant_bytes // 4, row_group, 4)
+    quants = quants.permute(0, 4, 1, 2, 3, 5)[every, within].reshape(n, supers * 8, quant_bytes)
+    scales = []
+    for count, dtype in SUPER_BLOCK_SCALES[format]:
+        size = count * row_group * dtype.itemsize
+        part = picked[..., offset : offset + size].contiguous().view(dtype).reshape(n, supers, count, row_group)
+        scales.append(part.permute(0, 3, 1, 2)[every, within])  # [n, supers, count]
+        offset += size
+    return BlockRows(format, quants, scales)
 
 
 def _deinterleave(

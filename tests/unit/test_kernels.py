@@ -43,13 +43,13 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 def block_weight(format: BlockFormat, out_features: int, in_features: int, ops: KernelOps, seed: int):
-    """A random [out, in] weight in `format`: floats rounded to its blocks, or for q6_k (which
-    only a GGUF holds) random Q6_K blocks as a file holds them, `in_features` rounded up to
-    whole super-blocks. -> (the weight, in_features)"""
-    if format is BlockFormat.Q6_K:
+    """A random [out, in] weight in `format`: floats rounded to its blocks, or for the
+    super-block formats (which only a GGUF holds) random blocks of that GGUF type as a file
+    holds them, `in_features` rounded up to whole super-blocks. -> (the weight, in_features)"""
+    if format not in ROUNDED_FORMATS:
         in_features = -(-in_features // 256) * 256
-        raw = random_blocks(out_features, in_features, "Q6_K", seed=seed)
-        rows = block_rows(raw, "Q6_K", (out_features, in_features), format)
+        raw = random_blocks(out_features, in_features, format.name, seed=seed)
+        rows = block_rows(raw, format.name, (out_features, in_features), format)
         return QuantizedLinearWeight.from_rows(rows, ops), in_features
     weight = torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(seed)) * 0.05
     return QuantizedLinearWeight.quantize(weight, format, ops), in_features
@@ -377,7 +377,7 @@ def test_the_best_instruction_set_is_chosen_and_can_be_switched_off():
     assert "AVX2" in _chosen_isa("avx512,avx2")  # none left: KernelUnavailable says what is needed
 
 
-@pytest.mark.parametrize("format_name", ["Q8_0", "Q4_1", "Q6_K"])
+@pytest.mark.parametrize("format_name", [format.name for format in BlockFormat])
 def test_rows_read_from_the_packed_layout_are_the_dequantized_rows(ops, format_name):
     """An embedding lookup from a tied, quantized table: any rows (the padded last row group
     included) equal the dequantized weight's, bit for bit."""
