@@ -130,8 +130,8 @@ static float reference_q6_k_output(const uint8_t *packed, int n, int K, const fl
                 const int q = (w < 16 ? nibbles & 0x0F : nibbles >> 4) | ((highs >> (2 * g)) & 3) << 4;
                 dots[w / 16] += (q - 32) * (int)nearbyintf(xb[w] * inv);
             }
-            const int dot = dots[0] * scales[2 * k * G + lane] + dots[1] * scales[(2 * k + 1) * G + lane];
-            acc = fmaf((float)dot, d * xd, acc);
+            const float low = (float)dots[0] * (d * (float)scales[2 * k * G + lane]);
+            acc = fmaf(fmaf((float)dots[1], d * (float)scales[(2 * k + 1) * G + lane], low), xd, acc);
         }
     }
     return acc;

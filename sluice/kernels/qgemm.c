@@ -31,8 +31,9 @@
  *         uint8 [8][G], their mn likewise, G float16 d and G float16 dmin
  *
  * A q6_k block's two 16-weight halves are integer dots with the half's sum of x taken off
- * 32 times, each times its sub-block scale: at most 2 * 32 * 127 * 16 * 128 < 2^24, so the
- * sum of the two is exact in int32 and in its conversion to float.
+ * 32 times (at most 32 * 127 * 16 < 2^24, exact as a float); the block is the first half
+ * times its scale (d times the int8 sub-block scale, exact in float32) plus the second's in
+ * one FMA, then one FMA of that times x's block scale into the output.
  *
  * Each block's integer dot is exact on either instruction set (no intermediate can
  * saturate), and each output is accumulated in block order by one chain of FMAs, whatever
@@ -54,6 +55,12 @@
 #define QK SLUICE_BLOCK
 #define GROUP SLUICE_ROW_GROUP
 #define TILE 4 /* activation rows sharing each loaded weight vector */
+/* The super-block formats cost more to unpack: on AVX-512 (32 registers) 8 rows share them. */
+#ifdef SLUICE_AVX512_VNNI
+#define SUPER_TILE 8
+#else
+#define SUPER_TILE TILE
+#endif
 #define M_CHUNK 128
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
@@ -180,34 +187,43 @@ ALWAYS_INLINE void group_q8_0(const int rows, int nb, int K, const uint8_t *w, c
 }
 
 /* Bits 4..5 of q6_k's quants for word g of a block (g < 4 within its half), from a word of
- * high bits holding them at bits 2g..2g+1. The 16-bit shifts carry bits across bytes; the
- * mask keeps only those that belong to the byte. */
+ * high bits holding them at bits 2g..2g+1, every other bit zero. Masked before the 16-bit
+ * shift, so no bit crosses into the next byte. */
 ALWAYS_INLINE __m512i high_bits(__m512i h, int g) {
-    const __m512i mask = _mm512_set1_epi8(0x30);
     switch (g) {
-    case 0: return _mm512_and_si512(_mm512_slli_epi16(h, 4), mask);
-    case 1: return _mm512_and_si512(_mm512_slli_epi16(h, 2), mask);
-    case 2: return _mm512_and_si512(h, mask);
-    default: return _mm512_and_si512(_mm512_srli_epi16(h, 2), mask);
+    case 0: return _mm512_slli_epi16(_mm512_and_si512(h, _mm512_set1_epi8(0x03)), 4);
+    case 1: return _mm512_slli_epi16(_mm512_and_si512(h, _mm512_set1_epi8(0x0C)), 2);
+    case 2: return _mm512_and_si512(h, _mm512_set1_epi8(0x30));
+    default: return _mm512_srli_epi16(_mm512_and_si512(h, _mm512_set1_epi8((char)0xC0)), 2);
     }
+}
+
+/* Bytes of low where the mask byte is 0x0F, of high elsewhere: one vpternlogd. */
+ALWAYS_INLINE __m512i nibble_or_high(__m512i low, __m512i high) {
+    return _mm512_ternarylogic_epi32(low, high, _mm512_set1_epi8(0x0F), 0xE4);
 }
 
 /* The two half-block dots of one activation block: lanes = rows, (q - 32) . x of weights
  * 0..15 and 16..31, as int32. */
 ALWAYS_INLINE void half_block_dots(const __m512i *q, const int8_t *x, int32_t low_sum, int32_t high_sum,
                                    __m512i *low, __m512i *high) {
-    __m512i a = _mm512_setzero_si512(), b = _mm512_setzero_si512();
+    /* The chains start at -32 sum(x): no subtraction after. */
+    __m512i a = _mm512_set1_epi32(-32 * low_sum), b = _mm512_set1_epi32(-32 * high_sum);
     for (int g = 0; g < 4; g++) {
         a = _mm512_dpbusd_epi32(a, q[g], _mm512_set1_epi32(load_word(x + 4 * g)));
         b = _mm512_dpbusd_epi32(b, q[g + 4], _mm512_set1_epi32(load_word(x + 16 + 4 * g)));
     }
-    *low = _mm512_sub_epi32(a, _mm512_set1_epi32(32 * low_sum));
-    *high = _mm512_sub_epi32(b, _mm512_set1_epi32(32 * high_sum));
+    *low = a;
+    *high = b;
+}
+
+/* G int8 (a q6_k sub-block's scales, one a row) as floats. */
+ALWAYS_INLINE __m512 signed_bytes(const int8_t *bytes) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)bytes)));
 }
 
 ALWAYS_INLINE void group_q6_k(const int rows, int nb, int K, const uint8_t *w, const int8_t *xq, const float *xd,
                               const int32_t *xqsum, const int32_t *xqsum_low, __m512 *acc) {
-    const __m512i nibble = _mm512_set1_epi8(0x0F);
     for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
     for (int s = 0; s < nb / 8; s++, w += SLUICE_Q6_K_GROUP_SUPER_BYTES) {
         const int8_t *scales = (const int8_t *)(w + 8 * SLUICE_Q6_K_GROUP_BLOCK_BYTES);
@@ -219,21 +235,20 @@ ALWAYS_INLINE void group_q6_k(const int rows, int nb, int K, const uint8_t *w, c
             __m512i q[8];
             for (int j = 0; j < 4; j++) {
                 const __m512i raw = _mm512_loadu_si512((const void *)(block + 64 * j));
-                q[j] = _mm512_or_si512(_mm512_and_si512(raw, nibble), high_bits(h0, j));
-                q[j + 4] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble), high_bits(h1, j));
+                q[j] = nibble_or_high(raw, high_bits(h0, j));
+                q[j + 4] = nibble_or_high(_mm512_srli_epi16(raw, 4), high_bits(h1, j));
             }
-            const __m512i low_scale = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(scales + 2 * k * GROUP)));
-            const __m512i high_scale =
-                _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(scales + (2 * k + 1) * GROUP)));
+            const __m512 low_scale = _mm512_mul_ps(d, signed_bytes(scales + 2 * k * GROUP));
+            const __m512 high_scale = _mm512_mul_ps(d, signed_bytes(scales + (2 * k + 1) * GROUP));
             const int b = 8 * s + k;
             for (int r = 0; r < rows; r++) {
                 const size_t index = (size_t)r * nb + b;
                 __m512i low, high;
                 half_block_dots(q, xq + (size_t)r * K + b * QK, xqsum_low[index], xqsum[index] - xqsum_low[index], &low,
                                 &high);
-                const __m512i dots =
-                    _mm512_add_epi32(_mm512_mullo_epi32(low, low_scale), _mm512_mullo_epi32(high, high_scale));
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots), _mm512_mul_ps(d, _mm512_set1_ps(xd[index])), acc[r]);
+                const __m512 block = _mm512_fmadd_ps(_mm512_cvtepi32_ps(high), high_scale,
+                                                     _mm512_mul_ps(_mm512_cvtepi32_ps(low), low_scale));
+                acc[r] = _mm512_fmadd_ps(block, _mm512_set1_ps(xd[index]), acc[r]);
             }
         }
     }
@@ -352,6 +367,11 @@ ALWAYS_INLINE __m256i half_block_dot(const __m256i *q, const int8_t *x, int32_t 
     return _mm256_sub_epi32(dot, _mm256_set1_epi32(32 * x_sum));
 }
 
+/* G int8 (a q6_k sub-block's scales, one a row) as floats. */
+ALWAYS_INLINE __m256 signed_bytes(const int8_t *bytes) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)bytes)));
+}
+
 ALWAYS_INLINE void group_q6_k(const int rows, int nb, int K, const uint8_t *w, const int8_t *xq, const float *xd,
                               const int32_t *xqsum, const int32_t *xqsum_low, __m256 *acc) {
     const __m256i nibble = _mm256_set1_epi8(0x0F);
@@ -369,18 +389,17 @@ ALWAYS_INLINE void group_q6_k(const int rows, int nb, int K, const uint8_t *w, c
                 q[j] = _mm256_or_si256(_mm256_and_si256(raw, nibble), high_bits(h0, j));
                 q[j + 4] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble), high_bits(h1, j));
             }
-            const __m256i low_scale = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(scales + 2 * k * GROUP)));
-            const __m256i high_scale =
-                _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(scales + (2 * k + 1) * GROUP)));
+            const __m256 low_scale = _mm256_mul_ps(d, signed_bytes(scales + 2 * k * GROUP));
+            const __m256 high_scale = _mm256_mul_ps(d, signed_bytes(scales + (2 * k + 1) * GROUP));
             const int b = 8 * s + k;
             for (int r = 0; r < rows; r++) {
                 const size_t index = (size_t)r * nb + b;
                 const int8_t *x = xq + (size_t)r * K + b * QK;
                 const __m256i low = half_block_dot(q, x, xqsum_low[index]);
                 const __m256i high = half_block_dot(q + 4, x + 16, xqsum[index] - xqsum_low[index]);
-                const __m256i dots =
-                    _mm256_add_epi32(_mm256_mullo_epi32(low, low_scale), _mm256_mullo_epi32(high, high_scale));
-                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), _mm256_mul_ps(d, _mm256_set1_ps(xd[index])), acc[r]);
+                const __m256 block = _mm256_fmadd_ps(_mm256_cvtepi32_ps(high), high_scale,
+                                                     _mm256_mul_ps(_mm256_cvtepi32_ps(low), low_scale));
+                acc[r] = _mm256_fmadd_ps(block, _mm256_set1_ps(xd[index]), acc[r]);
             }
         }
     }
@@ -446,6 +465,17 @@ ALWAYS_INLINE void group_q4_k(const int rows, int nb, int K, const uint8_t *w, c
     case 2: call_with_rows(2); break;                              \
     case 3: call_with_rows(3); break;                              \
     default: call_with_rows(4); break;                             \
+    }
+#define DISPATCH_SUPER_ROWS(call_with_rows)                        \
+    switch (rows) {                                                \
+    case 1: call_with_rows(1); break;                              \
+    case 2: call_with_rows(2); break;                              \
+    case 3: call_with_rows(3); break;                              \
+    case 4: call_with_rows(4); break;                              \
+    case 5: call_with_rows(5); break;                              \
+    case 6: call_with_rows(6); break;                              \
+    case 7: call_with_rows(7); break;                              \
+    default: call_with_rows(SUPER_TILE); break;                    \
     }
 
 /* The quantized activations in the scratch buffer. */
@@ -562,13 +592,14 @@ static void multiply_group(int weight_type, const uint8_t *w, int n0, int width,
 #else
     (void)use_tiles;
 #endif
-    for (int r0 = r_begin; r0 < r_end; r0 += TILE) {
-        const int rows = r_end - r0 < TILE ? r_end - r0 : TILE;
+    const int tile = weight_type == SLUICE_Q6_K || weight_type == SLUICE_Q4_K ? SUPER_TILE : TILE;
+    for (int r0 = r_begin; r0 < r_end; r0 += tile) {
+        const int rows = r_end - r0 < tile ? r_end - r0 : tile;
         const int8_t *xq_tile = x->q + (size_t)r0 * K;
         const size_t first_block = (size_t)r0 * nb;
         const float *xd = x->d + first_block, *xdsum = x->dsum + first_block;
         const int32_t *xqsum = x->qsum + first_block, *xqsum_low = x->qsum_low + first_block;
-        group_acc acc[TILE];
+        group_acc acc[SUPER_TILE > TILE ? SUPER_TILE : TILE];
 #define Q8_0_ROWS(R) group_q8_0(R, nb, K, w, xq_tile, xd, xqsum, acc)
 #define Q4_1_ROWS(R) group_q4_1(R, nb, K, w, xq_tile, xd, xqsum, xdsum, acc)
 #define Q6_K_ROWS(R) group_q6_k(R, nb, K, w, xq_tile, xd, xqsum, xqsum_low, acc)
@@ -576,8 +607,8 @@ static void multiply_group(int weight_type, const uint8_t *w, int n0, int width,
         switch (weight_type) {
         case SLUICE_Q8_0: DISPATCH_ROWS(Q8_0_ROWS) break;
         case SLUICE_Q4_1: DISPATCH_ROWS(Q4_1_ROWS) break;
-        case SLUICE_Q6_K: DISPATCH_ROWS(Q6_K_ROWS) break;
-        default: DISPATCH_ROWS(Q4_K_ROWS) break;
+        case SLUICE_Q6_K: DISPATCH_SUPER_ROWS(Q6_K_ROWS) break;
+        default: DISPATCH_SUPER_ROWS(Q4_K_ROWS) break;
         }
         for (int r = 0; r < rows; r++) store_group(out + (size_t)(r0 + r) * N + n0, width, acc[r]);
     }
