@@ -45,9 +45,10 @@ class ServerArgs:
         default="auto",
         metadata={
             "help": (
-                "auto | none | q8_0. Weights small decode batches read through the block-quantized C kernel: auto "
-                "keeps a GGUF file's own Q4/Q8 blocks (HF folders stay dense); q8_0 quantizes every linear weight; "
-                "none is the dense reference path."
+                "auto | none | q8_0 | gguf. Weights small decode batches read through the block-quantized C "
+                "kernel: auto keeps a GGUF file's own Q4/Q6/Q8 quants (Q4_K with float16 block scales; HF "
+                "folders stay dense); gguf keeps every number of the file (Q4_K as q4_k); q8_0 quantizes every "
+                "linear weight; none is the dense reference path."
             ),
         },
     )
@@ -241,7 +242,7 @@ class ServerArgs:
     def validate(self) -> None:
         checks = [
             (self.dtype in ("auto", "float32", "bfloat16"), "dtype must be float32, bfloat16 or auto"),
-            (self.quantization in ("auto", "none", "q8_0"), "quantization must be auto, none or q8_0"),
+            (self.quantization in ("auto", "none", "q8_0", "gguf"), "quantization must be auto, none, q8_0 or gguf"),
             (
                 self.kv_cache_dtype in ("auto", "float32", "float16", "bfloat16"),
                 "kv_cache_dtype must be auto, float32, float16 or bfloat16",

@@ -5,7 +5,10 @@ blocks wherever the kernels hold the same numbers:
     Q4_1  -> q4_1, the same blocks (d, m, 32 nibbles)
     Q4_0  -> q4_1 with m = -8 d (w = d (q - 8); exact in float16)
     Q4_K  -> q4_k, the same numbers (a 256-weight super-block of 8 blocks of 32, each with a
-             6-bit scale sc and minimum mn, w = (d sc) q - (dmin mn)) repacked
+             6-bit scale sc and minimum mn, w = (d sc) q - (dmin mn)) repacked; or
+          -> q4_1: each block becomes a q4_1 block with d' = d sc and m' = -dmin mn rounded
+             to float16. The 4-bit quants are the file's; the one rounding moves a block's
+             scale by at most 2^-11 of itself.
     Q6_K  -> q6_k, the same numbers (6-bit quants, int8 scales per 16, d per 256) repacked
     other quantized types (Q5_*, Q2_K, Q3_K, ...) -> dequantized, then rounded to q8_0
 """
@@ -24,7 +27,7 @@ _Q4_K_BYTES: Final = 144  # d, dmin (float16), 12 bytes of packed scales and min
 _Q6_K_BYTES: Final = 210  # 128 bytes of low nibbles, 64 of high bits, 16 int8 scales, d (float16)
 
 # The GGUF types whose blocks become q4_1 without rounding the 4-bit quants again.
-FOUR_BIT_TYPES: Final = ("Q4_0", "Q4_1")
+FOUR_BIT_TYPES: Final = ("Q4_0", "Q4_1", "Q4_K")
 
 
 def block_rows(data: np.ndarray, type_name: str, shape: tuple[int, int], format: BlockFormat) -> BlockRows:
@@ -43,8 +46,9 @@ def block_rows(data: np.ndarray, type_name: str, shape: tuple[int, int], format:
     if type_name == "Q4_0" and format is BlockFormat.Q4_1:
         d = _float16(raw[..., :2])
         return BlockRows(format, _bytes(raw[..., 2:]), [d, d * -8])
-    if type_name == "Q4_K" and format is BlockFormat.Q4_K:
-        return _q4_k_rows(raw.reshape(-1, _Q4_K_BYTES), rows, columns)  # one row per super-block
+    if type_name == "Q4_K" and format in (BlockFormat.Q4_K, BlockFormat.Q4_1):
+        rows_of_file = _q4_k_rows(raw.reshape(-1, _Q4_K_BYTES), rows, columns)  # one row per super-block
+        return rows_of_file if format is BlockFormat.Q4_K else _q4_k_as_q4_1(rows_of_file)
     if type_name == "Q6_K" and format is BlockFormat.Q6_K:
         return _q6_k_rows(raw.reshape(-1, _Q6_K_BYTES), rows, columns)
     array = gguf.quants.dequantize(data, gguf.GGMLQuantizationType[type_name])
@@ -65,6 +69,16 @@ def _q4_k_rows(supers: np.ndarray, rows: int, columns: int) -> BlockRows:
     runs = _bytes(supers[:, 16:]).reshape(-1, 4, 1, BLOCK)
     q = torch.cat((runs & 0x0F, runs >> 4), dim=2).reshape(rows, columns // BLOCK, BLOCK)
     return BlockRows(BlockFormat.Q4_K, pack_nibbles(q), [sc, mn, d, dmin])
+
+
+def _q4_k_as_q4_1(rows: BlockRows) -> BlockRows:
+    """q4_k rows as q4_1 blocks with the same quants: each block's scale d sc and minimum
+    -dmin mn rounded to float16."""
+    sc, mn, d, dmin = (part.float() for part in rows.scales)  # [rows, supers, 8 or 1]
+    count = len(rows)
+    scale = (d * sc).half().reshape(count, -1)
+    minimum = (-(dmin * mn)).half().reshape(count, -1)
+    return BlockRows(BlockFormat.Q4_1, rows.quants, [scale, minimum])
 
 
 def _q6_k_rows(supers: np.ndarray, rows: int, columns: int) -> BlockRows:

@@ -59,6 +59,27 @@ def test_super_blocks_keep_every_number_of_the_file_in_the_kernels_layout(isa, t
     assert torch.equal(weight.rows(ids), expected[ids])
 
 
+def test_q4_k_as_q4_1_keeps_the_files_quants_and_rounds_only_block_scales():
+    """--quantization auto: Q4_K runs as q4_1 blocks holding the file's quants."""
+    raw = random_blocks(ROWS, COLUMNS, "Q4_K", seed=2)
+    rows = block_rows(raw, "Q4_K", (ROWS, COLUMNS), BlockFormat.Q4_1)
+    expected = file_weight(raw, "Q4_K")
+    assert rows.format is BlockFormat.Q4_1
+    # Each 32-weight block: w = d' q + m' with the file's q; d' and m' are within float16's
+    # rounding (2^-11 relative) of the file's d * sc and -dmin * mn.
+    blocks = expected.reshape(ROWS, -1, 32)
+    d, m = (scale.float() for scale in rows.scales)
+    bound = 2**-11 * (15 * d.abs() + m.abs()) + 1e-7
+    assert ((rows.dequantize().reshape(ROWS, -1, 32) - blocks).abs() <= bound.unsqueeze(-1)).all()
+    # Rounding them again to q4_1 from floats would not give these quants back (the file's
+    # blocks rarely span 0..15 exactly); the direct read keeps them.
+    nibbles = torch.cat((rows.quants & 0x0F, rows.quants >> 4), dim=-1).float()
+    recovered = torch.round((blocks - m.unsqueeze(-1)) / d.unsqueeze(-1))
+    scaled = d != 0  # a block whose 6-bit scale is 0 holds only its minimum
+    assert scaled.float().mean() > 0.9
+    assert torch.equal(nibbles[scaled], recovered[scaled])
+
+
 @pytest.mark.parametrize("type_name", ROUNDED_TO_Q8_0)
 def test_other_types_are_rounded_to_q8_0(type_name):
     raw = random_blocks(ROWS, COLUMNS, type_name, seed=3)

@@ -505,12 +505,13 @@ _TYPICAL_SCALE = {"Q4_K": 1e-4, "Q6_K": 2e-5}
 
 
 @pytest.mark.skipif(not kernels_available(), reason="the C kernels need an x86-64 CPU with AVX2 and gcc")
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_a_k_quant_gguf_runs_the_files_blocks(arch, tmp_path: Path):
-    """A Q4_K_M-style file (widths of whole 256-weight super-blocks): Q4_K and Q6_K matrices run
-    as the file's own q4_k and q6_k blocks, and matrices stacked from both as q8_0; the Q6_K
-    embedding is looked up in its blocks (no float table), and logits stay near those of
-    transformers on what the file's blocks dequantize to."""
+@pytest.mark.parametrize(("arch", "mode"), [("llama", "auto"), ("qwen3", "auto"), ("llama", "gguf")])
+def test_a_k_quant_gguf_runs_the_files_blocks(arch, mode, tmp_path: Path):
+    """A Q4_K_M-style file (widths of whole 256-weight super-blocks): Q6_K matrices run as the
+    file's own q6_k blocks, Q4_K ones as q4_1 blocks of the file's quants (auto) or as its
+    q4_k blocks (gguf), and matrices stacked from both as q8_0; the Q6_K embedding is looked
+    up in its blocks (no float table), and logits stay near those of transformers on what
+    the file's blocks dequantize to."""
     import gguf
 
     from tests.gguf_files import _interleave_rotary_halves, random_blocks
@@ -543,18 +544,21 @@ def test_a_k_quant_gguf_runs_the_files_blocks(arch, tmp_path: Path):
             parameter.copy_(torch.from_numpy(weight.copy()))
             raw_matrices[name] = (raw, type_name)
     path = write_gguf(hf_model, tmp_path / "q4_k_m.gguf", arch, raw_matrices=raw_matrices)
-    runner = ModelRunner(str(path), torch.float32, "auto")
+    runner = ModelRunner(str(path), torch.float32, mode)
+    four_bit = BlockFormat.Q4_K if mode == "gguf" else BlockFormat.Q4_1
 
     model = runner.model
     layer0, layer1 = model.decoder_layers
     formats = [layer.qkv_proj.quantized.format for layer in (layer0, layer1)]
-    assert formats == [BlockFormat.Q8_0, BlockFormat.Q4_K]  # layer 0's v is Q6_K: its qkv stacks as q8_0
+    assert formats == [BlockFormat.Q8_0, four_bit]  # layer 0's v is Q6_K: its qkv stacks as q8_0
     assert layer0.mlp.down_quantized.format is BlockFormat.Q6_K
-    assert layer1.mlp.down_quantized.format is BlockFormat.Q4_K
+    assert layer1.mlp.down_quantized.format is four_bit
     assert model.lm_head_quantized.format is BlockFormat.Q6_K
-    for quantized, hf_layer in [(layer0.mlp.down_quantized, 0), (layer1.mlp.down_quantized, 1)]:
-        assert torch.equal(quantized.dequantize(), hf_model.model.layers[hf_layer].mlp.down_proj.weight)
-    assert layer0.o_proj.quantized.format is layer0.mlp.gate_up_quantized.format is BlockFormat.Q4_K
+    assert torch.equal(layer0.mlp.down_quantized.dequantize(), hf_model.model.layers[0].mlp.down_proj.weight)
+    down = hf_model.model.layers[1].mlp.down_proj.weight  # Q4_K: exact as q4_k, float16 block scales as q4_1
+    bound = 0 if mode == "gguf" else 2**-10 * down.abs().max()
+    assert (layer1.mlp.down_quantized.dequantize() - down).abs().max() <= bound
+    assert layer0.o_proj.quantized.format is layer0.mlp.gate_up_quantized.format is four_bit
     assert model.embedding_blocks is model.lm_head_quantized and model.embed_tokens.numel() == 0
     assert all(p.numel() == 0 for layer in (layer0, layer1) for p in (layer.qkv_proj.weight, layer.mlp.down_weight))
 
