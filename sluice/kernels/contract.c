@@ -71,6 +71,15 @@ static uint32_t next_random(uint32_t *state) {
 /* Uniform in [-1, 1). */
 static float random_float(uint32_t *state) { return (float)next_random(state) / (float)(1u << 23) - 1.0f; }
 
+/* x's 32-value block as the kernels round it to int8: the quants into xq, the scale returned. */
+static float reference_x_block(const float *xb, int *xq) {
+    float max_abs = 0.0f;
+    for (int k = 0; k < SLUICE_BLOCK; k++) max_abs = fmaxf(max_abs, fabsf(xb[k]));
+    const float inv = max_abs > 0.0f ? 127.0f / max_abs : 0.0f;
+    for (int k = 0; k < SLUICE_BLOCK; k++) xq[k] = (int)nearbyintf(xb[k] * inv);
+    return max_abs / 127.0f;
+}
+
 /* Scalar qgemm over the packed layout described in qgemm.c: the integer dot of each block,
  * then the same float operations in the same order as the vector code. */
 static float reference_output(int format, const uint8_t *packed, int n, int K, const float *x) {
@@ -80,18 +89,15 @@ static float reference_output(int format, const uint8_t *packed, int n, int K, c
     float acc = 0.0f;
     for (int b = 0; b < nb; b++) {
         const uint8_t *block = packed + ((size_t)group * nb + b) * block_bytes;
-        const float *xb = x + b * SLUICE_BLOCK;
-        float max_abs = 0.0f;
-        for (int k = 0; k < SLUICE_BLOCK; k++) max_abs = fmaxf(max_abs, fabsf(xb[k]));
-        const float xd = max_abs / 127.0f, inv = max_abs > 0.0f ? 127.0f / max_abs : 0.0f;
+        int xq[SLUICE_BLOCK];
+        const float xd = reference_x_block(x + b * SLUICE_BLOCK, xq);
         int dot = 0, qsum = 0;
         for (int k = 0; k < SLUICE_BLOCK; k++) {
-            const int xq = (int)nearbyintf(xb[k] * inv);
             const int word = (k % (quant_bytes)) / 4, byte = word * 4 * SLUICE_ROW_GROUP + lane * 4 + k % 4;
             const int wq = format == SLUICE_Q8_0 ? (int)(int8_t)block[byte]
                                                  : (k < 16 ? block[byte] & 0x0F : block[byte] >> 4);
-            dot += wq * xq;
-            qsum += xq;
+            dot += wq * xq[k];
+            qsum += xq[k];
         }
         uint16_t half;
         memcpy(&half, block + SLUICE_ROW_GROUP * quant_bytes + 2 * lane, 2);
@@ -118,17 +124,15 @@ static float reference_q6_k_output(const uint8_t *packed, int n, int K, const fl
         const float d = _cvtsh_ss(half);
         for (int k = 0; k < 8; k++) {
             const uint8_t *block = super + k * SLUICE_Q6_K_GROUP_BLOCK_BYTES;
-            const float *xb = x + (8 * s + k) * SLUICE_BLOCK;
-            float max_abs = 0.0f;
-            for (int w = 0; w < SLUICE_BLOCK; w++) max_abs = fmaxf(max_abs, fabsf(xb[w]));
-            const float xd = max_abs / 127.0f, inv = max_abs > 0.0f ? 127.0f / max_abs : 0.0f;
+            int xq[SLUICE_BLOCK];
+            const float xd = reference_x_block(x + (8 * s + k) * SLUICE_BLOCK, xq);
             int dots[2] = {0, 0};
             for (int w = 0; w < SLUICE_BLOCK; w++) {
                 const int within = w % 16, t = w % 4, g = within / 4;
                 const uint8_t nibbles = block[g * 4 * G + lane * 4 + t];
                 const uint8_t highs = block[(4 + w / 16) * 4 * G + lane * 4 + t];
                 const int q = (w < 16 ? nibbles & 0x0F : nibbles >> 4) | ((highs >> (2 * g)) & 3) << 4;
-                dots[w / 16] += (q - 32) * (int)nearbyintf(xb[w] * inv);
+                dots[w / 16] += (q - 32) * xq[w];
             }
             const float low = (float)dots[0] * (d * (float)scales[2 * k * G + lane]);
             acc = fmaf(fmaf((float)dots[1], d * (float)scales[(2 * k + 1) * G + lane], low), xd, acc);
@@ -152,16 +156,13 @@ static float reference_q4_k_output(const uint8_t *packed, int n, int K, const fl
         const float dmin = _cvtsh_ss(half);
         for (int k = 0; k < 8; k++) {
             const uint8_t *block = super + k * SLUICE_Q4_K_GROUP_BLOCK_BYTES;
-            const float *xb = x + (8 * s + k) * SLUICE_BLOCK;
-            float max_abs = 0.0f;
-            for (int w = 0; w < SLUICE_BLOCK; w++) max_abs = fmaxf(max_abs, fabsf(xb[w]));
-            const float xd = max_abs / 127.0f, inv = max_abs > 0.0f ? 127.0f / max_abs : 0.0f;
+            int xq[SLUICE_BLOCK];
+            const float xd = reference_x_block(x + (8 * s + k) * SLUICE_BLOCK, xq);
             int dot = 0, qsum = 0;
             for (int w = 0; w < SLUICE_BLOCK; w++) {
                 const uint8_t nibbles = block[(w % 16) / 4 * 4 * G + lane * 4 + w % 4];
-                const int xq = (int)nearbyintf(xb[w] * inv);
-                dot += (w < 16 ? nibbles & 0x0F : nibbles >> 4) * xq;
-                qsum += xq;
+                dot += (w < 16 ? nibbles & 0x0F : nibbles >> 4) * xq[w];
+                qsum += xq[w];
             }
             acc = fmaf((float)dot, d * (float)scales[k * G + lane] * xd, acc);
             acc = fmaf(-(dmin * (float)minimums[k * G + lane]), xd * (float)qsum, acc);

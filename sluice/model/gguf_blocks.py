@@ -21,7 +21,14 @@ import numpy as np
 import torch
 
 from sluice.kernels.contract import SUPER_BLOCK  # weights per K-quant super-block
-from sluice.model.quantized_linear import BLOCK, BlockFormat, BlockRows, pack_nibbles, pack_six_bits
+from sluice.model.quantized_linear import (
+    BLOCK,
+    HIGH_BIT_SHIFTS,
+    BlockFormat,
+    BlockRows,
+    pack_nibbles,
+    pack_six_bits,
+)
 
 _Q4_K_BYTES: Final = 144  # d, dmin (float16), 12 bytes of packed scales and minimums, 128 of nibbles
 _Q6_K_BYTES: Final = 210  # 128 bytes of low nibbles, 64 of high bits, 16 int8 scales, d (float16)
@@ -88,8 +95,7 @@ def _q6_k_rows(supers: np.ndarray, rows: int, columns: int) -> BlockRows:
     low = _bytes(supers[:, :128]).reshape(-1, 2, 2, BLOCK)  # [super, half, first/second 32 bytes, byte]
     high = _bytes(supers[:, 128:192]).reshape(-1, 2, 1, BLOCK)
     nibbles = torch.cat((low & 0x0F, low >> 4), dim=2)  # [super, half, quarter, weight]
-    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(4, 1)
-    q = nibbles | (((high >> shifts) & 3) << 4)
+    q = nibbles | (((high >> HIGH_BIT_SHIFTS) & 3) << 4)
     blocks_per_row = columns // BLOCK
     quants = pack_six_bits(q.reshape(rows, blocks_per_row, BLOCK))
     supers_per_row = columns // SUPER_BLOCK

@@ -2,9 +2,9 @@
 of eight of them) and multiplied by the C kernel.
 
 A decode step reads every weight once, so its speed is set by bytes per weight: 1.06 for
-q8_0, 0.82 for q6_k, 0.625 for q4_1 and 0.58 for q4_k against 4 for float32. A prompt is bound by arithmetic instead,
-where the kernel's integer dot products (32 multiply-adds in two instructions) still run
-about 1.5x MKL's float32 matmul on an AVX2 CPU. So every token of a quantized model goes
+q8_0, 0.82 for q6_k, 0.625 for q4_1 and 0.58 for q4_k against 4 for float32. A prompt is
+bound by arithmetic instead, where the kernel's integer dot products (32 multiply-adds in
+two instructions) still run about 1.5x MKL's float32 matmul on an AVX2 CPU. So every token of a quantized model goes
 through the kernel, and the model keeps no dense copy of a quantized weight.
 """
 
@@ -131,14 +131,16 @@ SUPER_BLOCK_SCALES: dict[BlockFormat, list[tuple[int, torch.dtype]]] = {
 }
 _SUPER_QUANT_BYTES = {BlockFormat.Q6_K: 24, BlockFormat.Q4_K: 16}  # a row's bytes per 32-weight block
 
-_HIGH_SHIFTS = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(4, 1)  # word g of a half: bits 2g..2g+1
+# Four 2-bit fields of a byte, at bits 0, 2, 4, 6: how Q6_K keeps its high bits, in the file
+# and in qgemm.c's words (there, field g of a half belongs to word g).
+HIGH_BIT_SHIFTS = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(4, 1)
 
 
 def pack_six_bits(q: torch.Tensor) -> torch.Tensor:
     """uint8 [..., 32] values in [0, 64) -> [..., 24] bytes: the low nibbles as pack_nibbles,
     then 8 bytes of the high two bits, byte 4h + t holding those of weight 16h + 4g + t at
     bits 2g..2g+1 (qgemm.c's q6_k words)."""
-    high = (q >> 4).reshape(*q.shape[:-1], 2, 4, 4) << _HIGH_SHIFTS  # [..., half, g, t]
+    high = (q >> 4).reshape(*q.shape[:-1], 2, 4, 4) << HIGH_BIT_SHIFTS  # [..., half, g, t]
     packed_high = high[..., 0, :] | high[..., 1, :] | high[..., 2, :] | high[..., 3, :]
     return torch.cat((pack_nibbles(q & 0x0F), packed_high.reshape(*q.shape[:-1], 8)), dim=-1)
 
@@ -146,7 +148,7 @@ def pack_six_bits(q: torch.Tensor) -> torch.Tensor:
 def unpack_six_bits(quants: torch.Tensor) -> torch.Tensor:
     """The inverse of pack_six_bits: uint8 [..., 24] -> [..., 32] values in [0, 64)."""
     low = torch.cat((quants[..., :16] & 0x0F, quants[..., :16] >> 4), dim=-1)
-    high = (quants[..., 16:].reshape(*quants.shape[:-1], 2, 1, 4) >> _HIGH_SHIFTS) & 3  # [..., half, g, t]
+    high = (quants[..., 16:].reshape(*quants.shape[:-1], 2, 1, 4) >> HIGH_BIT_SHIFTS) & 3  # [..., half, g, t]
     return low | (high.reshape(*quants.shape[:-1], BLOCK) << 4)
 
 
