@@ -178,3 +178,57 @@ def _add_gemma_fields(writer, config, arch: str) -> None:
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(global_rope["factor"])
     writer.add_sliding_window_pattern([kind == "sliding_attention" for kind in config.layer_types])
+
+
+def quantize_q5_k(weight: np.ndarray) -> np.ndarray:
+    """float32 [rows, columns] (columns a multiple of 256) -> uint8 [rows, 176 per 256 weights]:
+    Q5_K super-blocks as GGUF lays them out (d, dmin, 12 bytes of 6-bit scales and minimums,
+    32 of fifth bits, 128 of nibbles). A plain rounding (llama.cpp searches each block's
+    scale, gguf-py cannot make K-quants at all); enough to serve a real model's weights."""
+    rows = len(weight)
+    blocks = weight.astype(np.float32).reshape(-1, 8, 32)  # [super-block, block, weight]
+    low = np.minimum(blocks.min(axis=-1), 0.0)
+    scale, minimum = (blocks.max(axis=-1) - low) / 31, -low  # per block, both >= 0
+    d = (scale.max(axis=-1) / 63).astype(np.float16)
+    dmin = (minimum.max(axis=-1) / 63).astype(np.float16)
+    safe_d, safe_dmin = (np.where(x == 0, 1, x.astype(np.float32))[:, None] for x in (d, dmin))
+    sc = np.clip(np.round(scale / safe_d), 0, 63).astype(np.uint8)
+    mn = np.clip(np.round(minimum / safe_dmin), 0, 63).astype(np.uint8)
+    step = (d.astype(np.float32)[:, None] * sc)[..., None]
+    offset = (dmin.astype(np.float32)[:, None] * mn)[..., None]
+    q = np.clip(np.round((blocks + offset) / np.where(step == 0, 1, step)), 0, 31).astype(np.uint8)
+    packed_scales = np.concatenate(  # the inverse of gguf-py's Q4_K.get_scale_min
+        (
+            (sc[:, :4] & 63) | ((sc[:, 4:] >> 4) << 6),
+            (mn[:, :4] & 63) | ((mn[:, 4:] >> 4) << 6),
+            (sc[:, 4:] & 15) | ((mn[:, 4:] & 15) << 4),
+        ),
+        axis=-1,
+    )
+    fifth_bits = ((q >> 4) << np.arange(8, dtype=np.uint8)[:, None]).sum(axis=1, dtype=np.uint8)  # byte l, bit b
+    nibbles = (q[:, 0::2] & 15) | ((q[:, 1::2] & 15) << 4)  # run j: block 2j low, 2j + 1 high
+    parts = (d.view(np.uint8).reshape(-1, 2), dmin.view(np.uint8).reshape(-1, 2), packed_scales, fifth_bits)
+    return np.concatenate((*parts, nibbles.reshape(-1, 128)), axis=-1).reshape(rows, -1)
+
+
+def copy_gguf(source: Path, path: Path, replace: dict[str, tuple[np.ndarray, str]]) -> Path:
+    """`source` written again at `path`, its metadata and tensors as they are except those
+    named in `replace` (GGUF name -> (blocks in the file's row order, block type))."""
+    import gguf
+
+    reader = gguf.GGUFReader(source)
+    arch = reader.fields["general.architecture"].contents()
+    writer = gguf.GGUFWriter(str(path), arch)
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        sub_type = field.types[1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(key, field.contents(), field.types[0], sub_type)
+    for tensor in reader.tensors:
+        data, kind = replace.get(tensor.name, (tensor.data, tensor.tensor_type.name))
+        writer.add_tensor(tensor.name, data, raw_shape=data.shape, raw_dtype=gguf.GGMLQuantizationType[kind])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

@@ -50,6 +50,7 @@ static const struct {
     CONSTANT(SLUICE_Q4_1),
     CONSTANT(SLUICE_Q6_K),
     CONSTANT(SLUICE_Q4_K),
+    CONSTANT(SLUICE_Q5_K),
     CONSTANT(SLUICE_KV_FLOAT32),
     CONSTANT(SLUICE_KV_FLOAT16),
     CONSTANT(SLUICE_KV_BFLOAT16),
@@ -141,27 +142,32 @@ static float reference_q6_k_output(const uint8_t *packed, int n, int K, const fl
     return acc;
 }
 
-/* Scalar q4_k over its packed layout (see qgemm.c), in the vector code's order. */
-static float reference_q4_k_output(const uint8_t *packed, int n, int K, const float *x) {
+/* Scalar q4_k or q5_k over its packed layout (see qgemm.c), in the vector code's order. */
+static float reference_k_quant_output(int format, const uint8_t *packed, int n, int K, const float *x) {
     enum { G = SLUICE_ROW_GROUP };
+    const int five_bits = format == SLUICE_Q5_K;
+    const int block_bytes = five_bits ? SLUICE_Q5_K_GROUP_BLOCK_BYTES : SLUICE_Q4_K_GROUP_BLOCK_BYTES;
+    const int super_bytes = five_bits ? SLUICE_Q5_K_GROUP_SUPER_BYTES : SLUICE_Q4_K_GROUP_SUPER_BYTES;
     const int supers = K / SLUICE_SUPER_BLOCK, lane = n % G;
     float acc = 0.0f;
     for (int s = 0; s < supers; s++) {
-        const uint8_t *super = packed + ((size_t)(n / G) * supers + s) * SLUICE_Q4_K_GROUP_SUPER_BYTES;
-        const uint8_t *scales = super + 8 * SLUICE_Q4_K_GROUP_BLOCK_BYTES, *minimums = scales + 8 * G;
+        const uint8_t *super = packed + ((size_t)(n / G) * supers + s) * super_bytes;
+        const uint8_t *scales = super + 8 * block_bytes, *minimums = scales + 8 * G;
         uint16_t half;
         memcpy(&half, minimums + 8 * G + 2 * lane, 2);
         const float d = _cvtsh_ss(half);
         memcpy(&half, minimums + 10 * G + 2 * lane, 2);
         const float dmin = _cvtsh_ss(half);
         for (int k = 0; k < 8; k++) {
-            const uint8_t *block = super + k * SLUICE_Q4_K_GROUP_BLOCK_BYTES;
+            const uint8_t *block = super + k * block_bytes;
             int xq[SLUICE_BLOCK];
             const float xd = reference_x_block(x + (8 * s + k) * SLUICE_BLOCK, xq);
             int dot = 0, qsum = 0;
             for (int w = 0; w < SLUICE_BLOCK; w++) {
                 const uint8_t nibbles = block[(w % 16) / 4 * 4 * G + lane * 4 + w % 4];
-                dot += (w < 16 ? nibbles & 0x0F : nibbles >> 4) * xq[w];
+                int q = w < 16 ? nibbles & 0x0F : nibbles >> 4;
+                if (five_bits) q |= (block[16 * G + lane * 4 + w % 4] >> (w / 4) & 1) << 4;
+                dot += q * xq[w];
                 qsum += xq[w];
             }
             acc = fmaf((float)dot, d * (float)scales[k * G + lane] * xd, acc);
@@ -175,7 +181,7 @@ static float reference_q4_k_output(const uint8_t *packed, int n, int K, const fl
  * format: the result must be exact. */
 static int check_qgemm(int format) {
     enum { M = 37, N = 2 * SLUICE_ROW_GROUP + 3 }; /* M: every tile height, and AMX's 16-row tiles */
-    const int super_blocks = format == SLUICE_Q6_K || format == SLUICE_Q4_K;
+    const int super_blocks = format != SLUICE_Q8_0 && format != SLUICE_Q4_1;
     const int K = super_blocks ? 2 * SLUICE_SUPER_BLOCK : 96; /* 96: three blocks, no power of two */
     const int groups = (N + SLUICE_ROW_GROUP - 1) / SLUICE_ROW_GROUP;
     /* A unit whose float16 scales are set after the random bytes: a block, or q6_k's super-block. */
@@ -183,9 +189,11 @@ static int check_qgemm(int format) {
     if (format == SLUICE_Q6_K) {
         unit_bytes = SLUICE_Q6_K_GROUP_SUPER_BYTES, unit_weights = SLUICE_SUPER_BLOCK;
         scale_offset = 8 * SLUICE_Q6_K_GROUP_BLOCK_BYTES + 16 * SLUICE_ROW_GROUP, scale_count = SLUICE_ROW_GROUP;
-    } else if (format == SLUICE_Q4_K) { /* d and dmin after the blocks and the 6-bit scales and minimums */
-        unit_bytes = SLUICE_Q4_K_GROUP_SUPER_BYTES, unit_weights = SLUICE_SUPER_BLOCK;
-        scale_offset = 8 * SLUICE_Q4_K_GROUP_BLOCK_BYTES + 16 * SLUICE_ROW_GROUP, scale_count = 2 * SLUICE_ROW_GROUP;
+    } else if (super_blocks) { /* q4_k, q5_k: d and dmin after the blocks and the 6-bit scales and minimums */
+        const int five_bits = format == SLUICE_Q5_K;
+        unit_bytes = five_bits ? SLUICE_Q5_K_GROUP_SUPER_BYTES : SLUICE_Q4_K_GROUP_SUPER_BYTES;
+        unit_weights = SLUICE_SUPER_BLOCK, scale_count = 2 * SLUICE_ROW_GROUP;
+        scale_offset = 8 * (five_bits ? SLUICE_Q5_K_GROUP_BLOCK_BYTES : SLUICE_Q4_K_GROUP_BLOCK_BYTES) + 16 * SLUICE_ROW_GROUP;
     } else {
         const int quant_bytes = format == SLUICE_Q8_0 ? SLUICE_BLOCK : SLUICE_BLOCK / 2;
         unit_bytes = format == SLUICE_Q8_0 ? SLUICE_Q8_0_GROUP_BLOCK_BYTES : SLUICE_Q4_1_GROUP_BLOCK_BYTES;
@@ -212,9 +220,9 @@ static int check_qgemm(int format) {
         for (int i = 0; i < r && !failed; i++)
             for (int n = 0; n < N; n++) {
                 const float *row = x + (size_t)i * K;
-                const float expected = format == SLUICE_Q6_K   ? reference_q6_k_output(packed, n, K, row)
-                                       : format == SLUICE_Q4_K ? reference_q4_k_output(packed, n, K, row)
-                                                               : reference_output(format, packed, n, K, row);
+                const float expected = format == SLUICE_Q6_K ? reference_q6_k_output(packed, n, K, row)
+                                       : super_blocks        ? reference_k_quant_output(format, packed, n, K, row)
+                                                             : reference_output(format, packed, n, K, row);
                 if (out[i * N + n] != expected) failed = 1;
             }
     }
@@ -332,5 +340,6 @@ int sluice_self_test(void) {
     if (check_glue()) return 6;
     if (check_qgemm(SLUICE_Q6_K)) return 7;
     if (check_qgemm(SLUICE_Q4_K)) return 8;
+    if (check_qgemm(SLUICE_Q5_K)) return 9;
     return 0;
 }

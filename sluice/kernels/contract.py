@@ -16,7 +16,7 @@ from pathlib import Path
 
 HEADER = Path(__file__).parent / "kernels.h"
 BLOCK = 32  # SLUICE_BLOCK: weights per quantized block along K
-SUPER_BLOCK = 256  # SLUICE_SUPER_BLOCK: weights per q4_k / q6_k super-block along K
+SUPER_BLOCK = 256  # SLUICE_SUPER_BLOCK: weights per q4_k / q5_k / q6_k super-block along K
 
 
 class BlockFormat(enum.IntEnum):
@@ -26,6 +26,7 @@ class BlockFormat(enum.IntEnum):
     Q4_1 = 1  # w = d * q + m, q 4-bit unsigned, scale and minimum per block
     Q6_K = 2  # w = d * sc * (q - 32), q 6-bit unsigned, int8 sc per 16 weights, d per 256 (GGUF's Q6_K)
     Q4_K = 3  # w = d * sc * q - dmin * mn, q 4-bit, 6-bit sc and mn per 32, d and dmin per 256 (GGUF's Q4_K)
+    Q5_K = 4  # as Q4_K with q 5-bit (GGUF's Q5_K)
 
 
 class KvDtype(enum.IntEnum):

@@ -16,7 +16,7 @@
 #include <stdint.h>
 
 #define SLUICE_BLOCK 32 /* weights per quantized block, along K */
-#define SLUICE_SUPER_BLOCK 256 /* weights per q4_k / q6_k super-block, along K */
+#define SLUICE_SUPER_BLOCK 256 /* weights per q4_k / q5_k / q6_k super-block, along K */
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
 #define SLUICE_AVX512_VNNI 1
@@ -49,8 +49,12 @@
  * 148 bytes a row where the file has 144. */
 #define SLUICE_Q4_K_GROUP_BLOCK_BYTES (SLUICE_ROW_GROUP * 16)
 #define SLUICE_Q4_K_GROUP_SUPER_BYTES (SLUICE_ROW_GROUP * 148)
+/* q5_k (GGUF's Q5_K): q4_k with a fifth bit a weight, one word of high bits a row after each
+ * block's nibbles: 180 bytes a row where the file has 176. */
+#define SLUICE_Q5_K_GROUP_BLOCK_BYTES (SLUICE_ROW_GROUP * 20)
+#define SLUICE_Q5_K_GROUP_SUPER_BYTES (SLUICE_ROW_GROUP * 180)
 
-enum sluice_block_format { SLUICE_Q8_0 = 0, SLUICE_Q4_1 = 1, SLUICE_Q6_K = 2, SLUICE_Q4_K = 3 };
+enum sluice_block_format { SLUICE_Q8_0 = 0, SLUICE_Q4_1 = 1, SLUICE_Q6_K = 2, SLUICE_Q4_K = 3, SLUICE_Q5_K = 4 };
 
 /* Element type of the KV pools. */
 enum sluice_kv_dtype { SLUICE_KV_FLOAT32 = 0, SLUICE_KV_FLOAT16 = 1, SLUICE_KV_BFLOAT16 = 2 };
@@ -80,7 +84,7 @@ long sluice_contract_value(const char *name);
 int sluice_self_test(void);
 
 /* qgemm.c: out[M, N] = x[M, K] @ W^T with W in row groups. K must be a multiple of 32 (of 256
- * for q4_k and q6_k);
+ * for the super-block formats);
  * returns 0, or -1 for a K or a format it cannot take. On an AMX build, -2 when the OS
  * refuses this process the tile registers. */
 size_t sluice_qgemm_scratch_bytes(int M, int K);

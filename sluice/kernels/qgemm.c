@@ -8,6 +8,7 @@
  *                                                   w = d * sc * (q - 32)
  *   q4_k: GGUF's Q4_K: 4-bit q, a 6-bit scale sc and minimum mn per 32 weights, float16 d
  *         and dmin per 256                          w = (d * sc) * q - (dmin * mn)
+ *   q5_k: GGUF's Q5_K: q4_k with 5-bit q
  *
  * x is quantized on the fly to int8 per block of 32 (scale = max|x| / 127), so each block's
  * dot product is an integer dot of 32 pairs: the weights are read once as bytes, which is
@@ -29,6 +30,8 @@
  *         scales, int8 [16][G], then G float16 d
  *   q4_k: a super-block is eight blocks of q4_1's 16 G nibble bytes, then the blocks' sc as
  *         uint8 [8][G], their mn likewise, G float16 d and G float16 dmin
+ *   q5_k: as q4_k, each block's nibbles followed by one word of high bits a row: byte
+ *         [i][t] holds bit 4 of q[row i][4g + t] at bit g (g < 8)
  *
  * A q6_k block's two 16-weight halves are integer dots with the half's sum of x taken off
  * 32 times (at most 32 * 127 * 16 < 2^24, exact as a float); the block is the first half
@@ -123,18 +126,22 @@ ALWAYS_INLINE int32_t load_word(const int8_t *p) {
 #endif
 
 
-/* q4_k, on either instruction set: a block's scale and minimum are its super-block's d and
- * dmin times its 6-bit sc and mn, exact in float32 (11 + 6 bits), so a block is q4_1's
- * arithmetic with the file's exact numbers: w = (d sc) q - (dmin mn). */
-ALWAYS_INLINE void group_q4_k(const int rows, int nb, int K, const uint8_t *w, const int8_t *xq, const float *xd,
-                              const float *xdsum, group_acc *acc) {
+/* q4_k and q5_k, on either instruction set: a block's scale and minimum are its super-block's
+ * d and dmin times its 6-bit sc and mn, exact in float32 (11 + 6 bits), so a block is q4_1's
+ * arithmetic with the file's exact numbers: w = (d sc) q - (dmin mn). q5_k's q (< 32) keeps
+ * the integer dots exact as well (8 products of 31 * 127 fit AVX2's int16 pair sums). */
+ALWAYS_INLINE void group_k_quant(const int rows, const int five_bits, int nb, int K, const uint8_t *w,
+                                 const int8_t *xq, const float *xd, const float *xdsum, group_acc *acc) {
+    const int block_bytes = five_bits ? SLUICE_Q5_K_GROUP_BLOCK_BYTES : SLUICE_Q4_K_GROUP_BLOCK_BYTES;
+    const int super_bytes = five_bits ? SLUICE_Q5_K_GROUP_SUPER_BYTES : SLUICE_Q4_K_GROUP_SUPER_BYTES;
     for (int r = 0; r < rows; r++) acc[r] = VEC_ZERO();
-    for (int s = 0; s < nb / 8; s++, w += SLUICE_Q4_K_GROUP_SUPER_BYTES) {
-        const uint8_t *scales = w + 8 * SLUICE_Q4_K_GROUP_BLOCK_BYTES, *minimums = scales + 8 * GROUP;
+    for (int s = 0; s < nb / 8; s++, w += super_bytes) {
+        const uint8_t *scales = w + 8 * block_bytes, *minimums = scales + 8 * GROUP;
         const group_acc d = load_halves(minimums + 8 * GROUP), dmin = load_halves(minimums + 10 * GROUP);
         for (int k = 0; k < 8; k++) {
             block_ints q[8];
-            unpack_nibbles(w + k * SLUICE_Q4_K_GROUP_BLOCK_BYTES, q);
+            unpack_nibbles(w + k * block_bytes, q);
+            if (five_bits) add_fifth_bits(w + k * block_bytes + 16 * GROUP, q);
             const group_acc scale = scaled_bytes(scales + k * GROUP, d), minimum = scaled_bytes(minimums + k * GROUP, dmin);
             const int b = 8 * s + k;
             for (int r = 0; r < rows; r++) {
@@ -281,7 +288,7 @@ static void multiply_group(int weight_type, const uint8_t *w, int n0, int width,
 #else
     (void)use_tiles;
 #endif
-    const int tile = weight_type == SLUICE_Q6_K || weight_type == SLUICE_Q4_K ? SUPER_TILE : TILE;
+    const int tile = weight_type == SLUICE_Q8_0 || weight_type == SLUICE_Q4_1 ? TILE : SUPER_TILE;
     for (int r0 = r_begin; r0 < r_end; r0 += tile) {
         const int rows = r_end - r0 < tile ? r_end - r0 : tile;
         const int8_t *xq_tile = x->q + (size_t)r0 * K;
@@ -292,12 +299,14 @@ static void multiply_group(int weight_type, const uint8_t *w, int n0, int width,
 #define Q8_0_ROWS(R) group_q8_0(R, nb, K, w, xq_tile, xd, xqsum, acc)
 #define Q4_1_ROWS(R) group_q4_1(R, nb, K, w, xq_tile, xd, xqsum, xdsum, acc)
 #define Q6_K_ROWS(R) group_q6_k(R, nb, K, w, xq_tile, xd, xqsum, xqsum_low, acc)
-#define Q4_K_ROWS(R) group_q4_k(R, nb, K, w, xq_tile, xd, xdsum, acc)
+#define Q4_K_ROWS(R) group_k_quant(R, 0, nb, K, w, xq_tile, xd, xdsum, acc)
+#define Q5_K_ROWS(R) group_k_quant(R, 1, nb, K, w, xq_tile, xd, xdsum, acc)
         switch (weight_type) {
         case SLUICE_Q8_0: DISPATCH_ROWS(Q8_0_ROWS) break;
         case SLUICE_Q4_1: DISPATCH_ROWS(Q4_1_ROWS) break;
         case SLUICE_Q6_K: DISPATCH_SUPER_ROWS(Q6_K_ROWS) break;
-        default: DISPATCH_SUPER_ROWS(Q4_K_ROWS) break;
+        case SLUICE_Q4_K: DISPATCH_SUPER_ROWS(Q4_K_ROWS) break;
+        default: DISPATCH_SUPER_ROWS(Q5_K_ROWS) break;
         }
         for (int r = 0; r < rows; r++) store_group(out + (size_t)(r0 + r) * N + n0, width, acc[r]);
     }
@@ -313,14 +322,12 @@ int sluice_qgemm(int M, int N, int K, const float *x, int weight_type, const uin
     switch (weight_type) {
     case SLUICE_Q8_0: group_bytes = (size_t)nb * SLUICE_Q8_0_GROUP_BLOCK_BYTES; break;
     case SLUICE_Q4_1: group_bytes = (size_t)nb * SLUICE_Q4_1_GROUP_BLOCK_BYTES; break;
-    case SLUICE_Q6_K:
-    case SLUICE_Q4_K:
-        if (K % SLUICE_SUPER_BLOCK != 0) return -1;
-        group_bytes = (size_t)(K / SLUICE_SUPER_BLOCK) *
-                      (weight_type == SLUICE_Q6_K ? SLUICE_Q6_K_GROUP_SUPER_BYTES : SLUICE_Q4_K_GROUP_SUPER_BYTES);
-        break;
+    case SLUICE_Q6_K: group_bytes = (size_t)(K / SLUICE_SUPER_BLOCK) * SLUICE_Q6_K_GROUP_SUPER_BYTES; break;
+    case SLUICE_Q4_K: group_bytes = (size_t)(K / SLUICE_SUPER_BLOCK) * SLUICE_Q4_K_GROUP_SUPER_BYTES; break;
+    case SLUICE_Q5_K: group_bytes = (size_t)(K / SLUICE_SUPER_BLOCK) * SLUICE_Q5_K_GROUP_SUPER_BYTES; break;
     default: return -1;
     }
+    if (weight_type != SLUICE_Q8_0 && weight_type != SLUICE_Q4_1 && K % SLUICE_SUPER_BLOCK != 0) return -1;
     const int groups = (N + GROUP - 1) / GROUP;
     const quantized_rows rows = scratch_rows(scratch, M, K);
     int use_tiles = 0;

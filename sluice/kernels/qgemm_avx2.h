@@ -36,7 +36,7 @@ ALWAYS_INLINE __m256i nibble_block_dots(const __m256i *q, const int8_t *x) {
     for (int g = 0; g < 8; g += 2)
         pairs[g / 2] = _mm256_add_epi16(_mm256_maddubs_epi16(q[g], broadcast4(x + 4 * g)),
                                         _mm256_maddubs_epi16(q[g + 1], broadcast4(x + 4 * g + 4)));
-    /* 8 products of at most 2 * 15 * 127 each: int16 cannot overflow. */
+    /* 8 products of at most 31 * 127 each (q4_1's and q4_k's q < 16, q5_k's < 32): int16 cannot overflow. */
     const __m256i sums = _mm256_add_epi16(_mm256_add_epi16(pairs[0], pairs[1]), _mm256_add_epi16(pairs[2], pairs[3]));
     return _mm256_madd_epi16(sums, _mm256_set1_epi16(1));
 }
@@ -160,7 +160,16 @@ ALWAYS_INLINE void store_group(float *o, int width, __m256 acc) {
 }
 
 
-/* The vector operations group_q4_k (in qgemm.c) takes on this instruction set. */
+/* q5_k's fifth bits into bit 4 of the unpacked nibbles; see the AVX-512 version. */
+ALWAYS_INLINE void add_fifth_bits(const uint8_t *w, __m256i *q) {
+    const __m256i h = _mm256_loadu_si256((const __m256i *)w), bit4 = _mm256_set1_epi8(0x10);
+    for (int g = 0; g < 8; g++) {
+        const __m256i moved = g < 4 ? _mm256_slli_epi16(h, 4 - g) : g == 4 ? h : _mm256_srli_epi16(h, g - 4);
+        q[g] = _mm256_or_si256(q[g], _mm256_and_si256(moved, bit4));
+    }
+}
+
+/* The vector operations group_k_quant (in qgemm.c) takes on this instruction set. */
 #define VEC_ZERO _mm256_setzero_ps
 #define VEC_FMADD _mm256_fmadd_ps
 #define VEC_FNMADD _mm256_fnmadd_ps

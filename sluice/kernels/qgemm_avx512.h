@@ -147,7 +147,18 @@ ALWAYS_INLINE void store_group(float *o, int width, __m512 acc) {
 }
 
 
-/* The vector operations group_q4_k (in qgemm.c) takes on this instruction set. */
+/* q5_k: the fifth bits of a block (a word a row, bit g of byte t for weight 4g + t) into
+ * bit 4 of the unpacked nibbles q[g]. Each 16-bit shift is masked after, to bit 4 of each
+ * byte, which only the same byte's bit g can reach. */
+ALWAYS_INLINE void add_fifth_bits(const uint8_t *w, __m512i *q) {
+    const __m512i h = _mm512_loadu_si512((const void *)w), bit4 = _mm512_set1_epi8(0x10);
+    for (int g = 0; g < 8; g++) {
+        const __m512i moved = g < 4 ? _mm512_slli_epi16(h, 4 - g) : g == 4 ? h : _mm512_srli_epi16(h, g - 4);
+        q[g] = _mm512_ternarylogic_epi32(q[g], moved, bit4, 0xF8); /* q | (moved & bit4) */
+    }
+}
+
+/* The vector operations group_k_quant (in qgemm.c) takes on this instruction set. */
 #define VEC_ZERO _mm512_setzero_ps
 #define VEC_FMADD _mm512_fmadd_ps
 #define VEC_FNMADD _mm512_fnmadd_ps

@@ -9,8 +9,9 @@ blocks wherever the kernels hold the same numbers:
           -> q4_1: each block becomes a q4_1 block with d' = d sc and m' = -dmin mn rounded
              to float16. The 4-bit quants are the file's; the one rounding moves a block's
              scale by at most 2^-11 of itself.
+    Q5_K  -> q5_k, the same numbers (Q4_K's with a fifth bit a quant) repacked
     Q6_K  -> q6_k, the same numbers (6-bit quants, int8 scales per 16, d per 256) repacked
-    other quantized types (Q5_*, Q2_K, Q3_K, ...) -> dequantized, then rounded to q8_0
+    other quantized types (Q5_0, Q5_1, Q2_K, Q3_K, ...) -> dequantized, then rounded to q8_0
 """
 
 from __future__ import annotations
@@ -26,12 +27,16 @@ from sluice.model.quantized_linear import (
     HIGH_BIT_SHIFTS,
     BlockFormat,
     BlockRows,
+    pack_five_bits,
     pack_nibbles,
     pack_six_bits,
 )
 
 _Q4_K_BYTES: Final = 144  # d, dmin (float16), 12 bytes of packed scales and minimums, 128 of nibbles
+_Q5_K_BYTES: Final = 176  # as Q4_K, with 32 bytes of fifth bits before the nibbles
 _Q6_K_BYTES: Final = 210  # 128 bytes of low nibbles, 64 of high bits, 16 int8 scales, d (float16)
+
+_BLOCK_BITS: Final = torch.arange(8, dtype=torch.uint8).view(8, 1)  # a byte's bits, one per block of a super-block
 
 # The GGUF types whose blocks become q4_1 without rounding the 4-bit quants again.
 FOUR_BIT_TYPES: Final = ("Q4_0", "Q4_1", "Q4_K")
@@ -54,17 +59,23 @@ def block_rows(data: np.ndarray, type_name: str, shape: tuple[int, int], format:
         d = _float16(raw[..., :2])
         return BlockRows(format, _bytes(raw[..., 2:]), [d, d * -8])
     if type_name == "Q4_K" and format in (BlockFormat.Q4_K, BlockFormat.Q4_1):
-        rows_of_file = _q4_k_rows(raw.reshape(-1, _Q4_K_BYTES), rows, columns)  # one row per super-block
+        rows_of_file = _k_quant_rows(raw.reshape(-1, _Q4_K_BYTES), rows, columns)  # one row per super-block
         return rows_of_file if format is BlockFormat.Q4_K else _q4_k_as_q4_1(rows_of_file)
+    if type_name == "Q5_K" and format is BlockFormat.Q5_K:
+        return _k_quant_rows(raw.reshape(-1, _Q5_K_BYTES), rows, columns)
     if type_name == "Q6_K" and format is BlockFormat.Q6_K:
         return _q6_k_rows(raw.reshape(-1, _Q6_K_BYTES), rows, columns)
     array = gguf.quants.dequantize(data, gguf.GGMLQuantizationType[type_name])
     return BlockRows.quantize(torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32)), format)
 
 
-def _q4_k_rows(supers: np.ndarray, rows: int, columns: int) -> BlockRows:
+def _k_quant_rows(supers: np.ndarray, rows: int, columns: int) -> BlockRows:
+    """Q4_K (144 bytes a super-block) or Q5_K (176) super-blocks, one a row of `supers`, as q4_k
+    or q5_k rows."""
     from gguf.quants import Q4_K
 
+    five_bits = supers.shape[1] == _Q5_K_BYTES
+    nibbles_start = 48 if five_bits else 16  # Q5_K's 32 bytes of fifth bits come first
     supers_per_row = columns // SUPER_BLOCK
     d = _float16(supers[:, 0:2]).reshape(rows, supers_per_row, 1)
     dmin = _float16(supers[:, 2:4]).reshape(rows, supers_per_row, 1)
@@ -73,9 +84,14 @@ def _q4_k_rows(supers: np.ndarray, rows: int, columns: int) -> BlockRows:
         for part in Q4_K.get_scale_min(np.array(supers[:, 4:16]))
     )
     # 128 bytes: four runs of 32, run j holding block 2j in its low nibbles and 2j + 1 in its high ones.
-    runs = _bytes(supers[:, 16:]).reshape(-1, 4, 1, BLOCK)
-    q = torch.cat((runs & 0x0F, runs >> 4), dim=2).reshape(rows, columns // BLOCK, BLOCK)
-    return BlockRows(BlockFormat.Q4_K, pack_nibbles(q), [sc, mn, d, dmin])
+    runs = _bytes(supers[:, nibbles_start:]).reshape(-1, 4, 1, BLOCK)
+    q = torch.cat((runs & 0x0F, runs >> 4), dim=2).reshape(-1, 8, BLOCK)  # [super, block, weight]
+    scales = [sc, mn, d, dmin]
+    if not five_bits:
+        return BlockRows(BlockFormat.Q4_K, pack_nibbles(q.reshape(rows, -1, BLOCK)), scales)
+    # Bit b of byte l of the fifth bits is weight l's of block b.
+    fifth = (_bytes(supers[:, 16:48]).reshape(-1, 1, BLOCK) >> _BLOCK_BITS) & 1
+    return BlockRows(BlockFormat.Q5_K, pack_five_bits((q | fifth << 4).reshape(rows, -1, BLOCK)), scales)
 
 
 def _q4_k_as_q4_1(rows: BlockRows) -> BlockRows:

@@ -4,9 +4,9 @@
     q8_0  every linear weight gets a q8_0 copy
     auto  a GGUF file's quantized matrices as the fastest kernel format that keeps their
           quants: Q4_0/Q4_1/Q4_K as q4_1 (Q4_K's block scales rounded to float16, at most
-          2^-11 of themselves), Q8_0 and Q6_K as themselves, other quantized types (Q5_*,
-          Q2_K, Q3_K, ...) rounded to q8_0 (gguf_blocks.py); float tensors and HF folders
-          stay dense
+          2^-11 of themselves), Q8_0, Q5_K and Q6_K as themselves, other quantized types
+          (Q5_0, Q5_1, Q2_K, Q3_K, ...) rounded to q8_0 (gguf_blocks.py); float tensors and HF
+          folders stay dense
     gguf  as auto, but Q4_K as q4_k: every number of the file, 7.5% fewer bytes than q4_1,
           slower to multiply on 2-core machines at batch sizes of 32 and more
 
@@ -27,8 +27,8 @@ from sluice.model.weights import FLOAT_TYPES, FormatPlan, gguf_tensor_types
 QUANTIZATION_MODES = ("auto", "none", "q8_0", "gguf")
 # The GGUF types that run as a kernel format of their own, by mode.
 _KEPT_SUPER_BLOCKS = {
-    "auto": {"Q6_K": BlockFormat.Q6_K},
-    "gguf": {"Q4_K": BlockFormat.Q4_K, "Q6_K": BlockFormat.Q6_K},
+    "auto": {"Q5_K": BlockFormat.Q5_K, "Q6_K": BlockFormat.Q6_K},
+    "gguf": {"Q4_K": BlockFormat.Q4_K, "Q5_K": BlockFormat.Q5_K, "Q6_K": BlockFormat.Q6_K},
 }
 
 

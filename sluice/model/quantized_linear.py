@@ -1,8 +1,8 @@
-"""Linear weights kept in 32-weight blocks (q8_0, q4_1, and GGUF's q6_k and q4_k super-blocks
-of eight of them) and multiplied by the C kernel.
+"""Linear weights kept in 32-weight blocks (q8_0, q4_1, and GGUF's q6_k, q5_k and q4_k
+super-blocks of eight of them) and multiplied by the C kernel.
 
 A decode step reads every weight once, so its speed is set by bytes per weight: 1.06 for
-q8_0, 0.82 for q6_k, 0.625 for q4_1 and 0.58 for q4_k against 4 for float32. A prompt is
+q8_0, 0.82 for q6_k, 0.70 for q5_k, 0.625 for q4_1 and 0.58 for q4_k against 4 for float32. A prompt is
 bound by arithmetic instead, where the kernel's integer dot products (32 multiply-adds in
 two instructions) still run about 1.5x MKL's float32 matmul on an AVX2 CPU. So every token of a quantized model goes
 through the kernel, and the model keeps no dense copy of a quantized weight.
@@ -39,7 +39,8 @@ class BlockRows:
     GGUF's blocks of the same name, their numbers kept: q6_k, 6-bit quants as q4_1's 16 bytes
     of low nibbles and 8 of high bits (see pack_six_bits), an int8 scale per 16 weights and a
     float16 d per 256 (w = d * sc * (q - 32)); q4_k, q4_1's nibbles, a 6-bit scale and minimum
-    per 32 (as uint8) and a float16 d and dmin per 256 (w = d * sc * q - dmin * mn).
+    per 32 (as uint8) and a float16 d and dmin per 256 (w = d * sc * q - dmin * mn); q5_k, as
+    q4_k with 5-bit quants, the nibbles followed by 4 bytes of fifth bits (see pack_five_bits).
     """
 
     format: BlockFormat
@@ -83,14 +84,15 @@ class BlockRows:
             q = unpack_six_bits(self.quants).float() - 32  # [rows, blocks, 32]
             scale = d.float() * sub_scales.float()  # [rows, super-blocks, 16]
             values = q.reshape(rows, -1, 16) * scale.reshape(rows, -1, 1)
-        elif self.format is BlockFormat.Q4_K:
+        elif self.format in (BlockFormat.Q4_K, BlockFormat.Q5_K):
             rows = self.quants.shape[0]
             sc, mn, d, dmin = (part.float().reshape(rows, -1) for part in self.scales)  # per block or super-block
-            q = torch.cat((self.quants & 0x0F, self.quants >> 4), dim=-1).float()  # [rows, blocks, 32]
+            q = unpack_five_bits(self.quants) if self.format is BlockFormat.Q5_K else unpack_nibbles(self.quants)
+            q = q.float()  # [rows, blocks, 32]
             scale, minimum = (d.repeat_interleave(8, dim=1) * sc), (dmin.repeat_interleave(8, dim=1) * mn)
             values = q * scale.unsqueeze(-1) - minimum.unsqueeze(-1)
         else:
-            q = torch.cat((self.quants & 0x0F, self.quants >> 4), dim=-1).float()
+            q = unpack_nibbles(self.quants).float()
             d, m = (scale.float().unsqueeze(-1) for scale in self.scales)
             values = q * d + m
         return values.reshape(self.shape)
@@ -123,13 +125,19 @@ def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
     return q[..., : BLOCK // 2] | (q[..., BLOCK // 2 :] << 4)
 
 
+def unpack_nibbles(quants: torch.Tensor) -> torch.Tensor:
+    """The inverse of pack_nibbles: uint8 [..., 16] -> [..., 32] values in [0, 16)."""
+    return torch.cat((quants & 0x0F, quants >> 4), dim=-1)
+
+
 # The super-block formats' scales after their quants, in qgemm.c's order: (count per row and
 # super-block, dtype) each.
 SUPER_BLOCK_SCALES: dict[BlockFormat, list[tuple[int, torch.dtype]]] = {
     BlockFormat.Q6_K: [(16, torch.int8), (1, torch.float16)],  # sub-block scales, d
     BlockFormat.Q4_K: [(8, torch.uint8), (8, torch.uint8), (1, torch.float16), (1, torch.float16)],  # sc, mn, d, dmin
+    BlockFormat.Q5_K: [(8, torch.uint8), (8, torch.uint8), (1, torch.float16), (1, torch.float16)],  # as Q4_K
 }
-_SUPER_QUANT_BYTES = {BlockFormat.Q6_K: 24, BlockFormat.Q4_K: 16}  # a row's bytes per 32-weight block
+_SUPER_QUANT_BYTES = {BlockFormat.Q6_K: 24, BlockFormat.Q4_K: 16, BlockFormat.Q5_K: 20}  # a row's per 32 weights
 
 # Four 2-bit fields of a byte, at bits 0, 2, 4, 6: how Q6_K keeps its high bits, in the file
 # and in qgemm.c's words (there, field g of a half belongs to word g).
@@ -145,9 +153,26 @@ def pack_six_bits(q: torch.Tensor) -> torch.Tensor:
     return torch.cat((pack_nibbles(q & 0x0F), packed_high.reshape(*q.shape[:-1], 8)), dim=-1)
 
 
+# Bit g of a q5_k fifth-bit byte t belongs to weight 4g + t (qgemm.c's q5_k words).
+_FIFTH_BIT_SHIFTS = torch.arange(8, dtype=torch.uint8).view(8, 1)
+
+
+def pack_five_bits(q: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., 32] values in [0, 32) -> [..., 20] bytes: the low nibbles as pack_nibbles,
+    then 4 bytes of fifth bits, byte t holding that of weight 4g + t at bit g."""
+    fifth = ((q >> 4).reshape(*q.shape[:-1], 8, 4) << _FIFTH_BIT_SHIFTS).sum(dim=-2, dtype=torch.uint8)
+    return torch.cat((pack_nibbles(q & 0x0F), fifth), dim=-1)
+
+
+def unpack_five_bits(quants: torch.Tensor) -> torch.Tensor:
+    """The inverse of pack_five_bits: uint8 [..., 20] -> [..., 32] values in [0, 32)."""
+    fifth = (quants[..., 16:].unsqueeze(-2) >> _FIFTH_BIT_SHIFTS) & 1  # [..., g, t]
+    return unpack_nibbles(quants[..., :16]) | (fifth.reshape(*quants.shape[:-1], BLOCK) << 4)
+
+
 def unpack_six_bits(quants: torch.Tensor) -> torch.Tensor:
     """The inverse of pack_six_bits: uint8 [..., 24] -> [..., 32] values in [0, 64)."""
-    low = torch.cat((quants[..., :16] & 0x0F, quants[..., :16] >> 4), dim=-1)
+    low = unpack_nibbles(quants[..., :16])
     high = (quants[..., 16:].reshape(*quants.shape[:-1], 2, 1, 4) >> HIGH_BIT_SHIFTS) & 3  # [..., half, g, t]
     return low | (high.reshape(*quants.shape[:-1], BLOCK) << 4)
 
@@ -252,7 +277,7 @@ def _interleave(quants: torch.Tensor, scales: list[torch.Tensor], row_group: int
 
 
 def _interleave_super_blocks(rows: BlockRows, row_group: int) -> torch.Tensor:
-    """q6_k / q4_k BlockRows -> qgemm.c's layout: per row group and super-block, eight blocks of
+    """Super-block BlockRows (q6_k, q5_k, q4_k) -> qgemm.c's layout: per row group and super-block, eight blocks of
     a row's quant bytes in 4-byte words, row after row, then each scale part [count][row]."""
     count, blocks, quant_bytes = rows.quants.shape
     padding = -count % row_group

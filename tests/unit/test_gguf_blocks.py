@@ -24,9 +24,10 @@ KEPT = {
     "Q4_1": BlockFormat.Q4_1,
     "Q4_0": BlockFormat.Q4_1,
     "Q4_K": BlockFormat.Q4_K,
+    "Q5_K": BlockFormat.Q5_K,
     "Q6_K": BlockFormat.Q6_K,
 }
-ROUNDED_TO_Q8_0 = ["Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q5_K"]
+ROUNDED_TO_Q8_0 = ["Q5_0", "Q5_1", "Q2_K", "Q3_K"]
 
 
 def file_weight(raw: np.ndarray, type_name: str) -> torch.Tensor:
@@ -42,11 +43,11 @@ def test_blocks_the_kernels_share_come_back_exactly(type_name):
 
 
 @pytest.mark.parametrize("isa", [isa.name for isa in supported_isas()])
-@pytest.mark.parametrize(("type_name", "row_bytes"), [("Q6_K", 210), ("Q4_K", 148)])
+@pytest.mark.parametrize(("type_name", "row_bytes"), [("Q6_K", 210), ("Q5_K", 180), ("Q4_K", 148)])
 def test_super_blocks_keep_every_number_of_the_file_in_the_kernels_layout(isa, type_name, row_bytes):
     """A row's super-block repacked (Q6_K: the file's 210 bytes; Q4_K: 148 for the file's 144,
-    its 6-bit scales and minimums unpacked to bytes): the packed weight and any rows looked
-    up in it (a tied embedding table) are the file's weights exactly."""
+    its 6-bit scales and minimums unpacked to bytes; Q5_K: 180 for 176 likewise): the packed
+    weight and any rows looked up in it (a tied embedding table) are the file's weights exactly."""
     raw = random_blocks(ROWS, COLUMNS, type_name, seed=8)
     weight = QuantizedLinearWeight.from_rows(
         block_rows(raw, type_name, (ROWS, COLUMNS), KEPT[type_name]), KernelOps(load_kernels(isa))

@@ -492,24 +492,29 @@ def test_a_16_bit_kv_cache_keeps_logits_close_and_the_greedy_tokens(dtype, kv_ca
     )
 
 
-def _q4_k_m_type(hf_name: str) -> str:
-    """A Q4_K_M file's mix: Q6_K for layer 0's v and down (llama.cpp gives a share of the
-    layers more bits there) and the embedding, Q4_K for the rest."""
+def _k_m_type(hf_name: str, body_type: str) -> str:
+    """A Q4_K_M (body_type Q4_K) or Q5_K_M (Q5_K) file's mix: Q6_K for layer 0's v and down
+    (llama.cpp gives a share of the layers more bits there) and the embedding, the body's
+    type for the rest."""
     if hf_name in ("model.layers.0.self_attn.v_proj.weight", "model.layers.0.mlp.down_proj.weight"):
         return "Q6_K"
-    return "Q6_K" if hf_name == "model.embed_tokens.weight" else "Q4_K"
+    return "Q6_K" if hf_name == "model.embed_tokens.weight" else body_type
 
 
 # Block scales that give weights of standard deviation ~0.02 for each type.
-_TYPICAL_SCALE = {"Q4_K": 1e-4, "Q6_K": 2e-5}
+_TYPICAL_SCALE = {"Q4_K": 1e-4, "Q5_K": 3e-5, "Q6_K": 2e-5}
 
 
 @pytest.mark.skipif(not kernels_available(), reason="the C kernels need an x86-64 CPU with AVX2 and gcc")
-@pytest.mark.parametrize(("arch", "mode"), [("llama", "auto"), ("qwen3", "auto"), ("llama", "gguf")])
-def test_a_k_quant_gguf_runs_the_files_blocks(arch, mode, tmp_path: Path):
-    """A Q4_K_M-style file (widths of whole 256-weight super-blocks): Q6_K matrices run as the
-    file's own q6_k blocks, Q4_K ones as q4_1 blocks of the file's quants (auto) or as its
-    q4_k blocks (gguf), and matrices stacked from both as q8_0; the Q6_K embedding is looked
+@pytest.mark.parametrize(
+    ("arch", "mode", "body_type"),
+    [("llama", "auto", "Q4_K"), ("qwen3", "auto", "Q4_K"), ("llama", "gguf", "Q4_K"), ("llama", "auto", "Q5_K")],
+)
+def test_a_k_quant_gguf_runs_the_files_blocks(arch, mode, body_type, tmp_path: Path):
+    """A Q4_K_M- or Q5_K_M-style file (widths of whole 256-weight super-blocks): Q6_K and Q5_K
+    matrices run as the file's own q6_k and q5_k blocks, Q4_K ones as q4_1 blocks of the
+    file's quants (auto) or as its q4_k blocks (gguf), and matrices stacked from two types
+    as q8_0; the Q6_K embedding is looked
     up in its blocks (no float table), and logits stay near those of transformers on what
     the file's blocks dequantize to."""
     import gguf
@@ -533,7 +538,7 @@ def test_a_k_quant_gguf_runs_the_files_blocks(arch, mode, tmp_path: Path):
         for index, (name, parameter) in enumerate(hf_model.named_parameters()):
             if parameter.ndim != 2:
                 continue
-            type_name = _q4_k_m_type(name)
+            type_name = _k_m_type(name, body_type)
             raw = random_blocks(*parameter.shape, type_name, seed=index, scale=_TYPICAL_SCALE[type_name])
             weight = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[type_name])
             projection = name.split(".")[-2]
@@ -543,9 +548,10 @@ def test_a_k_quant_gguf_runs_the_files_blocks(arch, mode, tmp_path: Path):
                 weight = weight[np.argsort(order)]
             parameter.copy_(torch.from_numpy(weight.copy()))
             raw_matrices[name] = (raw, type_name)
-    path = write_gguf(hf_model, tmp_path / "q4_k_m.gguf", arch, raw_matrices=raw_matrices)
+    path = write_gguf(hf_model, tmp_path / "k_m.gguf", arch, raw_matrices=raw_matrices)
     runner = ModelRunner(str(path), torch.float32, mode)
-    four_bit = BlockFormat.Q4_K if mode == "gguf" else BlockFormat.Q4_1
+    exact = body_type == "Q5_K" or mode == "gguf"  # else Q4_K's block scales are rounded to float16
+    four_bit = BlockFormat.Q4_1 if not exact else BlockFormat[body_type]
 
     model = runner.model
     layer0, layer1 = model.decoder_layers
@@ -556,7 +562,7 @@ def test_a_k_quant_gguf_runs_the_files_blocks(arch, mode, tmp_path: Path):
     assert model.lm_head_quantized.format is BlockFormat.Q6_K
     assert torch.equal(layer0.mlp.down_quantized.dequantize(), hf_model.model.layers[0].mlp.down_proj.weight)
     down = hf_model.model.layers[1].mlp.down_proj.weight  # Q4_K: exact as q4_k, float16 block scales as q4_1
-    bound = 0 if mode == "gguf" else 2**-10 * down.abs().max()
+    bound = 0 if exact else 2**-10 * down.abs().max()
     assert (layer1.mlp.down_quantized.dequantize() - down).abs().max() <= bound
     assert layer0.o_proj.quantized.format is layer0.mlp.gate_up_quantized.format is four_bit
     assert model.embedding_blocks is model.lm_head_quantized and model.embed_tokens.numel() == 0
