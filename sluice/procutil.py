@@ -1,15 +1,20 @@
 """What every child process does first: die with its parent, keep to its threads, log; and
-handing freed heap back to the OS."""
+handing freed heap and read file maps back to the OS."""
 
 from __future__ import annotations
 
 import ctypes
 import logging
+import mmap
 import os
 import signal
 import threading
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import numpy as np
 
 PR_SET_NAME = 15
 PR_SET_PDEATHSIG = 1
@@ -82,3 +87,12 @@ def release_freed_memory() -> None:
     except (OSError, AttributeError):
         return
     trim(0)
+
+
+def drop_mapped_pages(array: np.memmap) -> None:
+    """Take the pages of a read-only file map out of this process's resident memory (they
+    stay in the page cache and come back on the next read). A model file read through a map
+    otherwise counts in full against the process while its weights are copied out of it."""
+    mapping = getattr(array, "_mmap", None)
+    if isinstance(mapping, mmap.mmap) and hasattr(mmap, "MADV_DONTNEED"):
+        mapping.madvise(mmap.MADV_DONTNEED)

@@ -22,6 +22,7 @@ from sluice.model.layers import GatedMLP, Linear, QKVProjection, RMSNorm, Rotary
 from sluice.model.model_config import ModelConfig
 from sluice.model.quantized_linear import BlockFormat, BlockRows, QuantizedLinearWeight, fused_format
 from sluice.model.weights import Weight
+from sluice.procutil import release_freed_memory
 
 # Source weight names (after "model.layers.{i}.") of each fused projection.
 _QKV_SOURCES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
@@ -228,6 +229,10 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head_quantized = blocks.take(self, "lm_head", ["lm_head.weight"])
         for index, layer in enumerate(self.decoder_layers):
             _load_layer(layer, blocks, f"model.layers.{index}.")
+            # The layer's file blocks (or float copies) are freed now, amid the heap glibc
+            # keeps: hand them back, or the whole model's worth stays resident beside its
+            # packed copy until loading ends.
+            release_freed_memory()
 
     @torch.no_grad()
     def quantize(self, format_of: Callable[[str], BlockFormat | None]) -> None:

@@ -17,7 +17,7 @@ import torch
 from sluice.model.gguf_blocks import block_rows
 from sluice.model.model_config import ModelConfig, is_gguf, open_gguf
 from sluice.model.quantized_linear import BlockFormat, BlockRows
-from sluice.procutil import release_freed_memory
+from sluice.procutil import drop_mapped_pages, release_freed_memory
 
 Weight = torch.Tensor | BlockRows
 FormatPlan = Callable[[str], BlockFormat | None]  # HF weight name -> its block format, or None: dense
@@ -181,10 +181,14 @@ def _load_gguf(path: Path, config: ModelConfig, dtype: torch.dtype, format_of: F
         # Converting a tensor frees float copies tens of MB large, which glibc keeps (its mmap
         # threshold rises past them): hand them back now and then, or they add up to
         # gigabytes at 1 B parameters. Trimming after every tensor costs seconds.
+        # The file's pages read so far leave the process's memory too: else the whole file
+        # stays resident on top of the blocks copied out of it until loading ends.
         float_bytes_freed += 4 * int(np.prod(tensor.shape))
         if float_bytes_freed > _TRIM_EVERY_BYTES:
             release_freed_memory()
+            drop_mapped_pages(reader.data)
             float_bytes_freed = 0
+    drop_mapped_pages(reader.data)
     # Weight loading is the reader's last use; its parsed tokenizer arrays are tens of MB.
     open_gguf.cache_clear()
     return _split_fused_projections(weights, config)
