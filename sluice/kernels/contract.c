@@ -33,6 +33,9 @@ static const struct {
     FIELD(sluice_layer_weights, q_norm),
     FIELD(sluice_layer_weights, k_norm),
     FIELD(sluice_layer_weights, sliding_window),
+    FIELD(sluice_layer_weights, pre_feedforward_norm),
+    FIELD(sluice_layer_weights, post_feedforward_norm),
+    FIELD(sluice_layer_weights, local_rope),
     SIZE(sluice_model_dims),
     FIELD(sluice_model_dims, num_layers),
     FIELD(sluice_model_dims, hidden),
@@ -43,6 +46,8 @@ static const struct {
     FIELD(sluice_model_dims, eps),
     FIELD(sluice_model_dims, attention_scale),
     FIELD(sluice_model_dims, kv_dtype),
+    FIELD(sluice_model_dims, mlp_activation),
+    FIELD(sluice_model_dims, attn_softcap),
     CONSTANT(SLUICE_BLOCK),
     CONSTANT(SLUICE_SUPER_BLOCK),
     CONSTANT(SLUICE_ROW_GROUP),
@@ -54,6 +59,8 @@ static const struct {
     CONSTANT(SLUICE_KV_FLOAT32),
     CONSTANT(SLUICE_KV_FLOAT16),
     CONSTANT(SLUICE_KV_BFLOAT16),
+    CONSTANT(SLUICE_SILU),
+    CONSTANT(SLUICE_GELU_TANH),
 };
 
 long sluice_contract_value(const char *name) {
@@ -309,6 +316,13 @@ static int check_glue(void) {
         for (int i = 0; i < DIM / 2; i++) {
             const double gate = x[r * DIM + i], up = x[r * DIM + DIM / 2 + i];
             if (fabs(out[r * DIM / 2 + i] - gate / (1.0 + exp(-gate)) * up) > 1e-5) return 1;
+        }
+    sluice_gelu_tanh_mul(ROWS, DIM / 2, x, out);
+    for (int r = 0; r < ROWS; r++)
+        for (int i = 0; i < DIM / 2; i++) {
+            const double gate = x[r * DIM + i], up = x[r * DIM + DIM / 2 + i];
+            const double gelu = 0.5 * gate * (1.0 + tanh(0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)));
+            if (fabs(out[r * DIM / 2 + i] - gelu * up) > 1e-5) return 1;
         }
     float qkv[(HEADS + 2 * KV_HEADS) * HEAD_DIM], before[(HEADS + 2 * KV_HEADS) * HEAD_DIM], cos_row[HEAD_DIM],
         sin_row[HEAD_DIM], k_pool[SLOTS * HEAD_DIM] = {0}, v_pool[SLOTS * HEAD_DIM] = {0};

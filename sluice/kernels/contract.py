@@ -29,6 +29,13 @@ class BlockFormat(enum.IntEnum):
     Q5_K = 4  # as Q4_K with q 5-bit (GGUF's Q5_K)
 
 
+class Activation(enum.IntEnum):
+    """enum sluice_activation: the gated MLP's activation."""
+
+    SILU = 0
+    GELU_TANH = 1
+
+
 class KvDtype(enum.IntEnum):
     """enum sluice_kv_dtype: the element type of the KV pools."""
 
@@ -60,6 +67,9 @@ class LayerWeights(ctypes.Structure):
         ("q_norm", _float_p),
         ("k_norm", _float_p),
         ("sliding_window", ctypes.c_int),
+        ("pre_feedforward_norm", _float_p),
+        ("post_feedforward_norm", _float_p),
+        ("local_rope", ctypes.c_int),
     ]
 
 
@@ -77,6 +87,8 @@ class ModelDims(ctypes.Structure):
         ("eps", ctypes.c_float),
         ("attention_scale", ctypes.c_float),
         ("kv_dtype", ctypes.c_int),
+        ("mlp_activation", ctypes.c_int),
+        ("attn_softcap", ctypes.c_float),
     ]
 
 
@@ -86,6 +98,7 @@ CONSTANTS = {
     "SLUICE_SUPER_BLOCK": SUPER_BLOCK,
     **{f"SLUICE_{member.name}": member.value for member in BlockFormat},
     **{f"SLUICE_KV_{member.name}": member.value for member in KvDtype},
+    **{f"SLUICE_{member.name}": member.value for member in Activation},
 }
 
 _SCALARS = {

@@ -1,6 +1,7 @@
 /* Every decoder layer of a forward step in one call, for a model whose four projections per
- * layer are all block-quantized (float32 activations). Every token, prompt or generated,
- * attends through decode_attention.c at its own position.
+ * layer are all block-quantized (float32 activations): Llama's layers and Gemma's (norms
+ * around attention and MLP outputs, GeGLU, soft-capped scores, local and global RoPE).
+ * Every token, prompt or generated, attends through decode_attention.c at its own position.
  *
  * At batch 1 a layer is ~10 small kernels of 5-30 us each; called one by one from Python,
  * the interpreter and ctypes cost about as much as the kernels. Here the same kernels run
@@ -26,12 +27,14 @@ size_t sluice_decode_layers_scratch_bytes(const sluice_model_dims *d, int M) {
 
 /* hidden [M, hidden]: the token embeddings in, the residual stream after the last layer out
  * (before the final norm). k_pools/v_pools: each layer's pool [slots, kv_heads, head_dim] of dims->kv_dtype.
- * cos/signed_sin [M, head_dim]; out_slots [M]: where each token's K/V go; attn_slots
+ * cos/signed_sin [M, head_dim], and local_cos/local_signed_sin for layers with local_rope
+ * (else NULL); out_slots [M]: where each token's K/V go; attn_slots
  * [requests, max_len], slot_rows [M] (or NULL) and seq_lens [M] as for sluice_decode_attention. */
 int sluice_decode_layers(const sluice_model_dims *d, const sluice_layer_weights *layers, void *const *k_pools,
                          void *const *v_pools, int M, float *hidden, const float *cos, const float *signed_sin,
-                         const int64_t *out_slots, const int64_t *attn_slots, const int64_t *slot_rows,
-                         const int64_t *seq_lens, int max_len, void *scratch) {
+                         const float *local_cos, const float *local_signed_sin, const int64_t *out_slots,
+                         const int64_t *attn_slots, const int64_t *slot_rows, const int64_t *seq_lens, int max_len,
+                         void *scratch) {
     const int D = d->hidden, I = d->intermediate, attn_width = d->heads * d->head_dim;
     const int qkv_cols = (int)qkv_width(d);
     float *normed = (float *)scratch;
@@ -59,16 +62,27 @@ int sluice_decode_layers(const sluice_model_dims *d, const sluice_layer_weights 
                 sluice_rmsnorm(d->kv_heads, d->head_dim, row + (size_t)d->heads * d->head_dim, w->k_norm, d->eps,
                                row + (size_t)d->heads * d->head_dim);
             }
-        sluice_rope_store(M, d->heads, d->kv_heads, d->head_dim, qkv, cos, signed_sin, k_pools[l], v_pools[l],
-                          d->kv_dtype, out_slots);
+        if (w->local_rope && local_cos == NULL) return -1;
+        sluice_rope_store(M, d->heads, d->kv_heads, d->head_dim, qkv, w->local_rope ? local_cos : cos,
+                          w->local_rope ? local_signed_sin : signed_sin, k_pools[l], v_pools[l], d->kv_dtype,
+                          out_slots);
         status |= sluice_decode_attention(M, d->heads, d->kv_heads, d->head_dim, max_len, d->attention_scale,
-                                          w->sliding_window, 0.0f, qkv, qkv_cols, k_pools[l], v_pools[l], d->kv_dtype,
-                                          attn_slots, slot_rows, seq_lens, attn);
+                                          w->sliding_window, d->attn_softcap, qkv, qkv_cols, k_pools[l], v_pools[l],
+                                          d->kv_dtype, attn_slots, slot_rows, seq_lens, attn);
         status |= sluice_qgemm(M, D, attn_width, attn, w->o_format, w->o, pending, qgemm_scratch);
-        sluice_add_rmsnorm(M, D, hidden, pending, w->post_attention_norm, d->eps, normed);
+        if (w->pre_feedforward_norm != NULL) { /* Gemma: the attention output is normed before it is added */
+            sluice_rmsnorm(M, D, pending, w->post_attention_norm, d->eps, pending);
+            sluice_add_rmsnorm(M, D, hidden, pending, w->pre_feedforward_norm, d->eps, normed);
+        } else {
+            sluice_add_rmsnorm(M, D, hidden, pending, w->post_attention_norm, d->eps, normed);
+        }
         status |= sluice_qgemm(M, 2 * I, D, normed, w->gate_up_format, w->gate_up, gate_up, qgemm_scratch);
-        sluice_silu_mul(M, I, gate_up, activated);
+        if (d->mlp_activation == SLUICE_GELU_TANH)
+            sluice_gelu_tanh_mul(M, I, gate_up, activated);
+        else
+            sluice_silu_mul(M, I, gate_up, activated);
         status |= sluice_qgemm(M, D, I, activated, w->down_format, w->down, pending, qgemm_scratch);
+        if (w->post_feedforward_norm != NULL) sluice_rmsnorm(M, D, pending, w->post_feedforward_norm, d->eps, pending);
         if (status != 0) return -1;
     }
     for (size_t i = 0; i < (size_t)M * D; i++) hidden[i] += pending[i];

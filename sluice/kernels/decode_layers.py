@@ -1,4 +1,5 @@
-"""All decoder layers of a forward step in one C call (decode_layers.c).
+"""All decoder layers of a forward step in one C call (decode_layers.c): Llama's layers and
+Gemma's.
 
 At batch 1 a Llama layer is about ten kernels of 5-30 us each; driven one by one from
 Python, the interpreter and ctypes cost about as much again. The C loop runs the same
@@ -13,7 +14,7 @@ from typing import Protocol
 
 import torch
 
-from sluice.kernels.contract import LayerWeights, ModelDims
+from sluice.kernels.contract import Activation, LayerWeights, ModelDims
 from sluice.kernels.ops import KV_DTYPES, KernelOps
 
 
@@ -39,6 +40,10 @@ class LayerTensors:
     q_norm: torch.Tensor | None = None  # per-head RMSNorm of q and k (Qwen3)
     k_norm: torch.Tensor | None = None
     sliding_window: int | None = None  # keys a query sees, its own included; None: all
+    # Gemma's norms around the MLP (post_attention_norm then norms the attention output)
+    pre_feedforward_norm: torch.Tensor | None = None
+    post_feedforward_norm: torch.Tensor | None = None
+    local_rope: bool = False  # rotated by the local tables (Gemma 3's sliding-window layers)
 
 
 _FLOAT_P = next(kind for name, kind, *_ in LayerWeights._fields_ if name == "input_norm")
@@ -69,6 +74,9 @@ class DecodeLayers:
         intermediate: int,
         eps: float,
         kv_dtype: torch.dtype,
+        attention_scale: float,
+        activation: Activation = Activation.SILU,
+        attn_softcap: float | None = None,
     ) -> None:
         self._lib = ops.lib
         self._pools: tuple[list[torch.Tensor], list[torch.Tensor], ctypes.Array, ctypes.Array] | None = None
@@ -81,9 +89,12 @@ class DecodeLayers:
             head_dim=head_dim,
             intermediate=intermediate,
             eps=eps,
-            attention_scale=head_dim**-0.5,
+            attention_scale=attention_scale,
             kv_dtype=int(KV_DTYPES[kv_dtype]),
+            mlp_activation=int(activation),
+            attn_softcap=attn_softcap or 0.0,
         )
+        self.local_rope = any(layer.local_rope for layer in layers)
         self._layers = (LayerWeights * len(layers))(
             *[
                 LayerWeights(
@@ -101,6 +112,9 @@ class DecodeLayers:
                     q_norm=_pointer(layer.q_norm, _FLOAT_P),
                     k_norm=_pointer(layer.k_norm, _FLOAT_P),
                     sliding_window=layer.sliding_window or 0,
+                    pre_feedforward_norm=_pointer(layer.pre_feedforward_norm, _FLOAT_P),
+                    post_feedforward_norm=_pointer(layer.post_feedforward_norm, _FLOAT_P),
+                    local_rope=int(layer.local_rope),
                 )
                 for layer in layers
             ]
@@ -118,14 +132,21 @@ class DecodeLayers:
         max_len: int,
         k_pools: list[torch.Tensor],
         v_pools: list[torch.Tensor],
+        local_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """hidden [tokens, hidden_size] float32 embeddings (overwritten) -> the residual stream
-        after the last layer; attention arguments as for ops.decode_attention."""
+        after the last layer; attention arguments as for ops.decode_attention; local_rope:
+        (cos, signed_sin) for the layers rotated by the local tables."""
         tokens = hidden.shape[0]
         if hidden.dtype != torch.float32 or not hidden.is_contiguous() or hidden.shape[1] != self._dims.hidden:
             raise ValueError(f"hidden must be contiguous float32 [tokens, {self._dims.hidden}]")
         if any(t.dtype != torch.int64 or not t.is_contiguous() for t in (out_slots, attn_slots, seq_lens)):
             raise TypeError("slots and lengths must be contiguous int64")
+        if self.local_rope and local_rope is None:
+            raise ValueError("these layers take local rotary tables too")
+        tables = [cos, signed_sin, *(local_rope or ())]
+        if any(t.dtype != torch.float32 or not t.is_contiguous() or t.shape[0] != tokens for t in tables):
+            raise TypeError("rotary tables must be contiguous float32 [tokens, head_dim]")
         if k_pools[0].dtype != self._kv_dtype:
             raise TypeError(f"KV pools are {k_pools[0].dtype}, these layers were built for {self._kv_dtype}")
         scratch = torch.empty(
@@ -141,6 +162,8 @@ class DecodeLayers:
             hidden.data_ptr(),
             cos.data_ptr(),
             signed_sin.data_ptr(),
+            None if local_rope is None else local_rope[0].data_ptr(),
+            None if local_rope is None else local_rope[1].data_ptr(),
             out_slots.data_ptr(),
             attn_slots.data_ptr(),
             None if slot_rows is None else slot_rows.data_ptr(),

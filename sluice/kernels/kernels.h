@@ -67,12 +67,22 @@ typedef struct {
     const float *qkv_bias;       /* NULL when the model has none */
     const float *q_norm, *k_norm; /* per-head RMSNorm weights [head_dim] (Qwen3); NULL when none */
     int sliding_window;           /* keys this layer's queries see, their own included; 0: all */
+    /* Gemma's norms around the MLP, NULL when none (Llama): with them, post_attention_norm
+     * normalizes the attention output before it is added, pre_feedforward_norm is the norm
+     * before the MLP and post_feedforward_norm that of the MLP's output. */
+    const float *pre_feedforward_norm, *post_feedforward_norm;
+    int local_rope; /* 1: rotated by the local tables (Gemma 3's sliding-window layers) */
 } sluice_layer_weights;
+
+/* The gated MLP's activation: silu(gate) * up (SwiGLU) or gelu_tanh(gate) * up (GeGLU). */
+enum sluice_activation { SLUICE_SILU = 0, SLUICE_GELU_TANH = 1 };
 
 typedef struct {
     int num_layers, hidden, heads, kv_heads, head_dim, intermediate;
     float eps, attention_scale;
-    int kv_dtype; /* enum sluice_kv_dtype */
+    int kv_dtype;       /* enum sluice_kv_dtype */
+    int mlp_activation; /* enum sluice_activation */
+    float attn_softcap; /* attention scores soft-capped at it (Gemma 2); 0: none */
 } sluice_model_dims;
 
 /* What this build is: sizes, field offsets and constants by name ("sizeof sluice_model_dims",
@@ -99,6 +109,7 @@ void sluice_add_rmsnorm(int rows, int dim, float *hidden, const float *delta, co
 void sluice_rope_store(int tokens, int heads, int kv_heads, int head_dim, float *qkv, const float *cos,
                        const float *signed_sin, void *k_pool, void *v_pool, int kv_dtype, const int64_t *slots);
 void sluice_silu_mul(int rows, int width, const float *gate_up, float *out);
+void sluice_gelu_tanh_mul(int rows, int width, const float *gate_up, float *out);
 
 /* decode_attention.c: returns 0, or -1 when its score buffers could not be allocated. window: how
  * many of its last slots a query sees (0: all); softcap: scores soft-capped at it (0: none). */
@@ -111,7 +122,7 @@ int sluice_decode_attention(int queries, int heads, int kv_heads, int head_dim, 
 size_t sluice_decode_layers_scratch_bytes(const sluice_model_dims *dims, int M);
 int sluice_decode_layers(const sluice_model_dims *dims, const sluice_layer_weights *layers, void *const *k_pools,
                          void *const *v_pools, int M, float *hidden, const float *cos, const float *signed_sin,
-                         const int64_t *out_slots, const int64_t *attn_slots, const int64_t *slot_rows,
+                         const float *local_cos, const float *local_signed_sin, const int64_t *out_slots, const int64_t *attn_slots, const int64_t *slot_rows,
                          const int64_t *seq_lens, int max_len, void *scratch);
 
 #endif

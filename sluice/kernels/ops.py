@@ -191,6 +191,15 @@ class KernelOps:
         self.lib.sluice_silu_mul(rows, double_width // 2, _pointer(gate_up, "gate_up", torch.float32), out.data_ptr())
         return out
 
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gelu(gate) * up, GELU's tanh form (Gemma's GeGLU), as silu_mul takes its input."""
+        rows, double_width = gate_up.shape
+        out = gate_up.new_empty(rows, double_width // 2)
+        self.lib.sluice_gelu_tanh_mul(
+            rows, double_width // 2, _pointer(gate_up, "gate_up", torch.float32), out.data_ptr()
+        )
+        return out
+
 
 def _norm_weight(weight: torch.Tensor, dim: int) -> int:
     if weight.shape != (dim,):

@@ -6,6 +6,7 @@
  *   with signed_sin = [-sin | sin]; pools are [slots, kv_heads, head_dim] of kv_dtype
  *   (float32, or float16 / bfloat16 rounded to nearest even, as torch's .to() rounds).
  * sluice_silu_mul: out = silu(gate) * up for gate_up = [gate | up] of [rows, 2 * width].
+ * sluice_gelu_tanh_mul: out = gelu(gate) * up, GELU's tanh form (Gemma's GeGLU), likewise.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -66,7 +67,11 @@ void sluice_rope_store(int tokens, int heads, int kv_heads, int head_dim, float 
     }
 }
 
-void sluice_silu_mul(int rows, int width, const float *gate_up, float *out) {
+/* out = gate * sigmoid(a) * up, a = gate for silu; for GELU's tanh form gelu(x) = x (1 +
+ * tanh(u)) / 2 with u = sqrt(2 / pi) (x + 0.044715 x^3), which is x sigmoid(2u), a = 2u.
+ * exp's argument is clamped as exp256 does, in the scalar tail too. */
+static void gated_product(int rows, int width, const float *gate_up, float *out, const int gelu) {
+    const float c1 = 1.5957691216f, c3 = 0.0713548162f; /* 2 sqrt(2 / pi) and that times 0.044715 */
 #pragma omp parallel for schedule(static) if (rows > 16)
     for (int r = 0; r < rows; r++) {
         const float *gate = gate_up + (size_t)r * 2 * width, *up = gate + width;
@@ -74,9 +79,19 @@ void sluice_silu_mul(int rows, int width, const float *gate_up, float *out) {
         int i = 0;
         for (; i + 8 <= width; i += 8) {
             const __m256 g = _mm256_loadu_ps(gate + i);
-            const __m256 sigmoid_denominator = _mm256_add_ps(_mm256_set1_ps(1.0f), exp256(_mm256_sub_ps(_mm256_setzero_ps(), g)));
-            _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_div_ps(g, sigmoid_denominator), _mm256_loadu_ps(up + i)));
+            const __m256 a = gelu ? _mm256_mul_ps(g, _mm256_fmadd_ps(_mm256_mul_ps(g, g), _mm256_set1_ps(c3), _mm256_set1_ps(c1))) : g;
+            const __m256 denominator = _mm256_add_ps(_mm256_set1_ps(1.0f), exp256(_mm256_sub_ps(_mm256_setzero_ps(), a)));
+            _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_div_ps(g, denominator), _mm256_loadu_ps(up + i)));
         }
-        for (; i < width; i++) o[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+        for (; i < width; i++) {
+            const float a = gelu ? gate[i] * fmaf(gate[i] * gate[i], c3, c1) : gate[i];
+            o[i] = gate[i] / (1.0f + expf(fminf(-a, 88.0f))) * up[i];
+        }
     }
+}
+
+void sluice_silu_mul(int rows, int width, const float *gate_up, float *out) { gated_product(rows, width, gate_up, out, 0); }
+
+void sluice_gelu_tanh_mul(int rows, int width, const float *gate_up, float *out) {
+    gated_product(rows, width, gate_up, out, 1);
 }

@@ -77,7 +77,7 @@ class KernelBackend:
         return self.ops.silu_mul(gate_up)
 
     def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        return gelu_tanh_mul(gate_up)
+        return self.ops.gelu_tanh_mul(gate_up)
 
     def attention(
         self,
@@ -173,7 +173,7 @@ class TorchBackend:
 
 def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gelu(gate) * up (GELU's tanh form, Gemma's GeGLU) for gate_up = [gate | up]: torch's
-    elementwise ops on both backends."""
+    elementwise ops (the kernel backend has its own, which the one-call layers share)."""
     gate, up = gate_up.chunk(2, dim=-1)
     return F.gelu(gate, approximate="tanh") * up
 

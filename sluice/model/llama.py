@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sluice.kernels.contract import Activation
 from sluice.kernels.decode_layers import DecodeLayers, LayerTensors
 from sluice.model.attention import AttentionMetadata, AttentionOptions
 from sluice.model.backend import Backend, KernelBackend, TorchBackend
@@ -158,6 +159,7 @@ class LlamaForCausalLM(nn.Module):
         hidden = self._embed(fb)
         if self.decode_layers is not None and metadata.decode_only:
             _, cos, signed_sin = ropes[0]
+            local_rope = (ropes[1][1], ropes[1][2]) if len(ropes) > 1 else None
             hidden = self.decode_layers.run(
                 hidden,
                 cos,
@@ -169,6 +171,7 @@ class LlamaForCausalLM(nn.Module):
                 metadata.decode_max_seq_len,
                 fb.k_buffers,
                 fb.v_buffers,
+                local_rope,
             )
         else:
             pending = None
@@ -300,13 +303,8 @@ class LlamaForCausalLM(nn.Module):
         return [weight for weight in weights if weight is not None]
 
     def _fused_decode_layers(self, backend: KernelBackend) -> DecodeLayers | None:
-        """The one-call path, when every layer's four projections are quantized and the layers
-        are Llama's (Gemma's run op by op)."""
+        """The one-call path, when every layer's four projections are quantized."""
         config = self.config
-        if config.sandwich_norms or config.mlp_activation != "silu" or len(self.rotaries) > 1:
-            return None
-        if config.attn_logit_softcap is not None or config.query_pre_attn_scalar is not None:
-            return None
         tensors: list[LayerTensors] = []
         for layer in self.decoder_layers:
             qkv, o, gate_up, down = (
@@ -326,9 +324,12 @@ class LlamaForCausalLM(nn.Module):
                     gate_up,
                     down,
                     qkv_bias=layer.qkv_proj.bias,
-                    q_norm=None if layer.q_norm is None else layer.q_norm.weight,
-                    k_norm=None if layer.k_norm is None else layer.k_norm.weight,
+                    q_norm=_norm_weight(layer.q_norm),
+                    k_norm=_norm_weight(layer.k_norm),
                     sliding_window=layer.attention_options.sliding_window,
+                    pre_feedforward_norm=_norm_weight(layer.pre_feedforward_layernorm),
+                    post_feedforward_norm=_norm_weight(layer.post_feedforward_layernorm),
+                    local_rope=layer.rope_index == 1,
                 )
             )
         return DecodeLayers(
@@ -341,6 +342,9 @@ class LlamaForCausalLM(nn.Module):
             config.intermediate_size,
             config.rms_norm_eps,
             self.kv_dtype,
+            config.attention_scale,
+            Activation.GELU_TANH if config.mlp_activation == "gelu_tanh" else Activation.SILU,
+            config.attn_logit_softcap,
         )
 
 
@@ -390,6 +394,10 @@ class _BlockLoader:
             del weights[name]
         setattr(module, dense_name, _freed(dense.dtype))
         return quantized
+
+
+def _norm_weight(norm: RMSNorm | None) -> torch.Tensor | None:
+    return None if norm is None else norm.weight
 
 
 def _dense(weight: Weight, dtype: torch.dtype) -> torch.Tensor:

@@ -283,6 +283,15 @@ def test_silu_mul_matches_torch(ops):
     torch.testing.assert_close(ops.silu_mul(gate_up), F.silu(gate) * up)
 
 
+def test_gelu_tanh_mul_matches_torch(ops):
+    """Gemma's GeGLU, 43 wide (the vector loop and its scalar tail), gates far into both
+    saturated ends."""
+    gate_up = torch.randn(17, 2 * 43, generator=torch.Generator().manual_seed(5)) * 6
+    gate_up[0, :43] = torch.linspace(-200, 200, 43)
+    gate, up = gate_up.split(43, dim=-1)
+    torch.testing.assert_close(ops.gelu_tanh_mul(gate_up), F.gelu(gate, approximate="tanh") * up)
+
+
 # ---------------------------------------------------------------- the contract and the choice of build
 
 

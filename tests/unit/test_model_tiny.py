@@ -175,8 +175,9 @@ VARIANTS = [
     gemma2_softcapped_windows,
     gemma3_local_and_global_rope,
 ]
-# Gemma's layers (sandwich norms, GeGLU, soft-capping, two RoPE bases) run op by op.
-ONE_CALL_VARIANTS = [build for build in VARIANTS if not build.__name__.startswith("gemma")]
+# Every variant's decode steps run in one C call once all its projections are quantized,
+# Gemma's too (sandwich norms, GeGLU, soft-capping, two RoPE bases).
+ONE_CALL_VARIANTS = VARIANTS
 
 
 def save_random_model(build, folder: Path):
@@ -298,25 +299,25 @@ def test_a_gguf_of_the_same_weights_matches_transformers(build, arch, tmp_path: 
 
 @pytest.mark.skipif(not kernels_available(), reason="the C kernels need an x86-64 CPU with AVX2 and gcc")
 @pytest.mark.parametrize(
-    "build, arch, one_call, tolerance",
+    "build, arch, tolerance",
     [
-        (qwen3_with_qk_norm, "qwen3", True, 0.05),
-        (phi3_longrope, "phi3", True, 0.05),
+        (qwen3_with_qk_norm, "qwen3", 0.05),
+        (phi3_longrope, "phi3", 0.05),
         # Four random norms of weight 1.5-2.5 a layer amplify the rounding of the weights alone
         # to 4-5% of the largest logit (the same GGUF dequantized to float32 is that far too).
-        (gemma2_as_llama_cpp_reads_it, "gemma2", False, 0.1),
-        (gemma3_local_and_global_rope, "gemma3", False, 0.1),
+        (gemma2_as_llama_cpp_reads_it, "gemma2", 0.1),
+        (gemma3_local_and_global_rope, "gemma3", 0.1),
     ],
     ids=["qwen3", "phi3", "gemma2", "gemma3"],
 )
-def test_a_q8_0_gguf_runs_its_blocks_and_stays_invariant(build, arch, one_call, tolerance, tmp_path: Path):
+def test_a_q8_0_gguf_runs_its_blocks_and_stays_invariant(build, arch, tolerance, tmp_path: Path):
     """Q8_0 matrices (Phi-3's fused ones too) go through qgemm, decode steps through the
-    one-call path (with Qwen3's per-head q/k norm; Gemma's layers run op by op); logits stay
+    one-call path (with Qwen3's per-head q/k norm and Gemma's layers); logits stay
     near the float model's and do not depend on chunking, batching or which path ran."""
     hf_model = save_random_model(build, tmp_path / "hf")
     runner = ModelRunner(str(write_gguf(hf_model, tmp_path / "q8.gguf", arch, "Q8_0")), torch.float32, "auto")
     assert len(runner.model.quantized_weights()) == 4 * 2 + 1  # every projection and the LM head
-    assert (runner.model.decode_layers is not None) == one_call
+    assert runner.model.decode_layers is not None
     slots = torch.arange(1, len(PROMPT_IDS) + 1)
 
     kv_buffers = runner.new_kv_buffers(64)
