@@ -92,11 +92,11 @@ def describe(execution: Execution, weight_formats: list[str]) -> dict[str, str]:
         dots = "AVX2 maddubs, 8-row groups" if isa == "avx2" else "AVX-512 VNNI vpdpbusd, 16-row groups"
         if weight_formats:
             gemv = f"{'+'.join(weight_formats)} blocks x int8 activations ({dots})"
-            gemm = (
-                "AMX-INT8 tiles for every 16 activation rows, the rest as GEMV"
-                if isa == "amx_int8"
-                else "the GEMV kernel, 4 activation rows per weight load"
-            )
+            tiled = [f for f in weight_formats if f in ("q8_0", "q4_1")]  # the super-block formats take no tiles
+            if isa == "amx_int8" and tiled:
+                gemm = f"AMX-INT8 tiles for every 16 activation rows of {'+'.join(tiled)}, the rest as GEMV"
+            else:
+                gemm = "the GEMV kernel, 4 activation rows per weight load (8 for super-blocks on AVX-512)"
         else:
             gemv = gemm = dense
         attention = f"C kernel, every token at its position, {_dtype_name(execution.kv_dtype)} KV"
