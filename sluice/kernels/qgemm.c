@@ -126,29 +126,64 @@ ALWAYS_INLINE int32_t load_word(const int8_t *p) {
 #endif
 
 
-/* q4_k and q5_k, on either instruction set: a block's scale and minimum are its super-block's
- * d and dmin times its 6-bit sc and mn, exact in float32 (11 + 6 bits), so a block is q4_1's
- * arithmetic with the file's exact numbers: w = (d sc) q - (dmin mn). q5_k's q (< 32) keeps
- * the integer dots exact as well (8 products of 31 * 127 fit AVX2's int16 pair sums). */
-ALWAYS_INLINE void group_k_quant(const int rows, const int five_bits, int nb, int K, const uint8_t *w,
-                                 const int8_t *xq, const float *xd, const float *xdsum, group_acc *acc) {
+/* The super-block formats, on either instruction set, one 32-weight block at a time: its
+ * quants unpacked to a byte each (q[g]: weights 4g .. 4g + 3 of the G rows) and two vectors
+ * of per-row factors, formed exactly in float32 from the file's numbers:
+ *   q4_k, q5_k: the block's scale d sc and minimum dmin mn (11 + 6 bits), then q4_1's
+ *               arithmetic, w = (d sc) q - (dmin mn); q5_k's q < 32 keeps the integer dots
+ *               exact too (8 products of 31 * 127 fit AVX2's int16 pair sums);
+ *   q6_k:       its two halves' scales d sc. */
+typedef struct {
+    block_ints q[8];
+    group_acc first, second;
+} unpacked_block;
+
+ALWAYS_INLINE void unpack_super_block(const int format, const uint8_t *super, int k, unpacked_block *u) {
+    if (format == SLUICE_Q6_K) {
+        const int8_t *scales = (const int8_t *)(super + 8 * SLUICE_Q6_K_GROUP_BLOCK_BYTES);
+        const group_acc d = load_halves(super + 8 * SLUICE_Q6_K_GROUP_BLOCK_BYTES + 16 * GROUP);
+        unpack_six_bits(super + k * SLUICE_Q6_K_GROUP_BLOCK_BYTES, u->q);
+        u->first = VEC_MUL(d, signed_bytes(scales + 2 * k * GROUP));
+        u->second = VEC_MUL(d, signed_bytes(scales + (2 * k + 1) * GROUP));
+        return;
+    }
+    const int five_bits = format == SLUICE_Q5_K;
     const int block_bytes = five_bits ? SLUICE_Q5_K_GROUP_BLOCK_BYTES : SLUICE_Q4_K_GROUP_BLOCK_BYTES;
-    const int super_bytes = five_bits ? SLUICE_Q5_K_GROUP_SUPER_BYTES : SLUICE_Q4_K_GROUP_SUPER_BYTES;
+    const uint8_t *scales = super + 8 * block_bytes, *minimums = scales + 8 * GROUP;
+    unpack_nibbles(super + k * block_bytes, u->q);
+    if (five_bits) add_fifth_bits(super + k * block_bytes + 16 * GROUP, u->q);
+    u->first = scaled_bytes(scales + k * GROUP, load_halves(minimums + 8 * GROUP));
+    u->second = scaled_bytes(minimums + k * GROUP, load_halves(minimums + 10 * GROUP));
+}
+
+static size_t super_bytes_of(int format) {
+    return format == SLUICE_Q6_K   ? SLUICE_Q6_K_GROUP_SUPER_BYTES
+           : format == SLUICE_Q5_K ? SLUICE_Q5_K_GROUP_SUPER_BYTES
+                                   : SLUICE_Q4_K_GROUP_SUPER_BYTES;
+}
+
+/* `rows` activation rows against a row group of a super-block format, block by block, from
+ * the packed weights or, where `unpacked` is not NULL, from all its blocks unpacked before
+ * (the same numbers: the results are the same bits either way). */
+ALWAYS_INLINE void group_super(const int rows, const int format, int nb, int K, const uint8_t *w,
+                               const unpacked_block *unpacked, const int8_t *xq, const float *xd,
+                               const int32_t *xqsum, const int32_t *xqsum_low, const float *xdsum, group_acc *acc) {
     for (int r = 0; r < rows; r++) acc[r] = VEC_ZERO();
-    for (int s = 0; s < nb / 8; s++, w += super_bytes) {
-        const uint8_t *scales = w + 8 * block_bytes, *minimums = scales + 8 * GROUP;
-        const group_acc d = load_halves(minimums + 8 * GROUP), dmin = load_halves(minimums + 10 * GROUP);
-        for (int k = 0; k < 8; k++) {
-            block_ints q[8];
-            unpack_nibbles(w + k * block_bytes, q);
-            if (five_bits) add_fifth_bits(w + k * block_bytes + 16 * GROUP, q);
-            const group_acc scale = scaled_bytes(scales + k * GROUP, d), minimum = scaled_bytes(minimums + k * GROUP, dmin);
-            const int b = 8 * s + k;
-            for (int r = 0; r < rows; r++) {
-                const size_t index = (size_t)r * nb + b;
-                const group_acc dots = VEC_CVT_INT(nibble_block_dots(q, xq + (size_t)r * K + b * QK));
-                acc[r] = VEC_FMADD(dots, VEC_MUL(scale, VEC_SET1(xd[index])), acc[r]);
-                acc[r] = VEC_FNMADD(minimum, VEC_SET1(xdsum[index]), acc[r]);
+    for (int b = 0; b < nb; b++) {
+        unpacked_block here;
+        const unpacked_block *u = unpacked != NULL ? unpacked + b : &here;
+        if (unpacked == NULL) unpack_super_block(format, w + (size_t)(b / 8) * super_bytes_of(format), b % 8, &here);
+        for (int r = 0; r < rows; r++) {
+            const size_t index = (size_t)r * nb + b;
+            const int8_t *x = xq + (size_t)r * K + b * QK;
+            if (format == SLUICE_Q6_K) {
+                const int32_t low_sum = xqsum_low[index], high_sum = xqsum[index] - low_sum;
+                acc[r] = VEC_FMADD(six_bit_block(u->q, x, low_sum, high_sum, u->first, u->second), VEC_SET1(xd[index]),
+                                   acc[r]);
+            } else {
+                const group_acc dots = VEC_CVT_INT(nibble_block_dots(u->q, x));
+                acc[r] = VEC_FMADD(dots, VEC_MUL(u->first, VEC_SET1(xd[index])), acc[r]);
+                acc[r] = VEC_FNMADD(u->second, VEC_SET1(xdsum[index]), acc[r]);
             }
         }
     }
@@ -288,7 +323,16 @@ static void multiply_group(int weight_type, const uint8_t *w, int n0, int width,
 #else
     (void)use_tiles;
 #endif
-    const int tile = weight_type == SLUICE_Q8_0 || weight_type == SLUICE_Q4_1 ? TILE : SUPER_TILE;
+    const int super_blocks = weight_type != SLUICE_Q8_0 && weight_type != SLUICE_Q4_1;
+    const int tile = super_blocks ? SUPER_TILE : TILE;
+    /* More rows than one tile: the super-blocks are unpacked once for all the tiles (the
+     * unpacking costs as much as the dots of a few rows). */
+    unpacked_block *unpacked = NULL;
+    if (super_blocks && r_end - r_begin > tile) {
+        unpacked = aligned_alloc(64, (sizeof(unpacked_block) * (size_t)nb + 63) / 64 * 64);
+        for (int b = 0; unpacked != NULL && b < nb; b++)
+            unpack_super_block(weight_type, w + (size_t)(b / 8) * super_bytes_of(weight_type), b % 8, unpacked + b);
+    }
     for (int r0 = r_begin; r0 < r_end; r0 += tile) {
         const int rows = r_end - r0 < tile ? r_end - r0 : tile;
         const int8_t *xq_tile = x->q + (size_t)r0 * K;
@@ -298,9 +342,10 @@ static void multiply_group(int weight_type, const uint8_t *w, int n0, int width,
         group_acc acc[SUPER_TILE > TILE ? SUPER_TILE : TILE];
 #define Q8_0_ROWS(R) group_q8_0(R, nb, K, w, xq_tile, xd, xqsum, acc)
 #define Q4_1_ROWS(R) group_q4_1(R, nb, K, w, xq_tile, xd, xqsum, xdsum, acc)
-#define Q6_K_ROWS(R) group_q6_k(R, nb, K, w, xq_tile, xd, xqsum, xqsum_low, acc)
-#define Q4_K_ROWS(R) group_k_quant(R, 0, nb, K, w, xq_tile, xd, xdsum, acc)
-#define Q5_K_ROWS(R) group_k_quant(R, 1, nb, K, w, xq_tile, xd, xdsum, acc)
+#define SUPER_ROWS(R, FORMAT) group_super(R, FORMAT, nb, K, w, unpacked, xq_tile, xd, xqsum, xqsum_low, xdsum, acc)
+#define Q6_K_ROWS(R) SUPER_ROWS(R, SLUICE_Q6_K)
+#define Q4_K_ROWS(R) SUPER_ROWS(R, SLUICE_Q4_K)
+#define Q5_K_ROWS(R) SUPER_ROWS(R, SLUICE_Q5_K)
         switch (weight_type) {
         case SLUICE_Q8_0: DISPATCH_ROWS(Q8_0_ROWS) break;
         case SLUICE_Q4_1: DISPATCH_ROWS(Q4_1_ROWS) break;
@@ -310,6 +355,7 @@ static void multiply_group(int weight_type, const uint8_t *w, int n0, int width,
         }
         for (int r = 0; r < rows; r++) store_group(out + (size_t)(r0 + r) * N + n0, width, acc[r]);
     }
+    free(unpacked);
 }
 
 /* out[M, N] = x[M, K] @ W^T, W in row groups (N rounded up to a multiple of GROUP there).

@@ -116,37 +116,23 @@ ALWAYS_INLINE __m256 signed_bytes(const int8_t *bytes) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)bytes)));
 }
 
-ALWAYS_INLINE void group_q6_k(const int rows, int nb, int K, const uint8_t *w, const int8_t *xq, const float *xd,
-                              const int32_t *xqsum, const int32_t *xqsum_low, __m256 *acc) {
+/* A q6_k block's 24 G bytes -> q[g]: the 6-bit quants of weights 4g .. 4g + 3 of each row. */
+ALWAYS_INLINE void unpack_six_bits(const uint8_t *block, __m256i *q) {
     const __m256i nibble = _mm256_set1_epi8(0x0F);
-    for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
-    for (int s = 0; s < nb / 8; s++, w += SLUICE_Q6_K_GROUP_SUPER_BYTES) {
-        const int8_t *scales = (const int8_t *)(w + 8 * SLUICE_Q6_K_GROUP_BLOCK_BYTES);
-        const __m256 d = load_halves(w + 8 * SLUICE_Q6_K_GROUP_BLOCK_BYTES + 16 * GROUP);
-        for (int k = 0; k < 8; k++) {
-            const uint8_t *block = w + k * SLUICE_Q6_K_GROUP_BLOCK_BYTES;
-            const __m256i h0 = _mm256_loadu_si256((const __m256i *)(block + 16 * GROUP));
-            const __m256i h1 = _mm256_loadu_si256((const __m256i *)(block + 20 * GROUP));
-            __m256i q[8];
-            for (int j = 0; j < 4; j++) {
-                const __m256i raw = _mm256_loadu_si256((const __m256i *)(block + 32 * j));
-                q[j] = _mm256_or_si256(_mm256_and_si256(raw, nibble), high_bits(h0, j));
-                q[j + 4] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble), high_bits(h1, j));
-            }
-            const __m256 low_scale = _mm256_mul_ps(d, signed_bytes(scales + 2 * k * GROUP));
-            const __m256 high_scale = _mm256_mul_ps(d, signed_bytes(scales + (2 * k + 1) * GROUP));
-            const int b = 8 * s + k;
-            for (int r = 0; r < rows; r++) {
-                const size_t index = (size_t)r * nb + b;
-                const int8_t *x = xq + (size_t)r * K + b * QK;
-                const __m256i low = half_block_dot(q, x, xqsum_low[index]);
-                const __m256i high = half_block_dot(q + 4, x + 16, xqsum[index] - xqsum_low[index]);
-                const __m256 block = _mm256_fmadd_ps(_mm256_cvtepi32_ps(high), high_scale,
-                                                     _mm256_mul_ps(_mm256_cvtepi32_ps(low), low_scale));
-                acc[r] = _mm256_fmadd_ps(block, _mm256_set1_ps(xd[index]), acc[r]);
-            }
-        }
+    const __m256i h0 = _mm256_loadu_si256((const __m256i *)(block + 16 * GROUP));
+    const __m256i h1 = _mm256_loadu_si256((const __m256i *)(block + 20 * GROUP));
+    for (int j = 0; j < 4; j++) {
+        const __m256i raw = _mm256_loadu_si256((const __m256i *)(block + 32 * j));
+        q[j] = _mm256_or_si256(_mm256_and_si256(raw, nibble), high_bits(h0, j));
+        q[j + 4] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble), high_bits(h1, j));
     }
+}
+
+/* One activation block against a q6_k block: its halves' dots times their scales, summed. */
+ALWAYS_INLINE __m256 six_bit_block(const __m256i *q, const int8_t *x, int32_t low_sum, int32_t high_sum,
+                                   __m256 low_scale, __m256 high_scale) {
+    const __m256i low = half_block_dot(q, x, low_sum), high = half_block_dot(q + 4, x + 16, high_sum);
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(high), high_scale, _mm256_mul_ps(_mm256_cvtepi32_ps(low), low_scale));
 }
 
 ALWAYS_INLINE void store_group(float *o, int width, __m256 acc) {
@@ -169,7 +155,7 @@ ALWAYS_INLINE void add_fifth_bits(const uint8_t *w, __m256i *q) {
     }
 }
 
-/* The vector operations group_k_quant (in qgemm.c) takes on this instruction set. */
+/* The vector operations group_super (in qgemm.c) takes on this instruction set. */
 #define VEC_ZERO _mm256_setzero_ps
 #define VEC_FMADD _mm256_fmadd_ps
 #define VEC_FNMADD _mm256_fnmadd_ps

@@ -110,36 +110,23 @@ ALWAYS_INLINE __m512 signed_bytes(const int8_t *bytes) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)bytes)));
 }
 
-ALWAYS_INLINE void group_q6_k(const int rows, int nb, int K, const uint8_t *w, const int8_t *xq, const float *xd,
-                              const int32_t *xqsum, const int32_t *xqsum_low, __m512 *acc) {
-    for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
-    for (int s = 0; s < nb / 8; s++, w += SLUICE_Q6_K_GROUP_SUPER_BYTES) {
-        const int8_t *scales = (const int8_t *)(w + 8 * SLUICE_Q6_K_GROUP_BLOCK_BYTES);
-        const __m512 d = load_halves(w + 8 * SLUICE_Q6_K_GROUP_BLOCK_BYTES + 16 * GROUP);
-        for (int k = 0; k < 8; k++) {
-            const uint8_t *block = w + k * SLUICE_Q6_K_GROUP_BLOCK_BYTES;
-            const __m512i h0 = _mm512_loadu_si512((const void *)(block + 16 * GROUP));
-            const __m512i h1 = _mm512_loadu_si512((const void *)(block + 20 * GROUP));
-            __m512i q[8];
-            for (int j = 0; j < 4; j++) {
-                const __m512i raw = _mm512_loadu_si512((const void *)(block + 64 * j));
-                q[j] = nibble_or_high(raw, high_bits(h0, j));
-                q[j + 4] = nibble_or_high(_mm512_srli_epi16(raw, 4), high_bits(h1, j));
-            }
-            const __m512 low_scale = _mm512_mul_ps(d, signed_bytes(scales + 2 * k * GROUP));
-            const __m512 high_scale = _mm512_mul_ps(d, signed_bytes(scales + (2 * k + 1) * GROUP));
-            const int b = 8 * s + k;
-            for (int r = 0; r < rows; r++) {
-                const size_t index = (size_t)r * nb + b;
-                __m512i low, high;
-                half_block_dots(q, xq + (size_t)r * K + b * QK, xqsum_low[index], xqsum[index] - xqsum_low[index], &low,
-                                &high);
-                const __m512 block = _mm512_fmadd_ps(_mm512_cvtepi32_ps(high), high_scale,
-                                                     _mm512_mul_ps(_mm512_cvtepi32_ps(low), low_scale));
-                acc[r] = _mm512_fmadd_ps(block, _mm512_set1_ps(xd[index]), acc[r]);
-            }
-        }
+/* A q6_k block's 24 G bytes -> q[g]: the 6-bit quants of weights 4g .. 4g + 3 of each row. */
+ALWAYS_INLINE void unpack_six_bits(const uint8_t *block, __m512i *q) {
+    const __m512i h0 = _mm512_loadu_si512((const void *)(block + 16 * GROUP));
+    const __m512i h1 = _mm512_loadu_si512((const void *)(block + 20 * GROUP));
+    for (int j = 0; j < 4; j++) {
+        const __m512i raw = _mm512_loadu_si512((const void *)(block + 64 * j));
+        q[j] = nibble_or_high(raw, high_bits(h0, j));
+        q[j + 4] = nibble_or_high(_mm512_srli_epi16(raw, 4), high_bits(h1, j));
     }
+}
+
+/* One activation block against a q6_k block: its halves' dots times their scales, summed. */
+ALWAYS_INLINE __m512 six_bit_block(const __m512i *q, const int8_t *x, int32_t low_sum, int32_t high_sum,
+                                   __m512 low_scale, __m512 high_scale) {
+    __m512i low, high;
+    half_block_dots(q, x, low_sum, high_sum, &low, &high);
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(high), high_scale, _mm512_mul_ps(_mm512_cvtepi32_ps(low), low_scale));
 }
 
 ALWAYS_INLINE void store_group(float *o, int width, __m512 acc) {
@@ -158,7 +145,7 @@ ALWAYS_INLINE void add_fifth_bits(const uint8_t *w, __m512i *q) {
     }
 }
 
-/* The vector operations group_k_quant (in qgemm.c) takes on this instruction set. */
+/* The vector operations group_super (in qgemm.c) takes on this instruction set. */
 #define VEC_ZERO _mm512_setzero_ps
 #define VEC_FMADD _mm512_fmadd_ps
 #define VEC_FNMADD _mm512_fnmadd_ps
