@@ -15,7 +15,8 @@ import numpy as np
 import torch
 
 from sluice.model.gguf_blocks import block_rows
-from sluice.model.model_config import ModelConfig, is_gguf, open_gguf
+from sluice.model.gguf_config import open_gguf
+from sluice.model.model_config import ModelConfig, is_gguf
 from sluice.model.quantized_linear import BlockFormat, BlockRows
 from sluice.procutil import drop_mapped_pages, release_freed_memory
 

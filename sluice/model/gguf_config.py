@@ -1,0 +1,125 @@
+"""A model's shape from a GGUF file's metadata, read as llama.cpp reads it."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Any
+
+from sluice.model.model_config import (
+    ARCHITECTURE_BY_GGUF_NAME,
+    GEMMA_ARCHITECTURES,
+    ModelConfig,
+    checked_rotary_dim,
+    layer_windows,
+)
+
+
+@functools.lru_cache(maxsize=1)
+def open_gguf(path: str):
+    """A `gguf.GGUFReader` for `path`, shared by config and weight loading.
+
+    Building one parses every tokenizer array entry (about 5 s for a 49k vocabulary), so the
+    config read and the weight load that follows it reuse the same reader.
+    """
+    import gguf
+
+    return gguf.GGUFReader(path)
+
+
+def config_from_gguf(path: Path) -> ModelConfig:
+    reader = open_gguf(str(path))
+
+    def field(key: str, default: Any = None) -> Any:
+        found = reader.fields.get(key)
+        return default if found is None else found.contents()
+
+    arch_name = field("general.architecture")
+    architecture = ARCHITECTURE_BY_GGUF_NAME.get(arch_name)
+    if architecture is None:
+        raise ValueError(
+            f"GGUF architecture {arch_name!r} is not supported; supported: {sorted(ARCHITECTURE_BY_GGUF_NAME)}"
+        )
+
+    tensor_names = {tensor.name for tensor in reader.tensors}
+    hidden_size = int(field(f"{arch_name}.embedding_length"))
+    num_heads = int(field(f"{arch_name}.attention.head_count"))
+    head_dim = int(field(f"{arch_name}.attention.key_length", hidden_size // num_heads))
+    rotary_dims = field(f"{arch_name}.rope.dimension_count")
+    rotary_dim = checked_rotary_dim(None if rotary_dims is None else int(rotary_dims), head_dim)
+    num_layers = int(field(f"{arch_name}.block_count"))
+    tokens = reader.fields["tokenizer.ggml.tokens"]
+    eos_token_ids = [
+        int(token_id)
+        for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
+        if (token_id := field(key)) is not None
+    ]
+    return ModelConfig(
+        architecture=architecture,
+        vocab_size=len(tokens.data),
+        hidden_size=hidden_size,
+        intermediate_size=int(field(f"{arch_name}.feed_forward_length")),
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=int(field(f"{arch_name}.attention.head_count_kv", num_heads)),
+        head_dim=head_dim,
+        rope_theta=float(field(f"{arch_name}.rope.freq_base", 10000.0)),
+        rope_scaling=_gguf_rope_scaling(field, arch_name, reader),
+        rms_norm_eps=float(field(f"{arch_name}.attention.layer_norm_rms_epsilon", 1e-5)),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        attention_bias="blk.0.attn_q.bias" in tensor_names,
+        qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
+        context_len=int(field(f"{arch_name}.context_length", 2048)),
+        eos_token_ids=list(dict.fromkeys(eos_token_ids)),
+        rotary_dim=rotary_dim,
+        layer_windows=layer_windows(
+            architecture,
+            num_layers,
+            field(f"{arch_name}.attention.sliding_window") or None,
+            field(f"{arch_name}.attention.sliding_window_pattern"),
+        ),
+        **(_gemma_gguf_fields(field, arch_name, architecture, num_layers, hidden_size, num_heads)),
+    )
+
+
+def _gemma_gguf_fields(
+    field, arch_name: str, architecture: str, num_layers: int, hidden_size: int, num_heads: int
+) -> dict[str, Any]:
+    """Gemma's ModelConfig fields from a GGUF, read as llama.cpp reads them: its converter
+    stores norm weights as 1 + w already, and the 27 B models (46 or 62 layers) scale
+    scores by hidden / heads instead of head_dim."""
+    if architecture not in GEMMA_ARCHITECTURES:
+        return {}
+    big = (architecture, num_layers) in (("Gemma2ForCausalLM", 46), ("Gemma3ForCausalLM", 62))
+    return dict(
+        mlp_activation="gelu_tanh",
+        sandwich_norms=True,
+        embedding_multiplier=hidden_size**0.5,
+        query_pre_attn_scalar=hidden_size / num_heads if big else None,
+        attn_logit_softcap=field(f"{arch_name}.attn_logit_softcapping"),
+        final_logit_softcap=field(f"{arch_name}.final_logit_softcapping"),
+        local_rope_theta=10000.0 if architecture == "Gemma3ForCausalLM" else None,
+    )
+
+
+def _gguf_rope_scaling(field, arch_name: str, reader) -> dict[str, Any] | None:
+    factors = {tensor.name: tensor for tensor in reader.tensors if tensor.name.startswith("rope_factors_")}
+    if "rope_factors_long.weight" in factors and "rope_factors_short.weight" in factors:
+        # Phi-3's LongRoPE, as llama.cpp's converter writes it: the factors as tensors.
+        original = int(field(f"{arch_name}.rope.scaling.original_context_length"))
+        return {
+            "rope_type": "longrope",
+            "original_max_position_embeddings": original,
+            "factor": int(field(f"{arch_name}.context_length")) / original,
+            "attention_factor": field(f"{arch_name}.rope.scaling.attn_factor"),
+            "long_factor": [float(x) for x in factors["rope_factors_long.weight"].data],
+            "short_factor": [float(x) for x in factors["rope_factors_short.weight"].data],
+        }
+    frequency_factors = next((tensor for tensor in reader.tensors if tensor.name == "rope_freqs.weight"), None)
+    if frequency_factors is not None:
+        # Llama 3.x: llama.cpp's converter bakes the llama3 scaling into one divisor per
+        # rotary frequency (inv_freq / factor).
+        return {"rope_type": "frequency_factors", "factors": [float(x) for x in frequency_factors.data]}
+    if field(f"{arch_name}.rope.scaling.type") != "linear":
+        return None
+    return {"rope_type": "linear", "factor": float(field(f"{arch_name}.rope.scaling.factor", 1.0))}

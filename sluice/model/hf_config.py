@@ -1,0 +1,241 @@
+"""A model's shape from a Hugging Face folder's config.json (and, for a vision-language
+checkpoint, transformers' own config classes)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from sluice.model.model_config import (
+    GEMMA_ARCHITECTURES,
+    SUPPORTED_ARCHITECTURES,
+    SUPPORTED_VLM_ARCHITECTURES,
+    TEXT_OF_VLM_ARCHITECTURES,
+    ModelConfig,
+    VisionConfig,
+    checked_rotary_dim,
+    layer_windows,
+)
+
+# HF `model_type` values, mapped to the HF class name.
+_ARCHITECTURE_BY_MODEL_TYPE = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+}
+_GEMMA_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu_tanh")
+
+
+def config_from_hf_folder(folder: Path) -> ModelConfig:
+    config = json.loads((folder / "config.json").read_text())
+    architectures = config.get("architectures") or [_ARCHITECTURE_BY_MODEL_TYPE.get(config.get("model_type", ""), "")]
+    if architectures[0] in SUPPORTED_VLM_ARCHITECTURES:
+        return _llava_config(folder, config)
+    if architectures[0] in TEXT_OF_VLM_ARCHITECTURES:
+        return _text_of_vlm_config(folder, config, architectures[0])
+    return ModelConfig(**_text_fields(config), eos_token_ids=_hf_eos_token_ids(folder, [config]))
+
+
+def _text_of_vlm_config(folder: Path, config: dict[str, Any], architecture: str) -> ModelConfig:
+    """The language model of a vision-language checkpoint. Its `text_config` often lists only
+    what differs from transformers' defaults (Gemma 3's omits heads, vocabulary, RoPE bases):
+    transformers' own config class fills in the rest."""
+    from transformers import AutoConfig
+
+    text_config = AutoConfig.from_pretrained(folder).text_config.to_dict()
+    text_config["architectures"] = [TEXT_OF_VLM_ARCHITECTURES[architecture]]
+    text_fields = _text_fields(text_config)
+    text_fields["tie_word_embeddings"] = text_fields["tie_word_embeddings"] or config.get("tie_word_embeddings", False)
+    return ModelConfig(
+        **text_fields, eos_token_ids=_hf_eos_token_ids(folder, [config, text_config]), text_of=architecture
+    )
+
+
+def _text_fields(config: dict[str, Any]) -> dict[str, Any]:
+    """The ModelConfig fields of a causal LM's `config.json` (or a VLM's `text_config`)."""
+    architectures = config.get("architectures") or [_ARCHITECTURE_BY_MODEL_TYPE.get(config.get("model_type", ""), "")]
+    architecture = architectures[0]
+    if architecture not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"architecture {architecture!r} is not supported; supported: {list(SUPPORTED_ARCHITECTURES)}")
+
+    # transformers 5 writes `rope_parameters` (theta included); older versions write
+    # `rope_theta` and `rope_scaling` separately. Gemma 3's has one set per kind of layer.
+    rope_parameters = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+    local_rope = rope_parameters.pop("sliding_attention", None)
+    rope_parameters = dict(rope_parameters.pop("full_attention", None) or rope_parameters)
+    rope_theta = float(config.get("rope_theta") or rope_parameters.pop("rope_theta", None) or 10000.0)
+    rope_parameters.pop("rope_theta", None)
+    if "type" in rope_parameters:
+        rope_parameters.setdefault("rope_type", rope_parameters.pop("type"))
+    if rope_parameters.get("rope_type") in ("su", "yarn") and architecture == "Phi3ForCausalLM":
+        rope_parameters["rope_type"] = "longrope"  # Phi-3's older names for it
+    if rope_parameters.get("rope_type") == "longrope":
+        # Phi-3 keeps these at the top level; the default attention factor derives from them.
+        rope_parameters.setdefault(
+            "original_max_position_embeddings", config.get("original_max_position_embeddings", 4096)
+        )
+        rope_parameters.setdefault(
+            "factor", config["max_position_embeddings"] / rope_parameters["original_max_position_embeddings"]
+        )
+    partial_rotary_factor = rope_parameters.pop("partial_rotary_factor", None) or config.get("partial_rotary_factor")
+    rope_scaling = rope_parameters if rope_parameters.get("rope_type", "default") != "default" else None
+
+    hidden_size = config["hidden_size"]
+    num_heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or hidden_size // num_heads
+    context_len = config.get("max_position_embeddings", 2048)
+    rotary_dim = None if partial_rotary_factor is None else int(head_dim * partial_rotary_factor)
+    use_sliding_window = config.get("use_sliding_window", True) or config.get("layer_types") is not None
+    return dict(
+        architecture=architecture,
+        vocab_size=config["vocab_size"],
+        hidden_size=hidden_size,
+        intermediate_size=config["intermediate_size"],
+        num_layers=config["num_hidden_layers"],
+        num_heads=num_heads,
+        num_kv_heads=config.get("num_key_value_heads") or num_heads,
+        head_dim=head_dim,
+        rotary_dim=checked_rotary_dim(rotary_dim, head_dim),
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
+        rms_norm_eps=config.get("rms_norm_eps", 1e-6),
+        tie_word_embeddings=config.get("tie_word_embeddings", False),
+        attention_bias=config.get("attention_bias", architecture == "Qwen2ForCausalLM"),
+        qk_norm=architecture in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
+        context_len=context_len,
+        layer_windows=layer_windows(
+            architecture,
+            config["num_hidden_layers"],
+            config.get("sliding_window") if use_sliding_window else None,
+            config.get("sliding_window_pattern"),
+            config.get("layer_types"),
+        ),
+        **_gemma_hf_fields(config, architecture, local_rope),
+    )
+
+
+def _gemma_hf_fields(config: dict[str, Any], architecture: str, local_rope: dict[str, Any] | None) -> dict[str, Any]:
+    """Gemma's ModelConfig fields from its config.json (transformers' defaults where absent)."""
+    if architecture not in GEMMA_ARCHITECTURES:
+        return {}
+    activation = config.get("hidden_activation") or config.get("hidden_act") or "gelu_pytorch_tanh"
+    if activation not in _GEMMA_ACTIVATIONS:
+        raise ValueError(f"hidden_activation {activation!r} is not supported; supported: {list(_GEMMA_ACTIVATIONS)}")
+    gemma2 = architecture == "Gemma2ForCausalLM"
+    local_rope = local_rope or {"rope_theta": config.get("rope_local_base_freq", 10000.0)}
+    if local_rope.get("rope_type", "default") != "default":
+        raise ValueError(f"rope_parameters.sliding_attention.rope_type {local_rope['rope_type']!r} is not supported")
+    return dict(
+        mlp_activation="gelu_tanh",
+        sandwich_norms=True,
+        norm_weight_offset=1.0,
+        embedding_multiplier=config["hidden_size"] ** 0.5,
+        query_pre_attn_scalar=config.get("query_pre_attn_scalar", 256),
+        attn_logit_softcap=config.get("attn_logit_softcapping", 50.0 if gemma2 else None),
+        final_logit_softcap=config.get("final_logit_softcapping", 30.0 if gemma2 else None),
+        local_rope_theta=None if gemma2 else float(local_rope["rope_theta"]),
+    )
+
+
+# Old llava-hf checkpoints (llava-1.5) store only the fields that differ from these
+# transformers defaults in their sub-configs.
+_LLAMA_TEXT_DEFAULTS = {
+    "model_type": "llama",
+    "vocab_size": 32000,
+    "hidden_size": 4096,
+    "intermediate_size": 11008,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+}
+_VISION_DEFAULTS = {
+    "clip_vision_model": {
+        "image_size": 224,
+        "patch_size": 32,
+        "num_channels": 3,
+        "hidden_size": 768,
+        "intermediate_size": 3072,
+        "num_hidden_layers": 12,
+        "num_attention_heads": 12,
+        "layer_norm_eps": 1e-5,
+        "hidden_act": "quick_gelu",
+    },
+    "siglip_vision_model": {
+        "image_size": 224,
+        "patch_size": 16,
+        "num_channels": 3,
+        "hidden_size": 768,
+        "intermediate_size": 3072,
+        "num_hidden_layers": 12,
+        "num_attention_heads": 12,
+        "layer_norm_eps": 1e-6,
+        "hidden_act": "gelu_pytorch_tanh",
+    },
+}
+
+
+def _llava_config(folder: Path, config: dict[str, Any]) -> ModelConfig:
+    text_config = {**_LLAMA_TEXT_DEFAULTS, **config.get("text_config", {})}
+    text_fields = _text_fields(text_config)
+    # transformers copies a tied text config up to the LLaVA config, and some checkpoints only set it there.
+    text_fields["tie_word_embeddings"] = text_fields["tie_word_embeddings"] or config.get("tie_word_embeddings", False)
+    image_token_id = config.get("image_token_id", config.get("image_token_index"))
+    return ModelConfig(
+        **text_fields,
+        eos_token_ids=_hf_eos_token_ids(folder, [config, text_config]),
+        vision=_vision_config(config),
+        image_token_id=None if image_token_id is None else int(image_token_id),
+    )
+
+
+def _vision_config(config: dict[str, Any]) -> VisionConfig:
+    vision_config = config.get("vision_config") or {}
+    model_type = vision_config.get("model_type", "clip_vision_model")
+    if model_type not in _VISION_DEFAULTS:
+        raise ValueError(
+            f"vision_config.model_type {model_type!r} is not supported; supported: {sorted(_VISION_DEFAULTS)}"
+        )
+    vision_config = {**_VISION_DEFAULTS[model_type], **vision_config}
+    select_strategy = config.get("vision_feature_select_strategy", "default")
+    if select_strategy not in ("default", "full"):
+        raise ValueError(
+            f"vision_feature_select_strategy {select_strategy!r} is not supported; supported: default, full"
+        )
+    feature_layer = config.get("vision_feature_layer", -2)
+    num_hidden_states = vision_config["num_hidden_layers"] + 1
+    for layer in [feature_layer] if isinstance(feature_layer, int) else feature_layer:
+        if not -num_hidden_states <= layer < num_hidden_states:
+            raise ValueError(f"vision_feature_layer {layer} is out of range for {num_hidden_states} hidden states")
+    return VisionConfig(
+        tower_type=model_type.removesuffix("_vision_model"),
+        image_size=vision_config["image_size"],
+        patch_size=vision_config["patch_size"],
+        num_channels=vision_config["num_channels"],
+        hidden_size=vision_config["hidden_size"],
+        intermediate_size=vision_config["intermediate_size"],
+        num_layers=vision_config["num_hidden_layers"],
+        num_heads=vision_config["num_attention_heads"],
+        layer_norm_eps=vision_config["layer_norm_eps"],
+        hidden_act=vision_config["hidden_act"],
+        projector_hidden_act=config.get("projector_hidden_act", "gelu"),
+        projector_bias=config.get("multimodal_projector_bias", True),
+        feature_layer=feature_layer if isinstance(feature_layer, int) else list(feature_layer),
+        select_strategy=select_strategy,
+    )
+
+
+def _hf_eos_token_ids(folder: Path, configs: list[dict[str, Any]]) -> list[int]:
+    """Union of the eos ids in `configs` (config.json and its sub-configs) and generation_config.json, in that order."""
+    sources = list(configs)
+    generation_config_path = folder / "generation_config.json"
+    if generation_config_path.is_file():
+        sources.append(json.loads(generation_config_path.read_text()))
+    eos_token_ids: list[int] = []
+    for source in sources:
+        eos = source.get("eos_token_id")
+        eos_token_ids.extend([eos] if isinstance(eos, int) else eos or [])
+    return list(dict.fromkeys(eos_token_ids))
