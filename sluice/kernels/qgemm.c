@@ -308,8 +308,9 @@ static void amx_group(int weight_type, const uint8_t *w, int K, int r0, const qu
 #endif
 
 /* Activation rows [r_begin, r_end) against one row group: out columns n0 .. n0 + width. */
+/* buffer: room for a row group's unpacked super-blocks (NULL: none, or not a super-block format). */
 static void multiply_group(int weight_type, const uint8_t *w, int n0, int width, int N, int K, int r_begin,
-                           int r_end, const quantized_rows *x, float *out, int use_tiles) {
+                           int r_end, const quantized_rows *x, float *out, int use_tiles, unpacked_block *buffer) {
     const int nb = K / QK;
 #ifdef SLUICE_AMX
     /* The tiles take the 32-weight formats; the super-block ones run the VNNI code at every M. */
@@ -327,12 +328,9 @@ static void multiply_group(int weight_type, const uint8_t *w, int n0, int width,
     const int tile = super_blocks ? SUPER_TILE : TILE;
     /* More rows than one tile: the super-blocks are unpacked once for all the tiles (the
      * unpacking costs as much as the dots of a few rows). */
-    unpacked_block *unpacked = NULL;
-    if (super_blocks && r_end - r_begin > tile) {
-        unpacked = aligned_alloc(64, (sizeof(unpacked_block) * (size_t)nb + 63) / 64 * 64);
-        for (int b = 0; unpacked != NULL && b < nb; b++)
-            unpack_super_block(weight_type, w + (size_t)(b / 8) * super_bytes_of(weight_type), b % 8, unpacked + b);
-    }
+    const unpacked_block *unpacked = buffer != NULL && r_end - r_begin > tile ? buffer : NULL;
+    for (int b = 0; unpacked != NULL && b < nb; b++)
+        unpack_super_block(weight_type, w + (size_t)(b / 8) * super_bytes_of(weight_type), b % 8, buffer + b);
     for (int r0 = r_begin; r0 < r_end; r0 += tile) {
         const int rows = r_end - r0 < tile ? r_end - r0 : tile;
         const int8_t *xq_tile = x->q + (size_t)r0 * K;
@@ -355,7 +353,6 @@ static void multiply_group(int weight_type, const uint8_t *w, int n0, int width,
         }
         for (int r = 0; r < rows; r++) store_group(out + (size_t)(r0 + r) * N + n0, width, acc[r]);
     }
-    free(unpacked);
 }
 
 /* out[M, N] = x[M, K] @ W^T, W in row groups (N rounded up to a multiple of GROUP there).
@@ -384,11 +381,16 @@ int sluice_qgemm(int M, int N, int K, const float *x, int weight_type, const uin
     }
 #endif
 
+    const int super_blocks = weight_type != SLUICE_Q8_0 && weight_type != SLUICE_Q4_1;
 #pragma omp parallel
     {
 #ifdef SLUICE_AMX
         if (use_tiles) configure_tiles();
 #endif
+        /* Each thread's buffer for unpacked super-blocks, once a call (none for a decode step's few
+         * rows; where it cannot be had, the blocks are unpacked per tile: the same bits). */
+        unpacked_block *buffer =
+            super_blocks && M > SUPER_TILE ? aligned_alloc(64, (sizeof(unpacked_block) * (size_t)nb + 63) / 64 * 64) : NULL;
 #pragma omp for schedule(static)
         for (int r = 0; r < M; r++) {
             const size_t first_block = (size_t)r * nb;
@@ -402,9 +404,10 @@ int sluice_qgemm(int M, int N, int K, const float *x, int weight_type, const uin
             for (int group = 0; group < groups; group++) {
                 const int n0 = group * GROUP;
                 multiply_group(weight_type, packed + (size_t)group * group_bytes, n0, N - n0 < GROUP ? N - n0 : GROUP,
-                               N, K, chunk, chunk_end, &rows, out, use_tiles);
+                               N, K, chunk, chunk_end, &rows, out, use_tiles, buffer);
             }
         }
+        free(buffer);
 #ifdef SLUICE_AMX
         if (use_tiles) _tile_release();
 #endif
