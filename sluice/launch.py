@@ -21,6 +21,7 @@ import zmq.asyncio
 from sluice.config import PortArgs, ServerArgs
 from sluice.ipc import AsyncReceiver, Sender
 from sluice.messages import ProcessFailed, SchedulerReady
+from sluice.procutil import keep_torch_out
 from sluice.sampling import ClientError
 from sluice.server.app import ServerState, create_app
 from sluice.server.errors import failure_status
@@ -29,6 +30,7 @@ from sluice.tokenizer.control import BackendError
 from sluice.tokenizer.io_struct import GenerateReqInput
 from sluice.tokenizer.manager import TokenizerManager, wait_for_backend
 from sluice.tokenizer.metrics import MULTIPROC_DIR_ENV
+from sluice.tokenizer.multimodal.processor import has_image_processor
 from sluice.tokenizer.result import native_json
 from sluice.tokenizer.router import run_router_process
 from sluice.tokenizer.shared_args import remove_shared_args, write_shared_args
@@ -121,6 +123,8 @@ async def _watch_backend(tm, backend: Backend) -> None:
 
 def launch_server(server_args: ServerArgs) -> None:
     logging.basicConfig(level=server_args.log_level.upper(), format="%(asctime)s [main] %(levelname)s %(message)s")
+    if not has_image_processor(server_args.resolved_model_path()):
+        keep_torch_out()  # a text-only model: this process tokenizes and serves HTTP, nothing more
     if server_args.tokenizer_worker_num > 1 or server_args.http_server == "granian":
         _launch_worker_processes_server(server_args)
     else:

@@ -29,7 +29,7 @@ from sluice.messages import (
     StrOutput,
     TokenIDOutput,
 )
-from sluice.procutil import become_child_process
+from sluice.procutil import become_child_process, keep_torch_out
 from sluice.tokenizer_files import load_tokenizer
 
 if TYPE_CHECKING:
@@ -91,7 +91,8 @@ class DetokenizerManager:
 def run_detokenizer_process(server_args_data: bytes, port_args_data: bytes) -> None:
     args = ServerArgs.decode(server_args_data)
     port_args = PortArgs.decode(port_args_data)
-    become_child_process("detokenizer", 1, args.log_level)
+    become_child_process("detokenizer", args.log_level)
+    keep_torch_out()  # it loads the tokenizer alone
     context = zmq.Context(1)
     to_tokenizer = Sender(context, port_args.tokenizer_input)
     try:

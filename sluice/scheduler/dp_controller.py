@@ -53,7 +53,7 @@ from sluice.messages import (
     UpdateWeightsFromDiskReq,
     UpdateWeightsFromDiskReqOutput,
 )
-from sluice.procutil import become_child_process, is_alive
+from sluice.procutil import become_child_process, is_alive, keep_torch_out
 from sluice.scheduler.prefix_index import PrefixIndex
 
 logger = logging.getLogger(__name__)
@@ -338,7 +338,8 @@ def merge_states(states: list[InternalState], ipc: str | None, control_id: int =
 def run_dp_controller_process(server_args_data: bytes, port_args_data: bytes, replica_pids_data: bytes) -> None:
     args = ServerArgs.decode(server_args_data)
     port_args = PortArgs.decode(port_args_data)
-    become_child_process("dp-controller", 1, args.log_level)
+    become_child_process("dp-controller", args.log_level)
+    keep_torch_out()
     try:
         DataParallelController(args, port_args, msgspec.json.decode(replica_pids_data, type=list[int])).run_forever()
     except Exception:

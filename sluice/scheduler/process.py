@@ -178,7 +178,10 @@ def run_scheduler_process(server_args_data: bytes, port_args_data: bytes, dp_ran
     if args.cpu_affinity:
         pin_to_cores(args, dp_rank or 0)
     name = "scheduler" if dp_rank is None else f"scheduler-{dp_rank}"
-    become_child_process(name, args.threads_per_scheduler(), args.log_level)
+    become_child_process(name, args.log_level)
+    import torch
+
+    torch.set_num_threads(max(args.threads_per_scheduler(), 1))
     context = zmq.Context(1)
     to_tokenizer = Sender(context, port_args.tokenizer_input)
     try:

@@ -17,7 +17,7 @@ import uuid
 from contextlib import asynccontextmanager
 
 from sluice.messages import RegisterWorker
-from sluice.procutil import die_with_parent
+from sluice.procutil import die_with_parent, keep_torch_out
 from sluice.server.app import ServerState, create_app
 from sluice.tokenizer.manager import TokenizerManager
 from sluice.tokenizer.shared_args import read_shared_args, remove_shared_args
@@ -29,6 +29,8 @@ logger = logging.getLogger(__name__)
 def init_multi_tokenizer():
     """Build this worker's TokenizerWorker from the shared block; returns (tm, args)."""
     server_args, port_args, scheduler_info = read_shared_args(os.getppid())
+    if scheduler_info.image_token_id is None:
+        keep_torch_out()  # a text-only model: this worker tokenizes and serves HTTP, nothing more
     tokenizer, chat_template = load_tokenizer_side(server_args)
     if server_args.tokenizer_worker_num == 1:  # one worker (Granian): no router in between
         remove_shared_args(os.getppid())  # read by its only reader, and no router to clean up

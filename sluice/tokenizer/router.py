@@ -45,7 +45,7 @@ from sluice.messages import (
     WorkerDied,
     WorkerStatsReq,
 )
-from sluice.procutil import become_child_process, is_alive
+from sluice.procutil import become_child_process, is_alive, keep_torch_out
 from sluice.tokenizer.shared_args import remove_shared_args
 
 logger = logging.getLogger(__name__)
@@ -189,7 +189,8 @@ def run_router_process(server_args_data: bytes, port_args_data: bytes) -> None:
     main_pid = os.getppid()
 
     # The main process removes the block on a normal exit; killed, it cannot.
-    become_child_process("router", 1, args.log_level, on_exit=lambda: remove_shared_args(main_pid))
+    become_child_process("router", args.log_level, on_exit=lambda: remove_shared_args(main_pid))
+    keep_torch_out()
     try:
         MultiTokenizerRouter(port_args).handle_loop()
     except Exception:

@@ -112,3 +112,18 @@ def test_dead_scheduler_fails_requests_then_sigterm_stops_everything():
         assert not alive, [c.cmdline() for c in alive]
     finally:
         server.stop()
+
+
+def loads_torch(process: psutil.Process) -> bool:
+    with open(f"/proc/{process.pid}/maps") as maps:
+        return "libtorch" in maps.read()
+
+
+def test_only_the_scheduler_loads_torch(server):
+    """The HTTP, tokenizer, router and detokenizer processes of a text-only model run no
+    tensors: they load the tokenizer without torch (~190 MB less resident each)."""
+    main = psutil.Process(server.process.pid)
+    tree = [main, *main.children(recursive=True)]
+    with_torch = sorted(process.name() for process in tree if loads_torch(process))
+    assert with_torch == ["sluice-schedule"], [(p.name(), " ".join(p.cmdline())[-60:]) for p in tree]
+    assert len(tree) >= 3 + server.tokenizer_worker_num - 1  # main, scheduler, detokenizer (+ workers, router)

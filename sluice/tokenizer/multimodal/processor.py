@@ -52,6 +52,11 @@ def image_hash(image: Image.Image) -> int:
     return int.from_bytes(digest.digest(), "little", signed=True)
 
 
+def has_image_processor(path: str) -> bool:
+    """The model folder at `path` holds an image processor's settings (a GGUF file never does)."""
+    return any(os.path.isfile(os.path.join(path, name)) for name in _PROCESSOR_CONFIG_FILES)
+
+
 class ImageProcessor:
     """The model's HF image processor, returning one float32 [N, 3, H, W] array."""
 
@@ -64,7 +69,7 @@ class ImageProcessor:
 
         A config that exists but does not load is an error, not a text-only model.
         """
-        if not any(os.path.isfile(os.path.join(path, name)) for name in _PROCESSOR_CONFIG_FILES):
+        if not has_image_processor(path):
             return None
         from transformers import AutoImageProcessor
 
