@@ -1,11 +1,18 @@
-"""Prompt attention of one layer: sluice's C kernel against torch's SDPA (its flash kernel).
+"""Attention: sluice's C kernel against torch's SDPA.
 
     python bench/bench_attention.py                       # SmolLM2's heads, prompts of 512..8192
     python bench/bench_attention.py --lengths 8192 --kv-dtypes float16
+    python bench/bench_attention.py --decode 32 --lengths 200 --kv-dtypes float16
 
-sluice attends every prompt token over the pool at its position (so a request's result
-never depends on chunking or batching); SDPA computes the same causal attention on
-contiguous q/k/v in float32. Prints microseconds per prompt token for one layer.
+Prompts (the default): one layer; sluice attends every prompt token over the pool at its
+position (so a request's result never depends on chunking or batching); SDPA computes the
+same causal attention on contiguous q/k/v in float32 (its flash kernel). Prints microseconds
+per prompt token.
+
+--decode N: one decode step of N requests with --lengths cached tokens each, over --layers
+layers' pools (so the K/V rows come from memory, as in a model), slots shuffled over each
+pool; SDPA attends the same rows gathered into contiguous float32 tensors beforehand (its
+gather not timed). Prints milliseconds per step and the K/V bytes sluice read per second.
 """
 
 from __future__ import annotations
@@ -42,10 +49,15 @@ def main() -> None:
     parser.add_argument("--kv-dtypes", nargs="+", default=["float32", "float16"], choices=list(KV_DTYPES))
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--isa", default=None, help="kernel build (default: the best this CPU runs)")
+    parser.add_argument("--decode", type=int, default=0, metavar="N", help="a decode step of N requests instead")
+    parser.add_argument("--layers", type=int, default=30, help="--decode: layers (pools) a step reads")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     ops = KernelOps(load_kernels(args.isa))
     print(f"CPU flags: {' '.join(reported_flags())}; kernels: {ops.kernels.describe()}")
+    if args.decode:
+        bench_decode_step(ops, args)
+        return
     print(f"{'tokens':>7s} {'kv dtype':>9s} {'sluice us/token':>16s} {'SDPA us/token':>14s} {'ratio':>6s}")
     for length in args.lengths:
         generator = torch.Generator().manual_seed(length)
@@ -75,6 +87,50 @@ def main() -> None:
             print(
                 f"{length:7d} {name:>9s} {sluice_s / length * 1e6:16.2f} {sdpa_s / length * 1e6:14.2f} "
                 f"{sluice_s / sdpa_s:6.2f}",
+                flush=True,
+            )
+
+
+def sluice_decode_step(ops: KernelOps, q, pools, slots, seq_lens, length: int) -> None:
+    for k_pool, v_pool in pools:
+        ops.decode_attention(q, k_pool, v_pool, slots, seq_lens, length)
+
+
+def sdpa_decode_step(q_heads, gathered) -> None:
+    for keys, values in gathered:
+        F.scaled_dot_product_attention(q_heads, keys, values, enable_gqa=True)
+
+
+def bench_decode_step(ops: KernelOps, args: argparse.Namespace) -> None:
+    requests, layers = args.decode, args.layers
+    print(f"{'tokens':>7s} {'kv dtype':>9s} {'sluice ms/step':>15s} {'GB/s':>6s} {'SDPA ms/step':>13s} {'ratio':>6s}")
+    for length in args.lengths:
+        generator = torch.Generator().manual_seed(length)
+        q = torch.randn(requests, args.heads, args.head_dim, generator=generator)
+        num_slots = requests * length + 1
+        slots = torch.randperm(num_slots - 1, generator=generator) + 1
+        seq_lens = torch.full((requests,), length)
+        for name in args.kv_dtypes:
+            pools = [
+                tuple(
+                    torch.randn(num_slots, args.kv_heads, args.head_dim, generator=generator).to(KV_DTYPES[name])
+                    for _ in range(2)
+                )
+                for _ in range(layers)
+            ]
+
+            rows = slots.view(requests, length)
+            gathered = [
+                tuple(pool[rows].float().permute(0, 2, 1, 3).contiguous() for pool in layer_pools)
+                for layer_pools in pools
+            ]
+            sluice_step = functools.partial(sluice_decode_step, ops, q, pools, slots, seq_lens, length)
+            sdpa_step = functools.partial(sdpa_decode_step, q.unsqueeze(2), gathered)
+            sluice_s, sdpa_s = timed(sluice_step), timed(sdpa_step)
+            kv_bytes = 2 * layers * requests * length * args.kv_heads * args.head_dim * KV_DTYPES[name].itemsize
+            print(
+                f"{length:7d} {name:>9s} {sluice_s * 1e3:15.2f} {kv_bytes / sluice_s / 1e9:6.1f} "
+                f"{sdpa_s * 1e3:13.2f} {sluice_s / sdpa_s:6.2f}",
                 flush=True,
             )
 

@@ -31,6 +31,7 @@
  */
 #include <immintrin.h>
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -50,6 +51,7 @@ static const int64_t TILE_ROWS[KV_TILE] = {0,  1,  2,  3,  4,  5,  6,  7,  8,  9
 /* Tokens ahead whose K/V rows are prefetched: a slot list is not a stream the hardware
  * prefetcher follows across pages (measured: -30% time at 128 cached tokens). */
 #define PREFETCH_AHEAD 8
+#define PREFETCH_TASK_BYTES (256 * 1024) /* of K/V rows a task sends to L2 before it starts */
 
 /* Sums of up to 4 vectors, each by the same tree (its halves added lane by lane down to 8
  * lanes, then ((x0+x1)+(x2+x3)) + ((x4+x5)+(x6+x7))): a vector's sum does not depend on how
@@ -143,6 +145,21 @@ ALWAYS_INLINE void prefetch_row(const char *row, size_t bytes) {
     for (size_t byte = 0; byte < bytes; byte += 64) _mm_prefetch(row + byte, _MM_HINT_T0);
 }
 
+/* The bytes [offset, offset + bytes) of the K and V rows of slots [t0, t1) of a request
+ * (the KV heads a task reads), towards this core's L2. */
+ALWAYS_INLINE void prefetch_rows(const void *k_pool, const void *v_pool, size_t slot_bytes, size_t offset,
+                                 size_t bytes, const int64_t *req_slots, int t0, int t1) {
+    /* At most PREFETCH_TASK_BYTES: a long prompt's rows would push each other out of L2. */
+    if ((size_t)(t1 - t0) * 2 * bytes > PREFETCH_TASK_BYTES) t1 = t0 + (int)(PREFETCH_TASK_BYTES / (2 * bytes));
+    for (int t = t0; t < t1; t++) {
+        const size_t at = (size_t)req_slots[t] * slot_bytes + offset;
+        for (size_t byte = 0; byte < bytes; byte += 64) {
+            _mm_prefetch((const char *)k_pool + at + byte, _MM_HINT_T1);
+            _mm_prefetch((const char *)v_pool + at + byte, _MM_HINT_T1);
+        }
+    }
+}
+
 /* Every score is one dot product summed the same way in both builds and by both score
  * functions: 8 partial sums, sum l over d = l, l + 8, l + 16, ... in order (fused multiply-
  * adds from zero), which then meet as ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7)), and
@@ -153,6 +170,56 @@ ALWAYS_INLINE __m128 sum8x4(__m256 a, __m256 b, __m256 c, __m256 d) {
     return _mm_add_ps(_mm256_castps256_ps128(pairs), _mm256_extractf128_ps(pairs, 1));
 }
 
+#ifdef SLUICE_AVX512_VNNI
+#define SCORE_KEYS 8           /* two to a vector: 4 G accumulators */
+#define SCORE_KEYS_MAX_GROUP 4 /* 16 accumulators, 4 K vectors, a q slice: 21 of 32 registers */
+/* scores[g * stride + j] = scale * q_g . k_j for the SCORE_KEYS keys at rows[j], each summed
+ * as sum8x4 sums it: lane l of key j's chain is its partial sum l, and two rounds of hadd
+ * then the halves of 128 bits added give every key ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6
+ * + s7)), the eight keys of a head in one vector. */
+ALWAYS_INLINE void run_scores(const int G, const int kv_dtype, const float *q, int head_dim, float scale,
+                              const char *const *rows, size_t elem, float *scores, size_t stride) {
+    __m512 acc[SCORE_KEYS_MAX_GROUP][SCORE_KEYS / 2];
+    for (int g = 0; g < G; g++)
+        for (int p = 0; p < SCORE_KEYS / 2; p++) acc[g][p] = _mm512_setzero_ps();
+    for (int i = 0; i < head_dim; i += 8) {
+        __m512 k[SCORE_KEYS / 2];
+        for (int p = 0; p < SCORE_KEYS / 2; p++) k[p] = load_kv8_pair(rows[2 * p] + i * elem, rows[2 * p + 1] + i * elem, kv_dtype);
+        for (int g = 0; g < G; g++) {
+            const __m512 qg = _mm512_broadcast_f32x8(_mm256_loadu_ps(q + g * head_dim + i));
+            for (int p = 0; p < SCORE_KEYS / 2; p++) acc[g][p] = _mm512_fmadd_ps(qg, k[p], acc[g][p]);
+        }
+    }
+    for (int g = 0; g < G; g++) {
+        __m256 pairs[SCORE_KEYS / 2];
+        for (int p = 0; p < SCORE_KEYS / 2; p++)
+            pairs[p] = _mm256_hadd_ps(_mm512_castps512_ps256(acc[g][p]), _mm512_extractf32x8_ps(acc[g][p], 1));
+        const __m256 first = _mm256_hadd_ps(pairs[0], pairs[1]), second = _mm256_hadd_ps(pairs[2], pairs[3]);
+        const __m256 sums = _mm256_add_ps(_mm256_permute2f128_ps(first, second, 0x20),
+                                          _mm256_permute2f128_ps(first, second, 0x31));
+        _mm256_storeu_ps(scores + (size_t)g * stride, _mm256_mul_ps(sums, _mm256_set1_ps(scale)));
+    }
+}
+#else
+#define SCORE_KEYS 4           /* one to a vector: 4 G accumulators */
+#define SCORE_KEYS_MAX_GROUP 3 /* 12 accumulators, a K vector, a q slice: 14 of 16 registers */
+/* As above, four keys of a head reduced by one sum8x4. */
+ALWAYS_INLINE void run_scores(const int G, const int kv_dtype, const float *q, int head_dim, float scale,
+                              const char *const *rows, size_t elem, float *scores, size_t stride) {
+    __m256 acc[SCORE_KEYS_MAX_GROUP][SCORE_KEYS];
+    for (int g = 0; g < G; g++)
+        for (int j = 0; j < SCORE_KEYS; j++) acc[g][j] = _mm256_setzero_ps();
+    for (int i = 0; i < head_dim; i += 8)
+        for (int j = 0; j < SCORE_KEYS; j++) {
+            const __m256 k = load_kv8(rows[j] + i * elem, kv_dtype);
+            for (int g = 0; g < G; g++) acc[g][j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * head_dim + i), k, acc[g][j]);
+        }
+    for (int g = 0; g < G; g++)
+        _mm_storeu_ps(scores + (size_t)g * stride,
+                      _mm_mul_ps(sum8x4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]), _mm_set1_ps(scale)));
+}
+#endif
+
 /* scores[g * stride + t - t0] = scale * q_g . k_t for t in [t0, t1), the G heads of one
  * group (head_dim % 8 == 0), with the partial sums in the lanes of a vector. Rows up to
  * `len` may be prefetched. */
@@ -160,6 +227,17 @@ ALWAYS_INLINE void group_scores(const int G, const int kv_dtype, const float *q,
                                 float scale, kv_rows keys, const int64_t *req_slots, float *scores, size_t stride) {
     const size_t elem = kv_element_bytes(kv_dtype);
     int t = t0;
+    /* Runs of SCORE_KEYS keys first, while the group's chains fit in registers: each slice of
+     * q is loaded once for all the run, SCORE_KEYS * G chains hide the latency of the fused
+     * multiply-adds, and a head's run of sums is reduced together and stored as one vector. */
+    if (G <= SCORE_KEYS_MAX_GROUP)
+        for (; t + SCORE_KEYS <= t1; t += SCORE_KEYS) {
+            const char *rows[SCORE_KEYS];
+            for (int j = 0; j < SCORE_KEYS; j++) rows[j] = kv_row(keys, req_slots, t + j);
+            for (int ahead = t + PREFETCH_AHEAD; ahead < t + PREFETCH_AHEAD + SCORE_KEYS && ahead < len; ahead++)
+                prefetch_row(kv_row(keys, req_slots, ahead), head_dim * elem);
+            run_scores(G, kv_dtype, q, head_dim, scale, rows, elem, scores + (t - t0), stride);
+        }
 #ifdef SLUICE_AVX512_VNNI
     /* Two keys at once, one in each half of a 512-bit vector: the same chains, half the ops. */
     for (; t + 2 <= t1; t += 2) {
@@ -439,6 +517,12 @@ int sluice_decode_attention(int queries, int heads, int kv_heads, int head_dim, 
     int *starts = malloc(sizeof(int) * ((size_t)queries + 1));
     if (starts == NULL) return -1;
     const int blocks = query_blocks(queries, slot_rows, seq_lens, starts);
+    /* With blocks enough to keep every thread busy (a decode step of many requests), a task
+     * takes all the KV heads of its block in turn, and first sends its slots' whole rows to
+     * this core's L2 at once: many misses in flight instead of a few rows ahead of the
+     * arithmetic, and the neighbouring lines a head's pass would bring in are not wasted. */
+    const int heads_per_task = blocks >= 4 * omp_get_max_threads() ? kv_heads : 1;
+    const int head_tasks = kv_heads / heads_per_task;
     int failed = 0;
 #pragma omp parallel
     {
@@ -447,31 +531,37 @@ int sluice_decode_attention(int queries, int heads, int kv_heads, int head_dim, 
 #pragma omp atomic write
             failed = 1;
         }
-        /* One task per (block, KV head): the K/V rows of a group come from memory once. */
+        /* One task per (block, KV head), or per block with all its KV heads where blocks are
+         * many: the K/V rows of a group come from memory once. */
 #pragma omp for schedule(dynamic) collapse(2)
         for (int b = 0; b < blocks; b++) {
-            for (int kvh = 0; kvh < kv_heads; kvh++) {
-                if (scores == NULL) continue;
+            for (int task = 0; task < head_tasks; task++) {
                 const int first = starts[b], count = starts[b + 1] - starts[b];
                 const int64_t *req_slots = slots + (size_t)(slot_rows != NULL ? slot_rows[first] : first) * max_len;
-                const float *q_first = q + (size_t)first * q_stride + (size_t)kvh * group * head_dim;
-                float *out_first = out + ((size_t)first * heads + (size_t)kvh * group) * head_dim;
-                const size_t head_offset = (size_t)kvh * head_dim * elem;
-                const kv_rows keys = {(const char *)k_pool + head_offset, slot_bytes};
-                const kv_rows values = {(const char *)v_pool + head_offset, slot_bytes};
-                if (!vectorized) {
-                    for (int i = 0; i < count; i++)
-                        for (int g = 0; g < group; g++)
-                            attend_head_scalar(q_first + (size_t)i * q_stride + g * head_dim, kv_dtype, head_dim,
-                                               (int)seq_lens[first + i], scale, window, softcap, keys, values,
-                                               req_slots, scores,
-                                               out_first + (size_t)i * heads * head_dim + g * head_dim);
-                    continue;
-                }
-                switch (kv_dtype) {
-                case SLUICE_KV_FLOAT16: GROUP_SWITCH(SLUICE_KV_FLOAT16) break;
-                case SLUICE_KV_BFLOAT16: GROUP_SWITCH(SLUICE_KV_BFLOAT16) break;
-                default: GROUP_SWITCH(SLUICE_KV_FLOAT32) break;
+                prefetch_rows(k_pool, v_pool, slot_bytes, (size_t)task * heads_per_task * head_dim * elem,
+                              (size_t)heads_per_task * head_dim * elem, req_slots,
+                              window_start((int)seq_lens[first], window), (int)seq_lens[first + count - 1]);
+                for (int kvh = task * heads_per_task; kvh < (task + 1) * heads_per_task; kvh++) {
+                    if (scores == NULL) continue;
+                    const float *q_first = q + (size_t)first * q_stride + (size_t)kvh * group * head_dim;
+                    float *out_first = out + ((size_t)first * heads + (size_t)kvh * group) * head_dim;
+                    const size_t head_offset = (size_t)kvh * head_dim * elem;
+                    const kv_rows keys = {(const char *)k_pool + head_offset, slot_bytes};
+                    const kv_rows values = {(const char *)v_pool + head_offset, slot_bytes};
+                    if (!vectorized) {
+                        for (int i = 0; i < count; i++)
+                            for (int g = 0; g < group; g++)
+                                attend_head_scalar(q_first + (size_t)i * q_stride + g * head_dim, kv_dtype, head_dim,
+                                                   (int)seq_lens[first + i], scale, window, softcap, keys, values,
+                                                   req_slots, scores,
+                                                   out_first + (size_t)i * heads * head_dim + g * head_dim);
+                        continue;
+                    }
+                    switch (kv_dtype) {
+                    case SLUICE_KV_FLOAT16: GROUP_SWITCH(SLUICE_KV_FLOAT16) break;
+                    case SLUICE_KV_BFLOAT16: GROUP_SWITCH(SLUICE_KV_BFLOAT16) break;
+                    default: GROUP_SWITCH(SLUICE_KV_FLOAT32) break;
+                    }
                 }
             }
         }

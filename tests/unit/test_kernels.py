@@ -162,6 +162,34 @@ def test_decode_attention_reads_each_request_slots_in_place(ops, heads, kv_heads
         torch.testing.assert_close(out[row], expected, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(9, 3, 64), (8, 2, 128), (4, 1, 20)])
+def test_a_decode_step_of_many_requests_gives_each_the_bits_it_gets_alone(ops, heads, kv_heads, head_dim, kv_dtype):
+    """With many requests a task takes all the KV heads of one (its rows prefetched whole);
+    with one, a task per KV head. Each request's result must not depend on which."""
+    generator = torch.Generator().manual_seed(3)
+    seq_lens = torch.randint(1, 90, (40,), generator=generator)
+    max_len = int(seq_lens.max())
+    num_slots = int(seq_lens.sum()) + 1
+    k_pool = torch.randn(num_slots, kv_heads, head_dim, generator=generator).to(kv_dtype)
+    v_pool = torch.randn(num_slots, kv_heads, head_dim, generator=generator).to(kv_dtype)
+    padded = torch.zeros(len(seq_lens), max_len, dtype=torch.int64)
+    for row, slots in enumerate(torch.randperm(num_slots - 1, generator=generator).add(1).split(seq_lens.tolist())):
+        padded[row, : len(slots)] = slots
+    q = torch.randn(len(seq_lens), heads, head_dim, generator=generator)
+    together = ops.decode_attention(q, k_pool, v_pool, padded.view(-1), seq_lens, max_len)
+    for row in range(len(seq_lens)):
+        alone = ops.decode_attention(
+            q[row : row + 1], k_pool, v_pool, padded[row].clone(), seq_lens[row : row + 1], max_len
+        )
+        assert torch.equal(together[row], alone[0]), f"request {row}"
+        slots = padded[row, : int(seq_lens[row])]
+        keys = k_pool[slots].float().repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)
+        values = v_pool[slots].float().repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)
+        expected = F.scaled_dot_product_attention(q[row].unsqueeze(1), keys, values).squeeze(1)
+        torch.testing.assert_close(together[row], expected, rtol=1e-4, atol=1e-5)
+
+
 class Prompts:
     """Whole prompts of random K/V in one pool (slots shuffled) and a query per token, each
     token seeing its prompt up to itself, as a prefill does."""
