@@ -35,6 +35,7 @@ from sluice.tokenizer.result import native_json
 from sluice.tokenizer.router import run_router_process
 from sluice.tokenizer.shared_args import remove_shared_args, write_shared_args
 from sluice.tokenizer.startup import WARMUP_TIMEOUT_S, load_multimodal_processor, load_tokenizer_side, warm_up
+from sluice.tokenizer_files import cache_gguf_tokenizer, tokenizer_loads_without_torch
 
 logger = logging.getLogger(__name__)
 ENGINE_STOP_TIMEOUT_S = 5.0
@@ -123,12 +124,22 @@ async def _watch_backend(tm, backend: Backend) -> None:
 
 def launch_server(server_args: ServerArgs) -> None:
     logging.basicConfig(level=server_args.log_level.upper(), format="%(asctime)s [main] %(levelname)s %(message)s")
-    if not has_image_processor(server_args.resolved_model_path()):
-        keep_torch_out()  # a text-only model: this process tokenizes and serves HTTP, nothing more
+    _keep_torch_out_of_the_front_end(server_args.resolved_model_path())
     if server_args.tokenizer_worker_num > 1 or server_args.http_server == "granian":
         _launch_worker_processes_server(server_args)
     else:
         _launch_single_worker_server(server_args)
+
+
+def _keep_torch_out_of_the_front_end(model_path: str) -> None:
+    """A text-only model's HTTP / tokenizer process runs no tensors: keep torch out of it,
+    once a GGUF file's tokenizer is in the cache (converting it needs torch), before the
+    DetokenizerManager starts and looks for the same copy."""
+    if has_image_processor(model_path):
+        return  # the image processor runs torch ops here
+    cache_gguf_tokenizer(model_path)
+    if tokenizer_loads_without_torch(model_path):  # not where the cache cannot be written
+        keep_torch_out()
 
 
 def _launch_single_worker_server(server_args: ServerArgs) -> None:

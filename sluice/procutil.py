@@ -45,9 +45,10 @@ def keep_torch_out() -> bool:
     transformers imports torch whenever it is installed, even to load a tokenizer, which
     costs each process ~190 MB resident. With torch's entry in `sys.modules` set to None,
     `importlib.util.find_spec` reports it missing, transformers loads the tokenizer alone,
-    and an `import torch` raises ImportError. False when torch was imported already.
+    and an `import torch` raises ImportError. False when torch or transformers (which decides
+    at import whether torch is there) was imported already.
     """
-    if sys.modules.get("torch") is not None:
+    if sys.modules.get("torch") is not None or "transformers" in sys.modules:
         return False
     sys.modules["torch"] = None  # type: ignore[assignment]
     # transformers' advice "PyTorch was not found" is expected here, not news.

@@ -7,9 +7,11 @@ start at once, so the converted-tokenizer cache is written with an atomic rename
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import json
 import logging
 import mmap
+import multiprocessing as mp
 import os
 import shutil
 import struct
@@ -71,13 +73,34 @@ def load_tokenizer(model_path: str, cache_dir: str | None = None) -> PreTrainedT
     return tokenizer
 
 
+def tokenizer_loads_without_torch(model_path: str, cache_dir: str | None = None) -> bool:
+    """Whether `load_tokenizer` reads this model's tokenizer without torch: from a HF folder,
+    or from the cached conversion of a GGUF file (transformers' GGUF reader imports torch)."""
+    path = Path(model_path)
+    if path.is_dir():
+        return True
+    cache_root = Path(cache_dir) if cache_dir is not None else default_tokenizer_cache_dir()
+    return path.suffix == ".gguf" and path.is_file() and (cache_root / _gguf_cache_key(path)).is_dir()
+
+
+def cache_gguf_tokenizer(model_path: str, cache_dir: str | None = None) -> None:
+    """Converts a GGUF file's tokenizer into the cache in a child process, once: the torch it
+    needs ends with that process, and the processes that run no tensors load the cached copy."""
+    if tokenizer_loads_without_torch(model_path, cache_dir):
+        return
+    process = mp.get_context("spawn").Process(
+        target=load_tokenizer, args=(model_path, cache_dir), name="sluice-tokenizer-cache", daemon=True
+    )
+    process.start()
+    process.join()
+
+
 def _gguf_cache_key(path: Path) -> str:
     # The transformers version is part of the key because its GGUF converter changes
-    # between releases; a copy made by another version may differ.
-    import transformers
-
+    # between releases; a copy made by another version may differ. Read from the package's
+    # metadata: importing transformers would decide, for this process, whether torch is there.
     stat = path.stat()
-    identity = f"{path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}\0{transformers.__version__}"
+    identity = f"{path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}\0{importlib.metadata.version('transformers')}"
     return f"{path.stem}-{hashlib.sha256(identity.encode()).hexdigest()[:16]}"
 
 

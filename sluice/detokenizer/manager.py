@@ -30,7 +30,7 @@ from sluice.messages import (
     TokenIDOutput,
 )
 from sluice.procutil import become_child_process, keep_torch_out
-from sluice.tokenizer_files import load_tokenizer
+from sluice.tokenizer_files import load_tokenizer, tokenizer_loads_without_torch
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -92,7 +92,8 @@ def run_detokenizer_process(server_args_data: bytes, port_args_data: bytes) -> N
     args = ServerArgs.decode(server_args_data)
     port_args = PortArgs.decode(port_args_data)
     become_child_process("detokenizer", args.log_level)
-    keep_torch_out()  # it loads the tokenizer alone
+    if tokenizer_loads_without_torch(args.resolved_model_path()):
+        keep_torch_out()  # it loads the tokenizer alone
     context = zmq.Context(1)
     to_tokenizer = Sender(context, port_args.tokenizer_input)
     try:

@@ -517,10 +517,11 @@ int sluice_decode_attention(int queries, int heads, int kv_heads, int head_dim, 
     int *starts = malloc(sizeof(int) * ((size_t)queries + 1));
     if (starts == NULL) return -1;
     const int blocks = query_blocks(queries, slot_rows, seq_lens, starts);
-    /* With blocks enough to keep every thread busy (a decode step of many requests), a task
-     * takes all the KV heads of its block in turn, and first sends its slots' whole rows to
-     * this core's L2 at once: many misses in flight instead of a few rows ahead of the
-     * arithmetic, and the neighbouring lines a head's pass would bring in are not wasted. */
+    /* A task is one KV head of a block or, with blocks enough to keep every thread busy (a
+     * decode step of many requests), all of its KV heads in turn: a slot's row holds every
+     * head, so the neighbouring lines one head's pass brings in are not wasted. Each task
+     * first sends the K/V rows it will read to its core's L2 at once: many misses in flight
+     * instead of a few rows ahead of the arithmetic. */
     const int heads_per_task = blocks >= 4 * omp_get_max_threads() ? kv_heads : 1;
     const int head_tasks = kv_heads / heads_per_task;
     int failed = 0;

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -11,7 +13,14 @@ from pathlib import Path
 import pytest
 
 from sluice.model_files import default_model_path
-from sluice.tokenizer_files import ChatTemplate, _publish_cache, load_chat_template, load_tokenizer
+from sluice.tokenizer_files import (
+    ChatTemplate,
+    _publish_cache,
+    cache_gguf_tokenizer,
+    load_chat_template,
+    load_tokenizer,
+    tokenizer_loads_without_torch,
+)
 
 SAMPLE_TEXT = "héllo 世界 🎉👍🏽 naïve café <|im_start|>user\nhi<|im_end|>"
 
@@ -64,6 +73,25 @@ def test_gguf_tokenizer_is_cached_and_the_cached_copy_behaves_the_same(loads):
     assert cached.encode(SAMPLE_TEXT) == ids
     assert cached.decode(ids) == converted.decode(ids) == SAMPLE_TEXT
     assert cached.chat_template == converted.chat_template
+
+
+def test_a_gguf_tokenizer_is_converted_in_a_child_then_loads_without_torch(tmp_path):
+    """Converting a GGUF vocabulary needs torch (transformers' GGUF reader imports it); the
+    server converts it into the cache in a child process, and then a process that keeps torch
+    out loads the cached copy."""
+    model_path = default_model_path()
+    assert not tokenizer_loads_without_torch(model_path, str(tmp_path))
+    cache_gguf_tokenizer(model_path, str(tmp_path))
+    assert tokenizer_loads_without_torch(model_path, str(tmp_path))
+    assert tokenizer_loads_without_torch(str(tmp_path / next(tmp_path.iterdir()).name))  # a folder
+    script = (
+        "import sys; from sluice.procutil import keep_torch_out; assert keep_torch_out();"
+        "from sluice.tokenizer_files import load_tokenizer;"
+        f"t = load_tokenizer({model_path!r}, {str(tmp_path)!r});"
+        "assert t.decode(t.encode('hello world')) == 'hello world';"
+        "assert sys.modules['torch'] is None"
+    )
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
 
 
 def test_concurrent_cache_writers_leave_one_complete_copy(loads, tmp_path):
