@@ -38,6 +38,8 @@ _Q6_K_BYTES: Final = 210  # 128 bytes of low nibbles, 64 of high bits, 16 int8 s
 
 _BLOCK_BITS: Final = torch.arange(8, dtype=torch.uint8).view(8, 1)  # a byte's bits, one per block of a super-block
 
+_ROUNDED_AT_ONCE: Final = 2**20  # weights dequantized and rounded to another format in one go
+
 # The GGUF types whose blocks become q4_1 without rounding the 4-bit quants again.
 FOUR_BIT_TYPES: Final = ("Q4_0", "Q4_1", "Q4_K")
 
@@ -65,8 +67,16 @@ def block_rows(data: np.ndarray, type_name: str, shape: tuple[int, int], format:
         return _k_quant_rows(raw.reshape(-1, _Q5_K_BYTES), rows, columns)
     if type_name == "Q6_K" and format is BlockFormat.Q6_K:
         return _q6_k_rows(raw.reshape(-1, _Q6_K_BYTES), rows, columns)
-    array = gguf.quants.dequantize(data, gguf.GGMLQuantizationType[type_name])
-    return BlockRows.quantize(torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32)), format)
+    # Rounded a slice of rows at a time: the float copy and the rounding's temporaries of a
+    # whole 1 B-model matrix are hundreds of MB at the peak of loading.
+    kind = gguf.GGMLQuantizationType[type_name]
+    raw = np.asarray(data).view(np.uint8).reshape(rows, -1)
+    step = max(1, _ROUNDED_AT_ONCE // columns)
+    slices = []
+    for start in range(0, rows, step):
+        array = gguf.quants.dequantize(raw[start : start + step], kind)
+        slices.append(BlockRows.quantize(torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32)), format))
+    return BlockRows.stack(slices)
 
 
 def _k_quant_rows(supers: np.ndarray, rows: int, columns: int) -> BlockRows:

@@ -22,7 +22,7 @@ from sluice.model.forward_batch import ForwardBatch
 from sluice.model.layers import GatedMLP, Linear, QKVProjection, RMSNorm, RotaryEmbedding
 from sluice.model.model_config import ModelConfig
 from sluice.model.quantized_linear import BlockFormat, BlockRows, QuantizedLinearWeight, fused_format
-from sluice.model.weights import Weight
+from sluice.model.weights import Weight, Weights
 from sluice.procutil import release_freed_memory
 
 # Source weight names (after "model.layers.{i}.") of each fused projection.
@@ -212,7 +212,7 @@ class LlamaForCausalLM(nn.Module):
         return embeddings if multiplier is None else embeddings * torch.tensor(multiplier, dtype=self.dtype)
 
     @torch.no_grad()
-    def load_weights(self, weights: dict[str, Weight]) -> None:
+    def load_weights(self, weights: Weights) -> None:
         """Move HF-named weights in (each leaves `weights`), fusing q/k/v and gate/up. A matrix
         whose sources all came as BlockRows stays in blocks, never taking a float copy.
         ValueError naming a weight that is missing or whose shape disagrees with the config."""
@@ -374,7 +374,7 @@ class _BlockLoader:
     """Moves a matrix in from `weights`: as the kernels' blocks when every source came as
     BlockRows (the dense parameter is then freed untouched), else as float into it."""
 
-    def __init__(self, backend: Backend, weights: dict[str, Weight]) -> None:
+    def __init__(self, backend: Backend, weights: Weights) -> None:
         self.backend = backend
         self.weights = weights
 
@@ -393,6 +393,7 @@ class _BlockLoader:
         for name in names:
             del weights[name]
         setattr(module, dense_name, _freed(dense.dtype))
+        release_freed_memory()
         return quantized
 
 
@@ -408,7 +409,7 @@ def _freed(dtype: torch.dtype) -> nn.Parameter:
     return nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
 
 
-def _copy_in(target: torch.Tensor, weights: dict[str, Weight], *names: str) -> None:
+def _copy_in(target: torch.Tensor, weights: Weights, *names: str) -> None:
     """target <- the named weights, stacked by rows, which leave `weights` (so the float copies
     a loaded file came as are freed one by one, not all at the end); ValueError naming a
     weight that is missing or whose shape disagrees with what the config implies (copy_

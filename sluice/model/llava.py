@@ -11,7 +11,7 @@ from sluice.model.forward_batch import ForwardBatch
 from sluice.model.llama import LlamaForCausalLM
 from sluice.model.model_config import ModelConfig
 from sluice.model.vision import MultiModalProjector, VisionTower
-from sluice.model.weights import Weight
+from sluice.model.weights import Weights
 
 
 class LlavaForConditionalGeneration(nn.Module):
@@ -40,7 +40,7 @@ class LlavaForConditionalGeneration(nn.Module):
         return self.language_model(fb)
 
     @torch.no_grad()
-    def load_weights(self, weights: dict[str, Weight]) -> None:
+    def load_weights(self, weights: Weights) -> None:
         """Copy weights named as `weights.load_weights` returns them for LLaVA: the language
         model's under `model.`/`lm_head.`, then `vision_tower.` and `multi_modal_projector.`."""
         self.language_model.load_weights(weights)

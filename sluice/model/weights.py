@@ -1,12 +1,14 @@
-"""Load model weights into a dict keyed by Hugging Face parameter names.
+"""Load model weights into a mapping keyed by Hugging Face parameter names.
 
 GGUF tensors are renamed, so the model only ever sees one naming. A quantized matrix the
 plan keeps quantized comes as BlockRows read from the file's blocks (gguf_blocks.py), the
-rest as float tensors.
+rest as float tensors. A GGUF's tensors are read from the file as the model takes them
+(lazy_weights.py), so loading never holds every tensor's copy at once.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -16,11 +18,13 @@ import torch
 
 from sluice.model.gguf_blocks import block_rows
 from sluice.model.gguf_config import open_gguf
+from sluice.model.lazy_weights import LazyWeights
 from sluice.model.model_config import ModelConfig, is_gguf
 from sluice.model.quantized_linear import BlockFormat, BlockRows
 from sluice.procutil import drop_mapped_pages, release_freed_memory
 
 Weight = torch.Tensor | BlockRows
+Weights = LazyWeights[Weight]
 FormatPlan = Callable[[str], BlockFormat | None]  # HF weight name -> its block format, or None: dense
 FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
 
@@ -55,14 +59,15 @@ _GGUF_TOP_NAMES = {
 
 def load_weights(
     path: str | Path, config: ModelConfig, dtype: torch.dtype, format_of: FormatPlan | None = None
-) -> dict[str, Weight]:
+) -> Weights:
     """All parameters of the model at `path`, in HF naming, as `dtype` tensors, except a
     GGUF's quantized matrices that `format_of` gives a block format: those come as BlockRows.
+    A GGUF's are read from the file when first taken.
 
     A tied model may lack `lm_head.weight`; the model then reuses the embedding.
     """
     if is_gguf(path):
-        weights = _load_gguf(Path(path), config, dtype, format_of)
+        weights = _gguf_weights(Path(path), config, dtype, format_of)
     else:
         tensors = _load_safetensors_folder(Path(path), dtype)
         if config.norm_weight_offset:
@@ -70,16 +75,18 @@ def load_weights(
             # converter stores 1 + w in the GGUF already).
             for name in [name for name in tensors if name.endswith("norm.weight")]:
                 tensors[name] = tensors[name].float().add_(config.norm_weight_offset).to(dtype)
-        weights = {**tensors}
         if config.vision is not None:
-            weights = {_llava_name(name): tensor for name, tensor in weights.items()}
+            tensors = {_llava_name(name): tensor for name, tensor in tensors.items()}
         elif config.text_of is not None:  # the language model of a vision-language checkpoint
-            renamed = {_llava_name(name): tensor for name, tensor in weights.items()}
-            weights = {name: tensor for name, tensor in renamed.items() if name.startswith(("model.", "lm_head."))}
-    return _order_for_partial_rotary(_split_fused_projections(weights, config), config)
+            renamed = {_llava_name(name): tensor for name, tensor in tensors.items()}
+            tensors = {name: tensor for name, tensor in renamed.items() if name.startswith(("model.", "lm_head."))}
+        weights = LazyWeights[Weight].of(dict[str, Weight](tensors))
+    _split_fused_projections(weights, config)
+    _order_for_partial_rotary(weights, config)
+    return weights
 
 
-def _order_for_partial_rotary(weights: dict[str, Weight], config: ModelConfig) -> dict[str, Weight]:
+def _order_for_partial_rotary(weights: Weights, config: ModelConfig) -> None:
     """A model that rotates only the first rotary_dim dimensions of each q/k head pairs i with
     i + rotary_dim / 2; sluice rotates whole heads, pairing i with i + head_dim / 2, and gives
     the dimensions past rotary_dim frequency 0. Ordering each q and k head as [rotating first
@@ -87,7 +94,7 @@ def _order_for_partial_rotary(weights: dict[str, Weight], config: ModelConfig) -
     same; q.k is unchanged, since q and k are ordered alike (v and o_proj are untouched)."""
     rotary_dim, head_dim = config.rotary_dim, config.head_dim
     if rotary_dim is None:
-        return weights
+        return
     half, passing = rotary_dim // 2, (head_dim - rotary_dim) // 2
     within = torch.cat(
         [
@@ -103,29 +110,48 @@ def _order_for_partial_rotary(weights: dict[str, Weight], config: ModelConfig) -
         if heads is None:
             continue
         order = (torch.arange(heads).unsqueeze(1) * head_dim + within).reshape(-1)
-        weight = weights[name]
-        weights[name] = weight.take_rows(order) if isinstance(weight, BlockRows) else weight[order]
-    return weights
+        weights.transform(name, functools.partial(_take_rows, order=order))
 
 
-def _split_fused_projections(weights: dict[str, Weight], config: ModelConfig) -> dict[str, Weight]:
+def _take_rows(weight: Weight, order: torch.Tensor) -> Weight:
+    return weight.take_rows(order) if isinstance(weight, BlockRows) else weight[order]
+
+
+def _split_fused_projections(weights: Weights, config: ModelConfig) -> None:
     """Phi-3 stores q/k/v as one `qkv_proj` and gate/up as one `gate_up_proj`: split them into
     the names every other model uses (the model fuses them again its own way)."""
-    q_rows, kv_rows = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-    for name in [name for name in weights if name.endswith(("self_attn.qkv_proj.weight", "mlp.gate_up_proj.weight"))]:
-        fused = weights.pop(name)
-        prefix = name.removesuffix("qkv_proj.weight").removesuffix("gate_up_proj.weight")
-        if name.endswith("qkv_proj.weight"):
-            if fused.shape[0] != q_rows + 2 * kv_rows:
-                raise ValueError(f"{name} has {fused.shape[0]} rows, not q + k + v = {q_rows + 2 * kv_rows}")
-            for part, tensor in zip("qkv", fused.split([q_rows, kv_rows, kv_rows]), strict=True):
-                weights[f"{prefix}{part}_proj.weight"] = tensor
-        else:
-            if fused.shape[0] != 2 * config.intermediate_size:
-                raise ValueError(f"{name} has {fused.shape[0]} rows, not 2 x intermediate_size")
-            size = config.intermediate_size
-            weights[prefix + "gate_proj.weight"], weights[prefix + "up_proj.weight"] = fused.split([size, size])
-    return weights
+    q_rows, kv_rows, ffn_rows = (
+        config.num_heads * config.head_dim,
+        config.num_kv_heads * config.head_dim,
+        config.intermediate_size,
+    )
+    # fused name's end -> its parts' names' ends, their rows, and what the rows are called
+    layouts = {
+        "self_attn.qkv_proj.weight": (
+            ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"],
+            [q_rows, kv_rows, kv_rows],
+            "q + k + v",
+        ),
+        "mlp.gate_up_proj.weight": (
+            ["mlp.gate_proj.weight", "mlp.up_proj.weight"],
+            [ffn_rows, ffn_rows],
+            "2 x intermediate_size",
+        ),
+    }
+    for name in list(weights):
+        for fused_end, (part_ends, sizes, expected) in layouts.items():
+            if not name.endswith(fused_end):
+                continue
+            prefix = name.removesuffix(fused_end)
+
+            def divide(
+                fused: Weight, name: str = name, sizes: list[int] = sizes, expected: str = expected
+            ) -> list[Weight]:
+                if fused.shape[0] != sum(sizes):
+                    raise ValueError(f"{name} has {fused.shape[0]} rows, not {expected} = {sum(sizes)}")
+                return list(fused.split(sizes))
+
+            weights.split(name, [prefix + end for end in part_ends], divide)
 
 
 # LLaVA checkpoints name parameters in two layouts: the one `save_pretrained` and llava-hf
@@ -149,19 +175,22 @@ def _llava_name(name: str) -> str:
     return name.replace("vision_tower.vision_model.", "vision_tower.", 1)
 
 
-def _load_gguf(path: Path, config: ModelConfig, dtype: torch.dtype, format_of: FormatPlan | None) -> dict[str, Weight]:
+def _gguf_weights(path: Path, config: ModelConfig, dtype: torch.dtype, format_of: FormatPlan | None) -> Weights:
     import gguf
 
     reader = open_gguf(str(path))
+    tensors, mapped = reader.tensors, reader.data
+    # The config and the plan are read: the reader's parsed metadata (the tokenizer's arrays,
+    # 100+ MB of Python objects at a 49 k vocabulary) goes now, before any weight is copied.
+    open_gguf.cache_clear()
+    del reader
     # llama.cpp's converter permutes Q/K rows of llama models for its rotary layout; Qwen2,
     # Qwen3, Phi-3 and Gemma use the NeoX layout there and are stored unpermuted.
     unpermute_qk = config.architecture in ("LlamaForCausalLM", "MistralForCausalLM")
-    weights: dict[str, Weight] = {}
     float_bytes_freed = 0
-    for tensor in reader.tensors:
-        name = _hf_name(tensor.name, config)
-        if name is None:
-            continue
+
+    def read(tensor: gguf.ReaderTensor, name: str) -> Weight:
+        nonlocal float_bytes_freed
         type_name = tensor.tensor_type.name
         format = format_of(name) if format_of is not None and type_name not in FLOAT_TYPES else None
         weight: Weight
@@ -178,21 +207,24 @@ def _load_gguf(path: Path, config: ModelConfig, dtype: torch.dtype, format_of: F
             weight = _undo_rotary_permutation(weight, config.num_heads, config.head_dim)
         elif unpermute_qk and name.endswith(("k_proj.weight", "k_proj.bias")):
             weight = _undo_rotary_permutation(weight, config.num_kv_heads, config.head_dim)
-        weights[name] = weight
         # Converting a tensor frees float copies tens of MB large, which glibc keeps (its mmap
         # threshold rises past them): hand them back now and then, or they add up to
         # gigabytes at 1 B parameters. Trimming after every tensor costs seconds.
         # The file's pages read so far leave the process's memory too: else the whole file
-        # stays resident on top of the blocks copied out of it until loading ends.
+        # stays resident beside the blocks copied out of it until loading ends.
         float_bytes_freed += 4 * int(np.prod(tensor.shape))
         if float_bytes_freed > _TRIM_EVERY_BYTES:
             release_freed_memory()
-            drop_mapped_pages(reader.data)
+            drop_mapped_pages(mapped)
             float_bytes_freed = 0
-    drop_mapped_pages(reader.data)
-    # Weight loading is the reader's last use; its parsed tokenizer arrays are tens of MB.
-    open_gguf.cache_clear()
-    return _split_fused_projections(weights, config)
+        return weight
+
+    readers: dict[str, Callable[[], Weight]] = {}
+    for tensor in tensors:
+        name = _hf_name(tensor.name, config)
+        if name is not None:
+            readers[name] = lambda tensor=tensor, name=name: read(tensor, name)  # type: ignore[misc]
+    return LazyWeights(readers)
 
 
 def gguf_tensor_types(path: str | Path, config: ModelConfig) -> dict[str, str]:
@@ -234,7 +266,7 @@ def _hf_name(gguf_name: str, config: ModelConfig) -> str | None:
 def _undo_rotary_permutation(weight: Weight, num_heads: int, head_dim: int) -> Weight:
     """Inverse of llama.cpp's per-head row interleaving of a Q or K projection."""
     order = torch.arange(len(weight)).reshape(num_heads, head_dim // 2, 2).transpose(1, 2).reshape(-1)
-    return weight.take_rows(order) if isinstance(weight, BlockRows) else weight[order]
+    return _take_rows(weight, order)
 
 
 def _load_safetensors_folder(folder: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
