@@ -56,6 +56,7 @@ static const struct {
     CONSTANT(SLUICE_Q6_K),
     CONSTANT(SLUICE_Q4_K),
     CONSTANT(SLUICE_Q5_K),
+    CONSTANT(SLUICE_Q5_1),
     CONSTANT(SLUICE_KV_FLOAT32),
     CONSTANT(SLUICE_KV_FLOAT16),
     CONSTANT(SLUICE_KV_BFLOAT16),
@@ -92,8 +93,12 @@ static float reference_x_block(const float *xb, int *xq) {
  * then the same float operations in the same order as the vector code. */
 static float reference_output(int format, const uint8_t *packed, int n, int K, const float *x) {
     const int nb = K / SLUICE_BLOCK, group = n / SLUICE_ROW_GROUP, lane = n % SLUICE_ROW_GROUP;
-    const int block_bytes = format == SLUICE_Q8_0 ? SLUICE_Q8_0_GROUP_BLOCK_BYTES : SLUICE_Q4_1_GROUP_BLOCK_BYTES;
+    const int five_bits = format == SLUICE_Q5_1;
+    const int block_bytes = format == SLUICE_Q8_0 ? SLUICE_Q8_0_GROUP_BLOCK_BYTES
+                            : five_bits           ? SLUICE_Q5_1_GROUP_BLOCK_BYTES
+                                                  : SLUICE_Q4_1_GROUP_BLOCK_BYTES;
     const int quant_bytes = format == SLUICE_Q8_0 ? SLUICE_BLOCK : SLUICE_BLOCK / 2;
+    const int scales_at = SLUICE_ROW_GROUP * (quant_bytes + (five_bits ? 4 : 0));
     float acc = 0.0f;
     for (int b = 0; b < nb; b++) {
         const uint8_t *block = packed + ((size_t)group * nb + b) * block_bytes;
@@ -102,17 +107,17 @@ static float reference_output(int format, const uint8_t *packed, int n, int K, c
         int dot = 0, qsum = 0;
         for (int k = 0; k < SLUICE_BLOCK; k++) {
             const int word = (k % (quant_bytes)) / 4, byte = word * 4 * SLUICE_ROW_GROUP + lane * 4 + k % 4;
-            const int wq = format == SLUICE_Q8_0 ? (int)(int8_t)block[byte]
-                                                 : (k < 16 ? block[byte] & 0x0F : block[byte] >> 4);
+            int wq = format == SLUICE_Q8_0 ? (int)(int8_t)block[byte] : (k < 16 ? block[byte] & 0x0F : block[byte] >> 4);
+            if (five_bits) wq |= (block[16 * SLUICE_ROW_GROUP + lane * 4 + k % 4] >> (k / 4) & 1) << 4;
             dot += wq * xq[k];
             qsum += xq[k];
         }
         uint16_t half;
-        memcpy(&half, block + SLUICE_ROW_GROUP * quant_bytes + 2 * lane, 2);
+        memcpy(&half, block + scales_at + 2 * lane, 2);
         const float d = _cvtsh_ss(half);
         acc = fmaf((float)dot, d * xd, acc);
-        if (format == SLUICE_Q4_1) {
-            memcpy(&half, block + SLUICE_ROW_GROUP * (quant_bytes + 2) + 2 * lane, 2);
+        if (format != SLUICE_Q8_0) {
+            memcpy(&half, block + scales_at + 2 * SLUICE_ROW_GROUP + 2 * lane, 2);
             acc = fmaf(_cvtsh_ss(half), xd * (float)qsum, acc);
         }
     }
@@ -188,7 +193,7 @@ static float reference_k_quant_output(int format, const uint8_t *packed, int n, 
  * format: the result must be exact. */
 static int check_qgemm(int format) {
     enum { M = 37, N = 2 * SLUICE_ROW_GROUP + 3 }; /* M: every tile height, and AMX's 16-row tiles */
-    const int super_blocks = format != SLUICE_Q8_0 && format != SLUICE_Q4_1;
+    const int super_blocks = SLUICE_SUPER_BLOCK_FORMAT(format);
     const int K = super_blocks ? 2 * SLUICE_SUPER_BLOCK : 96; /* 96: three blocks, no power of two */
     const int groups = (N + SLUICE_ROW_GROUP - 1) / SLUICE_ROW_GROUP;
     /* A unit whose float16 scales are set after the random bytes: a block, or q6_k's super-block. */
@@ -202,8 +207,10 @@ static int check_qgemm(int format) {
         unit_weights = SLUICE_SUPER_BLOCK, scale_count = 2 * SLUICE_ROW_GROUP;
         scale_offset = 8 * (five_bits ? SLUICE_Q5_K_GROUP_BLOCK_BYTES : SLUICE_Q4_K_GROUP_BLOCK_BYTES) + 16 * SLUICE_ROW_GROUP;
     } else {
-        const int quant_bytes = format == SLUICE_Q8_0 ? SLUICE_BLOCK : SLUICE_BLOCK / 2;
-        unit_bytes = format == SLUICE_Q8_0 ? SLUICE_Q8_0_GROUP_BLOCK_BYTES : SLUICE_Q4_1_GROUP_BLOCK_BYTES;
+        const int quant_bytes = format == SLUICE_Q8_0 ? SLUICE_BLOCK : format == SLUICE_Q5_1 ? SLUICE_BLOCK / 2 + 4 : SLUICE_BLOCK / 2;
+        unit_bytes = format == SLUICE_Q8_0   ? SLUICE_Q8_0_GROUP_BLOCK_BYTES
+                     : format == SLUICE_Q5_1 ? SLUICE_Q5_1_GROUP_BLOCK_BYTES
+                                             : SLUICE_Q4_1_GROUP_BLOCK_BYTES;
         unit_weights = SLUICE_BLOCK, scale_offset = SLUICE_ROW_GROUP * quant_bytes;
         scale_count = SLUICE_ROW_GROUP * (format == SLUICE_Q8_0 ? 1 : 2);
     }
@@ -355,5 +362,6 @@ int sluice_self_test(void) {
     if (check_qgemm(SLUICE_Q6_K)) return 7;
     if (check_qgemm(SLUICE_Q4_K)) return 8;
     if (check_qgemm(SLUICE_Q5_K)) return 9;
+    if (check_qgemm(SLUICE_Q5_1)) return 10;
     return 0;
 }

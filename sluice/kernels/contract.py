@@ -27,6 +27,7 @@ class BlockFormat(enum.IntEnum):
     Q6_K = 2  # w = d * sc * (q - 32), q 6-bit unsigned, int8 sc per 16 weights, d per 256 (GGUF's Q6_K)
     Q4_K = 3  # w = d * sc * q - dmin * mn, q 4-bit, 6-bit sc and mn per 32, d and dmin per 256 (GGUF's Q4_K)
     Q5_K = 4  # as Q4_K with q 5-bit (GGUF's Q5_K)
+    Q5_1 = 5  # as Q4_1 with q 5-bit (GGUF's Q5_1; its Q5_0 with m = -16 d)
 
 
 class Activation(enum.IntEnum):

@@ -39,6 +39,9 @@
  * float16 minimums), one per row. */
 #define SLUICE_Q8_0_GROUP_BLOCK_BYTES (SLUICE_ROW_GROUP * (SLUICE_BLOCK + 2))
 #define SLUICE_Q4_1_GROUP_BLOCK_BYTES (SLUICE_ROW_GROUP * (SLUICE_BLOCK / 2 + 4))
+/* q5_1 (GGUF's Q5_1, and its Q5_0 with m = -16 d): q4_1 with a fifth bit a weight, one word of
+ * high bits a row after the nibbles (as q5_k's), then the float16 d and m: 24 bytes a row. */
+#define SLUICE_Q5_1_GROUP_BLOCK_BYTES (SLUICE_ROW_GROUP * (SLUICE_BLOCK / 2 + 4 + 4))
 /* q6_k goes by super-blocks of 256: eight 32-weight blocks of 24 bytes a row (16 of low
  * nibbles, 8 of 2-bit highs), then 16 int8 sub-block scales and a float16 d a row: the
  * 210 bytes a row of GGUF's Q6_K. */
@@ -54,7 +57,9 @@
 #define SLUICE_Q5_K_GROUP_BLOCK_BYTES (SLUICE_ROW_GROUP * 20)
 #define SLUICE_Q5_K_GROUP_SUPER_BYTES (SLUICE_ROW_GROUP * 180)
 
-enum sluice_block_format { SLUICE_Q8_0 = 0, SLUICE_Q4_1 = 1, SLUICE_Q6_K = 2, SLUICE_Q4_K = 3, SLUICE_Q5_K = 4 };
+enum sluice_block_format { SLUICE_Q8_0 = 0, SLUICE_Q4_1 = 1, SLUICE_Q6_K = 2, SLUICE_Q4_K = 3, SLUICE_Q5_K = 4, SLUICE_Q5_1 = 5 };
+/* The formats stored by 256-weight super-blocks (the others by 32-weight blocks). */
+#define SLUICE_SUPER_BLOCK_FORMAT(format) ((format) == SLUICE_Q6_K || (format) == SLUICE_Q4_K || (format) == SLUICE_Q5_K)
 
 /* Element type of the KV pools. */
 enum sluice_kv_dtype { SLUICE_KV_FLOAT32 = 0, SLUICE_KV_FLOAT16 = 1, SLUICE_KV_BFLOAT16 = 2 };

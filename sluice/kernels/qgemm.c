@@ -9,6 +9,7 @@
  *   q4_k: GGUF's Q4_K: 4-bit q, a 6-bit scale sc and minimum mn per 32 weights, float16 d
  *         and dmin per 256                          w = (d * sc) * q - (dmin * mn)
  *   q5_k: GGUF's Q5_K: q4_k with 5-bit q
+ *   q5_1: GGUF's Q5_1 (and Q5_0, m = -16 d): q4_1 with 5-bit q
  *
  * x is quantized on the fly to int8 per block of 32 (scale = max|x| / 127), so each block's
  * dot product is an integer dot of 32 pairs: the weights are read once as bytes, which is
@@ -32,6 +33,8 @@
  *         uint8 [8][G], their mn likewise, G float16 d and G float16 dmin
  *   q5_k: as q4_k, each block's nibbles followed by one word of high bits a row: byte
  *         [i][t] holds bit 4 of q[row i][4g + t] at bit g (g < 8)
+ *   q5_1: q4_1's 16 G nibble bytes, then q5_k's word of high bits a row, then G float16 d
+ *         and G float16 m
  *
  * A q6_k block's two 16-weight halves are integer dots with the half's sum of x taken off
  * 32 times (at most 32 * 127 * 16 < 2^24, exact as a float); the block is the first half
@@ -324,7 +327,7 @@ static void multiply_group(int weight_type, const uint8_t *w, int n0, int width,
 #else
     (void)use_tiles;
 #endif
-    const int super_blocks = weight_type != SLUICE_Q8_0 && weight_type != SLUICE_Q4_1;
+    const int super_blocks = SLUICE_SUPER_BLOCK_FORMAT(weight_type);
     const int tile = super_blocks ? SUPER_TILE : TILE;
     /* More rows than one tile: the super-blocks are unpacked once for all the tiles (the
      * unpacking costs as much as the dots of a few rows). */
@@ -339,7 +342,8 @@ static void multiply_group(int weight_type, const uint8_t *w, int n0, int width,
         const int32_t *xqsum = x->qsum + first_block, *xqsum_low = x->qsum_low + first_block;
         group_acc acc[SUPER_TILE > TILE ? SUPER_TILE : TILE];
 #define Q8_0_ROWS(R) group_q8_0(R, nb, K, w, xq_tile, xd, xqsum, acc)
-#define Q4_1_ROWS(R) group_q4_1(R, nb, K, w, xq_tile, xd, xqsum, xdsum, acc)
+#define Q4_1_ROWS(R) group_q4_1(R, 0, nb, K, w, xq_tile, xd, xqsum, xdsum, acc)
+#define Q5_1_ROWS(R) group_q4_1(R, 1, nb, K, w, xq_tile, xd, xqsum, xdsum, acc)
 #define SUPER_ROWS(R, FORMAT) group_super(R, FORMAT, nb, K, w, unpacked, xq_tile, xd, xqsum, xqsum_low, xdsum, acc)
 #define Q6_K_ROWS(R) SUPER_ROWS(R, SLUICE_Q6_K)
 #define Q4_K_ROWS(R) SUPER_ROWS(R, SLUICE_Q4_K)
@@ -347,6 +351,7 @@ static void multiply_group(int weight_type, const uint8_t *w, int n0, int width,
         switch (weight_type) {
         case SLUICE_Q8_0: DISPATCH_ROWS(Q8_0_ROWS) break;
         case SLUICE_Q4_1: DISPATCH_ROWS(Q4_1_ROWS) break;
+        case SLUICE_Q5_1: DISPATCH_ROWS(Q5_1_ROWS) break;
         case SLUICE_Q6_K: DISPATCH_SUPER_ROWS(Q6_K_ROWS) break;
         case SLUICE_Q4_K: DISPATCH_SUPER_ROWS(Q4_K_ROWS) break;
         default: DISPATCH_SUPER_ROWS(Q5_K_ROWS) break;
@@ -365,12 +370,14 @@ int sluice_qgemm(int M, int N, int K, const float *x, int weight_type, const uin
     switch (weight_type) {
     case SLUICE_Q8_0: group_bytes = (size_t)nb * SLUICE_Q8_0_GROUP_BLOCK_BYTES; break;
     case SLUICE_Q4_1: group_bytes = (size_t)nb * SLUICE_Q4_1_GROUP_BLOCK_BYTES; break;
+    case SLUICE_Q5_1: group_bytes = (size_t)nb * SLUICE_Q5_1_GROUP_BLOCK_BYTES; break;
     case SLUICE_Q6_K: group_bytes = (size_t)(K / SLUICE_SUPER_BLOCK) * SLUICE_Q6_K_GROUP_SUPER_BYTES; break;
     case SLUICE_Q4_K: group_bytes = (size_t)(K / SLUICE_SUPER_BLOCK) * SLUICE_Q4_K_GROUP_SUPER_BYTES; break;
     case SLUICE_Q5_K: group_bytes = (size_t)(K / SLUICE_SUPER_BLOCK) * SLUICE_Q5_K_GROUP_SUPER_BYTES; break;
     default: return -1;
     }
-    if (weight_type != SLUICE_Q8_0 && weight_type != SLUICE_Q4_1 && K % SLUICE_SUPER_BLOCK != 0) return -1;
+    const int super_blocks = SLUICE_SUPER_BLOCK_FORMAT(weight_type);
+    if (super_blocks && K % SLUICE_SUPER_BLOCK != 0) return -1;
     const int groups = (N + GROUP - 1) / GROUP;
     const quantized_rows rows = scratch_rows(scratch, M, K);
     int use_tiles = 0;
@@ -381,7 +388,6 @@ int sluice_qgemm(int M, int N, int K, const float *x, int weight_type, const uin
     }
 #endif
 
-    const int super_blocks = weight_type != SLUICE_Q8_0 && weight_type != SLUICE_Q4_1;
 #pragma omp parallel
     {
 #ifdef SLUICE_AMX

@@ -36,19 +36,32 @@ ALWAYS_INLINE __m256i nibble_block_dots(const __m256i *q, const int8_t *x) {
     for (int g = 0; g < 8; g += 2)
         pairs[g / 2] = _mm256_add_epi16(_mm256_maddubs_epi16(q[g], broadcast4(x + 4 * g)),
                                         _mm256_maddubs_epi16(q[g + 1], broadcast4(x + 4 * g + 4)));
-    /* 8 products of at most 31 * 127 each (q4_1's and q4_k's q < 16, q5_k's < 32): int16 cannot overflow. */
+    /* 8 products of at most 31 * 127 each (q4_1's and q4_k's q < 16, q5_k's and q5_1's < 32): int16 cannot overflow. */
     const __m256i sums = _mm256_add_epi16(_mm256_add_epi16(pairs[0], pairs[1]), _mm256_add_epi16(pairs[2], pairs[3]));
     return _mm256_madd_epi16(sums, _mm256_set1_epi16(1));
 }
 
-ALWAYS_INLINE void group_q4_1(const int rows, int nb, int K, const uint8_t *w, const int8_t *xq,
+/* q5_k's and q5_1's fifth bits into bit 4 of the unpacked nibbles; see the AVX-512 version. */
+ALWAYS_INLINE void add_fifth_bits(const uint8_t *w, __m256i *q) {
+    const __m256i h = _mm256_loadu_si256((const __m256i *)w), bit4 = _mm256_set1_epi8(0x10);
+    for (int g = 0; g < 8; g++) {
+        const __m256i moved = g < 4 ? _mm256_slli_epi16(h, 4 - g) : g == 4 ? h : _mm256_srli_epi16(h, g - 4);
+        q[g] = _mm256_or_si256(q[g], _mm256_and_si256(moved, bit4));
+    }
+}
+
+/* q4_1, or q5_1 where five_bits (a compile-time constant where it is inlined). */
+ALWAYS_INLINE void group_q4_1(const int rows, const int five_bits, int nb, int K, const uint8_t *w, const int8_t *xq,
                               const float *xd, const int32_t *xqsum, const float *xdsum, __m256 *acc) {
     (void)xqsum;
+    const int block_bytes = five_bits ? SLUICE_Q5_1_GROUP_BLOCK_BYTES : SLUICE_Q4_1_GROUP_BLOCK_BYTES;
+    const int scales_at = (five_bits ? 20 : 16) * GROUP;
     for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
-    for (int b = 0; b < nb; b++, w += SLUICE_Q4_1_GROUP_BLOCK_BYTES) {
+    for (int b = 0; b < nb; b++, w += block_bytes) {
         __m256i q[8];
         unpack_nibbles(w, q);
-        const __m256 d = load_halves(w + 16 * GROUP), m = load_halves(w + 18 * GROUP);
+        if (five_bits) add_fifth_bits(w + 16 * GROUP, q);
+        const __m256 d = load_halves(w + scales_at), m = load_halves(w + scales_at + 2 * GROUP);
         for (int r = 0; r < rows; r++) {
             const size_t index = (size_t)r * nb + b;
             const __m256 dots = _mm256_cvtepi32_ps(nibble_block_dots(q, xq + (size_t)r * K + b * QK));
@@ -145,15 +158,6 @@ ALWAYS_INLINE void store_group(float *o, int width, __m256 acc) {
     for (int i = 0; i < width; i++) o[i] = lanes[i];
 }
 
-
-/* q5_k's fifth bits into bit 4 of the unpacked nibbles; see the AVX-512 version. */
-ALWAYS_INLINE void add_fifth_bits(const uint8_t *w, __m256i *q) {
-    const __m256i h = _mm256_loadu_si256((const __m256i *)w), bit4 = _mm256_set1_epi8(0x10);
-    for (int g = 0; g < 8; g++) {
-        const __m256i moved = g < 4 ? _mm256_slli_epi16(h, 4 - g) : g == 4 ? h : _mm256_srli_epi16(h, g - 4);
-        q[g] = _mm256_or_si256(q[g], _mm256_and_si256(moved, bit4));
-    }
-}
 
 /* The vector operations group_super (in qgemm.c) takes on this instruction set. */
 #define VEC_ZERO _mm256_setzero_ps

@@ -39,14 +39,29 @@ ALWAYS_INLINE __m512 scaled_bytes(const uint8_t *bytes, __m512 by) {
 
 ALWAYS_INLINE __m512i nibble_block_dots(const __m512i *q, const int8_t *x) { return block_dots(q, x); }
 
-ALWAYS_INLINE void group_q4_1(const int rows, int nb, int K, const uint8_t *w, const int8_t *xq,
+/* q5_k, q5_1: the fifth bits of a block (a word a row, bit g of byte t for weight 4g + t) into
+ * bit 4 of the unpacked nibbles q[g]. Each 16-bit shift is masked after, to bit 4 of each
+ * byte, which only the same byte's bit g can reach. */
+ALWAYS_INLINE void add_fifth_bits(const uint8_t *w, __m512i *q) {
+    const __m512i h = _mm512_loadu_si512((const void *)w), bit4 = _mm512_set1_epi8(0x10);
+    for (int g = 0; g < 8; g++) {
+        const __m512i moved = g < 4 ? _mm512_slli_epi16(h, 4 - g) : g == 4 ? h : _mm512_srli_epi16(h, g - 4);
+        q[g] = _mm512_ternarylogic_epi32(q[g], moved, bit4, 0xF8); /* q | (moved & bit4) */
+    }
+}
+
+/* q4_1, or q5_1 where five_bits (a compile-time constant where it is inlined). */
+ALWAYS_INLINE void group_q4_1(const int rows, const int five_bits, int nb, int K, const uint8_t *w, const int8_t *xq,
                               const float *xd, const int32_t *xqsum, const float *xdsum, __m512 *acc) {
     (void)xqsum;
+    const int block_bytes = five_bits ? SLUICE_Q5_1_GROUP_BLOCK_BYTES : SLUICE_Q4_1_GROUP_BLOCK_BYTES;
+    const int scales_at = (five_bits ? 20 : 16) * GROUP;
     for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
-    for (int b = 0; b < nb; b++, w += SLUICE_Q4_1_GROUP_BLOCK_BYTES) {
+    for (int b = 0; b < nb; b++, w += block_bytes) {
         __m512i q[8];
         unpack_nibbles(w, q);
-        const __m512 d = load_halves(w + 16 * GROUP), m = load_halves(w + 18 * GROUP);
+        if (five_bits) add_fifth_bits(w + 16 * GROUP, q);
+        const __m512 d = load_halves(w + scales_at), m = load_halves(w + scales_at + 2 * GROUP);
         for (int r = 0; r < rows; r++) {
             const size_t index = (size_t)r * nb + b;
             const __m512 dots = _mm512_cvtepi32_ps(block_dots(q, xq + (size_t)r * K + b * QK));
@@ -133,17 +148,6 @@ ALWAYS_INLINE void store_group(float *o, int width, __m512 acc) {
     _mm512_mask_storeu_ps(o, (__mmask16)((1u << width) - 1), acc);
 }
 
-
-/* q5_k: the fifth bits of a block (a word a row, bit g of byte t for weight 4g + t) into
- * bit 4 of the unpacked nibbles q[g]. Each 16-bit shift is masked after, to bit 4 of each
- * byte, which only the same byte's bit g can reach. */
-ALWAYS_INLINE void add_fifth_bits(const uint8_t *w, __m512i *q) {
-    const __m512i h = _mm512_loadu_si512((const void *)w), bit4 = _mm512_set1_epi8(0x10);
-    for (int g = 0; g < 8; g++) {
-        const __m512i moved = g < 4 ? _mm512_slli_epi16(h, 4 - g) : g == 4 ? h : _mm512_srli_epi16(h, g - 4);
-        q[g] = _mm512_ternarylogic_epi32(q[g], moved, bit4, 0xF8); /* q | (moved & bit4) */
-    }
-}
 
 /* The vector operations group_super (in qgemm.c) takes on this instruction set. */
 #define VEC_ZERO _mm512_setzero_ps

@@ -92,7 +92,7 @@ def describe(execution: Execution, weight_formats: list[str]) -> dict[str, str]:
         dots = "AVX2 maddubs, 8-row groups" if isa == "avx2" else "AVX-512 VNNI vpdpbusd, 16-row groups"
         if weight_formats:
             gemv = f"{'+'.join(weight_formats)} blocks x int8 activations ({dots})"
-            tiled = [f for f in weight_formats if f in ("q8_0", "q4_1")]  # the super-block formats take no tiles
+            tiled = [f for f in weight_formats if f in ("q8_0", "q4_1")]  # the other formats take no tiles
             if isa == "amx_int8" and tiled:
                 gemm = f"AMX-INT8 tiles for every 16 activation rows of {'+'.join(tiled)}, the rest as GEMV"
             else:

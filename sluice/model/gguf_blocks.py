@@ -10,8 +10,10 @@ blocks wherever the kernels hold the same numbers:
              to float16. The 4-bit quants are the file's; the one rounding moves a block's
              scale by at most 2^-11 of itself.
     Q5_K  -> q5_k, the same numbers (Q4_K's with a fifth bit a quant) repacked
+    Q5_1  -> q5_1, the same numbers (d, m, 32 fifth bits, 32 nibbles) repacked
+    Q5_0  -> q5_1 with m = -16 d (w = d (q - 16); exact in float16)
     Q6_K  -> q6_k, the same numbers (6-bit quants, int8 scales per 16, d per 256) repacked
-    other quantized types (Q5_0, Q5_1, Q2_K, Q3_K, ...) -> dequantized, then rounded to q8_0
+    other quantized types (Q2_K, Q3_K, IQ4_NL, ...) -> dequantized, then rounded to q8_0
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from sluice.model.quantized_linear import (
     pack_five_bits,
     pack_nibbles,
     pack_six_bits,
+    unpack_nibbles,
 )
 
 _Q4_K_BYTES: Final = 144  # d, dmin (float16), 12 bytes of packed scales and minimums, 128 of nibbles
@@ -40,8 +43,9 @@ _BLOCK_BITS: Final = torch.arange(8, dtype=torch.uint8).view(8, 1)  # a byte's b
 
 _ROUNDED_AT_ONCE: Final = 2**20  # weights dequantized and rounded to another format in one go
 
-# The GGUF types whose blocks become q4_1 without rounding the 4-bit quants again.
+# The GGUF types whose blocks become q4_1, and q5_1, without rounding their quants again.
 FOUR_BIT_TYPES: Final = ("Q4_0", "Q4_1", "Q4_K")
+FIVE_BIT_TYPES: Final = ("Q5_0", "Q5_1")
 
 
 def block_rows(data: np.ndarray, type_name: str, shape: tuple[int, int], format: BlockFormat) -> BlockRows:
@@ -51,7 +55,7 @@ def block_rows(data: np.ndarray, type_name: str, shape: tuple[int, int], format:
 
     rows, columns = shape
     raw = np.asarray(data).view(np.uint8)
-    if type_name in ("Q8_0", "Q4_1", "Q4_0"):
+    if type_name in ("Q8_0", "Q4_1", "Q4_0", "Q5_0", "Q5_1"):
         raw = raw.reshape(rows, columns // BLOCK, -1)  # one row of bytes per block
     if type_name == "Q8_0" and format is BlockFormat.Q8_0:
         return BlockRows(format, _bytes(raw[..., 2:]), [_float16(raw[..., :2])])
@@ -60,6 +64,10 @@ def block_rows(data: np.ndarray, type_name: str, shape: tuple[int, int], format:
     if type_name == "Q4_0" and format is BlockFormat.Q4_1:
         d = _float16(raw[..., :2])
         return BlockRows(format, _bytes(raw[..., 2:]), [d, d * -8])
+    if type_name in ("Q5_0", "Q5_1") and format is BlockFormat.Q5_1:
+        rows_of_file = _q5_rows(raw, has_minimum=type_name == "Q5_1")
+        if rows_of_file is not None:
+            return rows_of_file
     if type_name == "Q4_K" and format in (BlockFormat.Q4_K, BlockFormat.Q4_1):
         rows_of_file = _k_quant_rows(raw.reshape(-1, _Q4_K_BYTES), rows, columns)  # one row per super-block
         return rows_of_file if format is BlockFormat.Q4_K else _q4_k_as_q4_1(rows_of_file)
@@ -102,6 +110,20 @@ def _k_quant_rows(supers: np.ndarray, rows: int, columns: int) -> BlockRows:
     # Bit b of byte l of the fifth bits is weight l's of block b.
     fifth = (_bytes(supers[:, 16:48]).reshape(-1, 1, BLOCK) >> _BLOCK_BITS) & 1
     return BlockRows(BlockFormat.Q5_K, pack_five_bits((q | fifth << 4).reshape(rows, -1, BLOCK)), scales)
+
+
+def _q5_rows(raw: np.ndarray, has_minimum: bool) -> BlockRows | None:
+    """Q5_1 (d, m, 4 bytes of fifth bits, 16 of nibbles) or Q5_0 (no m) blocks, uint8 [rows,
+    blocks, block bytes], as q5_1 rows; None where Q5_0's -16 d overflows float16."""
+    d = _float16(raw[..., :2])
+    minimum = _float16(raw[..., 2:4]) if has_minimum else d * -16
+    if not has_minimum and not torch.isfinite(minimum).all():
+        return None
+    start = 4 if has_minimum else 2
+    # Bit j of the little-endian word is weight j's fifth bit; byte j's nibbles are weights j and j + 16.
+    fifth = (_bytes(raw[..., start : start + 4]).unsqueeze(-1) >> _BLOCK_BITS.view(1, 8)) & 1  # [.., byte, bit]
+    q = unpack_nibbles(_bytes(raw[..., start + 4 :])) | fifth.reshape(*raw.shape[:-1], BLOCK) << 4
+    return BlockRows(BlockFormat.Q5_1, pack_five_bits(q), [d, minimum])
 
 
 def _q4_k_as_q4_1(rows: BlockRows) -> BlockRows:

@@ -4,9 +4,9 @@
     q8_0  every linear weight gets a q8_0 copy
     auto  a GGUF file's quantized matrices as the fastest kernel format that keeps their
           quants: Q4_0/Q4_1/Q4_K as q4_1 (Q4_K's block scales rounded to float16, at most
-          2^-11 of themselves), Q8_0, Q5_K and Q6_K as themselves, other quantized types
-          (Q5_0, Q5_1, Q2_K, Q3_K, ...) rounded to q8_0 (gguf_blocks.py); float tensors and HF
-          folders stay dense
+          2^-11 of themselves), Q5_0/Q5_1 as q5_1, Q8_0, Q5_K and Q6_K as themselves, other
+          quantized types (Q2_K, Q3_K, IQ4_NL, ...) rounded to q8_0 (gguf_blocks.py); float
+          tensors and HF folders stay dense
     gguf  as auto, but Q4_K as q4_k: every number of the file, 7.5% fewer bytes than q4_1,
           slower to multiply on 2-core machines at batch sizes of 32 and more
 
@@ -19,7 +19,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from sluice.model.backend import Backend, KernelBackend
-from sluice.model.gguf_blocks import FOUR_BIT_TYPES
+from sluice.model.gguf_blocks import FIVE_BIT_TYPES, FOUR_BIT_TYPES
 from sluice.model.model_config import ModelConfig, is_gguf
 from sluice.model.quantized_linear import BlockFormat
 from sluice.model.weights import FLOAT_TYPES, FormatPlan, gguf_tensor_types
@@ -63,6 +63,8 @@ def quantization_plan(model_path: str | Path, config: ModelConfig, mode: str, ba
         kept = _KEPT_SUPER_BLOCKS[mode].get(kind)
         if kept is not None:
             return kept
-        return BlockFormat.Q4_1 if kind in FOUR_BIT_TYPES else BlockFormat.Q8_0
+        if kind in FOUR_BIT_TYPES:
+            return BlockFormat.Q4_1
+        return BlockFormat.Q5_1 if kind in FIVE_BIT_TYPES else BlockFormat.Q8_0
 
     return format_of

@@ -1,8 +1,9 @@
-"""Linear weights kept in 32-weight blocks (q8_0, q4_1, and GGUF's q6_k, q5_k and q4_k
+"""Linear weights kept in 32-weight blocks (q8_0, q5_1, q4_1, and GGUF's q6_k, q5_k and q4_k
 super-blocks of eight of them) and multiplied by the C kernel.
 
 A decode step reads every weight once, so its speed is set by bytes per weight: 1.06 for
-q8_0, 0.82 for q6_k, 0.70 for q5_k, 0.625 for q4_1 and 0.58 for q4_k against 4 for float32. A prompt is
+q8_0, 0.82 for q6_k, 0.75 for q5_1, 0.70 for q5_k, 0.625 for q4_1 and 0.58 for q4_k against
+4 for float32. A prompt is
 bound by arithmetic instead, where the kernel's integer dot products (32 multiply-adds in
 two instructions) still run about 1.5x MKL's float32 matmul on an AVX2 CPU. So every token of a quantized model goes
 through the kernel, and the model keeps no dense copy of a quantized weight.
@@ -35,7 +36,8 @@ class BlockRows:
 
     q8_0: a block is 32 int8 quants and a float16 scale d (w = d * q). q4_1: 16 bytes, byte
     j holding weight j in its low nibble and weight j + 16 in its high one (GGUF's order),
-    a float16 scale d and minimum m (w = d * q + m). The super-block formats come only from a
+    a float16 scale d and minimum m (w = d * q + m). q5_1: as q4_1 with 5-bit quants, the
+    bytes as q5_k's (see pack_five_bits). The super-block formats come only from a
     GGUF's blocks of the same name, their numbers kept: q6_k, 6-bit quants as q4_1's 16 bytes
     of low nibbles and 8 of high bits (see pack_six_bits), an int8 scale per 16 weights and a
     float16 d per 256 (w = d * sc * (q - 32)); q4_k, q4_1's nibbles, a 6-bit scale and minimum
@@ -45,7 +47,7 @@ class BlockRows:
 
     format: BlockFormat
     quants: torch.Tensor  # uint8 [rows, blocks, quant bytes]
-    # q8_0, q4_1: float16 [rows, blocks]: d, and q4_1's m. The super-block formats: each of
+    # q8_0, q4_1, q5_1: float16 [rows, blocks]: d, and q4_1's and q5_1's m. The super-block formats: each of
     # SUPER_BLOCK_SCALES[format] as [rows, super-blocks, count] in its dtype.
     scales: list[torch.Tensor]
 
@@ -69,10 +71,11 @@ class BlockRows:
             d = (blocks.abs().amax(dim=-1) / 127).half()
             q = torch.round(blocks / _nonzero(d).unsqueeze(-1)).clamp_(-127, 127).to(torch.int8)
             return cls(format, q.view(torch.uint8), [d])
+        top = 31 if format is BlockFormat.Q5_1 else 15
         low, high = blocks.amin(dim=-1).half(), blocks.amax(dim=-1)
-        d = ((high - low.float()) / 15).half()
-        q = torch.round((blocks - low.float().unsqueeze(-1)) / _nonzero(d).unsqueeze(-1)).clamp_(0, 15)
-        return cls(format, pack_nibbles(q.to(torch.uint8)), [d, low])
+        d = ((high - low.float()) / top).half()
+        q = torch.round((blocks - low.float().unsqueeze(-1)) / _nonzero(d).unsqueeze(-1)).clamp_(0, top).to(torch.uint8)
+        return cls(format, pack_five_bits(q) if format is BlockFormat.Q5_1 else pack_nibbles(q), [d, low])
 
     def dequantize(self) -> torch.Tensor:
         """The float32 [out, in] weight these blocks stand for."""
@@ -92,7 +95,9 @@ class BlockRows:
             scale, minimum = (d.repeat_interleave(8, dim=1) * sc), (dmin.repeat_interleave(8, dim=1) * mn)
             values = q * scale.unsqueeze(-1) - minimum.unsqueeze(-1)
         else:
-            q = unpack_nibbles(self.quants).float()
+            q = (
+                unpack_five_bits(self.quants) if self.format is BlockFormat.Q5_1 else unpack_nibbles(self.quants)
+            ).float()
             d, m = (scale.float().unsqueeze(-1) for scale in self.scales)
             values = q * d + m
         return values.reshape(self.shape)
@@ -137,6 +142,8 @@ SUPER_BLOCK_SCALES: dict[BlockFormat, list[tuple[int, torch.dtype]]] = {
     BlockFormat.Q4_K: [(8, torch.uint8), (8, torch.uint8), (1, torch.float16), (1, torch.float16)],  # sc, mn, d, dmin
     BlockFormat.Q5_K: [(8, torch.uint8), (8, torch.uint8), (1, torch.float16), (1, torch.float16)],  # as Q4_K
 }
+# The 32-weight formats' bytes of quants a row and block.
+_BLOCK_QUANT_BYTES = {BlockFormat.Q8_0: BLOCK, BlockFormat.Q4_1: BLOCK // 2, BlockFormat.Q5_1: BLOCK // 2 + 4}
 _SUPER_QUANT_BYTES = {BlockFormat.Q6_K: 24, BlockFormat.Q4_K: 16, BlockFormat.Q5_K: 20}  # a row's per 32 weights
 
 # Four 2-bit fields of a byte, at bits 0, 2, 4, 6: how Q6_K keeps its high bits, in the file
@@ -210,7 +217,7 @@ class QuantizedLinearWeight:
         """The float32 [out, in] weight these blocks stand for."""
         if self.format in SUPER_BLOCK_SCALES:
             return self.rows(torch.arange(self.out_features))
-        quant_bytes = BLOCK if self.format is BlockFormat.Q8_0 else BLOCK // 2
+        quant_bytes = _BLOCK_QUANT_BYTES[self.format]
         num_scales = 1 if self.format is BlockFormat.Q8_0 else 2
         quants, scales = _deinterleave(
             self.packed, self.out_features, self.in_features // BLOCK, quant_bytes, num_scales, self.ops.row_group
@@ -227,7 +234,7 @@ class QuantizedLinearWeight:
             supers = self.in_features // SUPER_BLOCK
             picked_supers = self.packed.view(groups, supers, -1)[ids // group]
             return _super_block_rows(self.format, picked_supers, within, group).dequantize()
-        quant_bytes = BLOCK if self.format is BlockFormat.Q8_0 else BLOCK // 2
+        quant_bytes = _BLOCK_QUANT_BYTES[self.format]
         blocks = self.in_features // BLOCK
         picked = self.packed.view(groups, blocks, -1)[ids // group]  # [n, blocks, a row group's block bytes]
         n = len(ids)

@@ -1,7 +1,7 @@
 """`--quantization gguf` through the real server: every number of the GGUF kept. The default
 model holds Q4_1 and Q8_0 blocks only, which `auto` keeps as they are too, so both modes
 must give the same greedy tokens, and a bad mode is refused at start-up. The default model
-rewritten with Q5_K MLP down projections runs those as q5_k blocks."""
+rewritten with Q5_K, Q5_0 and Q5_1 matrices runs those as q5_k and q5_1 blocks."""
 
 from __future__ import annotations
 
@@ -43,17 +43,38 @@ def test_an_unknown_quantization_mode_is_refused_naming_the_choices():
     assert "auto, none, q8_0 or gguf" in result.stderr + result.stdout
 
 
-@pytest.fixture(scope="module")
-def q5_k_model(tmp_path_factory) -> str:
-    """SmolLM2 with every ffn_down (the only matrices 256 weights wide) as Q5_K blocks
-    rounded from the file's own weights, as a Q5_K_M file would hold them."""
+# The default model with some matrices rewritten as five-bit blocks rounded from the file's
+# own weights, as a Q5_K_M file holds them (Q5_0 and Q5_1 where rows are not 256 wide):
+# format the kernels run them as -> {tensor name's end: GGUF type}.
+FIVE_BIT_REWRITES = {
+    "q5_k": {"ffn_down.weight": "Q5_K"},  # the only matrices 256 weights wide
+    "q5_1": {
+        "ffn_gate.weight": "Q5_0",
+        "ffn_up.weight": "Q5_0",
+        "attn_q.weight": "Q5_1",
+        "attn_k.weight": "Q5_1",
+        "attn_v.weight": "Q5_1",
+    },
+}
+
+
+@pytest.fixture(scope="module", params=list(FIVE_BIT_REWRITES))
+def five_bit_model(request, tmp_path_factory) -> tuple[str, str]:
+    """(the kernel format, a copy of the default model with matrices rewritten in it)"""
     source = default_model_path()
-    replace = {
-        tensor.name: (quantize_q5_k(gguf.quants.dequantize(tensor.data, tensor.tensor_type)), "Q5_K")
-        for tensor in gguf.GGUFReader(source).tensors
-        if tensor.name.endswith("ffn_down.weight")
-    }
-    return str(copy_gguf(source, tmp_path_factory.mktemp("q5_k") / "smollm2-q5_k.gguf", replace))
+    rewrites = FIVE_BIT_REWRITES[request.param]
+    replace = {}
+    for tensor in gguf.GGUFReader(source).tensors:
+        kind = next((kind for end, kind in rewrites.items() if tensor.name.endswith(end)), None)
+        if kind is None:
+            continue
+        weight = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        blocks = (
+            quantize_q5_k(weight) if kind == "Q5_K" else gguf.quants.quantize(weight, gguf.GGMLQuantizationType[kind])
+        )
+        replace[tensor.name] = (blocks, kind)
+    folder = tmp_path_factory.mktemp(request.param)
+    return request.param, str(copy_gguf(source, folder / f"smollm2-{request.param}.gguf", replace))
 
 
 def _chat_answer(server: RunningServer, question: str) -> tuple[str, list[int]]:
@@ -67,15 +88,16 @@ def _chat_answer(server: RunningServer, question: str) -> tuple[str, list[int]]:
     return choice["message"]["content"], [entry["token"] for entry in choice["logprobs"]["content"]]
 
 
-def test_q5_k_blocks_run_as_themselves_and_answer_as_the_dense_weights(q5_k_model):
-    """The kernels multiply the file's Q5_K blocks (a wrong fifth bit would change every
-    down projection): the answer is the one of the same weights made dense."""
+def test_five_bit_blocks_run_as_themselves_and_answer_as_the_dense_weights(five_bit_model):
+    """The kernels multiply the file's Q5_K, Q5_0 and Q5_1 blocks (a wrong fifth bit would
+    change every such projection): the answer is the one of the same weights made dense."""
+    format, path = five_bit_model
     answers = {}
     for mode in ("auto", "none"):
-        server = RunningServer("--model-path", q5_k_model, "--quantization", mode, "--skip-warmup")
+        server = RunningServer("--model-path", path, "--quantization", mode, "--skip-warmup")
         try:
             gemv = httpx.get(server.base_url + "/get_server_info", timeout=30).json()["execution"]["gemv"]
-            assert ("q5_k" in gemv) == (mode == "auto"), gemv
+            assert (format in gemv) == (mode == "auto"), gemv
             answers[mode] = _chat_answer(server, "What is 2 + 3?")
         finally:
             server.stop()

@@ -23,11 +23,13 @@ KEPT = {
     "Q8_0": BlockFormat.Q8_0,
     "Q4_1": BlockFormat.Q4_1,
     "Q4_0": BlockFormat.Q4_1,
+    "Q5_1": BlockFormat.Q5_1,
+    "Q5_0": BlockFormat.Q5_1,
     "Q4_K": BlockFormat.Q4_K,
     "Q5_K": BlockFormat.Q5_K,
     "Q6_K": BlockFormat.Q6_K,
 }
-ROUNDED_TO_Q8_0 = ["Q5_0", "Q5_1", "Q2_K", "Q3_K"]
+ROUNDED_TO_Q8_0 = ["Q2_K", "Q3_K", "IQ4_NL"]
 
 
 def file_weight(raw: np.ndarray, type_name: str) -> torch.Tensor:
@@ -54,6 +56,24 @@ def test_super_blocks_keep_every_number_of_the_file_in_the_kernels_layout(isa, t
     )
     row_groups = -(-ROWS // weight.ops.row_group)
     assert weight.packed.numel() == row_groups * weight.ops.row_group * (COLUMNS // 256) * row_bytes
+    expected = file_weight(raw, type_name)
+    assert torch.equal(weight.dequantize(), expected)
+    ids = torch.tensor([36, 0, 17, 17, 15, 16])
+    assert torch.equal(weight.rows(ids), expected[ids])
+
+
+@pytest.mark.parametrize("isa", [isa.name for isa in supported_isas()])
+@pytest.mark.parametrize("type_name", ["Q5_0", "Q5_1"])
+def test_q5_blocks_keep_every_number_of_the_file_in_24_bytes_a_row_and_block(isa, type_name):
+    """Q5_1's blocks (Q5_0's with m = -16 d) packed as q5_1: 24 bytes a row and block (the
+    file's 24, or 22 for Q5_0), their fifth bits where the kernel reads them: the packed weight
+    and rows looked up in it are the file's weights exactly."""
+    raw = random_blocks(ROWS, COLUMNS, type_name, seed=9)
+    weight = QuantizedLinearWeight.from_rows(
+        block_rows(raw, type_name, (ROWS, COLUMNS), BlockFormat.Q5_1), KernelOps(load_kernels(isa))
+    )
+    row_groups = -(-ROWS // weight.ops.row_group)
+    assert weight.packed.numel() == row_groups * weight.ops.row_group * (COLUMNS // 32) * 24
     expected = file_weight(raw, type_name)
     assert torch.equal(weight.dequantize(), expected)
     ids = torch.tensor([36, 0, 17, 17, 15, 16])

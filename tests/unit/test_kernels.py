@@ -35,7 +35,7 @@ def ops(request) -> KernelOps:
     return KernelOps(load_kernels(request.param))
 
 
-ROUNDED_FORMATS = [BlockFormat.Q8_0, BlockFormat.Q4_1]  # the formats a float weight can be rounded to
+ROUNDED_FORMATS = [BlockFormat.Q8_0, BlockFormat.Q4_1, BlockFormat.Q5_1]  # the formats a float weight can be rounded to
 
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -92,7 +92,8 @@ def test_avx512_and_avx2_builds_give_the_same_bits(format):
 def test_quantizing_blocks_is_close_and_idempotent(ops, format):
     weight = torch.randn(64, 128, generator=torch.Generator().manual_seed(0))
     once = QuantizedLinearWeight.quantize(weight, format, ops).dequantize()
-    step = 2.0 / 127 if format is BlockFormat.Q8_0 else 1.0 / 15  # half a step of the block's range
+    # half a step of the block's range
+    step = {BlockFormat.Q8_0: 2.0 / 127, BlockFormat.Q4_1: 1.0 / 15, BlockFormat.Q5_1: 1.0 / 31}[format]
     assert (once - weight).abs().max() <= step * weight.abs().max()
     # Weights that already are blocks (a dequantized GGUF tensor) come back exactly.
     twice = QuantizedLinearWeight.quantize(once, format, ops).dequantize()
