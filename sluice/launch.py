@@ -21,7 +21,6 @@ import zmq.asyncio
 from sluice.config import PortArgs, ServerArgs
 from sluice.ipc import AsyncReceiver, Sender
 from sluice.messages import ProcessFailed, SchedulerReady
-from sluice.procutil import keep_torch_out
 from sluice.sampling import ClientError
 from sluice.server.app import ServerState, create_app
 from sluice.server.errors import failure_status
@@ -35,7 +34,7 @@ from sluice.tokenizer.result import native_json
 from sluice.tokenizer.router import run_router_process
 from sluice.tokenizer.shared_args import remove_shared_args, write_shared_args
 from sluice.tokenizer.startup import WARMUP_TIMEOUT_S, load_multimodal_processor, load_tokenizer_side, warm_up
-from sluice.tokenizer_files import cache_gguf_tokenizer, tokenizer_loads_without_torch
+from sluice.tokenizer_files import cache_gguf_tokenizer, keep_torch_out_where_the_tokenizer_allows
 
 logger = logging.getLogger(__name__)
 ENGINE_STOP_TIMEOUT_S = 5.0
@@ -138,8 +137,7 @@ def _keep_torch_out_of_the_front_end(model_path: str) -> None:
     if has_image_processor(model_path):
         return  # the image processor runs torch ops here
     cache_gguf_tokenizer(model_path)
-    if tokenizer_loads_without_torch(model_path):  # not where the cache cannot be written
-        keep_torch_out()
+    keep_torch_out_where_the_tokenizer_allows(model_path)  # not where the cache cannot be written
 
 
 def _launch_single_worker_server(server_args: ServerArgs) -> None:

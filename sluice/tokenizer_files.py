@@ -27,6 +27,8 @@ import jinja2.ext
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from sluice.procutil import keep_torch_out
+
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
@@ -53,8 +55,7 @@ def load_tokenizer(model_path: str, cache_dir: str | None = None) -> PreTrainedT
     if path.suffix != ".gguf" or not path.is_file():
         raise FileNotFoundError(f"model_path must be a .gguf file or a HF folder, got {model_path!r}")
 
-    cache_root = Path(cache_dir) if cache_dir is not None else default_tokenizer_cache_dir()
-    cached = cache_root / _gguf_cache_key(path)
+    cached = _cached_copy(path, cache_dir)
     if cached.is_dir():
         started = time.perf_counter()
         try:
@@ -79,8 +80,13 @@ def tokenizer_loads_without_torch(model_path: str, cache_dir: str | None = None)
     path = Path(model_path)
     if path.is_dir():
         return True
-    cache_root = Path(cache_dir) if cache_dir is not None else default_tokenizer_cache_dir()
-    return path.suffix == ".gguf" and path.is_file() and (cache_root / _gguf_cache_key(path)).is_dir()
+    return path.suffix == ".gguf" and path.is_file() and _cached_copy(path, cache_dir).is_dir()
+
+
+def keep_torch_out_where_the_tokenizer_allows(model_path: str) -> bool:
+    """For a process that runs no tensors: keep torch out of it (procutil.keep_torch_out)
+    when this model's tokenizer loads without torch. Whether torch is kept out."""
+    return tokenizer_loads_without_torch(model_path) and keep_torch_out()
 
 
 def cache_gguf_tokenizer(model_path: str, cache_dir: str | None = None) -> None:
@@ -93,6 +99,12 @@ def cache_gguf_tokenizer(model_path: str, cache_dir: str | None = None) -> None:
     )
     process.start()
     process.join()
+
+
+def _cached_copy(path: Path, cache_dir: str | None) -> Path:
+    """Where the converted tokenizer of the GGUF file at `path` is kept."""
+    cache_root = Path(cache_dir) if cache_dir is not None else default_tokenizer_cache_dir()
+    return cache_root / _gguf_cache_key(path)
 
 
 def _gguf_cache_key(path: Path) -> str:

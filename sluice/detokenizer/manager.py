@@ -29,8 +29,8 @@ from sluice.messages import (
     StrOutput,
     TokenIDOutput,
 )
-from sluice.procutil import become_child_process, keep_torch_out
-from sluice.tokenizer_files import load_tokenizer, tokenizer_loads_without_torch
+from sluice.procutil import become_child_process
+from sluice.tokenizer_files import keep_torch_out_where_the_tokenizer_allows, load_tokenizer
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -92,8 +92,7 @@ def run_detokenizer_process(server_args_data: bytes, port_args_data: bytes) -> N
     args = ServerArgs.decode(server_args_data)
     port_args = PortArgs.decode(port_args_data)
     become_child_process("detokenizer", args.log_level)
-    if tokenizer_loads_without_torch(args.resolved_model_path()):
-        keep_torch_out()  # it loads the tokenizer alone
+    keep_torch_out_where_the_tokenizer_allows(args.resolved_model_path())  # it loads the tokenizer alone
     context = zmq.Context(1)
     to_tokenizer = Sender(context, port_args.tokenizer_input)
     try:

@@ -1,6 +1,7 @@
 /* The vectors of the attention kernel, one set per build: the vector type and its
- * operations (VLEN lanes), loads that widen float16/bfloat16 K/V rows to float32, and the
- * square transpose that puts VLEN keys in the lanes of a vector. */
+ * operations (VLEN lanes), loads that widen float16/bfloat16 K/V rows to float32, the
+ * square transpose that puts VLEN keys in the lanes of a vector, and the scores of a run of
+ * keys against a KV group's query heads. */
 #ifndef SLUICE_ATTENTION_VECTORS_H
 #define SLUICE_ATTENTION_VECTORS_H
 
@@ -148,6 +149,67 @@ ALWAYS_INLINE void transpose_square(__m256 r[8]) {
         r[c] = _mm256_permute2f128_ps(u[c], u[4 + c], 0x20);
         r[4 + c] = _mm256_permute2f128_ps(u[c], u[4 + c], 0x31);
     }
+}
+#endif
+
+/* ------------------------------------------------------------ decode scores, a run of keys at once */
+/* Every score is one dot product summed the same way in both builds and by both score
+ * functions: 8 partial sums, sum l over d = l, l + 8, l + 16, ... in order (fused multiply-
+ * adds from zero), which then meet as ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7)), and
+ * the total times `scale`. */
+ALWAYS_INLINE __m128 sum8x4(__m256 a, __m256 b, __m256 c, __m256 d) {
+    /* hadd pairs neighbours: lane 0 of the result is ((a0+a1)+(a2+a3)) + ((a4+a5)+(a6+a7)). */
+    const __m256 pairs = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+    return _mm_add_ps(_mm256_castps256_ps128(pairs), _mm256_extractf128_ps(pairs, 1));
+}
+
+#ifdef SLUICE_AVX512_VNNI
+#define SCORE_KEYS 8           /* two to a vector: 4 G accumulators */
+#define SCORE_KEYS_MAX_GROUP 4 /* 16 accumulators, 4 K vectors, a q slice: 21 of 32 registers */
+/* scores[g * stride + j] = scale * q_g . k_j for the SCORE_KEYS keys at rows[j], each summed
+ * as sum8x4 sums it: lane l of key j's chain is its partial sum l, and two rounds of hadd
+ * then the halves of 128 bits added give every key ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6
+ * + s7)), the eight keys of a head in one vector. */
+ALWAYS_INLINE void run_scores(const int G, const int kv_dtype, const float *q, int head_dim, float scale,
+                              const char *const *rows, size_t elem, float *scores, size_t stride) {
+    __m512 acc[SCORE_KEYS_MAX_GROUP][SCORE_KEYS / 2];
+    for (int g = 0; g < G; g++)
+        for (int p = 0; p < SCORE_KEYS / 2; p++) acc[g][p] = _mm512_setzero_ps();
+    for (int i = 0; i < head_dim; i += 8) {
+        __m512 k[SCORE_KEYS / 2];
+        for (int p = 0; p < SCORE_KEYS / 2; p++) k[p] = load_kv8_pair(rows[2 * p] + i * elem, rows[2 * p + 1] + i * elem, kv_dtype);
+        for (int g = 0; g < G; g++) {
+            const __m512 qg = _mm512_broadcast_f32x8(_mm256_loadu_ps(q + g * head_dim + i));
+            for (int p = 0; p < SCORE_KEYS / 2; p++) acc[g][p] = _mm512_fmadd_ps(qg, k[p], acc[g][p]);
+        }
+    }
+    for (int g = 0; g < G; g++) {
+        __m256 pairs[SCORE_KEYS / 2];
+        for (int p = 0; p < SCORE_KEYS / 2; p++)
+            pairs[p] = _mm256_hadd_ps(_mm512_castps512_ps256(acc[g][p]), _mm512_extractf32x8_ps(acc[g][p], 1));
+        const __m256 first = _mm256_hadd_ps(pairs[0], pairs[1]), second = _mm256_hadd_ps(pairs[2], pairs[3]);
+        const __m256 sums = _mm256_add_ps(_mm256_permute2f128_ps(first, second, 0x20),
+                                          _mm256_permute2f128_ps(first, second, 0x31));
+        _mm256_storeu_ps(scores + (size_t)g * stride, _mm256_mul_ps(sums, _mm256_set1_ps(scale)));
+    }
+}
+#else
+#define SCORE_KEYS 4           /* one to a vector: 4 G accumulators */
+#define SCORE_KEYS_MAX_GROUP 3 /* 12 accumulators, a K vector, a q slice: 14 of 16 registers */
+/* As above, four keys of a head reduced by one sum8x4. */
+ALWAYS_INLINE void run_scores(const int G, const int kv_dtype, const float *q, int head_dim, float scale,
+                              const char *const *rows, size_t elem, float *scores, size_t stride) {
+    __m256 acc[SCORE_KEYS_MAX_GROUP][SCORE_KEYS];
+    for (int g = 0; g < G; g++)
+        for (int j = 0; j < SCORE_KEYS; j++) acc[g][j] = _mm256_setzero_ps();
+    for (int i = 0; i < head_dim; i += 8)
+        for (int j = 0; j < SCORE_KEYS; j++) {
+            const __m256 k = load_kv8(rows[j] + i * elem, kv_dtype);
+            for (int g = 0; g < G; g++) acc[g][j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * head_dim + i), k, acc[g][j]);
+        }
+    for (int g = 0; g < G; g++)
+        _mm_storeu_ps(scores + (size_t)g * stride,
+                      _mm_mul_ps(sum8x4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]), _mm_set1_ps(scale)));
 }
 #endif
 

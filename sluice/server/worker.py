@@ -17,12 +17,12 @@ import uuid
 from contextlib import asynccontextmanager
 
 from sluice.messages import RegisterWorker
-from sluice.procutil import die_with_parent, keep_torch_out
+from sluice.procutil import die_with_parent
 from sluice.server.app import ServerState, create_app
 from sluice.tokenizer.manager import TokenizerManager
 from sluice.tokenizer.shared_args import read_shared_args, remove_shared_args
 from sluice.tokenizer.startup import WARMUP_TIMEOUT_S, load_multimodal_processor, load_tokenizer_side, warm_up
-from sluice.tokenizer_files import tokenizer_loads_without_torch
+from sluice.tokenizer_files import keep_torch_out_where_the_tokenizer_allows
 
 logger = logging.getLogger(__name__)
 
@@ -30,8 +30,8 @@ logger = logging.getLogger(__name__)
 def init_multi_tokenizer():
     """Build this worker's TokenizerWorker from the shared block; returns (tm, args)."""
     server_args, port_args, scheduler_info = read_shared_args(os.getppid())
-    if scheduler_info.image_token_id is None and tokenizer_loads_without_torch(server_args.resolved_model_path()):
-        keep_torch_out()  # a text-only model: this worker tokenizes and serves HTTP, nothing more
+    if scheduler_info.image_token_id is None:  # a text-only model: this worker tokenizes and serves HTTP
+        keep_torch_out_where_the_tokenizer_allows(server_args.resolved_model_path())
     tokenizer, chat_template = load_tokenizer_side(server_args)
     if server_args.tokenizer_worker_num == 1:  # one worker (Granian): no router in between
         remove_shared_args(os.getppid())  # read by its only reader, and no router to clean up
