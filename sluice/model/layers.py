@@ -96,13 +96,16 @@ class GatedMLP(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables for every position up to context_len, computed once at load time.
+    """cos/sin tables for positions up to context_len, computed a block of positions at a time
+    as tokens first reach them: a 128 K-token context's full tables would be hundreds of MB at
+    Gemma's head size, most of them never read. Each block is computed on its own, so a
+    position's values never depend on how far the tables had grown.
 
     Uses the rotate-half (NeoX) layout of transformers' Llama, so HF checkpoints and
     un-permuted GGUF weights apply as they are.
     """
 
-    cos: torch.Tensor  # buffers, [context_len, head_dim]
+    cos: torch.Tensor  # buffers, [positions computed so far, head_dim]
     signed_sin: torch.Tensor
 
     def __init__(
@@ -118,14 +121,40 @@ class RotaryEmbedding(nn.Module):
         frequency 0 (cos 1, sin 0); weights.py orders each head so that the rotating ones
         pair up as rotate_half over the whole head pairs them."""
         super().__init__()
-        positions = torch.arange(context_len, dtype=torch.float32)
-        rotating = head_dim if rotary_dim is None else rotary_dim
+        self.head_dim, self.rope_theta, self.rope_scaling = head_dim, rope_theta, rope_scaling or {}
+        self.context_len, self.dtype = context_len, dtype
+        self.rotating = head_dim if rotary_dim is None else rotary_dim
+        self.half_dim = head_dim // 2
+        empty = torch.empty(0, head_dim, dtype=dtype)
+        self.register_buffer("cos", empty, persistent=False)
+        self.register_buffer("signed_sin", empty.clone(), persistent=False)
+        self._extend_to(min(context_len, _ROTARY_BLOCK))
+
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin for each token, [num_tokens, head_dim] (unsqueeze(1) broadcasts over heads)."""
+        if len(positions):
+            self._extend_to(min(int(positions.max()) + 1, self.context_len))
+        return self.cos[positions], self.signed_sin[positions]
+
+    def _extend_to(self, count: int) -> None:
+        """Tables for positions [0, count), whole blocks at a time."""
+        have = len(self.cos)
+        if count <= have:
+            return
+        blocks = [self._block(start) for start in range(have, count, _ROTARY_BLOCK)]
+        self.cos = torch.cat([self.cos, *(cos for cos, _ in blocks)])
+        self.signed_sin = torch.cat([self.signed_sin, *(signed_sin for _, signed_sin in blocks)])
+
+    def _block(self, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tables of positions [start, start + _ROTARY_BLOCK), within the context."""
+        positions = torch.arange(start, min(start + _ROTARY_BLOCK, self.context_len), dtype=torch.float32)
+        rotating = self.rotating
         scale = 1.0
-        if (rope_scaling or {}).get("rope_type") == "longrope":
-            freqs, scale = _longrope_freqs(rotating, rope_theta, rope_scaling or {}, positions)
+        if self.rope_scaling.get("rope_type") == "longrope":
+            freqs, scale = _longrope_freqs(rotating, self.rope_theta, self.rope_scaling, positions)
         else:
-            freqs = torch.outer(positions, _scaled_inv_freq(rotating, rope_theta, rope_scaling))
-        passing = (head_dim - rotating) // 2
+            freqs = torch.outer(positions, _scaled_inv_freq(rotating, self.rope_theta, self.rope_scaling))
+        passing = (self.head_dim - rotating) // 2
         # The sign of rotate_half is folded into sin: rotate_half(x) * sin ==
         # roll(x, half) * [-sin, sin], which saves a negation and a concat per layer.
         cos = torch.cat((freqs, freqs), dim=-1).cos() * scale
@@ -134,21 +163,18 @@ class RotaryEmbedding(nn.Module):
             cos, signed_sin = (
                 torch.cat([table[:, : rotating // 2], fill, table[:, rotating // 2 :], fill], dim=-1)
                 for table, fill in (
-                    (cos, torch.ones(context_len, passing)),
-                    (signed_sin, torch.zeros(context_len, passing)),
+                    (cos, torch.ones(len(positions), passing)),
+                    (signed_sin, torch.zeros(len(positions), passing)),
                 )
             )
-        self.register_buffer("cos", cos.to(dtype), persistent=False)
-        self.register_buffer("signed_sin", signed_sin.to(dtype), persistent=False)
-        self.half_dim = head_dim // 2
-
-    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and signed sin for each token, [num_tokens, head_dim] (unsqueeze(1) broadcasts over heads)."""
-        return self.cos[positions], self.signed_sin[positions]
+        return cos.to(self.dtype), signed_sin.to(self.dtype)
 
     def rotate(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
         """Rotate x of shape [num_tokens, num_heads, head_dim]."""
         return torch.addcmul(x * cos, torch.roll(x, self.half_dim, dims=-1), signed_sin)
+
+
+_ROTARY_BLOCK = 4096  # positions whose rotary tables are computed together
 
 
 def _scaled_inv_freq(head_dim: int, rope_theta: float, rope_scaling: dict[str, Any] | None) -> torch.Tensor:

@@ -372,6 +372,30 @@ def test_longrope_takes_the_long_factors_from_the_original_length_on_per_positio
         torch.testing.assert_close(cos[0], torch.cat([angles, angles]).cos() * scale)
 
 
+def test_rotary_tables_grow_as_positions_are_reached_and_never_change_a_position():
+    """Tables for a long context are computed a block at a time, when a token first reaches
+    it: a position gets the same bits whether the tables grew to it at once or step by step."""
+    from sluice.model.layers import RotaryEmbedding
+
+    def rotary() -> RotaryEmbedding:
+        return RotaryEmbedding(64, 500000.0, None, context_len=20_000, dtype=torch.float32, rotary_dim=48)
+
+    stepwise, at_once = rotary(), rotary()
+    assert len(stepwise.cos) < 20_000
+    for position in (10, 4095, 4096, 9000, 19_999):
+        stepwise.lookup(torch.tensor([position]))
+    probe = torch.tensor([0, 4095, 4096, 8191, 9000, 12_288, 19_999])
+    expected_cos, expected_sin = at_once.lookup(probe)
+    cos, signed_sin = stepwise.lookup(probe)
+    assert torch.equal(cos, expected_cos) and torch.equal(signed_sin, expected_sin)
+    assert len(stepwise.cos) == len(at_once.cos) == 20_000
+    angles = 19_999.0 * (1.0 / 500000.0 ** (torch.arange(0, 48, 2).float() / 48))
+    torch.testing.assert_close(cos[-1, :24], angles.cos())
+    assert torch.equal(cos[-1, 24:32], torch.ones(8)) and torch.equal(signed_sin[-1, 24:32], torch.zeros(8))
+    with pytest.raises(IndexError):
+        stepwise.lookup(torch.tensor([20_000]))
+
+
 def test_a_rotary_dimension_count_that_does_not_fit_a_head_is_refused(tmp_path: Path):
     save_random_model(phi3_longrope, tmp_path)
     config_path = tmp_path / "config.json"
