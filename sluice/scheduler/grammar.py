@@ -32,11 +32,12 @@ class Grammars:
     def __init__(self, tokenizer_path: str, vocab_size: int, reasoning_parser: str = "none") -> None:
         self.vocab_size = vocab_size
         self.reasoning_parser = reasoning_parser
-        # llguidance's view of the tokenizer takes ~0.5 s to build: in a thread from the
-        # start, so the first constrained request does not stall the running ones.
-        self._tokenizer = ThreadPoolExecutor(1, thread_name_prefix="grammar-tokenizer").submit(
-            _build_tokenizer, tokenizer_path, vocab_size
-        )
+        self.tokenizer_path = tokenizer_path
+        # llguidance's view of the tokenizer takes seconds to build (transformers is imported
+        # for it, ~120 MB this process would otherwise never hold): in a thread, once the
+        # first constrained request comes, so that request waits and the running ones do not.
+        self._tokenizer_builder = ThreadPoolExecutor(1, thread_name_prefix="grammar-tokenizer")
+        self._tokenizer: Future[llguidance.LLTokenizer] | None = None
         self._executor: llguidance.LLExecutor | None = None
         self._compiler = ThreadPoolExecutor(1, thread_name_prefix="grammar-compiler")
         self._compiled: OrderedDict[str, Future[llguidance.LLMatcher]] = OrderedDict()
@@ -48,6 +49,8 @@ class Grammars:
         grammar = grammar_of(params, self.reasoning_parser)
         if grammar is None:
             return None
+        if self._tokenizer is None:
+            self._tokenizer = self._tokenizer_builder.submit(_build_tokenizer, self.tokenizer_path, self.vocab_size)
         compiled = self._compiled.pop(grammar, None)
         if compiled is None:
             compiled = self._compiler.submit(self._compile, grammar)
@@ -92,6 +95,7 @@ class Grammars:
         return allowed
 
     def _grammar_tokenizer(self) -> llguidance.LLTokenizer:
+        assert self._tokenizer is not None, "a grammar was compiled first"
         return self._tokenizer.result()
 
 

@@ -4,6 +4,8 @@ background, each request with its own copy, masks per row."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -40,6 +42,23 @@ def test_a_grammar_compiles_once_and_every_request_gets_its_own_matcher(grammars
     assert torch.equal(allowed[1], allowed[2]) and not torch.equal(allowed[0], allowed[1])  # two took nothing
     digit = tokenizer("7", add_special_tokens=False).input_ids[0]
     assert allowed[0, digit] and not allowed[1, digit]
+
+
+def test_the_tokenizer_a_grammar_needs_is_loaded_when_the_first_grammar_comes():
+    """llguidance's view of the tokenizer needs transformers (~120 MB in the Scheduler): it is
+    built for the first constrained request, not at start-up."""
+    code = f"""
+import sys
+from sluice.messages import SamplingParams
+from sluice.model_files import default_model_path
+from sluice.scheduler.grammar import Grammars
+grammars = Grammars(default_model_path(), 49152)
+before = "transformers" in sys.modules
+grammars.matcher(grammars.compile(SamplingParams(json_schema={SCHEMA!r})))
+print(before, "transformers" in sys.modules)
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False)
+    assert result.stdout.split() == ["False", "True"], result.stderr
 
 
 def test_a_grammar_that_does_not_compile_fails_its_request_only(grammars):
