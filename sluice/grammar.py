@@ -109,10 +109,13 @@ def check_grammar(params: SamplingParams, tokenizer: llguidance.LLTokenizer, rea
 
 
 def grammar_tokenizer(hf_tokenizer: Any, vocab_size: int) -> llguidance.LLTokenizer:
-    """The tokenizer as llguidance sees it (about 0.4 s for SmolLM2's 49,152 tokens)."""
+    """The tokenizer as llguidance sees it (about 0.4 s for SmolLM2's 49,152 tokens), over the
+    model's vocab_size token ids or the tokenizer's, whichever is more: a tokenizer may name
+    ids past the model's embedding rows (the masks' extra columns are dropped, as the model
+    never samples those ids), and llguidance refuses an n_vocab below its own count."""
     import llguidance.hf
 
-    return llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size)
+    return llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=max(vocab_size, len(hf_tokenizer)))
 
 
 def start_grammar_tokenizer(hf_tokenizer: Any, vocab_size: int) -> Future[llguidance.LLTokenizer]:

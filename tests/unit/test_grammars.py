@@ -61,6 +61,16 @@ print(before, "transformers" in sys.modules)
     assert result.stdout.split() == ["False", "True"], result.stderr
 
 
+def test_a_tokenizer_with_ids_past_the_models_vocabulary_still_constrains():
+    """A tokenizer may name more ids than the model has embedding rows (a GGUF's converted
+    vocabulary can add one): the grammar still compiles, and the mask covers the model's ids."""
+    grammars = Grammars(default_model_path(), 49_000)
+    compiled = grammars.compile(SamplingParams(json_schema=SCHEMA))
+    assert compiled is not None
+    allowed = grammars.allowed([grammars.matcher(compiled)])
+    assert allowed.shape == (1, 49_000) and allowed.any()
+
+
 def test_a_grammar_that_does_not_compile_fails_its_request_only(grammars):
     compiled = grammars.compile(SamplingParams(json_schema='{"type": "nonsense"}'))
     assert compiled is not None
