@@ -165,7 +165,9 @@ def test_an_urgent_request_overtakes_earlier_low_priority_ones():
             with lock:
                 finished.append(name)
 
-        story = {"text": "Write a story.", "sampling_params": greedy(64, ignore_eos=True)}
+        # Long enough (seconds) that the urgent request surely arrives while low0 still runs,
+        # even on a loaded machine: with 64 tokens it sometimes came after low0 had ended.
+        story = {"text": "Write a story.", "sampling_params": greedy(256, ignore_eos=True)}
         with ThreadPoolExecutor(4) as pool:
             low = [pool.submit(run, f"low{i}", story) for i in range(3)]
             wait_until_running(base_url)
