@@ -4,6 +4,7 @@ processes that run no tensors; and handing freed heap and read file maps back to
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import mmap
 import os
@@ -95,11 +96,18 @@ def release_freed_memory() -> None:
     """Hand the heap freed so far back to the OS (glibc's malloc_trim; a no-op elsewhere).
     Loading a model frees the float copies its blocks were made from, gigabytes at 1 B
     parameters, which glibc would otherwise keep resident."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    """glibc's malloc_trim, opened once (loading calls release_freed_memory after every matrix)."""
     try:
-        trim = ctypes.CDLL("libc.so.6").malloc_trim
+        return ctypes.CDLL("libc.so.6").malloc_trim
     except (OSError, AttributeError):
-        return
-    trim(0)
+        return None
 
 
 def drop_mapped_pages(array: np.memmap) -> None:

@@ -78,7 +78,7 @@ def block_rows(data: np.ndarray, type_name: str, shape: tuple[int, int], format:
     # Rounded a slice of rows at a time: the float copy and the rounding's temporaries of a
     # whole 1 B-model matrix are hundreds of MB at the peak of loading.
     kind = gguf.GGMLQuantizationType[type_name]
-    raw = np.asarray(data).view(np.uint8).reshape(rows, -1)
+    raw = raw.reshape(rows, -1)  # one row of bytes per matrix row
     step = max(1, _ROUNDED_AT_ONCE // columns)
     slices = []
     for start in range(0, rows, step):
