@@ -18,6 +18,12 @@ static const struct {
     const char *name;
     long value;
 } contract[] = {
+    SIZE(sluice_projection),
+    FIELD(sluice_projection, packed),
+    FIELD(sluice_projection, tail),
+    FIELD(sluice_projection, format),
+    FIELD(sluice_projection, tail_format),
+    FIELD(sluice_projection, tail_rows),
     SIZE(sluice_layer_weights),
     FIELD(sluice_layer_weights, input_norm),
     FIELD(sluice_layer_weights, post_attention_norm),
@@ -25,10 +31,6 @@ static const struct {
     FIELD(sluice_layer_weights, o),
     FIELD(sluice_layer_weights, gate_up),
     FIELD(sluice_layer_weights, down),
-    FIELD(sluice_layer_weights, qkv_format),
-    FIELD(sluice_layer_weights, o_format),
-    FIELD(sluice_layer_weights, gate_up_format),
-    FIELD(sluice_layer_weights, down_format),
     FIELD(sluice_layer_weights, qkv_bias),
     FIELD(sluice_layer_weights, q_norm),
     FIELD(sluice_layer_weights, k_norm),
@@ -230,7 +232,7 @@ static int check_qgemm(int format) {
     }
     for (int i = 0; !failed && i < M * K; i++) x[i] = 3.0f * random_float(&state);
     for (int r = 1; r <= M && !failed; r++) {
-        if (sluice_qgemm(r, N, K, x, format, packed, out, scratch) != 0) failed = 1;
+        if (sluice_qgemm(r, N, K, x, format, packed, out, N, scratch) != 0) failed = 1;
         for (int i = 0; i < r && !failed; i++)
             for (int n = 0; n < N; n++) {
                 const float *row = x + (size_t)i * K;

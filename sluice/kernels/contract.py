@@ -49,6 +49,19 @@ _float_p = ctypes.POINTER(ctypes.c_float)
 _byte_p = ctypes.POINTER(ctypes.c_uint8)
 
 
+class Projection(ctypes.Structure):
+    """sluice_projection."""
+
+    _c_name_ = "sluice_projection"
+    _fields_ = [
+        ("packed", _byte_p),
+        ("tail", _byte_p),
+        ("format", ctypes.c_int),
+        ("tail_format", ctypes.c_int),
+        ("tail_rows", ctypes.c_int),
+    ]
+
+
 class LayerWeights(ctypes.Structure):
     """sluice_layer_weights."""
 
@@ -56,14 +69,10 @@ class LayerWeights(ctypes.Structure):
     _fields_ = [
         ("input_norm", _float_p),
         ("post_attention_norm", _float_p),
-        ("qkv", _byte_p),
-        ("o", _byte_p),
-        ("gate_up", _byte_p),
-        ("down", _byte_p),
-        ("qkv_format", ctypes.c_int),
-        ("o_format", ctypes.c_int),
-        ("gate_up_format", ctypes.c_int),
-        ("down_format", ctypes.c_int),
+        ("qkv", Projection),
+        ("o", Projection),
+        ("gate_up", Projection),
+        ("down", Projection),
         ("qkv_bias", _float_p),
         ("q_norm", _float_p),
         ("k_norm", _float_p),
@@ -93,7 +102,7 @@ class ModelDims(ctypes.Structure):
     ]
 
 
-STRUCTS = (LayerWeights, ModelDims)
+STRUCTS = (Projection, LayerWeights, ModelDims)
 CONSTANTS = {
     "SLUICE_BLOCK": BLOCK,
     "SLUICE_SUPER_BLOCK": SUPER_BLOCK,

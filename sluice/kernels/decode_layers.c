@@ -16,6 +16,14 @@ static size_t qkv_width(const sluice_model_dims *d) { return (size_t)(d->heads +
 
 static size_t max_size(size_t a, size_t b) { return a > b ? a : b; }
 
+/* out[M, N] = x[M, K] @ p^T: the rows before p's tail, then the tail's beside them. */
+static int project(int M, int N, int K, const float *x, const sluice_projection *p, float *out, void *scratch) {
+    const int head_rows = p->tail != NULL ? N - p->tail_rows : N;
+    int status = sluice_qgemm(M, head_rows, K, x, p->format, p->packed, out, N, scratch);
+    if (p->tail != NULL) status |= sluice_qgemm(M, p->tail_rows, K, x, p->tail_format, p->tail, out + head_rows, N, scratch);
+    return status;
+}
+
 /* Bytes of scratch sluice_decode_layers needs for M tokens. */
 size_t sluice_decode_layers_scratch_bytes(const sluice_model_dims *d, int M) {
     const size_t widest_input = max_size((size_t)d->hidden, max_size((size_t)d->heads * d->head_dim, (size_t)d->intermediate));
@@ -51,7 +59,7 @@ int sluice_decode_layers(const sluice_model_dims *d, const sluice_layer_weights 
             sluice_rmsnorm(M, D, hidden, w->input_norm, d->eps, normed);
         else
             sluice_add_rmsnorm(M, D, hidden, pending, w->input_norm, d->eps, normed);
-        int status = sluice_qgemm(M, qkv_cols, D, normed, w->qkv_format, w->qkv, qkv, qgemm_scratch);
+        int status = project(M, qkv_cols, D, normed, &w->qkv, qkv, qgemm_scratch);
         if (w->qkv_bias != NULL)
             for (int r = 0; r < M; r++)
                 for (int c = 0; c < qkv_cols; c++) qkv[(size_t)r * qkv_cols + c] += w->qkv_bias[c];
@@ -69,19 +77,19 @@ int sluice_decode_layers(const sluice_model_dims *d, const sluice_layer_weights 
         status |= sluice_decode_attention(M, d->heads, d->kv_heads, d->head_dim, max_len, d->attention_scale,
                                           w->sliding_window, d->attn_softcap, qkv, qkv_cols, k_pools[l], v_pools[l],
                                           d->kv_dtype, attn_slots, slot_rows, seq_lens, attn);
-        status |= sluice_qgemm(M, D, attn_width, attn, w->o_format, w->o, pending, qgemm_scratch);
+        status |= project(M, D, attn_width, attn, &w->o, pending, qgemm_scratch);
         if (w->pre_feedforward_norm != NULL) { /* Gemma: the attention output is normed before it is added */
             sluice_rmsnorm(M, D, pending, w->post_attention_norm, d->eps, pending);
             sluice_add_rmsnorm(M, D, hidden, pending, w->pre_feedforward_norm, d->eps, normed);
         } else {
             sluice_add_rmsnorm(M, D, hidden, pending, w->post_attention_norm, d->eps, normed);
         }
-        status |= sluice_qgemm(M, 2 * I, D, normed, w->gate_up_format, w->gate_up, gate_up, qgemm_scratch);
+        status |= project(M, 2 * I, D, normed, &w->gate_up, gate_up, qgemm_scratch);
         if (d->mlp_activation == SLUICE_GELU_TANH)
             sluice_gelu_tanh_mul(M, I, gate_up, activated);
         else
             sluice_silu_mul(M, I, gate_up, activated);
-        status |= sluice_qgemm(M, D, I, activated, w->down_format, w->down, pending, qgemm_scratch);
+        status |= project(M, D, I, activated, &w->down, pending, qgemm_scratch);
         if (w->post_feedforward_norm != NULL) sluice_rmsnorm(M, D, pending, w->post_feedforward_norm, d->eps, pending);
         if (status != 0) return -1;
     }

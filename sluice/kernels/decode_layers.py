@@ -9,23 +9,35 @@ kernels with the same arithmetic, so its output equals the per-op path's.
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
-from sluice.kernels.contract import Activation, LayerWeights, ModelDims
+from sluice.kernels.contract import Activation, LayerWeights, ModelDims, Projection
 from sluice.kernels.ops import KV_DTYPES, KernelOps
 
 
-class QuantizedProjection(Protocol):
-    """What the C loop reads of a block-quantized projection (a QuantizedLinearWeight)."""
+class QuantizedMatrix(Protocol):
+    """What the C loop reads of a block-quantized matrix (a QuantizedLinearWeight)."""
 
     @property
     def format(self) -> int: ...  # a BlockFormat
 
     @property
     def packed(self) -> torch.Tensor: ...  # uint8, qgemm.c's row-group layout
+
+    @property
+    def out_features(self) -> int: ...
+
+
+class QuantizedProjection(Protocol):
+    """A projection's matrices, stacked along its output rows: one, or a head and a tail in
+    another format (a QuantizedLinearWeight or a StackedQuantizedWeight)."""
+
+    @property
+    def parts(self) -> Sequence[QuantizedMatrix]: ...
 
 
 @dataclass(slots=True)
@@ -47,7 +59,7 @@ class LayerTensors:
 
 
 _FLOAT_P = next(kind for name, kind, *_ in LayerWeights._fields_ if name == "input_norm")
-_BYTE_P = next(kind for name, kind, *_ in LayerWeights._fields_ if name == "qkv")
+_BYTE_P = next(kind for name, kind, *_ in Projection._fields_ if name == "packed")
 
 
 def _pointer(tensor: torch.Tensor | None, pointer_type: type) -> ctypes._Pointer | None:
@@ -57,6 +69,20 @@ def _pointer(tensor: torch.Tensor | None, pointer_type: type) -> ctypes._Pointer
     if tensor.dtype != expected or not tensor.is_contiguous():
         raise TypeError(f"a layer tensor of the one-call path must be contiguous {expected}, not {tensor.dtype}")
     return ctypes.cast(tensor.data_ptr(), pointer_type)
+
+
+def _projection(weight: QuantizedProjection) -> Projection:
+    head, *rest = weight.parts
+    if len(rest) > 1:
+        raise ValueError(f"the one-call path takes a projection in at most two parts, not {len(weight.parts)}")
+    tail = rest[0] if rest else None
+    return Projection(
+        packed=_pointer(head.packed, _BYTE_P),
+        tail=None if tail is None else _pointer(tail.packed, _BYTE_P),
+        format=head.format,
+        tail_format=0 if tail is None else tail.format,
+        tail_rows=0 if tail is None else tail.out_features,
+    )
 
 
 class DecodeLayers:
@@ -100,14 +126,10 @@ class DecodeLayers:
                 LayerWeights(
                     input_norm=_pointer(layer.input_norm, _FLOAT_P),
                     post_attention_norm=_pointer(layer.post_attention_norm, _FLOAT_P),
-                    qkv=_pointer(layer.qkv.packed, _BYTE_P),
-                    o=_pointer(layer.o.packed, _BYTE_P),
-                    gate_up=_pointer(layer.gate_up.packed, _BYTE_P),
-                    down=_pointer(layer.down.packed, _BYTE_P),
-                    qkv_format=layer.qkv.format,
-                    o_format=layer.o.format,
-                    gate_up_format=layer.gate_up.format,
-                    down_format=layer.down.format,
+                    qkv=_projection(layer.qkv),
+                    o=_projection(layer.o),
+                    gate_up=_projection(layer.gate_up),
+                    down=_projection(layer.down),
                     qkv_bias=_pointer(layer.qkv_bias, _FLOAT_P),
                     q_norm=_pointer(layer.q_norm, _FLOAT_P),
                     k_norm=_pointer(layer.k_norm, _FLOAT_P),

@@ -64,11 +64,20 @@ enum sluice_block_format { SLUICE_Q8_0 = 0, SLUICE_Q4_1 = 1, SLUICE_Q6_K = 2, SL
 /* Element type of the KV pools. */
 enum sluice_kv_dtype { SLUICE_KV_FLOAT32 = 0, SLUICE_KV_FLOAT16 = 1, SLUICE_KV_BFLOAT16 = 2 };
 
+/* One projection's weights in qgemm's row-group layout: every output row in one block format,
+ * or, for a fused projection whose sources came in two (a Q4_K_M file's q and k in q4_k above
+ * a v in q6_k), the last tail_rows rows apart in their own format, each part at the file's
+ * precision. */
+typedef struct {
+    const uint8_t *packed; /* the rows before the tail */
+    const uint8_t *tail;   /* NULL: no tail */
+    int format, tail_format, tail_rows;
+} sluice_projection;
+
 /* One decoder layer's weights for sluice_decode_layers. */
 typedef struct {
     const float *input_norm, *post_attention_norm;
-    const uint8_t *qkv, *o, *gate_up, *down; /* qgemm's row-group layout */
-    int qkv_format, o_format, gate_up_format, down_format;
+    sluice_projection qkv, o, gate_up, down;
     const float *qkv_bias;       /* NULL when the model has none */
     const float *q_norm, *k_norm; /* per-head RMSNorm weights [head_dim] (Qwen3); NULL when none */
     int sliding_window;           /* keys this layer's queries see, their own included; 0: all */
@@ -98,13 +107,13 @@ long sluice_contract_value(const char *name);
  * trusted, so that an instruction the CPU refuses kills the child, not the server. */
 int sluice_self_test(void);
 
-/* qgemm.c: out[M, N] = x[M, K] @ W^T with W in row groups. K must be a multiple of 32 (of 256
- * for the super-block formats);
- * returns 0, or -1 for a K or a format it cannot take. On an AMX build, -2 when the OS
- * refuses this process the tile registers. */
+/* qgemm.c: out[M, N] = x[M, K] @ W^T with W in row groups, out's rows out_stride floats apart
+ * (N for a whole matrix; more to fill some columns of a wider one). K must be a multiple of 32
+ * (of 256 for the super-block formats); returns 0, or -1 for a K, a stride or a format it
+ * cannot take. On an AMX build, -2 when the OS refuses this process the tile registers. */
 size_t sluice_qgemm_scratch_bytes(int M, int K);
 int sluice_qgemm(int M, int N, int K, const float *x, int weight_type, const uint8_t *packed, float *out,
-                 void *scratch);
+                 int out_stride, void *scratch);
 
 /* rmsnorm.c */
 void sluice_rmsnorm(int rows, int dim, const float *x, const float *w, float eps, float *out);

@@ -54,13 +54,25 @@ class KernelOps:
     def row_group(self) -> int:
         return self.kernels.row_group
 
-    def qgemm(self, x: torch.Tensor, format: BlockFormat, packed: torch.Tensor, out_features: int) -> torch.Tensor:
-        """x [rows, in] float32 @ W.T -> float32 [rows, out], W packed in this build's row groups."""
+    def qgemm(
+        self,
+        x: torch.Tensor,
+        format: BlockFormat,
+        packed: torch.Tensor,
+        out_features: int,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """x [rows, in] float32 @ W.T -> float32 [rows, out_features], W packed in this build's
+        row groups; written into `out` when given (rows of contiguous floats, e.g. some
+        columns of a wider matrix)."""
         if x.dim() != 2 or x.shape[1] % BLOCK:
             raise ValueError(f"qgemm takes [rows, k] with k a multiple of {BLOCK}, not {tuple(x.shape)}")
         x = x.contiguous()
         rows, in_features = x.shape
-        out = torch.empty(rows, out_features)
+        if out is None:
+            out = torch.empty(rows, out_features)
+        elif out.shape != (rows, out_features) or out.stride(1) != 1:
+            raise ValueError(f"out must be [{rows}, {out_features}] with contiguous rows, not {tuple(out.shape)}")
         scratch = torch.empty(self.lib.sluice_qgemm_scratch_bytes(rows, in_features), dtype=torch.uint8)
         status = self.lib.sluice_qgemm(
             rows,
@@ -69,7 +81,8 @@ class KernelOps:
             _pointer(x, "x", torch.float32),
             int(format),
             _pointer(packed, "packed weights", torch.uint8),
-            out.data_ptr(),
+            _pointer(out, "out", torch.float32, contiguous=False),
+            out.stride(0),
             scratch.data_ptr(),
         )
         if status != 0:

@@ -310,9 +310,10 @@ static void amx_group(int weight_type, const uint8_t *w, int K, int r0, const qu
 }
 #endif
 
-/* Activation rows [r_begin, r_end) against one row group: out columns n0 .. n0 + width. */
-/* buffer: room for a row group's unpacked super-blocks (NULL: none, or not a super-block format). */
-static void multiply_group(int weight_type, const uint8_t *w, int n0, int width, int N, int K, int r_begin,
+/* Activation rows [r_begin, r_end) against one row group: out columns n0 .. n0 + width of rows
+ * out_stride floats apart. buffer: room for a row group's unpacked super-blocks (NULL: none,
+ * or not a super-block format). */
+static void multiply_group(int weight_type, const uint8_t *w, int n0, int width, int out_stride, int K, int r_begin,
                            int r_end, const quantized_rows *x, float *out, int use_tiles, unpacked_block *buffer) {
     const int nb = K / QK;
 #ifdef SLUICE_AMX
@@ -321,7 +322,7 @@ static void multiply_group(int weight_type, const uint8_t *w, int n0, int width,
         for (; r_begin + AMX_ROWS <= r_end; r_begin += AMX_ROWS) {
             __m512 acc[AMX_ROWS];
             amx_group(weight_type, w, K, r_begin, x, acc);
-            for (int r = 0; r < AMX_ROWS; r++) store_group(out + (size_t)(r_begin + r) * N + n0, width, acc[r]);
+            for (int r = 0; r < AMX_ROWS; r++) store_group(out + (size_t)(r_begin + r) * out_stride + n0, width, acc[r]);
         }
     }
 #else
@@ -356,15 +357,15 @@ static void multiply_group(int weight_type, const uint8_t *w, int n0, int width,
         case SLUICE_Q4_K: DISPATCH_SUPER_ROWS(Q4_K_ROWS) break;
         default: DISPATCH_SUPER_ROWS(Q5_K_ROWS) break;
         }
-        for (int r = 0; r < rows; r++) store_group(out + (size_t)(r0 + r) * N + n0, width, acc[r]);
+        for (int r = 0; r < rows; r++) store_group(out + (size_t)(r0 + r) * out_stride + n0, width, acc[r]);
     }
 }
 
 /* out[M, N] = x[M, K] @ W^T, W in row groups (N rounded up to a multiple of GROUP there).
  * scratch: sluice_qgemm_scratch_bytes(M, K). */
 int sluice_qgemm(int M, int N, int K, const float *x, int weight_type, const uint8_t *packed, float *out,
-                 void *scratch) {
-    if (K % QK != 0 || K <= 0) return -1;
+                 int out_stride, void *scratch) {
+    if (K % QK != 0 || K <= 0 || out_stride < N) return -1;
     const int nb = K / QK;
     size_t group_bytes;
     switch (weight_type) {
@@ -410,7 +411,7 @@ int sluice_qgemm(int M, int N, int K, const float *x, int weight_type, const uin
             for (int group = 0; group < groups; group++) {
                 const int n0 = group * GROUP;
                 multiply_group(weight_type, packed + (size_t)group * group_bytes, n0, N - n0 < GROUP ? N - n0 : GROUP,
-                               N, K, chunk, chunk_end, &rows, out, use_tiles, buffer);
+                               out_stride, K, chunk, chunk_end, &rows, out, use_tiles, buffer);
             }
         }
         free(buffer);

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from sluice.kernels.ops import KernelOps
 from sluice.model.attention import AttentionMetadata, AttentionOptions, torch_attention
-from sluice.model.quantized_linear import QuantizedLinearWeight
+from sluice.model.quantized_linear import QuantizedProjection
 
 
 class KernelBackend:
@@ -38,7 +38,7 @@ class KernelBackend:
         self,
         x: torch.Tensor,
         weight: torch.Tensor,
-        quantized: QuantizedLinearWeight | None,
+        quantized: QuantizedProjection | None,
         bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """x @ weight.T (+ bias), through the block-quantized copy when the weight has one."""
@@ -115,7 +115,7 @@ class TorchBackend:
         self,
         x: torch.Tensor,
         weight: torch.Tensor,
-        quantized: QuantizedLinearWeight | None,
+        quantized: QuantizedProjection | None,
         bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if quantized is not None:

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from sluice.model.backend import Backend
-from sluice.model.quantized_linear import QuantizedLinearWeight
+from sluice.model.quantized_linear import QuantizedProjection
 
 
 def _frozen(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -55,7 +55,7 @@ class QKVProjection(nn.Module):
         out_features = (num_heads + 2 * num_kv_heads) * head_dim
         self.weight = _frozen(out_features, hidden_size, dtype=dtype)
         self.bias = _frozen(out_features, dtype=dtype) if bias else None
-        self.quantized: QuantizedLinearWeight | None = None
+        self.quantized: QuantizedProjection | None = None
         self.backend = backend
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -66,7 +66,7 @@ class Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int, dtype: torch.dtype, backend: Backend) -> None:
         super().__init__()
         self.weight = _frozen(out_features, in_features, dtype=dtype)
-        self.quantized: QuantizedLinearWeight | None = None
+        self.quantized: QuantizedProjection | None = None
         self.backend = backend
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -83,8 +83,8 @@ class GatedMLP(nn.Module):
         super().__init__()
         self.gate_up_weight = _frozen(2 * intermediate_size, hidden_size, dtype=dtype)
         self.down_weight = _frozen(hidden_size, intermediate_size, dtype=dtype)
-        self.gate_up_quantized: QuantizedLinearWeight | None = None
-        self.down_quantized: QuantizedLinearWeight | None = None
+        self.gate_up_quantized: QuantizedProjection | None = None
+        self.down_quantized: QuantizedProjection | None = None
         self.backend = backend
         if activation not in ("silu", "gelu_tanh"):
             raise ValueError(f"MLP activation {activation!r} is not supported; supported: silu, gelu_tanh")

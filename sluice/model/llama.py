@@ -21,7 +21,14 @@ from sluice.model.backend import Backend, KernelBackend, TorchBackend
 from sluice.model.forward_batch import ForwardBatch
 from sluice.model.layers import GatedMLP, Linear, QKVProjection, RMSNorm, RotaryEmbedding
 from sluice.model.model_config import ModelConfig
-from sluice.model.quantized_linear import BlockFormat, BlockRows, QuantizedLinearWeight, fused_format
+from sluice.model.quantized_linear import (
+    BlockFormat,
+    BlockRows,
+    QuantizedLinearWeight,
+    QuantizedProjection,
+    StackedQuantizedWeight,
+    fused_format,
+)
 from sluice.model.weights import Weight, Weights
 from sluice.procutil import release_freed_memory
 
@@ -217,7 +224,7 @@ class LlamaForCausalLM(nn.Module):
         whose sources all came as BlockRows stays in blocks, never taking a float copy.
         ValueError naming a weight that is missing or whose shape disagrees with the config."""
         blocks = _BlockLoader(self.backend, weights)
-        embedding = blocks.take(self, "embed_tokens", ["model.embed_tokens.weight"])
+        embedding = blocks.take_one(self, "embed_tokens", "model.embed_tokens.weight")
         if embedding is not None:
             # A quantized table: tokens are looked up in its blocks.
             self.embedding_blocks = embedding
@@ -229,7 +236,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = nn.Parameter(
                 torch.empty(self.config.vocab_size, self.config.hidden_size, dtype=self.dtype), requires_grad=False
             )
-            self.lm_head_quantized = blocks.take(self, "lm_head", ["lm_head.weight"])
+            self.lm_head_quantized = blocks.take_one(self, "lm_head", "lm_head.weight")
         for index, layer in enumerate(self.decoder_layers):
             _load_layer(layer, blocks, f"model.layers.{index}.")
             # The layer's file blocks (or float copies) are freed now, amid the heap glibc
@@ -292,7 +299,8 @@ class LlamaForCausalLM(nn.Module):
         self.decode_layers = self._fused_decode_layers(self.backend)
 
     def quantized_weights(self) -> list[QuantizedLinearWeight]:
-        weights = [self.lm_head_quantized]
+        """Every block-quantized matrix the model multiplies (a stacked projection's parts apart)."""
+        weights: list[QuantizedProjection | None] = [self.lm_head_quantized]
         for layer in self.decoder_layers:
             weights += [
                 layer.qkv_proj.quantized,
@@ -300,7 +308,7 @@ class LlamaForCausalLM(nn.Module):
                 layer.mlp.gate_up_quantized,
                 layer.mlp.down_quantized,
             ]
-        return [weight for weight in weights if weight is not None]
+        return [part for weight in weights if weight is not None for part in weight.parts]
 
     def _fused_decode_layers(self, backend: KernelBackend) -> DecodeLayers | None:
         """The one-call path, when every layer's four projections are quantized."""
@@ -359,7 +367,7 @@ def _load_layer(layer: DecoderLayer, blocks: _BlockLoader, prefix: str) -> None:
     layer.qkv_proj.quantized = blocks.take(layer.qkv_proj, "weight", [f"{attn}{name}_proj.weight" for name in "qkv"])
     if layer.qkv_proj.bias is not None:
         _copy_in(layer.qkv_proj.bias, weights, *[f"{attn}{name}_proj.bias" for name in "qkv"])
-    layer.o_proj.quantized = blocks.take(layer.o_proj, "weight", [attn + "o_proj.weight"])
+    layer.o_proj.quantized = blocks.take_one(layer.o_proj, "weight", attn + "o_proj.weight")
     if layer.q_norm is not None and layer.k_norm is not None:
         _copy_in(layer.q_norm.weight, weights, attn + "q_norm.weight")
         _copy_in(layer.k_norm.weight, weights, attn + "k_norm.weight")
@@ -367,7 +375,7 @@ def _load_layer(layer: DecoderLayer, blocks: _BlockLoader, prefix: str) -> None:
     layer.mlp.gate_up_quantized = blocks.take(
         layer.mlp, "gate_up_weight", [mlp + "gate_proj.weight", mlp + "up_proj.weight"]
     )
-    layer.mlp.down_quantized = blocks.take(layer.mlp, "down_weight", [mlp + "down_proj.weight"])
+    layer.mlp.down_quantized = blocks.take_one(layer.mlp, "down_weight", mlp + "down_proj.weight")
 
 
 class _BlockLoader:
@@ -378,7 +386,7 @@ class _BlockLoader:
         self.backend = backend
         self.weights = weights
 
-    def take(self, module: nn.Module, dense_name: str, names: list[str]) -> QuantizedLinearWeight | None:
+    def take(self, module: nn.Module, dense_name: str, names: list[str]) -> QuantizedProjection | None:
         weights = self.weights
         dense = getattr(module, dense_name)
         parts = [weights.get(name) for name in names]
@@ -389,11 +397,16 @@ class _BlockLoader:
         if sum(len(part) for part in rows) != len(dense) or any(part.shape[1] != dense.shape[1] for part in rows):
             shapes = ", ".join(f"{name} {list(part.shape)}" for name, part in zip(names, rows, strict=True))
             raise ValueError(f"{shapes}: the config implies {list(dense.shape)} in all")
-        quantized = QuantizedLinearWeight.from_rows(BlockRows.stack(rows), self.backend.ops)
+        quantized = StackedQuantizedWeight.from_rows(rows, self.backend.ops)
         for name in names:
             del weights[name]
         setattr(module, dense_name, _freed(dense.dtype))
         release_freed_memory()
+        return quantized
+
+    def take_one(self, module: nn.Module, dense_name: str, name: str) -> QuantizedLinearWeight | None:
+        quantized = self.take(module, dense_name, [name])
+        assert not isinstance(quantized, StackedQuantizedWeight)  # one source is in one format
         return quantized
 
 

@@ -1,7 +1,8 @@
 """`--quantization gguf` through the real server: every number of the GGUF kept. The default
 model holds Q4_1 and Q8_0 blocks only, which `auto` keeps as they are too, so both modes
 must give the same greedy tokens, and a bad mode is refused at start-up. The default model
-rewritten with Q5_K, Q5_0 and Q5_1 matrices runs those as q5_k and q5_1 blocks."""
+rewritten with Q5_K, Q5_0 and Q5_1 matrices runs those as q5_k and q5_1 blocks, q/k/v of two
+types too."""
 
 from __future__ import annotations
 
@@ -45,7 +46,7 @@ def test_an_unknown_quantization_mode_is_refused_naming_the_choices():
 
 # The default model with some matrices rewritten as five-bit blocks rounded from the file's
 # own weights, as a Q5_K_M file holds them (Q5_0 and Q5_1 where rows are not 256 wide):
-# format the kernels run them as -> {tensor name's end: GGUF type}.
+# the format the kernels run them as (the key's first word) -> {tensor name's end: GGUF type}.
 FIVE_BIT_REWRITES = {
     "q5_k": {"ffn_down.weight": "Q5_K"},  # the only matrices 256 weights wide
     "q5_1": {
@@ -55,6 +56,9 @@ FIVE_BIT_REWRITES = {
         "attn_k.weight": "Q5_1",
         "attn_v.weight": "Q5_1",
     },
+    # Gemma 3's Q4_K_M attention: q and k Q5_0 over a Q8_0 v, each part kept in its blocks
+    # (stacked in one format, q and k would be rounded to q8_0 and q5_1 not appear).
+    "q5_1 beside q8_0": {"attn_q.weight": "Q5_0", "attn_k.weight": "Q5_0", "attn_v.weight": "Q8_0"},
 }
 
 
@@ -73,8 +77,9 @@ def five_bit_model(request, tmp_path_factory) -> tuple[str, str]:
             quantize_q5_k(weight) if kind == "Q5_K" else gguf.quants.quantize(weight, gguf.GGMLQuantizationType[kind])
         )
         replace[tensor.name] = (blocks, kind)
-    folder = tmp_path_factory.mktemp(request.param)
-    return request.param, str(copy_gguf(source, folder / f"smollm2-{request.param}.gguf", replace))
+    slug = request.param.replace(" ", "-")
+    folder = tmp_path_factory.mktemp(slug)
+    return request.param, str(copy_gguf(source, folder / f"smollm2-{slug}.gguf", replace))
 
 
 def _chat_answer(server: RunningServer, question: str) -> tuple[str, list[int]]:
@@ -91,7 +96,8 @@ def _chat_answer(server: RunningServer, question: str) -> tuple[str, list[int]]:
 def test_five_bit_blocks_run_as_themselves_and_answer_as_the_dense_weights(five_bit_model):
     """The kernels multiply the file's Q5_K, Q5_0 and Q5_1 blocks (a wrong fifth bit would
     change every such projection): the answer is the one of the same weights made dense."""
-    format, path = five_bit_model
+    name, path = five_bit_model
+    format = name.split()[0]
     answers = {}
     for mode in ("auto", "none"):
         server = RunningServer("--model-path", path, "--quantization", mode, "--skip-warmup")

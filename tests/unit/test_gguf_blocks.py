@@ -10,10 +10,10 @@ import torch
 import torch.nn.functional as F
 
 from sluice.kernels.cpu import supported_isas
-from sluice.kernels.loader import load_kernels
+from sluice.kernels.loader import kernels_available, load_kernels
 from sluice.kernels.ops import KernelOps
 from sluice.model.gguf_blocks import block_rows
-from sluice.model.quantized_linear import BlockFormat, QuantizedLinearWeight
+from sluice.model.quantized_linear import BlockFormat, QuantizedLinearWeight, StackedQuantizedWeight
 from tests.gguf_files import random_blocks
 
 ROWS, COLUMNS = 37, 512  # 37: the last row group is partial; 512: two K-quant super-blocks a row
@@ -139,3 +139,58 @@ def test_the_kernel_multiplies_what_the_file_holds(isa, type_name):
     expected = F.linear(x, file_weight(raw, type_name))
     # x's rounding to int8 blocks (1/127 of a block's max), and q8_0's for the other types.
     assert ((weight.matmul(x) - expected).abs().max() / expected.abs().max()).item() < 2e-2
+
+
+@pytest.mark.parametrize("isa", [isa.name for isa in supported_isas()])
+def test_a_projection_stacked_from_two_types_keeps_each_in_its_own_blocks(isa):
+    """A Q4_K_M file's q and k (Q4_K) fused with its v (Q6_K): q and k stay q4_k above a q6_k
+    tail, and each part's columns of the product are the bits of that part alone."""
+    ops = KernelOps(load_kernels(isa))
+    types = {"q": ("Q4_K", 48), "k": ("Q4_K", 16), "v": ("Q6_K", 21)}  # v: a partial row group
+    raws = {
+        name: random_blocks(rows, COLUMNS, type_name, seed=len(name) + rows)
+        for name, (type_name, rows) in types.items()
+    }
+    parts = [
+        block_rows(raws[name], type_name, (rows, COLUMNS), KEPT[type_name]) for name, (type_name, rows) in types.items()
+    ]
+    weight = StackedQuantizedWeight.from_rows(parts, ops)
+    assert isinstance(weight, StackedQuantizedWeight)
+    assert [part.format for part in weight.parts] == [BlockFormat.Q4_K, BlockFormat.Q6_K]
+    assert (weight.head.out_features, weight.tail.out_features, weight.out_features) == (64, 21, 85)
+    dense = torch.cat([file_weight(raws[name], type_name) for name, (type_name, _) in types.items()])
+    assert torch.equal(weight.dequantize(), dense)
+
+    x = torch.randn(5, COLUMNS, generator=torch.Generator().manual_seed(3))
+    out = weight.matmul(x)
+    assert torch.equal(out, torch.cat([weight.head.matmul(x), weight.tail.matmul(x)], dim=1))
+    expected = F.linear(x, dense)
+    assert ((out - expected).abs().max() / expected.abs().max()).item() < 2e-2
+
+
+@pytest.mark.skipif(not kernels_available(), reason="the C kernels need an x86-64 CPU with AVX2 and gcc")
+def test_parts_of_one_type_stack_as_one_weight_and_three_types_round_the_head():
+    ops = KernelOps(load_kernels())
+    rows = {t: block_rows(random_blocks(16, COLUMNS, t, seed=9), t, (16, COLUMNS), KEPT[t]) for t in KEPT}
+    same = StackedQuantizedWeight.from_rows([rows["Q4_K"], rows["Q4_K"]], ops)
+    assert isinstance(same, QuantizedLinearWeight) and same.format is BlockFormat.Q4_K and same.out_features == 32
+    # The trailing run of one type is the tail; the rest stack in the most precise of theirs.
+    three = StackedQuantizedWeight.from_rows([rows["Q4_K"], rows["Q5_K"], rows["Q6_K"], rows["Q6_K"]], ops)
+    assert isinstance(three, StackedQuantizedWeight)
+    assert (three.head.format, three.head.out_features) == (BlockFormat.Q8_0, 32)
+    assert (three.tail.format, three.tail.out_features) == (BlockFormat.Q6_K, 32)
+
+
+@pytest.mark.skipif(not kernels_available(), reason="the C kernels need an x86-64 CPU with AVX2 and gcc")
+def test_qgemm_writes_into_some_columns_of_a_wider_output():
+    ops = KernelOps(load_kernels())
+    weight = QuantizedLinearWeight.from_rows(
+        block_rows(random_blocks(ROWS, COLUMNS, "Q4_K", seed=2), "Q4_K", (ROWS, COLUMNS), BlockFormat.Q4_K), ops
+    )
+    x = torch.randn(3, COLUMNS, generator=torch.Generator().manual_seed(1))
+    wide = torch.full((3, ROWS + 10), 7.0)
+    ops.qgemm(x, weight.format, weight.packed, ROWS, out=wide[:, 4 : 4 + ROWS])
+    assert torch.equal(wide[:, 4 : 4 + ROWS], weight.matmul(x))
+    assert (wide[:, :4] == 7).all() and (wide[:, 4 + ROWS :] == 7).all()  # the other columns untouched
+    with pytest.raises(ValueError, match="contiguous rows"):
+        ops.qgemm(x, weight.format, weight.packed, ROWS, out=wide[:, 4 : 4 + ROWS].t().contiguous().t())

@@ -453,7 +453,10 @@ def test_one_call_layers_equal_the_per_op_path(build, tmp_path: Path):
     """A quantized float32 model runs all layers of a step in one C call; its logits must be
     those of the layer-by-layer path, bit for bit, for a prefill and the decode steps after."""
     save_random_model(build, tmp_path)
-    runner = ModelRunner(str(tmp_path), torch.float32, quantization="q8_0")
+    assert_one_call_equals_per_op(ModelRunner(str(tmp_path), torch.float32, quantization="q8_0"))
+
+
+def assert_one_call_equals_per_op(runner: ModelRunner) -> None:
     fused = runner.model.decode_layers
     assert fused is not None
     prompts = [PROMPT_IDS, PROMPT_IDS[::-1][:7]]
@@ -538,10 +541,10 @@ _TYPICAL_SCALE = {"Q4_K": 1e-4, "Q5_K": 3e-5, "Q6_K": 2e-5}
 def test_a_k_quant_gguf_runs_the_files_blocks(arch, mode, body_type, tmp_path: Path):
     """A Q4_K_M- or Q5_K_M-style file (widths of whole 256-weight super-blocks): Q6_K and Q5_K
     matrices run as the file's own q6_k and q5_k blocks, Q4_K ones as q4_1 blocks of the
-    file's quants (auto) or as its q4_k blocks (gguf), and matrices stacked from two types
-    as q8_0; the Q6_K embedding is looked
-    up in its blocks (no float table), and logits stay near those of transformers on what
-    the file's blocks dequantize to."""
+    file's quants (auto) or as its q4_k blocks (gguf), and a fused q/k/v whose v is Q6_K as
+    q/k's blocks above v's (on both paths); the Q6_K embedding is looked up in its blocks (no
+    float table), and logits stay near those of transformers on what the file's blocks
+    dequantize to."""
     import gguf
 
     from tests.gguf_files import _interleave_rotary_halves, random_blocks
@@ -580,8 +583,10 @@ def test_a_k_quant_gguf_runs_the_files_blocks(arch, mode, body_type, tmp_path: P
 
     model = runner.model
     layer0, layer1 = model.decoder_layers
-    formats = [layer.qkv_proj.quantized.format for layer in (layer0, layer1)]
-    assert formats == [BlockFormat.Q8_0, four_bit]  # layer 0's v is Q6_K: its qkv stacks as q8_0
+    formats = [[part.format for part in layer.qkv_proj.quantized.parts] for layer in (layer0, layer1)]
+    assert formats == [[four_bit, BlockFormat.Q6_K], [four_bit]]  # layer 0's v is Q6_K: kept apart from q and k
+    v = hf_model.model.layers[0].self_attn.v_proj.weight
+    assert torch.equal(layer0.qkv_proj.quantized.tail.dequantize(), v)
     assert layer0.mlp.down_quantized.format is BlockFormat.Q6_K
     assert layer1.mlp.down_quantized.format is four_bit
     assert model.lm_head_quantized.format is BlockFormat.Q6_K
@@ -602,3 +607,4 @@ def test_a_k_quant_gguf_runs_the_files_blocks(arch, mode, body_type, tmp_path: P
     # the kernels' int8 rounding of activations flips it, so the scales above are kept small.
     assert ((whole - expected).abs().max() / expected.abs().max()).item() < 0.05
     assert_same_bits_chunked_and_batched(runner, whole)
+    assert_one_call_equals_per_op(runner)  # layer 0's qkv in two parts there too
