@@ -50,6 +50,7 @@
 #include "kernels.h"
 
 #include <immintrin.h>
+#include <omp.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -389,6 +390,13 @@ int sluice_qgemm(int M, int N, int K, const float *x, int weight_type, const uin
     }
 #endif
 
+    /* Threads take row groups a few at a time (8 turns a thread), not a fixed half each: on a
+     * machine whose cores also run the server's other processes, a thread that loses its core
+     * for a while leaves its share to the others instead of holding up the whole call (served
+     * one-stream decode of Qwen3-0.6B: 51.7 against 47.3 tok/s, 3 alternating rounds). A group's
+     * outputs are computed the same way whichever thread takes it: the bits do not change. */
+    const int spread = 8 * omp_get_max_threads();
+    const int groups_a_turn = groups / spread > 0 ? groups / spread : 1;
 #pragma omp parallel
     {
 #ifdef SLUICE_AMX
@@ -407,7 +415,7 @@ int sluice_qgemm(int M, int N, int K, const float *x, int weight_type, const uin
         /* Activation rows in chunks that stay in L2 while every row group passes over them. */
         for (int chunk = 0; chunk < M; chunk += M_CHUNK) {
             const int chunk_end = M - chunk < M_CHUNK ? M : chunk + M_CHUNK;
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, groups_a_turn)
             for (int group = 0; group < groups; group++) {
                 const int n0 = group * GROUP;
                 multiply_group(weight_type, packed + (size_t)group * group_bytes, n0, N - n0 < GROUP ? N - n0 : GROUP,
