@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from sluice.kernels.contract import SUPER_BLOCK  # weights per K-quant super-block
-from sluice.model.quantized_linear import (
+from sluice.model.block_rows import (
     BLOCK,
     HIGH_BIT_SHIFTS,
     BlockFormat,

@@ -18,16 +18,15 @@ from sluice.kernels.contract import Activation
 from sluice.kernels.decode_layers import DecodeLayers, LayerTensors
 from sluice.model.attention import AttentionMetadata, AttentionOptions
 from sluice.model.backend import Backend, KernelBackend, TorchBackend
+from sluice.model.block_rows import BlockFormat, BlockRows, fused_format
 from sluice.model.forward_batch import ForwardBatch
 from sluice.model.layers import GatedMLP, Linear, QKVProjection, RMSNorm, RotaryEmbedding
 from sluice.model.model_config import ModelConfig
 from sluice.model.quantized_linear import (
-    BlockFormat,
-    BlockRows,
     QuantizedLinearWeight,
     QuantizedProjection,
     StackedQuantizedWeight,
-    fused_format,
+    quantized_projection,
 )
 from sluice.model.weights import Weight, Weights
 from sluice.procutil import release_freed_memory
@@ -397,7 +396,7 @@ class _BlockLoader:
         if sum(len(part) for part in rows) != len(dense) or any(part.shape[1] != dense.shape[1] for part in rows):
             shapes = ", ".join(f"{name} {list(part.shape)}" for name, part in zip(names, rows, strict=True))
             raise ValueError(f"{shapes}: the config implies {list(dense.shape)} in all")
-        quantized = StackedQuantizedWeight.from_rows(rows, self.backend.ops)
+        quantized = quantized_projection(rows, self.backend.ops)
         for name in names:
             del weights[name]
         setattr(module, dense_name, _freed(dense.dtype))

@@ -19,9 +19,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from sluice.model.backend import Backend, KernelBackend
+from sluice.model.block_rows import BlockFormat
 from sluice.model.gguf_blocks import FIVE_BIT_TYPES, FOUR_BIT_TYPES
 from sluice.model.model_config import ModelConfig, is_gguf
-from sluice.model.quantized_linear import BlockFormat
 from sluice.model.weights import FLOAT_TYPES, FormatPlan, gguf_tensor_types
 
 QUANTIZATION_MODES = ("auto", "none", "q8_0", "gguf")

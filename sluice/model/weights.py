@@ -16,11 +16,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from sluice.model.block_rows import BlockFormat, BlockRows
 from sluice.model.gguf_blocks import block_rows
 from sluice.model.gguf_config import open_gguf
 from sluice.model.lazy_weights import LazyWeights
 from sluice.model.model_config import ModelConfig, is_gguf
-from sluice.model.quantized_linear import BlockFormat, BlockRows
 from sluice.procutil import drop_mapped_pages, release_freed_memory
 
 Weight = torch.Tensor | BlockRows

@@ -12,8 +12,9 @@ import torch.nn.functional as F
 from sluice.kernels.cpu import supported_isas
 from sluice.kernels.loader import kernels_available, load_kernels
 from sluice.kernels.ops import KernelOps
+from sluice.model.block_rows import BlockFormat
 from sluice.model.gguf_blocks import block_rows
-from sluice.model.quantized_linear import BlockFormat, QuantizedLinearWeight, StackedQuantizedWeight
+from sluice.model.quantized_linear import QuantizedLinearWeight, StackedQuantizedWeight, quantized_projection
 from tests.gguf_files import random_blocks
 
 ROWS, COLUMNS = 37, 512  # 37: the last row group is partial; 512: two K-quant super-blocks a row
@@ -154,7 +155,7 @@ def test_a_projection_stacked_from_two_types_keeps_each_in_its_own_blocks(isa):
     parts = [
         block_rows(raws[name], type_name, (rows, COLUMNS), KEPT[type_name]) for name, (type_name, rows) in types.items()
     ]
-    weight = StackedQuantizedWeight.from_rows(parts, ops)
+    weight = quantized_projection(parts, ops)
     assert isinstance(weight, StackedQuantizedWeight)
     assert [part.format for part in weight.parts] == [BlockFormat.Q4_K, BlockFormat.Q6_K]
     assert (weight.head.out_features, weight.tail.out_features, weight.out_features) == (64, 21, 85)
@@ -172,10 +173,10 @@ def test_a_projection_stacked_from_two_types_keeps_each_in_its_own_blocks(isa):
 def test_parts_of_one_type_stack_as_one_weight_and_three_types_round_the_head():
     ops = KernelOps(load_kernels())
     rows = {t: block_rows(random_blocks(16, COLUMNS, t, seed=9), t, (16, COLUMNS), KEPT[t]) for t in KEPT}
-    same = StackedQuantizedWeight.from_rows([rows["Q4_K"], rows["Q4_K"]], ops)
+    same = quantized_projection([rows["Q4_K"], rows["Q4_K"]], ops)
     assert isinstance(same, QuantizedLinearWeight) and same.format is BlockFormat.Q4_K and same.out_features == 32
     # The trailing run of one type is the tail; the rest stack in the most precise of theirs.
-    three = StackedQuantizedWeight.from_rows([rows["Q4_K"], rows["Q5_K"], rows["Q6_K"], rows["Q6_K"]], ops)
+    three = quantized_projection([rows["Q4_K"], rows["Q5_K"], rows["Q6_K"], rows["Q6_K"]], ops)
     assert isinstance(three, StackedQuantizedWeight)
     assert (three.head.format, three.head.out_features) == (BlockFormat.Q8_0, 32)
     assert (three.tail.format, three.tail.out_features) == (BlockFormat.Q6_K, 32)

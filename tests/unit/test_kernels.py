@@ -16,9 +16,10 @@ from sluice.kernels import contract
 from sluice.kernels.cpu import DISABLE_ENV, ISA_NAMES, supported_isas
 from sluice.kernels.loader import load_kernels
 from sluice.kernels.ops import KernelOps
+from sluice.model.block_rows import BlockFormat
 from sluice.model.gguf_blocks import block_rows
 from sluice.model.layers import RotaryEmbedding
-from sluice.model.quantized_linear import BlockFormat, QuantizedLinearWeight
+from sluice.model.quantized_linear import QuantizedLinearWeight
 from tests.gguf_files import random_blocks
 
 SUPPORTED = [isa.name for isa in supported_isas()]

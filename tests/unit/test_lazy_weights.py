@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from sluice.model import weights as weights_module
+from sluice.model.block_rows import BlockFormat, BlockRows
 from sluice.model.lazy_weights import LazyWeights
 from sluice.model.model_config import ModelConfig
-from sluice.model.quantized_linear import BlockFormat, BlockRows
 from sluice.model.weights import load_weights
 from tests.gguf_files import write_gguf
 from tests.unit.test_model_tiny import qwen3_with_qk_norm, save_random_model

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from sluice.kernels.loader import kernels_available
+from sluice.model.block_rows import BlockFormat
 from sluice.model.model_config import ModelConfig
 from sluice.model.model_runner import ModelRunner
-from sluice.model.quantized_linear import BlockFormat
 from tests.forward_batches import make_batch
 from tests.gguf_files import write_gguf
 from tests.tiny_lms import hf_greedy, randomize
