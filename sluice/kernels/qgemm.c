@@ -264,51 +264,77 @@ static int amx_permitted(void) {
     return seen == 1;
 }
 
-/* Tiles: 0 = C (16 x 16 int32), 1 = A (16 rows x 32 bytes), 2 = B (8 rows x 64 bytes). */
+/* Two sets of tiles, used by alternate blocks: C (16 x 16 int32), A (16 rows x 32 bytes), B
+ * (8 rows x 64 bytes) = tiles 0, 1, 2 for even blocks and 3, 4, 5 for odd ones. */
 static void configure_tiles(void) {
     tile_config config = {0};
     config.palette_id = 1;
-    config.rows[0] = AMX_ROWS, config.colsb[0] = 64;
-    config.rows[1] = AMX_ROWS, config.colsb[1] = QK;
-    config.rows[2] = QK / 4, config.colsb[2] = 64;
+    for (int set = 0; set < 6; set += 3) {
+        config.rows[set] = AMX_ROWS, config.colsb[set] = 64;
+        config.rows[set + 1] = AMX_ROWS, config.colsb[set + 1] = QK;
+        config.rows[set + 2] = QK / 4, config.colsb[set + 2] = 64;
+    }
     _tile_loadconfig(&config);
 }
 
-/* Activation rows [r0, r0 + 16) against one row group. */
+/* The B tile of a q4_1 block: tile row g < 4 holds the low nibbles of word g (weights
+ * 4g..4g+3), g >= 4 the high ones. */
+static inline void unpack_q4_1_tile(const uint8_t *w, uint8_t *unpacked) {
+    const __m512i nibble = _mm512_set1_epi8(0x0F);
+    for (int j = 0; j < 4; j++) {
+        const __m512i raw = _mm512_loadu_si512((const void *)(w + 64 * j));
+        _mm512_store_si512((void *)(unpacked + 64 * j), _mm512_and_si512(raw, nibble));
+        _mm512_store_si512((void *)(unpacked + 64 * (j + 4)), _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble));
+    }
+}
+
+/* Start block b's integer dots in tiles C, A, B (literal numbers: gcc spells them into the asm). */
+#define AMX_START_BLOCK(C, A, B, b)                                                                      \
+    do {                                                                                          \
+        const uint8_t *block = w + (size_t)(b) * block_bytes;                                     \
+        _tile_zero(C);                                                                            \
+        _tile_loadd(A, xq + (size_t)(b) * QK, K);                                           \
+        if (weight_type == SLUICE_Q8_0) {                                                         \
+            _tile_loadd(B, block, 64);                                                      \
+            _tile_dpbssd(C, A, B);                                                    \
+        } else {                                                                                  \
+            unpack_q4_1_tile(block, unpacked);                                                    \
+            _tile_loadd(B, unpacked, 64);                                                   \
+            _tile_dpbsud(C, A, B);                                                    \
+        }                                                                                         \
+    } while (0)
+
+/* Activation rows [r0, r0 + 16) against one row group. Block b + 1's tile multiply is issued
+ * before block b's dots are read back and scaled, so the two overlap; each row still sums
+ * its blocks in order, in the same float steps as group_q8_0 / group_q4_1. */
 static void amx_group(int weight_type, const uint8_t *w, int K, int r0, const quantized_rows *x, __m512 *acc) {
     const int nb = K / QK;
     int32_t dots[AMX_ROWS][16] __attribute__((aligned(64)));
     uint8_t unpacked[8 * 64] __attribute__((aligned(64)));
-    const __m512i nibble = _mm512_set1_epi8(0x0F);
     const int block_bytes = weight_type == SLUICE_Q8_0 ? SLUICE_Q8_0_GROUP_BLOCK_BYTES : SLUICE_Q4_1_GROUP_BLOCK_BYTES;
+    const int8_t *xq = x->q + (size_t)r0 * K;
     for (int r = 0; r < AMX_ROWS; r++) acc[r] = _mm512_setzero_ps();
-    for (int b = 0; b < nb; b++, w += block_bytes) {
-        _tile_zero(0);
-        _tile_loadd(1, x->q + (size_t)r0 * K + b * QK, K);
-        if (weight_type == SLUICE_Q8_0) {
-            _tile_loadd(2, w, 64);
-            _tile_dpbssd(0, 1, 2);
+    AMX_START_BLOCK(0, 1, 2, 0);
+    for (int b = 0; b < nb; b++) {
+        if (b % 2 == 0) {
+            if (b + 1 < nb) AMX_START_BLOCK(3, 4, 5, b + 1);
+            _tile_stored(0, dots, 64);
         } else {
-            /* Tile row g < 4: the low nibbles of word g (weights 4g..4g+3); g >= 4: the high ones. */
-            for (int j = 0; j < 4; j++) {
-                const __m512i raw = _mm512_loadu_si512((const void *)(w + 64 * j));
-                _mm512_store_si512((void *)(unpacked + 64 * j), _mm512_and_si512(raw, nibble));
-                _mm512_store_si512((void *)(unpacked + 64 * (j + 4)), _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble));
-            }
-            _tile_loadd(2, unpacked, 64);
-            _tile_dpbsud(0, 1, 2);
+            if (b + 1 < nb) AMX_START_BLOCK(0, 1, 2, b + 1);
+            _tile_stored(3, dots, 64);
         }
-        _tile_stored(0, dots, 64);
-        const __m512 d = load_halves(w + (weight_type == SLUICE_Q8_0 ? 32 : 16) * GROUP);
+        const uint8_t *block = w + (size_t)b * block_bytes;
+        const __m512 d = load_halves(block + (weight_type == SLUICE_Q8_0 ? 32 : 16) * GROUP);
         for (int r = 0; r < AMX_ROWS; r++) {
             const size_t index = (size_t)(r0 + r) * nb + b;
             const __m512 row_dots = _mm512_cvtepi32_ps(_mm512_load_si512((const void *)dots[r]));
             acc[r] = _mm512_fmadd_ps(row_dots, _mm512_mul_ps(d, _mm512_set1_ps(x->d[index])), acc[r]);
             if (weight_type == SLUICE_Q4_1)
-                acc[r] = _mm512_fmadd_ps(load_halves(w + 18 * GROUP), _mm512_set1_ps(x->dsum[index]), acc[r]);
+                acc[r] = _mm512_fmadd_ps(load_halves(block + 18 * GROUP), _mm512_set1_ps(x->dsum[index]), acc[r]);
         }
     }
 }
+#undef AMX_START_BLOCK
 #endif
 
 /* Activation rows [r_begin, r_end) against one row group: out columns n0 .. n0 + width of rows
