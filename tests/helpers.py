@@ -106,8 +106,8 @@ def _flag_value(flags: tuple[str, ...], name: str, default: str) -> str:
     return flags[flags.index(name) + 1] if name in flags else default
 
 
-def generate(base_url: str, **body) -> httpx.Response:
-    return httpx.post(base_url + "/generate", json=body, timeout=120)
+def generate(base_url: str, timeout_s: float = 120, **body) -> httpx.Response:
+    return httpx.post(base_url + "/generate", json=body, timeout=timeout_s)
 
 
 def greedy(max_new_tokens: int = 16, **extra) -> dict:

@@ -289,19 +289,19 @@ static inline void unpack_q4_1_tile(const uint8_t *w, uint8_t *unpacked) {
 }
 
 /* Start block b's integer dots in tiles C, A, B (literal numbers: gcc spells them into the asm). */
-#define AMX_START_BLOCK(C, A, B, b)                                                                      \
-    do {                                                                                          \
-        const uint8_t *block = w + (size_t)(b) * block_bytes;                                     \
-        _tile_zero(C);                                                                            \
-        _tile_loadd(A, xq + (size_t)(b) * QK, K);                                           \
-        if (weight_type == SLUICE_Q8_0) {                                                         \
-            _tile_loadd(B, block, 64);                                                      \
-            _tile_dpbssd(C, A, B);                                                    \
-        } else {                                                                                  \
-            unpack_q4_1_tile(block, unpacked);                                                    \
-            _tile_loadd(B, unpacked, 64);                                                   \
-            _tile_dpbsud(C, A, B);                                                    \
-        }                                                                                         \
+#define AMX_START_BLOCK(C, A, B, b)                                                                \
+    do {                                                                                           \
+        const uint8_t *block = w + (size_t)(b) * block_bytes;                                      \
+        _tile_zero(C);                                                                             \
+        _tile_loadd(A, xq + (size_t)(b) * QK, K);                                                  \
+        if (weight_type == SLUICE_Q8_0) {                                                          \
+            _tile_loadd(B, block, 64);                                                             \
+            _tile_dpbssd(C, A, B);                                                                 \
+        } else {                                                                                   \
+            unpack_q4_1_tile(block, unpacked);                                                     \
+            _tile_loadd(B, unpacked, 64);                                                          \
+            _tile_dpbsud(C, A, B);                                                                 \
+        }                                                                                          \
     } while (0)
 
 /* Activation rows [r0, r0 + 16) against one row group. Block b + 1's tile multiply is issued

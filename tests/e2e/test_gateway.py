@@ -154,12 +154,7 @@ def test_a_killed_worker_loses_only_its_own_requests(cluster):
     topics = ["Foxes", "Rivers", "Castles", "Robots", "Oceans", "Winter"]
     with ThreadPoolExecutor(len(topics)) as pool:
         held = [
-            pool.submit(
-                httpx.post,
-                gateway.base_url + "/generate",
-                json={"text": f"{topic}: tell a story.", **story},
-                timeout=60,
-            )
+            pool.submit(generate, gateway.base_url, timeout_s=60, text=f"{topic}: tell a story.", **story)
             for topic in topics
         ]
         deadline = time.monotonic() + 60

@@ -302,9 +302,9 @@ def test_embeddings_match_transformers_in_chunks_and_beside_generation(runner, p
         expected = torch.nn.functional.normalize(expected, dim=0)
         assert vector.shape == (runner.config.hidden_size,)
         assert ((vector - expected).norm() / expected.norm()).item() < 1e-3
-    # Again, with every prompt in the radix cache: a cached prefix changes nothing but the
-    # rounding of its float16 KV (seen: up to 1.04e-4 for mean pooling on an AMX Xeon, on
-    # every kernel build; a wrong prefix would be off by orders of magnitude more).
+    # Again, with every prompt in the radix cache and no generation beside: the vectors move
+    # by rounding only (seen: up to 1.04e-4 for mean pooling on an AMX Xeon, on every kernel
+    # build; a wrong prefix would be off by orders of magnitude more).
     again = embed(scheduler, chosen)
     for vector, cached in zip(vectors, again, strict=True):
         assert ((cached - vector).norm() / vector.norm()).item() < 2e-4, pooling
