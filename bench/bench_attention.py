@@ -3,6 +3,7 @@
     python bench/bench_attention.py                       # SmolLM2's heads, prompts of 512..8192
     python bench/bench_attention.py --lengths 8192 --kv-dtypes float16
     python bench/bench_attention.py --decode 32 --lengths 200 --kv-dtypes float16
+    python bench/bench_attention.py --decode 16 --lengths 1250 --shared-prefix 1200 --kv-dtypes float16
 
 Prompts (the default): one layer; sluice attends every prompt token over the pool at its
 position (so a request's result never depends on chunking or batching); SDPA computes the
@@ -12,7 +13,9 @@ per prompt token.
 --decode N: one decode step of N requests with --lengths cached tokens each, over --layers
 layers' pools (so the K/V rows come from memory, as in a model), slots shuffled over each
 pool; SDPA attends the same rows gathered into contiguous float32 tensors beforehand (its
-gather not timed). Prints milliseconds per step and the K/V bytes sluice read per second.
+gather not timed). Prints milliseconds per step and the K/V bytes sluice read per second
+(counting a shared prefix once per request). --shared-prefix P: every request's first P
+slots are the same (a system prompt in the radix cache).
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ def main() -> None:
     parser.add_argument("--isa", default=None, help="kernel build (default: the best this CPU runs)")
     parser.add_argument("--decode", type=int, default=0, metavar="N", help="a decode step of N requests instead")
     parser.add_argument("--layers", type=int, default=30, help="--decode: layers (pools) a step reads")
+    parser.add_argument("--shared-prefix", type=int, default=0, metavar="P", help="--decode: slots all requests share")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     ops = KernelOps(load_kernels(args.isa))
@@ -110,6 +114,8 @@ def bench_decode_step(ops: KernelOps, args: argparse.Namespace) -> None:
         num_slots = requests * length + 1
         slots = torch.randperm(num_slots - 1, generator=generator) + 1
         seq_lens = torch.full((requests,), length)
+        rows = slots.view(requests, length)
+        rows[:, : args.shared_prefix] = rows[0, : args.shared_prefix].clone()
         for name in args.kv_dtypes:
             pools = [
                 tuple(
@@ -119,7 +125,6 @@ def bench_decode_step(ops: KernelOps, args: argparse.Namespace) -> None:
                 for _ in range(layers)
             ]
 
-            rows = slots.view(requests, length)
             gathered = [
                 tuple(pool[rows].float().permute(0, 2, 1, 3).contiguous() for pool in layer_pools)
                 for layer_pools in pools

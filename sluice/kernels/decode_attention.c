@@ -34,6 +34,7 @@
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "attention_vectors.h"
 #include "kernels.h"
@@ -48,6 +49,9 @@ static const int64_t TILE_ROWS[KV_TILE] = {0,  1,  2,  3,  4,  5,  6,  7,  8,  9
                                            32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47,
                                            48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 62, 63};
 #define TRANSPOSED_KEYS_FROM 4 /* queries in a block from which its K tiles are transposed once */
+/* Decode queries of different requests go in one block when their slot lists start with at
+ * least this many identical slots (a shared prompt prefix in the radix cache). */
+#define MIN_SHARED_SLOTS KV_TILE
 /* Tokens ahead whose K/V rows are prefetched: a slot list is not a stream the hardware
  * prefetcher follows across pages (measured: -30% time at 128 cached tokens). */
 #define PREFETCH_AHEAD 8
@@ -314,30 +318,35 @@ ALWAYS_INLINE void group_values(const int G, const int width, const int kv_dtype
     }
 }
 
-/* A block of `count` consecutive queries of one request (lens[i] = lens[0] + i) against one
- * KV head, tile by tile: scores, online softmax, values; then each head's values divided by
- * its softmax sum. A block of TRANSPOSED_KEYS_FROM queries or more widens and transposes
- * each K tile once for all of them. scratch: count * G * KV_TILE floats, then the
- * transposed tile (head_dim * KV_TILE). */
+/* A block of `count` queries against one KV head, tile by tile: scores, online softmax,
+ * values; then each head's values divided by its softmax sum. Query i reads the slots
+ * slot_lists[i] up to lens[i]; the first shared_len slots are the same for all of them.
+ * Either the block is consecutive tokens of one request (lens[i] = lens[0] + i, one slot
+ * list, shared_len its longest) or decode steps of requests with a common prefix (no window).
+ * A block of TRANSPOSED_KEYS_FROM queries or more widens and transposes each K tile its
+ * queries share once for all of them; the others each query reads from the pool. scratch:
+ * count * G * KV_TILE floats, then the transposed tile (head_dim * KV_TILE). */
 ALWAYS_INLINE void attend_block(const int G, const int width, const int kv_dtype, int count, const float *q,
-                                long q_stride, int head_dim, const int64_t *lens, float scale, int window,
-                                float softcap, kv_rows keys, kv_rows values, const int64_t *req_slots,
-                                float *scratch, float *out, size_t out_stride) {
+                                long q_stride, int head_dim, const int64_t *lens, const int64_t *const *slot_lists,
+                                int shared_len, float scale, int window, float softcap, kv_rows keys,
+                                kv_rows values, float *scratch, float *out, size_t out_stride) {
     float running_max[QUERY_BLOCK][MAX_GROUP], running_sum[QUERY_BLOCK][MAX_GROUP];
-    for (int i = 0; i < count; i++)
+    int longest = 0;
+    for (int i = 0; i < count; i++) {
         for (int g = 0; g < G; g++) running_max[i][g] = -INFINITY, running_sum[i][g] = 0.0f;
-    const int longest = (int)lens[count - 1];
-    const int transposed = count >= TRANSPOSED_KEYS_FROM;
+        longest = (int)lens[i] > longest ? (int)lens[i] : longest;
+    }
+    const int shared_reach = shared_len < longest ? shared_len : longest;
     float *kt = scratch + (size_t)QUERY_BLOCK * G * KV_TILE, *vt = kt + (size_t)head_dim * KV_TILE;
     const kv_rows widened_values = {(const char *)vt, sizeof(float) * head_dim};
     /* The first query of the block has the earliest window. */
     for (int t0 = window_start((int)lens[0], window) / KV_TILE * KV_TILE; t0 < longest; t0 += KV_TILE) {
+        const int transposed =
+            count >= TRANSPOSED_KEYS_FROM && (t0 + KV_TILE <= shared_len || longest <= shared_len);
         if (transposed) {
             const int n = t0 + KV_TILE < longest ? KV_TILE : longest - t0;
-            transpose_keys(kv_dtype, head_dim, t0, n, longest, keys, req_slots, kt);
-            widen_values(kv_dtype, head_dim, t0, n, longest, values, req_slots, vt);
-        }
-        if (transposed) {
+            transpose_keys(kv_dtype, head_dim, t0, n, shared_reach, keys, slot_lists[0], kt);
+            widen_values(kv_dtype, head_dim, t0, n, shared_reach, values, slot_lists[0], vt);
             int i = 0;
             for (; i + SCORE_QUERIES <= count; i += SCORE_QUERIES) {
                 const int last = (int)lens[i + SCORE_QUERIES - 1], n = t0 + KV_TILE < last ? KV_TILE : last - t0;
@@ -358,7 +367,7 @@ ALWAYS_INLINE void attend_block(const int G, const int width, const int kv_dtype
             if (t1 <= t0 || t0 + KV_TILE <= start) continue;
             float *tile = scratch + (size_t)i * G * KV_TILE, correction[MAX_GROUP];
             if (!transposed)
-                group_scores(G, kv_dtype, q + (size_t)i * q_stride, head_dim, t0, t1, len, scale, keys, req_slots,
+                group_scores(G, kv_dtype, q + (size_t)i * q_stride, head_dim, t0, t1, len, scale, keys, slot_lists[i],
                              tile, KV_TILE);
             for (int g = 0; g < G; g++) {
                 float *head_tile = tile + (size_t)g * KV_TILE;
@@ -372,7 +381,7 @@ ALWAYS_INLINE void attend_block(const int G, const int width, const int kv_dtype
                              0, widened_values, TILE_ROWS, out + (size_t)i * out_stride);
             else
                 group_values(G, width, kv_dtype, tile, KV_TILE, correction, head_dim, first_tile, t0, t1, len, values,
-                             req_slots, out + (size_t)i * out_stride);
+                             slot_lists[i], out + (size_t)i * out_stride);
         }
     }
     for (int i = 0; i < count; i++)
@@ -419,6 +428,49 @@ static int query_blocks(int queries, const int64_t *slot_rows, const int64_t *se
     return blocks;
 }
 
+/* The row of `slots` that query i reads. */
+static inline const int64_t *query_slots(const int64_t *slots, const int64_t *slot_rows, int max_len, int i) {
+    return slots + (size_t)(slot_rows != NULL ? slot_rows[i] : i) * max_len;
+}
+
+/* How many slots two slot lists have in common from the start, in whole tiles, up to `len`. */
+static int common_tiles(const int64_t *a, const int64_t *b, int len) {
+    int t = 0;
+    while (t + KV_TILE <= len && memcmp(a + t, b + t, KV_TILE * sizeof(int64_t)) == 0) t += KV_TILE;
+    return t;
+}
+
+/* Runs of one-query blocks (decode steps of different requests) whose slot lists start with
+ * MIN_SHARED_SLOTS or more of the same slots (their prompts' common prefix in the radix
+ * cache) become one block of at most `cap` queries, so the tiles they share are read and
+ * widened once for all of them. shared[b]: the slots from 0 that every query of block b
+ * reads in common (all of them for one request's consecutive tokens). Returns the number of
+ * blocks; starts as query_blocks'. */
+static int share_prefixes(int blocks, int *starts, int *shared, const int64_t *slots, const int64_t *slot_rows,
+                          int max_len, const int64_t *seq_lens, int cap) {
+    int merged = 0;
+    for (int b = 0; b < blocks;) {
+        const int first = starts[b], count = starts[b + 1] - first;
+        int members = 1, common = (int)seq_lens[first + count - 1];
+        if (count == 1) {
+            const int64_t *mine = query_slots(slots, slot_rows, max_len, first);
+            while (b + members < blocks && members < cap && starts[b + members + 1] - starts[b + members] == 1) {
+                const int other = starts[b + members];
+                const int limit = common < seq_lens[other] ? common : (int)seq_lens[other];
+                const int together = common_tiles(mine, query_slots(slots, slot_rows, max_len, other), limit);
+                if (together < MIN_SHARED_SLOTS) break;
+                common = together;
+                members++;
+            }
+        }
+        starts[merged] = first;
+        shared[merged++] = common;
+        b += members;
+    }
+    starts[merged] = starts[blocks];
+    return merged;
+}
+
 /* The widest slice (in vectors) that divides head_dim and keeps the accumulators in registers. */
 static int value_width(int group, int head_dim) {
     if (group * 4 <= MAX_ACCUMULATORS && head_dim % (4 * VLEN) == 0) return 4;
@@ -428,8 +480,8 @@ static int value_width(int group, int head_dim) {
 
 /* One block of the group's query heads, with G, the value width and the dtype constants. */
 #define BLOCK_CALL(G, W, DTYPE)                                                                             \
-    attend_block(G, W, DTYPE, count, q_first, q_stride, head_dim, seq_lens + first, scale, window, softcap, \
-                 keys, values, req_slots, scores, out_first, (size_t)heads * head_dim)
+    attend_block(G, W, DTYPE, count, q_first, q_stride, head_dim, seq_lens + first, lists, shared[b], scale,    \
+                 window, softcap, keys, values, scores, out_first, (size_t)heads * head_dim)
 #define WIDTH_SWITCH(G, DTYPE)                                                                              \
     case G:                                                                                                 \
         if (width == 4) BLOCK_CALL(G, 4, DTYPE);                                                            \
@@ -454,9 +506,20 @@ int sluice_decode_attention(int queries, int heads, int kv_heads, int head_dim, 
     /* Per thread: a block's tile scores and its transposed K tile, or one head's scores on the scalar path. */
     const size_t scratch_floats = vectorized ? (size_t)(QUERY_BLOCK * group + 2 * head_dim) * KV_TILE
                                              : (size_t)(max_len > 0 ? max_len : 1);
-    int *starts = malloc(sizeof(int) * ((size_t)queries + 1));
-    if (starts == NULL) return -1;
-    const int blocks = query_blocks(queries, slot_rows, seq_lens, starts);
+    int *starts = malloc(sizeof(int) * ((size_t)queries + 1)), *shared = malloc(sizeof(int) * (size_t)queries);
+    if (starts == NULL || shared == NULL) {
+        free(starts), free(shared);
+        return -1;
+    }
+    int blocks = query_blocks(queries, slot_rows, seq_lens, starts);
+    /* Requests sharing a prefix: blocks of about blocks * kv_heads / (3 * threads) queries,
+     * so that each thread still gets a few tasks. */
+    int cap = blocks * kv_heads / (3 * omp_get_max_threads());
+    cap = cap < QUERY_BLOCK ? cap : QUERY_BLOCK;
+    if (vectorized && window <= 0 && cap >= TRANSPOSED_KEYS_FROM)
+        blocks = share_prefixes(blocks, starts, shared, slots, slot_rows, max_len, seq_lens, cap);
+    else
+        for (int b = 0; b < blocks; b++) shared[b] = (int)seq_lens[starts[b + 1] - 1];
     /* A task is one KV head of a block or, with blocks enough to keep every thread busy (a
      * decode step of many requests), all of its KV heads in turn: a slot's row holds every
      * head, so the neighbouring lines one head's pass brings in are not wasted. Each task
@@ -478,10 +541,11 @@ int sluice_decode_attention(int queries, int heads, int kv_heads, int head_dim, 
         for (int b = 0; b < blocks; b++) {
             for (int task = 0; task < head_tasks; task++) {
                 const int first = starts[b], count = starts[b + 1] - starts[b];
-                const int64_t *req_slots = slots + (size_t)(slot_rows != NULL ? slot_rows[first] : first) * max_len;
+                const int64_t *lists[QUERY_BLOCK];
+                for (int i = 0; i < count; i++) lists[i] = query_slots(slots, slot_rows, max_len, first + i);
                 prefetch_rows(k_pool, v_pool, slot_bytes, (size_t)task * heads_per_task * head_dim * elem,
-                              (size_t)heads_per_task * head_dim * elem, req_slots,
-                              window_start((int)seq_lens[first], window), (int)seq_lens[first + count - 1]);
+                              (size_t)heads_per_task * head_dim * elem, lists[0],
+                              window_start((int)seq_lens[first], window), shared[b]);
                 for (int kvh = task * heads_per_task; kvh < (task + 1) * heads_per_task; kvh++) {
                     if (scores == NULL) continue;
                     const float *q_first = q + (size_t)first * q_stride + (size_t)kvh * group * head_dim;
@@ -494,7 +558,7 @@ int sluice_decode_attention(int queries, int heads, int kv_heads, int head_dim, 
                             for (int g = 0; g < group; g++)
                                 attend_head_scalar(q_first + (size_t)i * q_stride + g * head_dim, kv_dtype, head_dim,
                                                    (int)seq_lens[first + i], scale, window, softcap, keys, values,
-                                                   req_slots, scores,
+                                                   lists[i], scores,
                                                    out_first + (size_t)i * heads * head_dim + g * head_dim);
                         continue;
                     }
@@ -508,6 +572,6 @@ int sluice_decode_attention(int queries, int heads, int kv_heads, int head_dim, 
         }
         free(scores);
     }
-    free(starts);
+    free(starts), free(shared);
     return failed ? -1 : 0;
 }

@@ -193,6 +193,49 @@ def test_a_decode_step_of_many_requests_gives_each_the_bits_it_gets_alone(ops, h
         torch.testing.assert_close(together[row], expected, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(9, 3, 64), (8, 2, 128), (4, 1, 20), (4, 1, 32)])
+def test_decode_steps_sharing_a_cached_prefix_give_each_the_bits_it_gets_alone(
+    ops, heads, kv_heads, head_dim, kv_dtype
+):
+    """Decode queries whose slot lists start alike (a prompt prefix the radix cache shares)
+    go in blocks that read and widen each common tile once; each must still get the bits it
+    gets alone, with the prompt block of another request in the same call or not."""
+    generator = torch.Generator().manual_seed(7)
+    long_prefix, short_prefix = torch.arange(1, 201), torch.arange(201, 271)  # 3 tiles and a part; 1 and a part
+    lists = []
+    for i in range(44):
+        prefix = long_prefix if i % 11 < 8 else short_prefix if i % 11 < 10 else torch.arange(0)
+        own = int(torch.randint(0, 90, (1,), generator=generator)) if i % 7 else 0  # some end with the prefix
+        lists.append(torch.cat([prefix, 300 + 100 * i + torch.arange(max(own, 1 - len(prefix)))]))
+    prompt = 5000 + torch.arange(40)
+    seq_lens = torch.tensor([len(slots) for slots in lists])
+    max_len = int(seq_lens.max())
+    num_slots = 5100
+    k_pool = torch.randn(num_slots, kv_heads, head_dim, generator=generator).to(kv_dtype)
+    v_pool = torch.randn(num_slots, kv_heads, head_dim, generator=generator).to(kv_dtype)
+    padded = torch.zeros(len(lists) + 1, max_len, dtype=torch.int64)
+    for row, slots in enumerate([*lists, prompt]):
+        padded[row, : len(slots)] = slots
+    q = torch.randn(len(lists) + len(prompt), heads, head_dim, generator=generator)
+    decodes = ops.decode_attention(q[: len(lists)], k_pool, v_pool, padded[:-1].reshape(-1), seq_lens, max_len)
+    # The same decode queries after a prompt's 40 tokens, rows given per query.
+    slot_rows = torch.cat([torch.full((len(prompt),), len(lists)), torch.arange(len(lists))])
+    mixed_lens = torch.cat([torch.arange(1, len(prompt) + 1), seq_lens])
+    mixed_q = torch.cat([q[len(lists) :], q[: len(lists)]])
+    mixed = ops.decode_attention(mixed_q, k_pool, v_pool, padded.view(-1), mixed_lens, max_len, slot_rows)
+    for row, slots in enumerate(lists):
+        alone = ops.decode_attention(
+            q[row : row + 1], k_pool, v_pool, padded[row].clone(), seq_lens[row : row + 1], max_len
+        )
+        assert torch.equal(decodes[row], alone[0]), f"request {row}"
+        assert torch.equal(mixed[len(prompt) + row], alone[0]), f"request {row} beside a prompt"
+        keys = k_pool[slots].float().repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)
+        values = v_pool[slots].float().repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)
+        expected = F.scaled_dot_product_attention(q[row].unsqueeze(1), keys, values).squeeze(1)
+        torch.testing.assert_close(decodes[row], expected, rtol=1e-4, atol=1e-5)
+
+
 class Prompts:
     """Whole prompts of random K/V in one pool (slots shuffled) and a query per token, each
     token seeing its prompt up to itself, as a prefill does."""
