@@ -119,6 +119,9 @@ int sluice_qgemm(int M, int N, int K, const float *x, int weight_type, const uin
 void sluice_rmsnorm(int rows, int dim, const float *x, const float *w, float eps, float *out);
 void sluice_add_rmsnorm(int rows, int dim, float *hidden, const float *delta, const float *w, float eps, float *out);
 
+/* argmax.c: torch.argmax over each row (first of equal values; a NaN is the largest). */
+void sluice_argmax_rows(int rows, int cols, const float *x, int64_t *out);
+
 /* rope_store.c: pools hold kv_dtype elements. */
 void sluice_rope_store(int tokens, int heads, int kv_heads, int head_dim, float *qkv, const float *cos,
                        const float *signed_sin, void *k_pool, void *v_pool, int kv_dtype, const int64_t *slots);

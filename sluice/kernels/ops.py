@@ -89,6 +89,15 @@ class KernelOps:
             raise ValueError(f"qgemm refused in_features={in_features} or format {format!r}")
         return out
 
+    def argmax_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """x.argmax(-1) for a float32 [rows, cols] matrix, the same indices (ties and NaN included)."""
+        x = x.contiguous()
+        rows, cols = x.shape
+        out = torch.empty(rows, dtype=torch.int64)
+        if rows and cols:
+            self.lib.sluice_argmax_rows(rows, cols, _pointer(x, "x", torch.float32), out.data_ptr())
+        return out
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         x = x.contiguous()
         rows, dim = x.shape

@@ -47,6 +47,10 @@ class KernelBackend:
         out = quantized.matmul(x)
         return out if bias is None else out.add_(bias)
 
+    def argmax_rows(self, scores: torch.Tensor) -> torch.Tensor:
+        """scores.argmax(-1) (greedy sampling), in C: torch's takes ~10x longer."""
+        return self.ops.argmax_rows(scores)
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return self.ops.rms_norm(x, weight, eps)
 
@@ -110,6 +114,9 @@ class TorchBackend:
     name = "torch"
     every_token_decodes = False
     isa = None
+
+    def argmax_rows(self, scores: torch.Tensor) -> torch.Tensor:
+        return scores.argmax(-1)
 
     def linear(
         self,

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Final, NamedTuple
 
 import torch
@@ -124,18 +126,26 @@ class SamplingBatch:
         )
 
 
+TORCH_ARGMAX_ROWS: Final = partial(torch.argmax, dim=-1)
+
+
 def sample(
-    logits: Tensor, batch: SamplingBatch, top_logprobs_nums: list[int], with_logprobs: bool = True
+    logits: Tensor,
+    batch: SamplingBatch,
+    top_logprobs_nums: list[int],
+    with_logprobs: bool = True,
+    argmax_rows: Callable[[Tensor], Tensor] = TORCH_ARGMAX_ROWS,
 ) -> SampleOutput:
     """logits: float32 [batch_size, vocab_size]; it is left unchanged. Without `with_logprobs`
-    (no row asked for them) the output's logprobs and top_logprobs are empty lists."""
+    (no row asked for them) the output's logprobs and top_logprobs are empty lists.
+    argmax_rows: each row's argmax, for the greedy rows (the backend's, where it is faster)."""
     scores = _penalised(logits, batch)
     if batch.all_greedy:
-        next_ids = scores.argmax(-1)
+        next_ids = argmax_rows(scores)
     else:
         next_ids = torch.empty(batch.batch_size, dtype=torch.long)
         if len(batch.greedy_rows):
-            next_ids[batch.greedy_rows] = scores[batch.greedy_rows].argmax(-1)
+            next_ids[batch.greedy_rows] = argmax_rows(scores[batch.greedy_rows])
         if (group := batch.top_k_rows) is not None:
             next_ids[group.rows] = _sample_top_k(_scaled(scores, group), group)
         if (group := batch.whole_vocab_rows) is not None:

@@ -378,6 +378,7 @@ class Scheduler:
                 sampling_batch,
                 [r.top_logprobs_num if r.return_logprob else 0 for r in reqs],
                 with_logprobs=any(r.return_logprob for r in reqs),
+                argmax_rows=self.runner.execution.backend.argmax_rows,
             )
 
         outputs: list[SchedulerOutput] = []

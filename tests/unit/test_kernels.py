@@ -126,6 +126,23 @@ def test_wrappers_refuse_wrong_tensors_instead_of_reading_memory(ops):
         )
 
 
+@pytest.mark.parametrize("cols", [1, 7, 8, 49152 + 3])
+def test_argmax_rows_gives_torchs_indices_ties_and_nans_included(ops, cols):
+    generator = torch.Generator().manual_seed(8)
+    x = torch.randn(12, cols, generator=generator)
+    x[1] = float("-inf")  # a row every token of which is banned
+    x[2, cols // 2 :] = float("inf")  # ties: the first is taken
+    x[3, cols - 1] = float("nan")  # a NaN is the largest
+    x[4, cols // 3] = float("nan")
+    x[4, cols - 1] = float("nan")
+    x[5] = 0.0
+    x[5, cols // 2] = -0.0
+    x[6] = x[6].round()  # many equal values
+    x[7, : cols // 2 + 1] = x[7].max() + 1.0  # the largest in the vector part and the tail
+    assert torch.equal(ops.argmax_rows(x), x.argmax(-1))
+    assert torch.equal(ops.argmax_rows(x[3:9:2]), x[3:9:2].argmax(-1))  # rows taken out of a batch
+
+
 def test_rms_norm_and_fused_add_match_torch(ops):
     generator = torch.Generator().manual_seed(1)
     x = torch.randn(5, 576, generator=generator) * 3
