@@ -373,8 +373,11 @@ class Scheduler:
             if constrained:
                 allowed = self.grammars.allowed([reqs[k].grammar for k in constrained])
                 sampling_batch.allowed = (torch.tensor(constrained, dtype=torch.long), allowed)
+            # Rows are gathered only when some logits rows are not sampled (prompt logprobs): a
+            # decode step samples every row, and a copy of its [batch, vocab] logits costs ~1 ms.
+            sample_rows = batch.sample_logit_rows
             next_tokens = sample(
-                logits[batch.sample_logit_rows],
+                logits if len(sample_rows) == len(logits) else logits[sample_rows],
                 sampling_batch,
                 [r.top_logprobs_num if r.return_logprob else 0 for r in reqs],
                 with_logprobs=any(r.return_logprob for r in reqs),
