@@ -15,7 +15,9 @@ layers' pools (so the K/V rows come from memory, as in a model), slots shuffled 
 pool; SDPA attends the same rows gathered into contiguous float32 tensors beforehand (its
 gather not timed). Prints milliseconds per step and the K/V bytes sluice read per second
 (counting a shared prefix once per request). --shared-prefix P: every request's first P
-slots are the same (a system prompt in the radix cache).
+slots are the same (a system prompt in the radix cache). --slot-runs R: each request's slots
+come in runs of R consecutive pool rows (the runs shuffled), as a paged or run-reserving
+allocator would lay them out; 1 (the default) scatters every row.
 """
 
 from __future__ import annotations
@@ -54,6 +56,9 @@ def main() -> None:
     parser.add_argument("--isa", default=None, help="kernel build (default: the best this CPU runs)")
     parser.add_argument("--decode", type=int, default=0, metavar="N", help="a decode step of N requests instead")
     parser.add_argument("--layers", type=int, default=30, help="--decode: layers (pools) a step reads")
+    parser.add_argument(
+        "--slot-runs", type=int, default=1, metavar="R", help="--decode: a request's slots come in runs of R in a row"
+    )
     parser.add_argument("--shared-prefix", type=int, default=0, metavar="P", help="--decode: slots all requests share")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -112,7 +117,10 @@ def bench_decode_step(ops: KernelOps, args: argparse.Namespace) -> None:
         generator = torch.Generator().manual_seed(length)
         q = torch.randn(requests, args.heads, args.head_dim, generator=generator)
         num_slots = requests * length + 1
-        slots = torch.randperm(num_slots - 1, generator=generator) + 1
+        # Runs of --slot-runs consecutive slots, the runs in random order over the pool.
+        run = args.slot_runs
+        runs = torch.randperm((num_slots - 1) // run, generator=generator)
+        slots = (runs[:, None] * run + torch.arange(run)).reshape(-1) + 1
         seq_lens = torch.full((requests,), length)
         rows = slots.view(requests, length)
         rows[:, : args.shared_prefix] = rows[0, : args.shared_prefix].clone()
