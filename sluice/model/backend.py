@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from sluice.kernels.ops import KernelOps
 from sluice.model.attention import AttentionMetadata, AttentionOptions, torch_attention
 from sluice.model.quantized_linear import QuantizedProjection
+from sluice.model.sampler import TORCH_ARGMAX_ROWS
 
 
 class KernelBackend:
@@ -115,8 +116,7 @@ class TorchBackend:
     every_token_decodes = False
     isa = None
 
-    def argmax_rows(self, scores: torch.Tensor) -> torch.Tensor:
-        return scores.argmax(-1)
+    argmax_rows = staticmethod(TORCH_ARGMAX_ROWS)  # the sampler's own default
 
     def linear(
         self,
