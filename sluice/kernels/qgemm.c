@@ -185,7 +185,7 @@ ALWAYS_INLINE void group_super(const int rows, const int format, int nb, int K, 
                 acc[r] = VEC_FMADD(six_bit_block(u->q, x, low_sum, high_sum, u->first, u->second), VEC_SET1(xd[index]),
                                    acc[r]);
             } else {
-                const group_acc dots = VEC_CVT_INT(nibble_block_dots(u->q, x));
+                const group_acc dots = VEC_CVT_INT(nibble_block_dots(u->q, x, format == SLUICE_Q5_K));
                 acc[r] = VEC_FMADD(dots, VEC_MUL(u->first, VEC_SET1(xd[index])), acc[r]);
                 acc[r] = VEC_FNMADD(u->second, VEC_SET1(xdsum[index]), acc[r]);
             }

@@ -30,15 +30,21 @@ ALWAYS_INLINE __m256 scaled_bytes(const uint8_t *bytes, __m256 by) {
     return _mm256_mul_ps(by, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)bytes))));
 }
 
-/* The exact integer dots of one activation block with a block of unpacked nibbles. */
-ALWAYS_INLINE __m256i nibble_block_dots(const __m256i *q, const int8_t *x) {
+/* The exact integer dots of one activation block with a block of unpacked nibbles (five_bits:
+ * q5_k's and q5_1's, a compile-time constant where it is inlined). Each int16 lane of a
+ * maddubs holds two products of a row, so summing all 8 words' lanes adds 16 products: at
+ * most 16 * 15 * 127 = 30,480 for 4-bit q, within int16, but up to 62,992 for 5-bit q, which
+ * wrapped (a block of equal activations against q = 31 came out negative). Five-bit blocks
+ * are summed as two halves of 8 products, widened to int32 before they are added. */
+ALWAYS_INLINE __m256i nibble_block_dots(const __m256i *q, const int8_t *x, const int five_bits) {
+    const __m256i ones = _mm256_set1_epi16(1);
     __m256i pairs[4];
     for (int g = 0; g < 8; g += 2)
         pairs[g / 2] = _mm256_add_epi16(_mm256_maddubs_epi16(q[g], broadcast4(x + 4 * g)),
                                         _mm256_maddubs_epi16(q[g + 1], broadcast4(x + 4 * g + 4)));
-    /* 8 products of at most 31 * 127 each (q4_1's and q4_k's q < 16, q5_k's and q5_1's < 32): int16 cannot overflow. */
-    const __m256i sums = _mm256_add_epi16(_mm256_add_epi16(pairs[0], pairs[1]), _mm256_add_epi16(pairs[2], pairs[3]));
-    return _mm256_madd_epi16(sums, _mm256_set1_epi16(1));
+    const __m256i first = _mm256_add_epi16(pairs[0], pairs[1]), second = _mm256_add_epi16(pairs[2], pairs[3]);
+    if (five_bits) return _mm256_add_epi32(_mm256_madd_epi16(first, ones), _mm256_madd_epi16(second, ones));
+    return _mm256_madd_epi16(_mm256_add_epi16(first, second), ones);
 }
 
 /* q5_k's and q5_1's fifth bits into bit 4 of the unpacked nibbles; see the AVX-512 version. */
@@ -64,7 +70,7 @@ ALWAYS_INLINE void group_q4_1(const int rows, const int five_bits, int nb, int K
         const __m256 d = load_halves(w + scales_at), m = load_halves(w + scales_at + 2 * GROUP);
         for (int r = 0; r < rows; r++) {
             const size_t index = (size_t)r * nb + b;
-            const __m256 dots = _mm256_cvtepi32_ps(nibble_block_dots(q, xq + (size_t)r * K + b * QK));
+            const __m256 dots = _mm256_cvtepi32_ps(nibble_block_dots(q, xq + (size_t)r * K + b * QK, five_bits));
             acc[r] = _mm256_fmadd_ps(dots, _mm256_mul_ps(d, _mm256_set1_ps(xd[index])), acc[r]);
             acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(xdsum[index]), acc[r]);
         }

@@ -37,7 +37,10 @@ ALWAYS_INLINE __m512 scaled_bytes(const uint8_t *bytes, __m512 by) {
     return _mm512_mul_ps(by, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)bytes))));
 }
 
-ALWAYS_INLINE __m512i nibble_block_dots(const __m512i *q, const int8_t *x) { return block_dots(q, x); }
+ALWAYS_INLINE __m512i nibble_block_dots(const __m512i *q, const int8_t *x, const int five_bits) {
+    (void)five_bits; /* vpdpbusd sums 4 products into int32: nothing to widen */
+    return block_dots(q, x);
+}
 
 /* q5_k, q5_1: the fifth bits of a block (a word a row, bit g of byte t for weight 4g + t) into
  * bit 4 of the unpacked nibbles q[g]. Each 16-bit shift is masked after, to bit 4 of each

@@ -75,6 +75,28 @@ def test_a_row_gives_the_same_bits_alone_and_in_any_batch(ops, format):
     assert torch.equal(quantized.matmul(x[5:22]), batched[5:22])
 
 
+# Where each GGUF block type keeps its quants (after its scales): every bit set there makes
+# every quant its largest (q8_0's 0x7F: 127).
+QUANT_BYTES = {"Q8_0": (2, 34, 0x7F), "Q4_1": (4, 20, 0xFF), "Q5_1": (4, 24, 0xFF)}
+QUANT_BYTES |= {"Q4_K": (16, 144, 0xFF), "Q5_K": (16, 176, 0xFF), "Q6_K": (0, 192, 0xFF)}
+
+
+@pytest.mark.parametrize("format", list(BlockFormat))
+@pytest.mark.parametrize("rows", [1, 4, 17])
+def test_the_largest_quants_against_equal_activations_stay_exact(ops, format, rows):
+    """Equal activations quantize to 127 each; against the largest quants every integer dot is
+    at its bound (AVX2's int16 lanes wrapped here for the 5-bit formats once)."""
+    import gguf
+
+    raw = random_blocks(24, 512, format.name, seed=rows)
+    block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[format.name]][1]
+    start, end, value = QUANT_BYTES[format.name]
+    raw.reshape(-1, block_bytes)[:, start:end] = value
+    quantized = QuantizedLinearWeight.from_rows(block_rows(raw, format.name, (24, 512), format), ops)
+    x = torch.ones(rows, 512)
+    assert relative_error(quantized.matmul(x), F.linear(x, quantized.dequantize())) < 1e-5
+
+
 @pytest.mark.skipif(len(SUPPORTED) < 2, reason="needs a CPU with AVX-512 VNNI to compare against AVX2")
 @pytest.mark.parametrize("format", list(BlockFormat))
 def test_every_build_gives_the_same_bits(format):
