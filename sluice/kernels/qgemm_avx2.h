@@ -64,6 +64,7 @@ ALWAYS_INLINE void group_q4_1(const int rows, const int five_bits, int nb, int K
     const int scales_at = (five_bits ? 20 : 16) * GROUP;
     for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
     for (int b = 0; b < nb; b++, w += block_bytes) {
+        prefetch_ahead(w, block_bytes);
         __m256i q[8];
         unpack_nibbles(w, q);
         if (five_bits) add_fifth_bits(w + 16 * GROUP, q);
@@ -83,6 +84,7 @@ ALWAYS_INLINE void group_q8_0(const int rows, int nb, int K, const uint8_t *w, c
     const __m256i ones = _mm256_set1_epi16(1);
     for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
     for (int b = 0; b < nb; b++, w += SLUICE_Q8_0_GROUP_BLOCK_BYTES) {
+        prefetch_ahead(w, SLUICE_Q8_0_GROUP_BLOCK_BYTES);
         __m256i sums[TILE];
         /* Half a block at a time: its 4 weight vectors and their magnitudes stay in registers. */
         for (int half = 0; half < 2; half++) {

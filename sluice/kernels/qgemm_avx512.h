@@ -61,6 +61,7 @@ ALWAYS_INLINE void group_q4_1(const int rows, const int five_bits, int nb, int K
     const int scales_at = (five_bits ? 20 : 16) * GROUP;
     for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
     for (int b = 0; b < nb; b++, w += block_bytes) {
+        prefetch_ahead(w, block_bytes);
         __m512i q[8];
         unpack_nibbles(w, q);
         if (five_bits) add_fifth_bits(w + 16 * GROUP, q);
@@ -80,6 +81,7 @@ ALWAYS_INLINE void group_q8_0(const int rows, int nb, int K, const uint8_t *w, c
     const __m512i bias = _mm512_set1_epi8((char)0x80);
     for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
     for (int b = 0; b < nb; b++, w += SLUICE_Q8_0_GROUP_BLOCK_BYTES) {
+        prefetch_ahead(w, SLUICE_Q8_0_GROUP_BLOCK_BYTES);
         __m512i q[8];
         for (int g = 0; g < 8; g++) q[g] = _mm512_xor_si512(_mm512_loadu_si512((const void *)(w + 64 * g)), bias);
         const __m512 d = load_halves(w + 32 * GROUP);
