@@ -75,7 +75,7 @@ def test_a_row_gives_the_same_bits_alone_and_in_any_batch(ops, format):
     assert torch.equal(quantized.matmul(x[5:22]), batched[5:22])
 
 
-# Where each GGUF block type keeps its quants (after its scales): every bit set there makes
+# Where each GGUF block type keeps its quants (bytes start..end of a block): every bit set there makes
 # every quant its largest (q8_0's 0x7F: 127).
 QUANT_BYTES = {"Q8_0": (2, 34, 0x7F), "Q4_1": (4, 20, 0xFF), "Q5_1": (4, 24, 0xFF)}
 QUANT_BYTES |= {"Q4_K": (16, 144, 0xFF), "Q5_K": (16, 176, 0xFF), "Q6_K": (0, 192, 0xFF)}
