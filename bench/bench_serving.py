@@ -71,12 +71,15 @@ async def one_request(
                 chunk = json.loads(line[6:])
                 if chunk.get("usage"):
                     result.output_tokens = chunk["usage"]["completion_tokens"]
-                if not chunk.get("choices") or not chunk["choices"][0].get("text"):
-                    continue
+                choice = (chunk.get("choices") or [{}])[0]
                 now = time.perf_counter()
-                if chunks_with_text == 0:
+                # The first token arrives with the first text, or with the finish when no token
+                # had text of its own (a one-token answer can be a byte that decodes to "").
+                if not result.ttft_s and (choice.get("text") or choice.get("finish_reason")):
                     result.ttft_s = now - start
-                else:
+                if not choice.get("text"):
+                    continue
+                if chunks_with_text > 0:
                     result.itls_s.append(now - last)
                 last = now
                 chunks_with_text += 1
@@ -84,6 +87,7 @@ async def one_request(
         result.error = repr(e)
         return result
     result.latency_s = time.perf_counter() - start
+    result.ttft_s = result.ttft_s or result.latency_s  # a stream with neither text nor a finish
     result.output_tokens = result.output_tokens or chunks_with_text
     result.ok = True
     return result
