@@ -148,8 +148,12 @@ async def run(args) -> dict:
     itl = percentiles([x for r in ok for x in r.itls_s])
     output_tokens = sum(r.output_tokens for r in ok)
     # Decode speed as one client sees it: tokens after the first over the time they took.
+    # Only streams whose tokens came as two or more chunks with text (their first token's time
+    # is then the first text's, not a finish that came with all of them).
     decode_rates = [
-        (r.output_tokens - 1) / (r.latency_s - r.ttft_s) for r in ok if r.latency_s > r.ttft_s and r.output_tokens > 1
+        (r.output_tokens - 1) / (r.latency_s - r.ttft_s)
+        for r in ok
+        if r.itls_s and r.latency_s > r.ttft_s and r.output_tokens > 1
     ]
     summary = {
         "requests_ok": len(ok),

@@ -316,6 +316,12 @@ def measure(server: Server, workloads: list[int], log_dir: Path) -> dict:
                     + ", ".join(f"{key} {results[number][key]:.2f}" for key in HEADLINES[number]),
                     flush=True,
                 )
+                if results[number]["requests_failed"]:  # the figures above are of the others only
+                    print(
+                        f"    {results[number]['requests_failed']} requests failed, the first: "
+                        f"{results[number]['first_error']}",
+                        flush=True,
+                    )
             results["peak_rss_mb"] = sampler.peak_bytes / 2**20
             return results
         finally:
