@@ -225,6 +225,9 @@ ALWAYS_INLINE void group_super(const int rows, const int format, int nb, int K, 
     }
 }
 
+/* Activation rows sharing each loaded (or unpacked) block of a format. */
+static inline int tile_rows(int format) { return SLUICE_SUPER_BLOCK_FORMAT(format) ? SUPER_TILE : TILE; }
+
 /* A tile of 1..TILE activation rows, with the row count a compile-time constant. */
 #define DISPATCH_ROWS(call_with_rows)                              \
     switch (rows) {                                                \
@@ -387,7 +390,7 @@ static void multiply_group(int weight_type, const uint8_t *w, int n0, int width,
 #else
     (void)use_tiles;
 #endif
-    const int tile = SLUICE_SUPER_BLOCK_FORMAT(weight_type) ? SUPER_TILE : TILE;
+    const int tile = tile_rows(weight_type);
     /* More rows than one tile: the blocks are unpacked once for all the tiles (the unpacking
      * costs as much as the dots of a few rows: a 2,048-token prompt of a Q4_K_M Llama-3.2-1B
      * body (q4_1 and q6_k) took 7% less time than with q4_1 unpacked per tile, a Gemma-3-1B
@@ -480,7 +483,7 @@ int sluice_qgemm(int M, int N, int K, const float *x, int weight_type, const uin
 #endif
         /* Each thread's buffer for unpacked blocks, once a call (none for a decode step's few
          * rows; where it cannot be had, the blocks are unpacked per tile: the same bits). */
-        unpacked_block *buffer = weight_type != SLUICE_Q8_0 && M > SUPER_TILE
+        unpacked_block *buffer = weight_type != SLUICE_Q8_0 && M > tile_rows(weight_type)
                                      ? aligned_alloc(64, (sizeof(unpacked_block) * (size_t)nb + 63) / 64 * 64)
                                      : NULL;
 #pragma omp for schedule(static)

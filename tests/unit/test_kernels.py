@@ -75,6 +75,18 @@ def test_a_row_gives_the_same_bits_alone_and_in_any_batch(ops, format):
     assert torch.equal(quantized.matmul(x[5:22]), batched[5:22])
 
 
+@pytest.mark.parametrize("format", [BlockFormat.Q4_1, BlockFormat.Q5_1])
+def test_a_batch_past_eight_blocks_gives_the_bits_of_single_rows(ops, format):
+    """A batch's q4_1/q5_1 blocks are unpacked once, eight at a time standing in for a
+    super-block: K = 320 (ten blocks, not whole super-blocks) reaches past the first eight."""
+    quantized, in_features = block_weight(format, 40, 320, ops, seed=7)
+    x = torch.randn(64, in_features, generator=torch.Generator().manual_seed(7))
+    batched = quantized.matmul(x)
+    for row in (0, 33, 63):
+        assert torch.equal(quantized.matmul(x[row : row + 1])[0], batched[row])
+    assert relative_error(batched, F.linear(x, quantized.dequantize())) < 1e-2
+
+
 # Where each GGUF block type keeps its quants (bytes start..end of a block): every bit set there makes
 # every quant its largest (q8_0's 0x7F: 127).
 QUANT_BYTES = {"Q8_0": (2, 34, 0x7F), "Q4_1": (4, 20, 0xFF), "Q5_1": (4, 24, 0xFF)}
