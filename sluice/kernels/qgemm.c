@@ -409,30 +409,19 @@ static void multiply_group(int weight_type, const uint8_t *w, int n0, int width,
         const int32_t *xqsum = x->qsum + first_block, *xqsum_low = x->qsum_low + first_block;
         group_acc acc[SUPER_TILE > TILE ? SUPER_TILE : TILE];
 #define Q8_0_ROWS(R) group_q8_0(R, nb, K, w, xq_tile, xd, xqsum, acc)
-#define Q4_1_ROWS(R) group_q4_1(R, 0, nb, K, w, xq_tile, xd, xqsum, xdsum, acc)
-#define Q5_1_ROWS(R) group_q4_1(R, 1, nb, K, w, xq_tile, xd, xqsum, xdsum, acc)
 #define SUPER_ROWS(R, FORMAT) group_super(R, FORMAT, nb, K, w, unpacked, xq_tile, xd, xqsum, xqsum_low, xdsum, acc)
-#define Q4_1_UNPACKED_ROWS(R) SUPER_ROWS(R, SLUICE_Q4_1)
-#define Q5_1_UNPACKED_ROWS(R) SUPER_ROWS(R, SLUICE_Q5_1)
+/* q4_1 and q5_1 from the unpacked blocks where a call has them, else their packed loop. */
+#define NIBBLE_ROWS(R, FORMAT, FIVE_BITS)                                                                  \
+    (unpacked != NULL ? SUPER_ROWS(R, FORMAT) : group_q4_1(R, FIVE_BITS, nb, K, w, xq_tile, xd, xqsum, xdsum, acc))
+#define Q4_1_ROWS(R) NIBBLE_ROWS(R, SLUICE_Q4_1, 0)
+#define Q5_1_ROWS(R) NIBBLE_ROWS(R, SLUICE_Q5_1, 1)
 #define Q6_K_ROWS(R) SUPER_ROWS(R, SLUICE_Q6_K)
 #define Q4_K_ROWS(R) SUPER_ROWS(R, SLUICE_Q4_K)
 #define Q5_K_ROWS(R) SUPER_ROWS(R, SLUICE_Q5_K)
         switch (weight_type) {
         case SLUICE_Q8_0: DISPATCH_ROWS(Q8_0_ROWS) break;
-        case SLUICE_Q4_1:
-            if (unpacked != NULL) {
-                DISPATCH_ROWS(Q4_1_UNPACKED_ROWS)
-            } else {
-                DISPATCH_ROWS(Q4_1_ROWS)
-            }
-            break;
-        case SLUICE_Q5_1:
-            if (unpacked != NULL) {
-                DISPATCH_ROWS(Q5_1_UNPACKED_ROWS)
-            } else {
-                DISPATCH_ROWS(Q5_1_ROWS)
-            }
-            break;
+        case SLUICE_Q4_1: DISPATCH_ROWS(Q4_1_ROWS) break;
+        case SLUICE_Q5_1: DISPATCH_ROWS(Q5_1_ROWS) break;
         case SLUICE_Q6_K: DISPATCH_SUPER_ROWS(Q6_K_ROWS) break;
         case SLUICE_Q4_K: DISPATCH_SUPER_ROWS(Q4_K_ROWS) break;
         default: DISPATCH_SUPER_ROWS(Q5_K_ROWS) break;
