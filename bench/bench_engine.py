@@ -139,7 +139,7 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--quantization", nargs="+", default=["auto", "none"], choices=["auto", "none", "q8_0"])
+    parser.add_argument("--quantization", nargs="+", default=["auto", "none"], choices=["auto", "none", "q8_0", "gguf"])
     parser.add_argument("--skip-transformers", action="store_true")
     args = parser.parse_args()
 

@@ -46,8 +46,9 @@ class ServerArgs:
         metadata={
             "help": (
                 "auto | none | q8_0 | gguf. Weights small decode batches read through the block-quantized C "
-                "kernel: auto keeps a GGUF file's own Q4/Q5/Q5_K/Q6_K/Q8 quants (Q4_K with float16 block scales; HF "
-                "folders stay dense); gguf keeps every number of the file (Q4_K as q4_k); q8_0 quantizes every "
+                "kernel: auto keeps a GGUF file's own Q4/Q5/Q5_K/Q6_K/Q8 quants (Q4_K exactly on AVX2, with "
+                "float16 block scales on AVX-512 and AMX; HF folders stay dense); gguf keeps every number of the "
+                "file (Q4_K as q4_k on every CPU); q8_0 quantizes every "
                 "linear weight; none is the dense reference path."
             ),
         },

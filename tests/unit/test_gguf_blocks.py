@@ -82,7 +82,7 @@ def test_q5_blocks_keep_every_number_of_the_file_in_24_bytes_a_row_and_block(isa
 
 
 def test_q4_k_as_q4_1_keeps_the_files_quants_and_rounds_only_block_scales():
-    """--quantization auto: Q4_K runs as q4_1 blocks holding the file's quants."""
+    """--quantization auto on AVX-512 and AMX: Q4_K runs as q4_1 blocks holding the file's quants."""
     raw = random_blocks(ROWS, COLUMNS, "Q4_K", seed=2)
     rows = block_rows(raw, "Q4_K", (ROWS, COLUMNS), BlockFormat.Q4_1)
     expected = file_weight(raw, "Q4_K")

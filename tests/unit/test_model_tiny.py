@@ -536,18 +536,31 @@ _TYPICAL_SCALE = {"Q4_K": 1e-4, "Q5_K": 3e-5, "Q6_K": 2e-5}
 @pytest.mark.skipif(not kernels_available(), reason="the C kernels need an x86-64 CPU with AVX2 and gcc")
 @pytest.mark.parametrize(
     ("arch", "mode", "body_type"),
-    [("llama", "auto", "Q4_K"), ("qwen3", "auto", "Q4_K"), ("llama", "gguf", "Q4_K"), ("llama", "auto", "Q5_K")],
+    [
+        ("llama", "auto", "Q4_K"),
+        ("qwen3", "auto", "Q4_K"),
+        ("llama", "gguf", "Q4_K"),
+        ("llama", "auto as on AVX-512", "Q4_K"),
+        ("llama", "auto", "Q5_K"),
+    ],
 )
-def test_a_k_quant_gguf_runs_the_files_blocks(arch, mode, body_type, tmp_path: Path):
+def test_a_k_quant_gguf_runs_the_files_blocks(arch, mode, body_type, tmp_path: Path, monkeypatch):
     """A Q4_K_M- or Q5_K_M-style file (widths of whole 256-weight super-blocks): Q6_K and Q5_K
-    matrices run as the file's own q6_k and q5_k blocks, Q4_K ones as q4_1 blocks of the
-    file's quants (auto) or as its q4_k blocks (gguf), and a fused q/k/v whose v is Q6_K as
+    matrices run as the file's own q6_k and q5_k blocks, Q4_K ones as its q4_k blocks (gguf,
+    and auto on AVX2) or as q4_1 blocks of the file's quants (auto on AVX-512 and AMX, taken
+    on this CPU's build too by "auto as on AVX-512"), and a fused q/k/v whose v is Q6_K as
     q/k's blocks above v's (on both paths); the Q6_K embedding is looked up in its blocks (no
     float table), and logits stay near those of transformers on what the file's blocks
     dequantize to."""
     import gguf
 
+    from sluice.kernels.cpu import ISA_NAMES
+    from sluice.model import quantization
     from tests.gguf_files import _interleave_rotary_halves, random_blocks
+
+    if mode == "auto as on AVX-512":
+        monkeypatch.setattr(quantization, "Q4_K_AS_Q4_1_ISAS", ISA_NAMES)
+        mode = "auto"
 
     shape = {**SHAPE, "hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4}
     if arch == "llama":
@@ -578,7 +591,8 @@ def test_a_k_quant_gguf_runs_the_files_blocks(arch, mode, body_type, tmp_path: P
             raw_matrices[name] = (raw, type_name)
     path = write_gguf(hf_model, tmp_path / "k_m.gguf", arch, raw_matrices=raw_matrices)
     runner = ModelRunner(str(path), torch.float32, mode)
-    exact = body_type == "Q5_K" or mode == "gguf"  # else Q4_K's block scales are rounded to float16
+    q4_k_kept = mode == "gguf" or runner.execution.backend.isa not in quantization.Q4_K_AS_Q4_1_ISAS
+    exact = body_type == "Q5_K" or q4_k_kept  # else Q4_K's block scales are rounded to float16
     four_bit = BlockFormat.Q4_1 if not exact else BlockFormat[body_type]
 
     model = runner.model
