@@ -32,7 +32,8 @@ ALWAYS_INLINE __m256 load_kv8(const char *p, const int kv_dtype) {
 #ifdef SLUICE_AVX512_VNNI
 #define VLEN 16
 #define SCORE_QUERIES 3 /* queries whose scores share each transposed K load: 24 accumulators */
-#define MAX_ACCUMULATORS 24 /* of 32 registers */
+#define VECTOR_REGISTERS 32
+#define MAX_ACCUMULATORS 24
 typedef __m512 vec;
 #define vzero _mm512_setzero_ps
 #define vset1 _mm512_set1_ps
@@ -103,7 +104,8 @@ ALWAYS_INLINE void transpose_square(__m512 r[16]) {
 }
 #else
 #define VLEN 8
-#define MAX_ACCUMULATORS 12 /* of 16 registers */
+#define VECTOR_REGISTERS 16
+#define MAX_ACCUMULATORS 12
 typedef __m256 vec;
 #define vzero _mm256_setzero_ps
 #define vset1 _mm256_set1_ps
@@ -123,7 +125,10 @@ ALWAYS_INLINE float vreduce_max(__m256 v) {
     m = _mm_max_ss(m, _mm_movehdup_ps(m));
     return _mm_cvtss_f32(m);
 }
-#define SCORE_QUERIES 1
+/* Queries whose scores share each transposed K load: their 8 chains would not fit in 16
+ * registers, so they are summed a chain at a time (see chain_scores). */
+#define SCORE_QUERIES 4
+#define CHAIN_KEY_VECTORS 2 /* key vectors per chain pass: 4 x 2 accumulators, 2 K vectors, a q */
 ALWAYS_INLINE __m256 load_kv(const char *p, const int kv_dtype) { return load_kv8(p, kv_dtype); }
 ALWAYS_INLINE __m256 unpacklo_pairs(__m256 a, __m256 b) {
     return _mm256_castpd_ps(_mm256_unpacklo_pd(_mm256_castps_pd(a), _mm256_castps_pd(b)));

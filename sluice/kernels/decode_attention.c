@@ -268,8 +268,66 @@ ALWAYS_INLINE void widen_values(const int kv_dtype, int head_dim, int t0, int n,
  * group_scores sums it (its partial sum l is chain p[l] here, then the same tree), so a
  * query's scores are the same bits whichever of the two computed them. What this saves is
  * the horizontal sums per key and the widening of K per query. */
+#ifdef CHAIN_KEY_VECTORS
+/* scores of NQ queries (q_stride apart, their scores query_stride apart) against KB vectors
+ * of transposed keys, summed as group_scores_transposed sums them, but one chain at a time:
+ * chain l of every (query, key vector) pair is accumulated over the head (NQ * KB
+ * independent sums: each K load serves NQ queries, each broadcast of q KB vectors) and set
+ * aside, and the 8 chains then meet by the same tree. For AVX2, whose 16 registers cannot
+ * hold 8 chains of more than one query: there each K load served one fused multiply-add. */
+ALWAYS_INLINE void chain_scores(const int NQ, const int KB, const float *q, long q_stride, int head_dim, const float *kt,
+                                float scale, float *scores, size_t query_stride) {
+    vec chains[8][SCORE_QUERIES][CHAIN_KEY_VECTORS];
+    for (int l = 0; l < 8; l++) {
+        vec acc[SCORE_QUERIES][CHAIN_KEY_VECTORS];
+        for (int j = 0; j < NQ; j++)
+            for (int b = 0; b < KB; b++) acc[j][b] = vzero();
+        for (int i = 0; i < head_dim; i += 8) {
+            vec k[CHAIN_KEY_VECTORS];
+            for (int b = 0; b < KB; b++) k[b] = vload(kt + (size_t)(i + l) * KV_TILE + b * VLEN);
+            for (int j = 0; j < NQ; j++) {
+                const vec x = vset1(q[(size_t)j * q_stride + i + l]);
+                for (int b = 0; b < KB; b++) acc[j][b] = vfmadd(x, k[b], acc[j][b]);
+            }
+        }
+        for (int j = 0; j < NQ; j++)
+            for (int b = 0; b < KB; b++) chains[l][j][b] = acc[j][b];
+    }
+    for (int j = 0; j < NQ; j++)
+        for (int b = 0; b < KB; b++) {
+            const vec sum = vadd(vadd(vadd(chains[0][j][b], chains[1][j][b]), vadd(chains[2][j][b], chains[3][j][b])),
+                                 vadd(vadd(chains[4][j][b], chains[5][j][b]), vadd(chains[6][j][b], chains[7][j][b])));
+            vstore(scores + (size_t)j * query_stride + b * VLEN, vmul(sum, vset1(scale)));
+        }
+}
+
+/* chain_scores over a tile's n keys (rounded up to VLEN) for the G heads of SCORE_QUERIES
+ * queries. Out of line: inlined beside the decode path, it slowed decode steps by 5-7% (the
+ * register allocation of the one large function). */
+static __attribute__((noinline)) void chain_scores_tile(int G, const float *q, long q_stride, int head_dim, int n,
+                                                        float scale, const float *kt, float *scores,
+                                                        size_t query_stride) {
+    for (int g = 0; g < G; g++) {
+        const float *qg = q + (size_t)g * head_dim;
+        float *sg = scores + (size_t)g * KV_TILE;
+        int tb = 0;
+        for (; tb + (CHAIN_KEY_VECTORS - 1) * VLEN < n; tb += CHAIN_KEY_VECTORS * VLEN)
+            chain_scores(SCORE_QUERIES, CHAIN_KEY_VECTORS, qg, q_stride, head_dim, kt + tb, scale, sg + tb,
+                         query_stride);
+        for (; tb < n; tb += VLEN)
+            chain_scores(SCORE_QUERIES, 1, qg, q_stride, head_dim, kt + tb, scale, sg + tb, query_stride);
+    }
+}
+#endif
+
 ALWAYS_INLINE void group_scores_transposed(const int NQ, const int G, const float *q, long q_stride, int head_dim,
                                            int n, float scale, const float *kt, float *scores, size_t query_stride) {
+#ifdef CHAIN_KEY_VECTORS
+    if (NQ == SCORE_QUERIES) {
+        chain_scores_tile(G, q, q_stride, head_dim, n, scale, kt, scores, query_stride);
+        return;
+    }
+#endif
     for (int g = 0; g < G; g++) {
         for (int tb = 0; tb < n; tb += VLEN) {
             vec p[SCORE_QUERIES][8];
@@ -339,6 +397,11 @@ ALWAYS_INLINE void attend_block(const int G, const int width, const int kv_dtype
     const int shared_reach = shared_len < longest ? shared_len : longest;
     float *kt = scratch + (size_t)QUERY_BLOCK * G * KV_TILE, *vt = kt + (size_t)head_dim * KV_TILE;
     const kv_rows widened_values = {(const char *)vt, sizeof(float) * head_dim};
+    /* Over the widened tile in cache the slice's accumulators, its V vectors and a broadcast
+     * weight must fit in registers: a spilled accumulator makes every key wait on a store and
+     * a reload (SmolLM2's 3 heads a group at width 4 on AVX2, 17 of 16 registers: 40% of a
+     * long prompt's attention time went there). The width changes no sum's order. */
+    const int tile_width = (G + 1) * width + 1 <= VECTOR_REGISTERS || width == 1 ? width : width / 2;
     /* The first query of the block has the earliest window. */
     for (int t0 = window_start((int)lens[0], window) / KV_TILE * KV_TILE; t0 < longest; t0 += KV_TILE) {
         const int transposed =
@@ -377,7 +440,7 @@ ALWAYS_INLINE void attend_block(const int G, const int width, const int kv_dtype
             }
             const int first_tile = t0 <= start; /* the tile holding the window's first slot (0 without one) */
             if (transposed)
-                group_values(G, width, SLUICE_KV_FLOAT32, tile, KV_TILE, correction, head_dim, first_tile, 0, t1 - t0,
+                group_values(G, tile_width, SLUICE_KV_FLOAT32, tile, KV_TILE, correction, head_dim, first_tile, 0, t1 - t0,
                              0, widened_values, TILE_ROWS, out + (size_t)i * out_stride);
             else
                 group_values(G, width, kv_dtype, tile, KV_TILE, correction, head_dim, first_tile, t0, t1, len, values,
@@ -471,7 +534,10 @@ static int share_prefixes(int blocks, int *starts, int *shared, const int64_t *s
     return merged;
 }
 
-/* The widest slice (in vectors) that divides head_dim and keeps the accumulators in registers. */
+/* The widest slice (in vectors) of the values that divides head_dim with at most
+ * MAX_ACCUMULATORS accumulators. Reading V rows from the pool (bound by memory) the fewest
+ * passes over them are fastest, even where some accumulators spill (attend_block narrows
+ * the slice for rows in cache). */
 static int value_width(int group, int head_dim) {
     if (group * 4 <= MAX_ACCUMULATORS && head_dim % (4 * VLEN) == 0) return 4;
     if (group * 2 <= MAX_ACCUMULATORS && head_dim % (2 * VLEN) == 0) return 2;
