@@ -41,11 +41,17 @@ class RequestResult:
     latency_s: float = 0.0
     itls_s: list[float] = field(default_factory=list)
     error: str = ""
+    retried: bool = False  # the first attempt's connection closed with no response
+    responded: bool = False  # the server sent a status line
 
 
 async def one_request(
     client: httpx.AsyncClient, url: str, model: str, prompt: str, output_len: int, extra_body: dict | None = None
 ) -> RequestResult:
+    """One streamed request. A connection the server closed before sending any response (a
+    kept-alive one it dropped as the request went out) is retried once on a new one, as
+    clients do (the OpenAI SDK retries connection errors twice); the retry's time is counted
+    from its own start."""
     body = {
         **(extra_body or {}),
         "model": model,
@@ -56,36 +62,48 @@ async def one_request(
         "ignore_eos": True,
         "stream_options": {"include_usage": True},
     }
+    for attempt in (1, 2):
+        result = RequestResult(ok=False, retried=attempt > 1)
+        start = time.perf_counter()
+        try:
+            return await _stream(client, url, body, result)
+        except httpx.RemoteProtocolError as e:
+            result.error = f"{e!r} after {time.perf_counter() - start:.1f} s"
+            if result.responded:
+                return result
+        except httpx.HTTPError as e:
+            result.error = repr(e)
+            return result
+    return result
+
+
+async def _stream(client: httpx.AsyncClient, url: str, body: dict, result: RequestResult) -> RequestResult:
     start = time.perf_counter()
     last = start
-    result = RequestResult(ok=False)
     chunks_with_text = 0
-    try:
-        async with client.stream("POST", url, json=body) as response:
-            if response.status_code != 200:
-                result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
-                return result
-            async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if chunk.get("usage"):
-                    result.output_tokens = chunk["usage"]["completion_tokens"]
-                choice = (chunk.get("choices") or [{}])[0]
-                now = time.perf_counter()
-                # The first token arrives with the first text, or with the finish when no token
-                # had text of its own (a one-token answer can be a byte that decodes to "").
-                if not result.ttft_s and (choice.get("text") or choice.get("finish_reason")):
-                    result.ttft_s = now - start
-                if not choice.get("text"):
-                    continue
-                if chunks_with_text > 0:
-                    result.itls_s.append(now - last)
-                last = now
-                chunks_with_text += 1
-    except httpx.HTTPError as e:
-        result.error = repr(e)
-        return result
+    async with client.stream("POST", url, json=body) as response:
+        result.responded = True
+        if response.status_code != 200:
+            result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+            return result
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                result.output_tokens = chunk["usage"]["completion_tokens"]
+            choice = (chunk.get("choices") or [{}])[0]
+            now = time.perf_counter()
+            # The first token arrives with the first text, or with the finish when no token
+            # had text of its own (a one-token answer can be a byte that decodes to "").
+            if not result.ttft_s and (choice.get("text") or choice.get("finish_reason")):
+                result.ttft_s = now - start
+            if not choice.get("text"):
+                continue
+            if chunks_with_text > 0:
+                result.itls_s.append(now - last)
+            last = now
+            chunks_with_text += 1
     result.latency_s = time.perf_counter() - start
     result.ttft_s = result.ttft_s or result.latency_s  # a stream with neither text nor a finish
     result.output_tokens = result.output_tokens or chunks_with_text
@@ -158,6 +176,7 @@ async def run(args) -> dict:
     summary = {
         "requests_ok": len(ok),
         "requests_failed": len(results) - len(ok),
+        "requests_retried": sum(r.retried for r in results),
         "duration_s": duration_s,
         "request_throughput": len(ok) / duration_s,
         "output_tokens": output_tokens,

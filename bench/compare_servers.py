@@ -316,6 +316,12 @@ def measure(server: Server, workloads: list[int], log_dir: Path) -> dict:
                     + ", ".join(f"{key} {results[number][key]:.2f}" for key in HEADLINES[number]),
                     flush=True,
                 )
+                if results[number]["requests_retried"]:
+                    print(
+                        f"    {results[number]['requests_retried']} requests retried: their first connection "
+                        "closed with no response",
+                        flush=True,
+                    )
                 if results[number]["requests_failed"]:  # the figures above are of the others only
                     print(
                         f"    {results[number]['requests_failed']} requests failed, the first: "
