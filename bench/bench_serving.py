@@ -48,10 +48,10 @@ class RequestResult:
 async def one_request(
     client: httpx.AsyncClient, url: str, model: str, prompt: str, output_len: int, extra_body: dict | None = None
 ) -> RequestResult:
-    """One streamed request. A connection the server closed before sending any response (a
-    kept-alive one it dropped as the request went out) is retried once on a new one, as
-    clients do (the OpenAI SDK retries connection errors twice); the retry's time is counted
-    from its own start."""
+    """One streamed request. Where the server closes the connection within a second with no
+    response at all (a kept-alive one it dropped as the request went out), the request is sent
+    once more, as clients do (the OpenAI SDK retries connection errors twice); its times count
+    from the first attempt."""
     body = {
         **(extra_body or {}),
         "model": model,
@@ -62,14 +62,16 @@ async def one_request(
         "ignore_eos": True,
         "stream_options": {"include_usage": True},
     }
+    start = time.perf_counter()
     for attempt in (1, 2):
         result = RequestResult(ok=False, retried=attempt > 1)
-        start = time.perf_counter()
         try:
-            return await _stream(client, url, body, result)
+            return await _stream(client, url, body, result, start)
         except httpx.RemoteProtocolError as e:
-            result.error = f"{e!r} after {time.perf_counter() - start:.1f} s"
-            if result.responded:
+            elapsed_s = time.perf_counter() - start
+            result.error = f"{e!r} after {elapsed_s:.1f} s"
+            dropped = "without sending a response" in str(e) and not result.responded and elapsed_s < 1.0
+            if not dropped:
                 return result
         except httpx.HTTPError as e:
             result.error = repr(e)
@@ -77,8 +79,9 @@ async def one_request(
     return result
 
 
-async def _stream(client: httpx.AsyncClient, url: str, body: dict, result: RequestResult) -> RequestResult:
-    start = time.perf_counter()
+async def _stream(
+    client: httpx.AsyncClient, url: str, body: dict, result: RequestResult, start: float
+) -> RequestResult:
     last = start
     chunks_with_text = 0
     async with client.stream("POST", url, json=body) as response:

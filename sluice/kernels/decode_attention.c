@@ -262,12 +262,6 @@ ALWAYS_INLINE void widen_values(const int kv_dtype, int head_dim, int t0, int n,
     }
 }
 
-/* group_scores over keys transposed by transpose_keys, VLEN keys to a vector, for NQ
- * consecutive queries at once (q_stride apart; their scores query_stride apart) which share
- * each load of K: n keys, rounded up to VLEN. Each key's dot product is summed as
- * group_scores sums it (its partial sum l is chain p[l] here, then the same tree), so a
- * query's scores are the same bits whichever of the two computed them. What this saves is
- * the horizontal sums per key and the widening of K per query. */
 #ifdef CHAIN_KEY_VECTORS
 /* scores of NQ queries (q_stride apart, their scores query_stride apart) against KB vectors
  * of transposed keys, summed as group_scores_transposed sums them, but one chain at a time:
@@ -320,6 +314,12 @@ static __attribute__((noinline)) void chain_scores_tile(int G, const float *q, l
 }
 #endif
 
+/* group_scores over keys transposed by transpose_keys, VLEN keys to a vector, for NQ
+ * consecutive queries at once (q_stride apart; their scores query_stride apart) which share
+ * each load of K: n keys, rounded up to VLEN. Each key's dot product is summed as
+ * group_scores sums it (its partial sum l is chain p[l] here, then the same tree), so a
+ * query's scores are the same bits whichever of the two computed them. What this saves is
+ * the horizontal sums per key and the widening of K per query. */
 ALWAYS_INLINE void group_scores_transposed(const int NQ, const int G, const float *q, long q_stride, int head_dim,
                                            int n, float scale, const float *kt, float *scores, size_t query_stride) {
 #ifdef CHAIN_KEY_VECTORS

@@ -12,7 +12,7 @@
 Q4_K as q4_k keeps the file's numbers and reads 7.5% fewer bytes than as q4_1 (whose block
 scales are rounded to float16, at most 2^-11 of themselves). Where memory bounds a decode step
 that is worth more than q4_1's cheaper arithmetic: on an AVX2 Zen 3 the Llama-3.2-1B body
-decoded 10% faster at one stream, its prompts 2.5% slower. The AMX build multiplies q4_1 on
+decoded 10% faster at one stream, its prompts 2.4-3.5% slower. The AMX build multiplies q4_1 on
 tiles for prompts and batches (q4_k runs the VNNI code there), and on the AVX-512 Zen 4 q4_k
 was no faster at one stream and 7% slower at 32 (measured before the block prefetch), so
 those keep q4_1.
