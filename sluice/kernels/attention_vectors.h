@@ -33,7 +33,7 @@ ALWAYS_INLINE __m256 load_kv8(const char *p, const int kv_dtype) {
 #define VLEN 16
 #define SCORE_QUERIES 3 /* queries whose scores share each transposed K load: 24 accumulators */
 #define VECTOR_REGISTERS 32
-#define MAX_ACCUMULATORS 24
+#define MAX_ACCUMULATORS 24 /* a value slice's, over V rows read from the pool (value_width) */
 typedef __m512 vec;
 #define vzero _mm512_setzero_ps
 #define vset1 _mm512_set1_ps
@@ -105,7 +105,7 @@ ALWAYS_INLINE void transpose_square(__m512 r[16]) {
 #else
 #define VLEN 8
 #define VECTOR_REGISTERS 16
-#define MAX_ACCUMULATORS 12
+#define MAX_ACCUMULATORS 12 /* a value slice's, over V rows read from the pool (value_width) */
 typedef __m256 vec;
 #define vzero _mm256_setzero_ps
 #define vset1 _mm256_set1_ps

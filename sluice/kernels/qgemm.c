@@ -193,12 +193,57 @@ static size_t super_bytes_of(int format) {
                                    : SLUICE_Q4_K_GROUP_SUPER_BYTES;
 }
 
+#ifndef SLUICE_AVX512_VNNI
+/* AVX2: `rows` activation rows against a row group's unpacked nibble blocks (q4_1, q5_1, q4_k,
+ * q5_k), word by word: each weight vector is loaded once for all the rows, whose int16 sums
+ * stay in registers (a block's 8 weight vectors held for the rows, as group_super does, leave
+ * too few of AVX2's 16 for the rows' sums and accumulators, and gcc spilled them: 2x slower).
+ * The integer dots are the same exact sums, 4-bit ones in int16 (8 words: at most 16 * 15 *
+ * 127), 5-bit ones widened after each 4 words (8 * 31 * 127); the float steps are
+ * group_super's, so the bits are too. */
+ALWAYS_INLINE void unpacked_nibble_rows(const int rows, const int five_bits, int nb, int K, const unpacked_block *u,
+                                        const int8_t *xq, const float *xd, const float *xdsum, __m256 *acc) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 totals[TILE]; /* in registers: acc is an array its caller indexes at run time */
+    for (int r = 0; r < rows; r++) totals[r] = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++, u++) {
+        __m256i sums[TILE], wide[TILE];
+#pragma GCC unroll 8
+        for (int g = 0; g < 8; g++) {
+            const __m256i q = _mm256_load_si256(&u->q[g]);
+            for (int r = 0; r < rows; r++) {
+                const __m256i products = _mm256_maddubs_epi16(q, broadcast4(xq + (size_t)r * K + b * QK + 4 * g));
+                sums[r] = g % 4 == 0 && (five_bits || g == 0) ? products : _mm256_add_epi16(sums[r], products);
+                __asm__("" : "+x"(sums[r])); /* kept a running sum: gcc's tree of all 32 products spills */
+                if (five_bits && g == 3) wide[r] = _mm256_madd_epi16(sums[r], ones);
+            }
+        }
+        for (int r = 0; r < rows; r++) {
+            const size_t index = (size_t)r * nb + b;
+            const __m256i dots = five_bits ? _mm256_add_epi32(wide[r], _mm256_madd_epi16(sums[r], ones))
+                                           : _mm256_madd_epi16(sums[r], ones);
+            totals[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), _mm256_mul_ps(u->first, _mm256_set1_ps(xd[index])),
+                                        totals[r]);
+            totals[r] = _mm256_fnmadd_ps(u->second, _mm256_set1_ps(xdsum[index]), totals[r]);
+        }
+    }
+    for (int r = 0; r < rows; r++) acc[r] = totals[r];
+}
+#endif
+
 /* `rows` activation rows against a row group of any format but q8_0, block by block, from
  * the packed weights or, where `unpacked` is not NULL, from all its blocks unpacked before
  * (the same numbers: the results are the same bits either way). */
 ALWAYS_INLINE void group_super(const int rows, const int format, int nb, int K, const uint8_t *w,
                                const unpacked_block *unpacked, const int8_t *xq, const float *xd,
                                const int32_t *xqsum, const int32_t *xqsum_low, const float *xdsum, group_acc *acc) {
+#ifndef SLUICE_AVX512_VNNI
+    if (unpacked != NULL && format != SLUICE_Q6_K) {
+        const int five_bits = format == SLUICE_Q5_K || format == SLUICE_Q5_1;
+        unpacked_nibble_rows(rows, five_bits, nb, K, unpacked, xq, xd, xdsum, acc);
+        return;
+    }
+#endif
     const size_t super_bytes = super_bytes_of(format);
     for (int r = 0; r < rows; r++) acc[r] = VEC_ZERO();
     for (int b = 0; b < nb; b++) {
@@ -236,6 +281,9 @@ static inline int tile_rows(int format) { return SLUICE_SUPER_BLOCK_FORMAT(forma
     case 3: call_with_rows(3); break;                              \
     default: call_with_rows(4); break;                             \
     }
+#if SUPER_TILE == TILE
+#define DISPATCH_SUPER_ROWS DISPATCH_ROWS
+#else
 #define DISPATCH_SUPER_ROWS(call_with_rows)                        \
     switch (rows) {                                                \
     case 1: call_with_rows(1); break;                              \
@@ -247,6 +295,7 @@ static inline int tile_rows(int format) { return SLUICE_SUPER_BLOCK_FORMAT(forma
     case 7: call_with_rows(7); break;                              \
     default: call_with_rows(SUPER_TILE); break;                    \
     }
+#endif
 
 /* The quantized activations in the scratch buffer. */
 typedef struct {
