@@ -197,7 +197,8 @@ static size_t super_bytes_of(int format) {
 /* AVX2: `rows` activation rows against a row group's unpacked nibble blocks (q4_1, q5_1, q4_k,
  * q5_k), word by word: each weight vector is loaded once for all the rows, whose int16 sums
  * stay in registers (a block's 8 weight vectors held for the rows, as group_super does, leave
- * too few of AVX2's 16 for the rows' sums and accumulators, and gcc spilled them: 2x slower).
+ * too few of AVX2's 16 for the rows' sums and accumulators, and gcc spilled them: 15-22%
+ * slower at 128 rows on Zen 3).
  * The integer dots are the same exact sums, 4-bit ones in int16 (8 words: at most 16 * 15 *
  * 127), 5-bit ones widened after each 4 words (8 * 31 * 127); the float steps are
  * group_super's, so the bits are too. */
