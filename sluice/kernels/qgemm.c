@@ -212,9 +212,10 @@ ALWAYS_INLINE void unpacked_nibble_rows(const int rows, const int five_bits, int
 #pragma GCC unroll 8
         for (int g = 0; g < 8; g++) {
             const __m256i q = _mm256_load_si256(&u->q[g]);
+            const int new_sum = g == 0 || (five_bits && g == 4); /* 5-bit: the second half's own sum */
             for (int r = 0; r < rows; r++) {
                 const __m256i products = _mm256_maddubs_epi16(q, broadcast4(xq + (size_t)r * K + b * QK + 4 * g));
-                sums[r] = g % 4 == 0 && (five_bits || g == 0) ? products : _mm256_add_epi16(sums[r], products);
+                sums[r] = new_sum ? products : _mm256_add_epi16(sums[r], products);
                 __asm__("" : "+x"(sums[r])); /* kept a running sum: gcc's tree of all 32 products spills */
                 if (five_bits && g == 3) wide[r] = _mm256_madd_epi16(sums[r], ones);
             }
