@@ -158,6 +158,16 @@ class ServerArgs:
         default=False, metadata={"help": "Return embeddings as pooled, not scaled to unit length."}
     )
     disable_radix_cache: bool = field(default=False, metadata={"help": "Do not reuse KV of shared prefixes."})
+    swa_cache_tokens: int = field(
+        default=4096,
+        metadata={
+            "help": (
+                "Models with sliding-window layers (Gemma 2 and 3): how many tokens outside every running "
+                "request's window keep those layers' K/V, so that cached prefixes ending there can be continued "
+                "(least recently used dropped first). Each costs the window layers' share of a token's K/V."
+            )
+        },
+    )
     weight_version: str = field(
         default="0",
         metadata={
@@ -260,6 +270,7 @@ class ServerArgs:
             (self.max_running_requests >= 1, "max_running_requests must be >= 1"),
             (self.chunked_prefill_size >= 1, "chunked_prefill_size must be >= 1"),
             (self.max_prefill_tokens >= 1, "max_prefill_tokens must be >= 1"),
+            (self.swa_cache_tokens >= 0, "swa_cache_tokens must be >= 0"),
             (self.schedule_policy in ("fcfs", "lpm", "priority"), "schedule_policy must be fcfs, lpm or priority"),
             (
                 not self.priority_preemption or self.schedule_policy == "priority",

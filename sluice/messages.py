@@ -285,6 +285,8 @@ class InternalState(Message):
     kv_tokens_free: int
     kv_tokens_cached: int
     kv_tokens_in_use: int
+    # Tokens whose sliding-window layers' K/V are held (a model with such layers; else 0).
+    kv_window_tokens_held: int = 0
     last_step_ms: float = 0.0
     num_retractions: int = 0  # requests sent back to the waiting queue for KV, since start
     # Messages the scheduler received, by type name (a batch counts once).

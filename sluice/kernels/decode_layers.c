@@ -37,12 +37,14 @@ size_t sluice_decode_layers_scratch_bytes(const sluice_model_dims *d, int M) {
  * (before the final norm). k_pools/v_pools: each layer's pool [slots, kv_heads, head_dim] of dims->kv_dtype.
  * cos/signed_sin [M, head_dim], and local_cos/local_signed_sin for layers with local_rope
  * (else NULL); out_slots [M]: where each token's K/V go; attn_slots
- * [requests, max_len], slot_rows [M] (or NULL) and seq_lens [M] as for sluice_decode_attention. */
+ * [requests, max_len], slot_rows [M] (or NULL) and seq_lens [M] as for sluice_decode_attention;
+ * window_out_slots and window_attn_slots: the same for the sliding-window layers where their
+ * K/V have slots of their own (else NULL: they use out_slots and attn_slots). */
 int sluice_decode_layers(const sluice_model_dims *d, const sluice_layer_weights *layers, void *const *k_pools,
                          void *const *v_pools, int M, float *hidden, const float *cos, const float *signed_sin,
                          const float *local_cos, const float *local_signed_sin, const int64_t *out_slots,
-                         const int64_t *attn_slots, const int64_t *slot_rows, const int64_t *seq_lens, int max_len,
-                         void *scratch) {
+                         const int64_t *attn_slots, const int64_t *window_out_slots, const int64_t *window_attn_slots,
+                         const int64_t *slot_rows, const int64_t *seq_lens, int max_len, void *scratch) {
     const int D = d->hidden, I = d->intermediate, attn_width = d->heads * d->head_dim;
     const int qkv_cols = (int)qkv_width(d);
     float *normed = (float *)scratch;
@@ -71,12 +73,14 @@ int sluice_decode_layers(const sluice_model_dims *d, const sluice_layer_weights 
                                row + (size_t)d->heads * d->head_dim);
             }
         if (w->local_rope && local_cos == NULL) return -1;
+        const int own_slots = w->sliding_window > 0 && window_out_slots != NULL;
         sluice_rope_store(M, d->heads, d->kv_heads, d->head_dim, qkv, w->local_rope ? local_cos : cos,
                           w->local_rope ? local_signed_sin : signed_sin, k_pools[l], v_pools[l], d->kv_dtype,
-                          out_slots);
+                          own_slots ? window_out_slots : out_slots);
         status |= sluice_decode_attention(M, d->heads, d->kv_heads, d->head_dim, max_len, d->attention_scale,
                                           w->sliding_window, d->attn_softcap, qkv, qkv_cols, k_pools[l], v_pools[l],
-                                          d->kv_dtype, attn_slots, slot_rows, seq_lens, attn);
+                                          d->kv_dtype, own_slots ? window_attn_slots : attn_slots, slot_rows,
+                                          seq_lens, attn);
         status |= project(M, D, attn_width, attn, &w->o, pending, qgemm_scratch);
         if (w->pre_feedforward_norm != NULL) { /* Gemma: the attention output is normed before it is added */
             sluice_rmsnorm(M, D, pending, w->post_attention_norm, d->eps, pending);

@@ -155,14 +155,19 @@ class DecodeLayers:
         k_pools: list[torch.Tensor],
         v_pools: list[torch.Tensor],
         local_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+        window_slots: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """hidden [tokens, hidden_size] float32 embeddings (overwritten) -> the residual stream
         after the last layer; attention arguments as for ops.decode_attention; local_rope:
-        (cos, signed_sin) for the layers rotated by the local tables."""
+        (cos, signed_sin) for the layers rotated by the local tables; window_slots: (out_slots,
+        attn_slots) of the sliding-window layers where their K/V have slots of their own."""
         tokens = hidden.shape[0]
         if hidden.dtype != torch.float32 or not hidden.is_contiguous() or hidden.shape[1] != self._dims.hidden:
             raise ValueError(f"hidden must be contiguous float32 [tokens, {self._dims.hidden}]")
-        if any(t.dtype != torch.int64 or not t.is_contiguous() for t in (out_slots, attn_slots, seq_lens)):
+        if any(
+            t.dtype != torch.int64 or not t.is_contiguous()
+            for t in (out_slots, attn_slots, seq_lens, *(window_slots or ()))
+        ):
             raise TypeError("slots and lengths must be contiguous int64")
         if self.local_rope and local_rope is None:
             raise ValueError("these layers take local rotary tables too")
@@ -188,6 +193,8 @@ class DecodeLayers:
             None if local_rope is None else local_rope[1].data_ptr(),
             out_slots.data_ptr(),
             attn_slots.data_ptr(),
+            None if window_slots is None else window_slots[0].data_ptr(),
+            None if window_slots is None else window_slots[1].data_ptr(),
             None if slot_rows is None else slot_rows.data_ptr(),
             seq_lens.data_ptr(),
             max_len,

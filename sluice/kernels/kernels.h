@@ -139,7 +139,8 @@ int sluice_decode_attention(int queries, int heads, int kv_heads, int head_dim, 
 size_t sluice_decode_layers_scratch_bytes(const sluice_model_dims *dims, int M);
 int sluice_decode_layers(const sluice_model_dims *dims, const sluice_layer_weights *layers, void *const *k_pools,
                          void *const *v_pools, int M, float *hidden, const float *cos, const float *signed_sin,
-                         const float *local_cos, const float *local_signed_sin, const int64_t *out_slots, const int64_t *attn_slots, const int64_t *slot_rows,
-                         const int64_t *seq_lens, int max_len, void *scratch);
+                         const float *local_cos, const float *local_signed_sin, const int64_t *out_slots,
+                         const int64_t *attn_slots, const int64_t *window_out_slots, const int64_t *window_attn_slots,
+                         const int64_t *slot_rows, const int64_t *seq_lens, int max_len, void *scratch);
 
 #endif

@@ -11,6 +11,7 @@ a narrower dtype than the activations (a 16-bit KV cache): gathered K/V are wide
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -110,6 +111,20 @@ class AttentionMetadata:
             decode_slot_rows=None
             if one_per_request
             else torch.repeat_interleave(torch.arange(len(fb.extend_lens)), torch.tensor(fb.extend_lens)),
+        )
+
+    def through(self, slot_of: torch.Tensor) -> AttentionMetadata:
+        """The same attention over other KV slots, `slot_of[slot]` for each: the sliding-window
+        layers' own (ForwardBatch.window_slot_of)."""
+        return dataclasses.replace(
+            self,
+            decode_kv_slots=None if self.decode_kv_slots is None else slot_of[self.decode_kv_slots],
+            prefills=[
+                segment
+                if segment.kv_slots is None
+                else dataclasses.replace(segment, kv_slots=slot_of[segment.kv_slots])
+                for segment in self.prefills
+            ],
         )
 
     @property

@@ -33,3 +33,7 @@ class ForwardBatch:
     # pools; the model fills `hidden_states` ([len(hidden_indices), hidden], float32).
     hidden_indices: torch.Tensor | None = None
     hidden_states: torch.Tensor | None = None
+    # A model with sliding-window layers: their K/V buffers are indexed by window slots,
+    # `window_slot_of[slot]` (0 = padding for a token no query of this step sees through a
+    # window). None: every layer is indexed by the slots above.
+    window_slot_of: torch.Tensor | None = None

@@ -163,6 +163,10 @@ class LlamaForCausalLM(nn.Module):
         rotaries = cast(list[RotaryEmbedding], list(self.rotaries))  # nn.ModuleList holds them untyped
         ropes: list[RopeTables] = [(rotary, *rotary.lookup(fb.positions)) for rotary in rotaries]
         hidden = self._embed(fb)
+        # The sliding-window layers' K/V slots, where they have their own (see ForwardBatch).
+        window_cache_loc, window_metadata = fb.out_cache_loc, metadata
+        if fb.window_slot_of is not None:
+            window_cache_loc, window_metadata = fb.window_slot_of[fb.out_cache_loc], metadata.through(fb.window_slot_of)
         if self.decode_layers is not None and metadata.decode_only:
             _, cos, signed_sin = ropes[0]
             local_rope = (ropes[1][1], ropes[1][2]) if len(ropes) > 1 else None
@@ -178,12 +182,22 @@ class LlamaForCausalLM(nn.Module):
                 fb.k_buffers,
                 fb.v_buffers,
                 local_rope,
+                window_slots=(window_cache_loc, window_metadata.decode_slots)
+                if fb.window_slot_of is not None
+                else None,
             )
         else:
             pending = None
             for layer, k_buffer, v_buffer in zip(self.decoder_layers, fb.k_buffers, fb.v_buffers, strict=True):
+                windowed = layer.attention_options.sliding_window is not None
                 hidden, pending = layer(
-                    hidden, pending, ropes[layer.rope_index], k_buffer, v_buffer, fb.out_cache_loc, metadata
+                    hidden,
+                    pending,
+                    ropes[layer.rope_index],
+                    k_buffer,
+                    v_buffer,
+                    window_cache_loc if windowed else fb.out_cache_loc,
+                    window_metadata if windowed else metadata,
                 )
             assert pending is not None, "a model has at least one layer"
             hidden = hidden + pending

@@ -105,7 +105,7 @@ class StepBatch:
 
 def build_forward_batch(
     batch: StepBatch,
-    req_to_token: torch.Tensor,
+    kv: KVManager,
     k_buffers: list[torch.Tensor],
     v_buffers: list[torch.Tensor],
     runner: ModelRunner | None = None,
@@ -116,6 +116,7 @@ def build_forward_batch(
     seq_lens: list[int] = []
     mm_rows: list[int] = []
     mm_embeds: list[torch.Tensor] = []
+    req_to_token = kv.req_to_token
     offset = 0
     for req, n, start in zip(batch.reqs, batch.extend_lens, batch.starts, strict=True):
         if req.image_offsets and start < len(req.prompt_ids):
@@ -144,4 +145,5 @@ def build_forward_batch(
         mm_rows=torch.tensor(mm_rows, dtype=torch.int64) if mm_rows else None,
         mm_embeds=torch.cat(mm_embeds) if mm_embeds else None,
         hidden_indices=batch.hidden_indices,
+        window_slot_of=kv.window_slot_of,
     )

@@ -325,6 +325,7 @@ def merge_states(states: list[InternalState], ipc: str | None, control_id: int =
         kv_tokens_free=total("kv_tokens_free"),
         kv_tokens_cached=total("kv_tokens_cached"),
         kv_tokens_in_use=total("kv_tokens_in_use"),
+        kv_window_tokens_held=total("kv_window_tokens_held"),
         last_step_ms=max((state.last_step_ms for state in states), default=0.0),
         num_retractions=total("num_retractions"),
         messages_received=summed("messages_received"),

@@ -3,20 +3,40 @@
 Every token slot is in exactly one of three places: free in the allocator, held by the
 radix cache (locked by running requests or evictable), or owned by one running request
 (the part of its sequence the cache does not hold yet).
+
+A model with sliding-window layers keeps their K/V in window slots of their own
+(memory_pool.SlidingWindowSlotAllocator). A running request's window always has them; beyond
+the windows of running requests, at most `window_cache_tokens` tokens keep theirs, so that
+cached prefixes can be continued (least recently used dropped first). A cached prefix is
+continued only up to where the window before it is whole.
 """
 
 from __future__ import annotations
 
 import torch
 
-from sluice.scheduler.memory_pool import ReqToTokenPool, TokenToKVSlotAllocator
+from sluice.scheduler.memory_pool import ReqToTokenPool, SlidingWindowSlotAllocator, TokenToKVSlotAllocator
 from sluice.scheduler.radix_cache import RadixCache
 from sluice.scheduler.req import Req
 
 
 class KVManager:
-    def __init__(self, max_total_tokens: int, max_running_requests: int, context_len: int, disable_radix_cache: bool):
-        self.allocator = TokenToKVSlotAllocator(max_total_tokens)
+    def __init__(
+        self,
+        max_total_tokens: int,
+        max_running_requests: int,
+        context_len: int,
+        disable_radix_cache: bool,
+        window: int | None = None,
+        window_cache_tokens: int = 0,
+    ):
+        """window: the sliding-window layers' window (None: the model has none)."""
+        self.allocator = (
+            TokenToKVSlotAllocator(max_total_tokens)
+            if window is None
+            else SlidingWindowSlotAllocator(max_total_tokens, window)
+        )
+        self.window_cache_tokens = window_cache_tokens
         # A few spare request slots: retracted and chunked requests hold theirs briefly.
         self.req_to_token_pool = ReqToTokenPool(max_running_requests + 8, context_len + 1)
         self.tree_cache = RadixCache(self.allocator, disabled=disable_radix_cache)
@@ -24,6 +44,16 @@ class KVManager:
     @property
     def req_to_token(self) -> torch.Tensor:
         return self.req_to_token_pool.req_to_token
+
+    @property
+    def windows(self) -> SlidingWindowSlotAllocator | None:
+        return self.allocator if isinstance(self.allocator, SlidingWindowSlotAllocator) else None
+
+    @property
+    def window_slot_of(self) -> torch.Tensor | None:
+        """Each token slot's window slot, for the sliding-window layers (None: no such layers)."""
+        windows = self.windows
+        return None if windows is None else windows.window_slot_of
 
     # ------------------------------------------------------------ figures
 
@@ -45,6 +75,10 @@ class KVManager:
         """Slots owned by requests or locked for them in the cache."""
         return self.total - self.free() - self.tree_cache.evictable_size()
 
+    def window_slots_held(self) -> int:
+        windows = self.windows
+        return 0 if windows is None else windows.window_slots_held()
+
     # ------------------------------------------------------------ request life
 
     def cached_prefix_len(self, req: Req) -> int:
@@ -56,7 +90,13 @@ class KVManager:
         slot = self.req_to_token_pool.alloc()
         if slot is None:
             return False
-        match = self.tree_cache.match_prefix(self._prefix_key(req))
+        key = self._prefix_key(req)
+        match = self.tree_cache.match_prefix(key)
+        windows = self.windows
+        if windows is not None:
+            usable = windows.usable_prefix_len(match.slots)
+            if usable < len(match.slots):
+                match = self.tree_cache.match_prefix(key[:usable])
         prefix_len = len(match.slots)
         self.req_to_token[slot, :prefix_len] = match.slots
         self.tree_cache.inc_lock_ref(match.last_node)
@@ -77,6 +117,7 @@ class KVManager:
     def cache_prefix(self, req: Req) -> None:
         """Hand the KV a running request has computed so far to the radix cache."""
         slots = req.kv_slots(self.req_to_token)
+        self._keep_window_slots(req, slots)
         new_node, new_prefix_len = self.tree_cache.cache_sequence(
             req.fill_slice(0, req.kv_len), slots, req.last_node, req.locked_prefix_len
         )
@@ -93,6 +134,7 @@ class KVManager:
             return
         slots = req.kv_slots(self.req_to_token)
         if keep_in_cache:
+            self._keep_window_slots(req, slots)
             self.tree_cache.cache_sequence(
                 req.fill_slice(0, req.kv_len), slots, req.last_node, req.locked_prefix_len, keep_lock=False
             )
@@ -107,6 +149,44 @@ class KVManager:
         req.locked_prefix_len = 0
         req.last_node = None
 
+    def _keep_window_slots(self, req: Req, slots: torch.Tensor) -> None:
+        """Before the cache frees a request's slots that duplicate its own, move their window
+        slots to the cache's tokens that lack them (a prefix the request computed again
+        because its window was gone): the request's row will point at the cache's."""
+        windows = self.windows
+        if windows is None or self.tree_cache.disabled:
+            return
+        cached = self.tree_cache.match_prefix(req.fill_slice(0, req.kv_len)).slots
+        start, end = req.locked_prefix_len, len(cached)
+        if end > start:
+            windows.move_window_slots(slots[start:end], cached[start:end])
+
+    def trim_window_slots(self, running: list[Req]) -> None:
+        """Drop window slots beyond `window_cache_tokens` outside the windows of `running`:
+        the cache's least recently used tokens first (the earliest of a node first), then
+        running requests' own tokens before their windows."""
+        windows = self.windows
+        if windows is None or windows.window_slots_held() <= self.window_cache_tokens:
+            return
+        seen = [self._window_of(req, windows.window) for req in running]
+        protected = torch.unique(torch.cat(seen)) if seen else torch.empty(0, dtype=torch.int64)
+        excess = windows.window_slots_held() - protected.numel() - self.window_cache_tokens
+        own = [
+            self.req_to_token[r.req_pool_idx, r.locked_prefix_len : self._window_start(r, windows.window)]
+            for r in running
+        ]
+        in_order = torch.cat([node.value for node in self.tree_cache.nodes_by_last_use()] + own)
+        held = (windows.window_slot_of[in_order] != 0) & ~torch.isin(in_order, protected)
+        windows.drop_window_slots(in_order[held][:excess])
+
+    def _window_of(self, req: Req, window: int) -> torch.Tensor:
+        """The token slots the next query of a running request may see through a window."""
+        return self.req_to_token[req.req_pool_idx, self._window_start(req, window) : req.kv_len]
+
+    @staticmethod
+    def _window_start(req: Req, window: int) -> int:
+        return max(0, req.kv_len - window)
+
     def flush(self) -> bool:
         """Drop the whole cache; only when no request holds any of it."""
         if self.in_use() > 0:
@@ -118,6 +198,17 @@ class KVManager:
         self.tree_cache.check_integrity()
         counted = self.allocator.available() + self.tree_cache.total_size() + owned_by_requests
         assert counted == self.total, f"KV slots leaked: free+cached+owned={counted} != total={self.total}"
+
+    def check_windows(self, running: list[Req]) -> None:
+        """Assert every running request's window has its window slots."""
+        windows = self.windows
+        if windows is None:
+            return
+        windows.check_window_slots()
+        for req in running:
+            if req.req_pool_idx is not None:
+                seen = self._window_of(req, windows.window)
+                assert bool((windows.window_slot_of[seen] != 0).all()), f"{req.rid} lost part of its window"
 
     @staticmethod
     def _prefix_key(req: Req) -> list[int]:

@@ -116,3 +116,85 @@ class TokenToKVSlotAllocator:
         if int(slots.min()) < 1 or int(slots.max()) > self._total:
             return False
         return not bool(self._slot_is_free[slots].any())
+
+
+class SlidingWindowSlotAllocator(TokenToKVSlotAllocator):
+    """Token slots for a model with sliding-window layers (Gemma 2 and 3), whose K/V live in
+    a slot space of their own so that they can be dropped once no query can see them.
+
+    Each token takes a slot of this allocator, which indexes the global layers' K/V and is
+    the token's name everywhere else (request rows, the radix cache). While a query may still
+    see the token, it also holds a window slot: ``window_slot_of[slot]`` indexes the
+    sliding-window layers' K/V, and is 0 (the padding slot) once dropped. Freeing a token
+    slot drops its window slot; ``drop_window_slots`` drops only the window slot and keeps the
+    token for the global layers.
+
+    Both spaces have ``num_slots`` slots and a token holds at most one of each, so when a
+    token slot is granted a window slot always is: admission counts token slots only. The
+    window slots are handed out from a stack like the token slots, so the pages of the
+    window layers' pools in use stay those of the window slots held at once.
+    """
+
+    def __init__(self, num_slots: int, window: int) -> None:
+        super().__init__(num_slots)
+        if window <= 0:
+            raise ValueError(f"window ({window}) must be positive")
+        self.window = window
+        self._window_slots = TokenToKVSlotAllocator(num_slots)
+        self.window_slot_of = torch.zeros(num_slots + 1, dtype=torch.int64)
+
+    def window_slots_held(self) -> int:
+        return self._window_slots.total - self._window_slots.available()
+
+    def alloc(self, n: int) -> torch.Tensor | None:
+        slots = super().alloc(n)
+        if slots is None:
+            return None
+        window_slots = self._window_slots.alloc(n)
+        assert window_slots is not None, "a token holds at most one window slot"
+        self.window_slot_of[slots] = window_slots
+        return slots
+
+    def free(self, slots: torch.Tensor) -> None:
+        super().free(slots)
+        self.drop_window_slots(slots)
+
+    def drop_window_slots(self, slots: torch.Tensor) -> None:
+        """Drop the window slots of ``slots`` (those that still have one)."""
+        window_slots = self.window_slot_of[slots.reshape(-1)]
+        held = window_slots[window_slots != PADDING_SLOT]
+        if held.numel():
+            self._window_slots.free(held)
+        self.window_slot_of[slots] = PADDING_SLOT
+
+    def move_window_slots(self, source: torch.Tensor, target: torch.Tensor) -> None:
+        """Give each ``target`` token without a window slot the one of the ``source`` token
+        at the same position (the same token computed twice: its K/V are the same)."""
+        moving = (self.window_slot_of[target] == PADDING_SLOT) & (self.window_slot_of[source] != PADDING_SLOT)
+        self.window_slot_of[target[moving]] = self.window_slot_of[source[moving]]
+        self.window_slot_of[source[moving]] = PADDING_SLOT
+
+    def usable_prefix_len(self, slots: torch.Tensor) -> int:
+        """The longest prefix of a sequence (``slots``, in order) that a request can continue
+        from: the window before its end has every window slot, so the next query sees all it
+        should. 0 when there is none."""
+        present = self.window_slot_of[slots] != PADDING_SLOT
+        n = present.numel()
+        if n == 0 or bool(present[max(0, n - self.window) :].all()):
+            return n
+        positions = torch.arange(n)
+        # For each position, the last one at or before it without a window slot (-1: none).
+        last_missing = torch.cummax(torch.where(present, -1, positions), dim=0).values
+        ends = positions + 1  # a prefix of length m ends at position m - 1
+        usable = last_missing < (ends - self.window).clamp(min=0)
+        found = usable.nonzero()
+        return int(found[-1]) + 1 if found.numel() else 0
+
+    def check_window_slots(self) -> None:
+        """Assert the window slots agree with the token slots and with their own allocator."""
+        mapped = self.window_slot_of.nonzero().reshape(-1)
+        assert self.are_allocated(mapped), "a free token slot holds a window slot"
+        window_slots = self.window_slot_of[mapped]
+        assert torch.unique(window_slots).numel() == window_slots.numel(), "a window slot is held twice"
+        assert window_slots.numel() == self.window_slots_held(), "window slots leaked"
+        assert self._window_slots.are_allocated(window_slots), "a token holds a free window slot"

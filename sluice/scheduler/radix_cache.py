@@ -305,6 +305,15 @@ class RadixCache:
             stack.extend(node.children.values())
         return nodes
 
+    def nodes_by_last_use(self) -> list[TreeNode]:
+        """Every node except the root, least recently used first; of nodes last used together,
+        those nearer the root first (a sequence from its start)."""
+        by_depth, level = [], list(self.root.children.values())
+        while level:
+            by_depth += level
+            level = [child for node in level for child in node.children.values()]
+        return sorted(by_depth, key=lambda node: node.last_access_time)  # stable: depth order kept
+
     def reset(self) -> None:
         """Drop the whole tree and free its slots. Only valid while no request holds a
         lock: a held node would otherwise be freed under its request."""

@@ -57,8 +57,14 @@ class Scheduler:
         self.args = args
         self.runner = runner
         self.config = runner.config
+        windows = [window for window in self.config.layer_windows if window is not None]
         self.kv = KVManager(
-            max_total_tokens, args.max_running_requests, self.config.context_len, args.disable_radix_cache
+            max_total_tokens,
+            args.max_running_requests,
+            self.config.context_len,
+            args.disable_radix_cache,
+            window=max(windows) if windows else None,
+            window_cache_tokens=args.swa_cache_tokens,
         )
         self.k_buffers, self.v_buffers = runner.new_kv_buffers(max_total_tokens + 1)
         self.eos_token_ids = frozenset(self.config.eos_token_ids)
@@ -229,6 +235,7 @@ class Scheduler:
             kv_tokens_free=self.kv.free(),
             kv_tokens_cached=self.kv.cached(),
             kv_tokens_in_use=self.kv.in_use(),
+            kv_window_tokens_held=self.kv.window_slots_held(),
             last_step_ms=self.last_step_ms,
             num_retractions=self.num_retractions,
             messages_received=dict(self.received_by_type),
@@ -243,6 +250,7 @@ class Scheduler:
     def check_integrity(self) -> None:
         owned = sum(r.kv_len - r.locked_prefix_len for r in self.running)
         self.kv.check_integrity(owned)
+        self.kv.check_windows(self.running)
 
     # ------------------------------------------------------------ one step
 
@@ -254,10 +262,11 @@ class Scheduler:
             if self.compiling and not self.waiting and not self.running:
                 wait([r.compiling_grammar for r in self.compiling], GRAMMAR_WAIT_S, FIRST_COMPLETED)
             return outputs
-        fb = build_forward_batch(batch, self.kv.req_to_token, self.k_buffers, self.v_buffers, self.runner)
+        fb = build_forward_batch(batch, self.kv, self.k_buffers, self.v_buffers, self.runner)
         logits = self.runner.forward(fb)
         batch.pool_hidden_states(fb.hidden_states)
         outputs += self._process_results(batch, logits)
+        self.kv.trim_window_slots(self.running)
         self.last_step_ms = (time.perf_counter() - start) * 1000
         return outputs
 

@@ -1,7 +1,12 @@
 import pytest
 import torch
 
-from sluice.scheduler.memory_pool import PADDING_SLOT, ReqToTokenPool, TokenToKVSlotAllocator
+from sluice.scheduler.memory_pool import (
+    PADDING_SLOT,
+    ReqToTokenPool,
+    SlidingWindowSlotAllocator,
+    TokenToKVSlotAllocator,
+)
 
 
 class TestReqToTokenPool:
@@ -115,3 +120,63 @@ class TestTokenToKVSlotAllocator:
         allocator.free(slots[:1])
         assert not allocator.are_allocated(slots)
         assert not allocator.are_allocated(torch.tensor([PADDING_SLOT]))
+
+
+class TestSlidingWindowSlotAllocator:
+    def test_every_granted_token_has_its_own_window_slot(self):
+        slots = SlidingWindowSlotAllocator(8, window=3)
+        granted = slots.alloc(5)
+        window_slots = slots.window_slot_of[granted]
+        assert bool((window_slots != PADDING_SLOT).all())
+        assert torch.unique(window_slots).numel() == 5
+        assert slots.window_slots_held() == 5
+        slots.check_window_slots()
+
+    def test_freeing_a_token_frees_its_window_slot_too(self):
+        slots = SlidingWindowSlotAllocator(4, window=2)
+        granted = slots.alloc(4)
+        slots.free(granted[:2])
+        assert slots.available() == 2 and slots.window_slots_held() == 2
+        assert bool((slots.window_slot_of[granted[:2]] == PADDING_SLOT).all())
+        slots.check_window_slots()
+        # Dropped window slots are handed out again with the freed tokens.
+        assert slots.alloc(2) is not None
+        assert slots.window_slots_held() == 4
+
+    def test_dropping_a_window_slot_keeps_the_token(self):
+        slots = SlidingWindowSlotAllocator(6, window=2)
+        granted = slots.alloc(6)
+        slots.drop_window_slots(granted[:4])
+        slots.drop_window_slots(granted[:4])  # dropping twice changes nothing
+        assert slots.available() == 0 and slots.window_slots_held() == 2
+        slots.free(granted)
+        assert slots.available() == 6 and slots.window_slots_held() == 0
+        slots.check_window_slots()
+
+    def test_a_prefix_is_usable_up_to_where_its_window_is_whole(self):
+        slots = SlidingWindowSlotAllocator(20, window=3)
+        seq = slots.alloc(10)
+        assert slots.usable_prefix_len(seq) == 10
+        assert slots.usable_prefix_len(seq[:0]) == 0
+        slots.drop_window_slots(seq[:5])  # positions 0..4 lost: a prefix must end at 8 or later
+        assert slots.usable_prefix_len(seq) == 10
+        assert slots.usable_prefix_len(seq[:8]) == 8
+        assert slots.usable_prefix_len(seq[:7]) == 0
+        slots.drop_window_slots(seq[8:9])  # and 8: the longest prefix now ends before it
+        assert slots.usable_prefix_len(seq) == 8
+        slots.drop_window_slots(seq[5:8])
+        assert slots.usable_prefix_len(seq[:5]) == 0
+
+    def test_moving_window_slots_fills_only_the_tokens_that_lack_them(self):
+        slots = SlidingWindowSlotAllocator(8, window=2)
+        cached, again = slots.alloc(3), slots.alloc(3)
+        slots.drop_window_slots(cached[:2])
+        moved = slots.window_slot_of[again[:2]].clone()
+        kept = slots.window_slot_of[cached[2]].item()
+        slots.move_window_slots(again, cached)
+        assert slots.window_slot_of[cached[:2]].tolist() == moved.tolist()
+        assert slots.window_slot_of[cached[2]].item() == kept
+        assert slots.window_slot_of[again[:2]].tolist() == [PADDING_SLOT, PADDING_SLOT]
+        slots.free(again)  # the duplicates go; the cached tokens keep what they were given
+        assert slots.window_slots_held() == 3
+        slots.check_window_slots()
