@@ -144,6 +144,12 @@ class ModelConfig:
         return self.layer_windows[layer] if self.layer_windows else None
 
     @property
+    def widest_window(self) -> int | None:
+        """The longest sliding window of any layer (None: no layer slides)."""
+        windows = [window for window in self.layer_windows if window is not None]
+        return max(windows) if windows else None
+
+    @property
     def num_image_tokens(self) -> int:
         """Prompt positions one image fills; 0 for a text-only model."""
         return 0 if self.vision is None else self.vision.num_image_tokens

@@ -78,19 +78,31 @@ class ModelRunner:
             raise ValueError("this model has no vision tower: it takes no images")
         return self.model.encode_images(pixel_values)
 
-    def kv_bytes_per_token(self) -> int:
-        """Bytes of K and V that one cached token takes, over all layers."""
+    def kv_bytes_per_token(self, sliding_layers_only: bool = False) -> int:
+        """Bytes of K and V that one cached token takes, over all layers (or the sliding-window
+        layers only)."""
         config = self.config
-        return 2 * config.num_layers * config.num_kv_heads * config.head_dim * self.kv_dtype.itemsize
+        layers = config.num_layers
+        if sliding_layers_only:
+            layers = sum(config.sliding_window(layer) is not None for layer in range(config.num_layers))
+        return 2 * layers * config.num_kv_heads * config.head_dim * self.kv_dtype.itemsize
 
-    def new_kv_buffers(self, num_slots: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Per-layer K and V pools of shape [num_slots, num_kv_heads, head_dim]; slot 0 is padding.
+    def new_kv_buffers(
+        self, num_slots: int, num_window_slots: int | None = None
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Per-layer K and V pools of shape [num_slots, num_kv_heads, head_dim] (the sliding-window
+        layers' [num_window_slots, ...] where given: they are indexed by window slots); slot 0 is
+        padding.
 
         Only slot 0 is zeroed (padded attention reads it, masked): the rest is written before
         it is read, and untouched pages take no memory until the cache grows into them.
         """
-        shape = (num_slots, self.config.num_kv_heads, self.config.head_dim)
-        buffers = [torch.empty(shape, dtype=self.kv_dtype) for _ in range(2 * self.config.num_layers)]
+        config = self.config
+        rows = [
+            num_slots if num_window_slots is None or config.sliding_window(layer) is None else num_window_slots
+            for layer in range(config.num_layers)
+        ]
+        buffers = [torch.empty((n, config.num_kv_heads, config.head_dim), dtype=self.kv_dtype) for n in rows + rows]
         for buffer in buffers:
             buffer[0].zero_()
-        return buffers[: self.config.num_layers], buffers[self.config.num_layers :]
+        return buffers[: config.num_layers], buffers[config.num_layers :]

@@ -20,6 +20,13 @@ from sluice.scheduler.radix_cache import RadixCache
 from sluice.scheduler.req import Req
 
 
+def window_slots_needed(window: int, max_running_requests: int, max_prefill_tokens: int, cache_tokens: int) -> int:
+    """Window slots that can be held at once: every running request's window and the cache's
+    tokens (held after a step's trim), and what one step adds (its prefill budget, a token a
+    decoding request)."""
+    return max_running_requests * (window + 1) + max_prefill_tokens + cache_tokens
+
+
 class KVManager:
     def __init__(
         self,
@@ -29,12 +36,15 @@ class KVManager:
         disable_radix_cache: bool,
         window: int | None = None,
         window_cache_tokens: int = 0,
+        window_slots: int | None = None,
     ):
-        """window: the sliding-window layers' window (None: the model has none)."""
+        """window: the sliding-window layers' window (None: the model has none); window_slots:
+        how many of their slots there are (at least `window_slots_needed`; default as many as
+        token slots)."""
         self.allocator = (
             TokenToKVSlotAllocator(max_total_tokens)
             if window is None
-            else SlidingWindowSlotAllocator(max_total_tokens, window)
+            else SlidingWindowSlotAllocator(max_total_tokens, window, window_slots or max_total_tokens)
         )
         self.window_cache_tokens = window_cache_tokens
         # A few spare request slots: retracted and chunked requests hold theirs briefly.

@@ -129,18 +129,19 @@ class SlidingWindowSlotAllocator(TokenToKVSlotAllocator):
     slot drops its window slot; ``drop_window_slots`` drops only the window slot and keeps the
     token for the global layers.
 
-    Both spaces have ``num_slots`` slots and a token holds at most one of each, so when a
+    A token holds at most one window slot, and the owner sizes the window slots for the most
+    it keeps at once (kv_manager.window_slots_needed; or as many as token slots), so when a
     token slot is granted a window slot always is: admission counts token slots only. The
     window slots are handed out from a stack like the token slots, so the pages of the
     window layers' pools in use stay those of the window slots held at once.
     """
 
-    def __init__(self, num_slots: int, window: int) -> None:
+    def __init__(self, num_slots: int, window: int, num_window_slots: int | None = None) -> None:
         super().__init__(num_slots)
         if window <= 0:
             raise ValueError(f"window ({window}) must be positive")
         self.window = window
-        self._window_slots = TokenToKVSlotAllocator(num_slots)
+        self._window_slots = TokenToKVSlotAllocator(num_window_slots or num_slots)
         self.window_slot_of = torch.zeros(num_slots + 1, dtype=torch.int64)
 
     def window_slots_held(self) -> int:
@@ -151,7 +152,9 @@ class SlidingWindowSlotAllocator(TokenToKVSlotAllocator):
         if slots is None:
             return None
         window_slots = self._window_slots.alloc(n)
-        assert window_slots is not None, "a token holds at most one window slot"
+        if window_slots is None:
+            super().free(slots)
+            raise RuntimeError(f"out of window slots: {n} wanted, {self._window_slots.available()} free")
         self.window_slot_of[slots] = window_slots
         return slots
 

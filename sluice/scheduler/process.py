@@ -49,12 +49,26 @@ IDLE_POLL_MS = 1000
 HEARTBEAT_S = 2.0
 
 
-def default_max_total_tokens(args: ServerArgs, kv_bytes_per_token: int, context_len: int) -> int:
+def default_max_total_tokens(
+    args: ServerArgs, kv_bytes_per_token: int, context_len: int, window: int | None = None, window_bytes: int = 0
+) -> int:
+    """Token slots for --kv-cache-memory-gb. With sliding-window layers (window, window_bytes:
+    their share of kv_bytes_per_token) those layers' slots are counted apart, as many as can be
+    held at once (kv_manager.window_slots_needed), and the rest of the budget goes to the
+    other layers, where that gives more tokens than counting every layer for every token."""
     if args.max_total_tokens:
         return args.max_total_tokens
-    by_memory = int(args.kv_cache_memory_gb * 1024**3 // kv_bytes_per_token)
+    budget = args.kv_cache_memory_gb * 1024**3
     # More than every running request at full context is never needed.
-    return max(min(by_memory, context_len * args.max_running_requests), 256)
+    most = context_len * args.max_running_requests
+    by_memory = int(budget // kv_bytes_per_token)
+    if window is not None:
+        from sluice.scheduler.kv_manager import window_slots_needed  # loads torch: the Scheduler's process only
+
+        needed = window_slots_needed(window, args.max_running_requests, args.max_prefill_tokens, args.swa_cache_tokens)
+        rest, other_bytes = budget - needed * window_bytes, kv_bytes_per_token - window_bytes
+        by_memory = max(by_memory, most if other_bytes == 0 else int(rest // other_bytes))
+    return max(min(by_memory, most), 256)
 
 
 def build_scheduler(args: ServerArgs) -> Scheduler:
@@ -64,7 +78,13 @@ def build_scheduler(args: ServerArgs) -> Scheduler:
     from sluice.scheduler.scheduler import Scheduler
 
     runner = ModelRunner(args.resolved_model_path(), args.dtype, args.quantization, args.kv_cache_dtype)
-    max_total_tokens = default_max_total_tokens(args, runner.kv_bytes_per_token(), runner.config.context_len)
+    max_total_tokens = default_max_total_tokens(
+        args,
+        runner.kv_bytes_per_token(),
+        runner.config.context_len,
+        runner.config.widest_window,
+        runner.kv_bytes_per_token(sliding_layers_only=True),
+    )
     return Scheduler(args, runner, max_total_tokens)
 
 

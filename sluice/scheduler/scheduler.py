@@ -32,7 +32,7 @@ from sluice.model.sampler import SampleOutput, SamplingBatch, sample
 from sluice.procutil import release_freed_memory
 from sluice.scheduler.batch_builder import StepBatch, build_forward_batch
 from sluice.scheduler.grammar import Grammars
-from sluice.scheduler.kv_manager import KVManager
+from sluice.scheduler.kv_manager import KVManager, window_slots_needed
 from sluice.scheduler.multimodal import expand_image_tokens
 from sluice.scheduler.output import SchedulerOutput, make_output
 from sluice.scheduler.policy import (
@@ -57,16 +57,25 @@ class Scheduler:
         self.args = args
         self.runner = runner
         self.config = runner.config
-        windows = [window for window in self.config.layer_windows if window is not None]
+        window = self.config.widest_window
+        window_slots = None
+        if window is not None:
+            needed = window_slots_needed(
+                window, args.max_running_requests, args.max_prefill_tokens, args.swa_cache_tokens
+            )
+            window_slots = min(needed, max_total_tokens)
         self.kv = KVManager(
             max_total_tokens,
             args.max_running_requests,
             self.config.context_len,
             args.disable_radix_cache,
-            window=max(windows) if windows else None,
+            window=window,
             window_cache_tokens=args.swa_cache_tokens,
+            window_slots=window_slots,
         )
-        self.k_buffers, self.v_buffers = runner.new_kv_buffers(max_total_tokens + 1)
+        self.k_buffers, self.v_buffers = runner.new_kv_buffers(
+            max_total_tokens + 1, None if window_slots is None else window_slots + 1
+        )
         self.eos_token_ids = frozenset(self.config.eos_token_ids)
         self.max_req_input_len = min(self.config.context_len, max_total_tokens) - 1
 

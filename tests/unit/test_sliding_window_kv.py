@@ -14,6 +14,7 @@ import torch
 from sluice.config import ServerArgs
 from sluice.messages import SamplingParams, TokenizedGenerateReqInput
 from sluice.model.model_runner import ModelRunner
+from sluice.scheduler.process import default_max_total_tokens
 from sluice.scheduler.scheduler import Scheduler
 from tests.tiny_lms import build_tiny_model, hf_greedy
 
@@ -66,7 +67,13 @@ def test_window_slots_dropped_early_give_the_same_tokens(tiny_gemma, quantizatio
     shared = prompt(1, 30)
     prompts = [prompt(2, 45), shared + prompt(3, 5), shared + prompt(4, 12), prompt(5, 3)]
     kept, _ = run(make_scheduler(runner, swa_cache_tokens=4000), prompts)
-    dropped, _ = run(make_scheduler(runner, swa_cache_tokens=0, chunked_prefill_size=7, max_prefill_tokens=9), prompts)
+    # Two requests at a time: 2 * 9 + 9 window slots for 4000 token slots.
+    dropping = make_scheduler(
+        runner, swa_cache_tokens=0, chunked_prefill_size=7, max_prefill_tokens=9, max_running_requests=2
+    )
+    assert dropping.k_buffers[0].shape[0] == 2 * (WINDOW + 1) + 9 + 1  # layer 0 slides; slot 0 pads
+    assert dropping.k_buffers[1].shape[0] == 4000 + 1
+    dropped, _ = run(dropping, prompts)
     assert dropped == kept
     if quantization == "none":
         assert kept == {f"r{i}": hf_greedy(model, ids, NEW_TOKENS) for i, ids in enumerate(prompts)}
@@ -93,3 +100,20 @@ def test_a_prefix_is_continued_only_where_its_window_is_kept(tiny_gemma):
     assert tokens["r0"] == hf_greedy(model, longer, NEW_TOKENS)
     tokens, cached = run(dropping, [longer + prompt(8, 3)])
     assert tokens["r0"] == hf_greedy(model, longer + prompt(8, 3), NEW_TOKENS)
+
+
+def test_the_kv_budget_counts_window_layers_for_the_tokens_they_can_hold():
+    """--kv-cache-memory-gb: the sliding layers' slots are as many as can be held at once, and
+    the rest of the budget goes to the other layers' tokens."""
+    args = ServerArgs(kv_cache_memory_gb=1.0, max_running_requests=4, max_prefill_tokens=100, swa_cache_tokens=200)
+    # Gemma-3-1B-like: 22 of 26 layers slide (window 512), 1,024 bytes a layer a token.
+    window_slots = 4 * 513 + 100 + 200
+    tokens = default_max_total_tokens(args, 26 * 1024, 1_000_000, window=512, window_bytes=22 * 1024)
+    assert tokens == (1024**3 - window_slots * 22 * 1024) // (4 * 1024)
+    assert default_max_total_tokens(args, 26 * 1024, 1_000_000) == 1024**3 // (26 * 1024)
+    # A window as long as the context: counting every layer for every token gives more.
+    assert default_max_total_tokens(args, 26 * 1024, 1_000_000, window=10**6, window_bytes=22 * 1024) == 1024**3 // (
+        26 * 1024
+    )
+    # Every layer sliding: as many tokens as the running requests' contexts.
+    assert default_max_total_tokens(args, 26 * 1024, 5_000, window=512, window_bytes=26 * 1024) == 4 * 5_000
