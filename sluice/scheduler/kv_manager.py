@@ -174,7 +174,9 @@ class KVManager:
     def trim_window_slots(self, running: list[Req]) -> None:
         """Drop window slots beyond `window_cache_tokens` outside the windows of `running`:
         the cache's least recently used tokens first (the earliest of a node first), then
-        running requests' own tokens before their windows."""
+        running requests' own tokens before their windows. A window's worth more goes each
+        time, so that the walk over the cache comes every few steps, not every one (~8 ms
+        over 300,000 cached tokens)."""
         windows = self.windows
         if windows is None or windows.window_slots_held() <= self.window_cache_tokens:
             return
@@ -187,7 +189,7 @@ class KVManager:
         ]
         in_order = torch.cat([node.value for node in self.tree_cache.nodes_by_last_use()] + own)
         held = (windows.window_slot_of[in_order] != 0) & ~torch.isin(in_order, protected)
-        windows.drop_window_slots(in_order[held][:excess])
+        windows.drop_window_slots(in_order[held][: excess + windows.window])
 
     def _window_of(self, req: Req, window: int) -> torch.Tensor:
         """The token slots the next query of a running request may see through a window."""

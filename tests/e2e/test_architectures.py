@@ -79,7 +79,10 @@ def test_window_layers_keep_only_windows_and_a_continued_prompt_stays_right(serv
     (state,) = httpx.get(server.base_url + "/get_server_info", timeout=30).json()["internal_states"]
     windowed = model.config.model_type in ("gemma2", "gemma3_text")
     assert state["kv_tokens_cached"] >= len(prompt_ids)
-    assert state["kv_window_tokens_held"] == (SWA_CACHE_TOKENS if windowed else 0)
+    if windowed:
+        assert 0 < state["kv_window_tokens_held"] <= SWA_CACHE_TOKENS
+    else:
+        assert state["kv_window_tokens_held"] == 0
     longer = prompt_ids + first["output_ids"] + [(5 * i) % 4000 + 2 for i in range(30)]
     continued = long_prompt_greedy(server, model, longer)
     assert continued["output_ids"] == hf_greedy(model, longer, NEW_TOKENS)
