@@ -183,6 +183,8 @@ class KVManager:
         seen = [self._window_of(req, windows.window) for req in running]
         protected = torch.unique(torch.cat(seen)) if seen else torch.empty(0, dtype=torch.int64)
         excess = windows.window_slots_held() - protected.numel() - self.window_cache_tokens
+        if excess <= 0:  # what is held beyond the budget is running requests' windows
+            return
         own = [
             self.req_to_token[r.req_pool_idx, r.locked_prefix_len : self._window_start(r, windows.window)]
             for r in running

@@ -117,3 +117,23 @@ def test_the_kv_budget_counts_window_layers_for_the_tokens_they_can_hold():
     )
     # Every layer sliding: as many tokens as the running requests' contexts.
     assert default_max_total_tokens(args, 26 * 1024, 5_000, window=512, window_bytes=26 * 1024) == 4 * 5_000
+
+
+def test_running_windows_over_the_budget_drop_nothing_the_budget_allows():
+    """Held window slots above --swa-cache-tokens because running requests' windows are long
+    is no excess: the cache's window slots stay."""
+    from sluice.scheduler.kv_manager import KVManager
+    from sluice.scheduler.req import Req
+
+    kv = KVManager(1000, 4, 1000, False, window=WINDOW, window_cache_tokens=20)
+    cached = kv.alloc_tokens(20)
+    kv.tree_cache.insert(prompt(9, 20), cached)
+    running = []
+    for i in range(3):  # three running requests of 8 tokens: their windows are all they hold
+        req = Req(rid=f"w{i}", prompt_ids=prompt(10 + i, 9), sampling_params=SamplingParams())
+        assert kv.admit(req)
+        kv.req_to_token[req.req_pool_idx, :8] = kv.alloc_tokens(8)
+        req.kv_len = 8
+        running.append(req)
+    kv.trim_window_slots(running)
+    assert kv.window_slots_held() == 20 + 3 * 8
