@@ -20,13 +20,6 @@ from sluice.scheduler.radix_cache import RadixCache
 from sluice.scheduler.req import Req
 
 
-def window_slots_needed(window: int, max_running_requests: int, max_prefill_tokens: int, cache_tokens: int) -> int:
-    """Window slots that can be held at once: every running request's window and the cache's
-    tokens (held after a step's trim), and what one step adds (its prefill budget, a token a
-    decoding request)."""
-    return max_running_requests * (window + 1) + max_prefill_tokens + cache_tokens
-
-
 class KVManager:
     def __init__(
         self,
@@ -39,8 +32,8 @@ class KVManager:
         window_slots: int | None = None,
     ):
         """window: the sliding-window layers' window (None: the model has none); window_slots:
-        how many of their slots there are (at least `window_slots_needed`; default as many as
-        token slots)."""
+        how many of their slots there are (at least ServerArgs.window_slots_needed; default as
+        many as token slots)."""
         self.allocator = (
             TokenToKVSlotAllocator(max_total_tokens)
             if window is None

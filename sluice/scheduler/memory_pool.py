@@ -130,7 +130,7 @@ class SlidingWindowSlotAllocator(TokenToKVSlotAllocator):
     token for the global layers.
 
     A token holds at most one window slot, and the owner sizes the window slots for the most
-    it keeps at once (kv_manager.window_slots_needed; or as many as token slots), so when a
+    it keeps at once (ServerArgs.window_slots_needed; or as many as token slots), so when a
     token slot is granted a window slot always is: admission counts token slots only. The
     window slots are handed out from a stack like the token slots, so the pages of the
     window layers' pools in use stay those of the window slots held at once.

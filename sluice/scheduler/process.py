@@ -54,7 +54,7 @@ def default_max_total_tokens(
 ) -> int:
     """Token slots for --kv-cache-memory-gb. With sliding-window layers (window, window_bytes:
     their share of kv_bytes_per_token) those layers' slots are counted apart, as many as can be
-    held at once (kv_manager.window_slots_needed), and the rest of the budget goes to the
+    held at once (ServerArgs.window_slots_needed), and the rest of the budget goes to the
     other layers, where that gives more tokens than counting every layer for every token."""
     if args.max_total_tokens:
         return args.max_total_tokens
@@ -63,10 +63,7 @@ def default_max_total_tokens(
     most = context_len * args.max_running_requests
     by_memory = int(budget // kv_bytes_per_token)
     if window is not None:
-        from sluice.scheduler.kv_manager import window_slots_needed  # loads torch: the Scheduler's process only
-
-        needed = window_slots_needed(window, args.max_running_requests, args.max_prefill_tokens, args.swa_cache_tokens)
-        rest, other_bytes = budget - needed * window_bytes, kv_bytes_per_token - window_bytes
+        rest, other_bytes = budget - args.window_slots_needed(window) * window_bytes, kv_bytes_per_token - window_bytes
         by_memory = max(by_memory, most if other_bytes == 0 else int(rest // other_bytes))
     return max(min(by_memory, most), 256)
 

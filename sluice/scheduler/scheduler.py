@@ -32,7 +32,7 @@ from sluice.model.sampler import SampleOutput, SamplingBatch, sample
 from sluice.procutil import release_freed_memory
 from sluice.scheduler.batch_builder import StepBatch, build_forward_batch
 from sluice.scheduler.grammar import Grammars
-from sluice.scheduler.kv_manager import KVManager, window_slots_needed
+from sluice.scheduler.kv_manager import KVManager
 from sluice.scheduler.multimodal import expand_image_tokens
 from sluice.scheduler.output import SchedulerOutput, make_output
 from sluice.scheduler.policy import (
@@ -60,10 +60,7 @@ class Scheduler:
         window = self.config.widest_window
         window_slots = None
         if window is not None:
-            needed = window_slots_needed(
-                window, args.max_running_requests, args.max_prefill_tokens, args.swa_cache_tokens
-            )
-            window_slots = min(needed, max_total_tokens)
+            window_slots = min(args.window_slots_needed(window), max_total_tokens)
         self.kv = KVManager(
             max_total_tokens,
             args.max_running_requests,
