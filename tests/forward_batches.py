@@ -11,10 +11,12 @@ def make_batch(
     requests: list[tuple],
     kv_buffers: tuple[list[torch.Tensor], list[torch.Tensor]],
     all_logits: bool = False,
+    prompt: bool = False,
 ) -> ForwardBatch:
     """One step for requests given as (new token ids, KV slots of the whole sequence after the
     step) or, for a vision model, (..., rows of the new tokens that are image positions, their
-    embeddings or None). Logits of every new token with `all_logits`, else of each last one."""
+    embeddings or None). Logits of every new token with `all_logits`, else of each last one.
+    `prompt`: every new token is flagged a prompt token, as the Scheduler flags them."""
     input_ids, positions, out_cache_loc, logits_indices, mm_rows, mm_embeds = [], [], [], [], [], []
     for new_ids, slots, *images in requests:
         image_rows, image_embeds = images or ([], None)
@@ -40,4 +42,5 @@ def make_batch(
         v_buffers=kv_buffers[1],
         mm_rows=torch.tensor(mm_rows, dtype=torch.int64) if mm_rows else None,
         mm_embeds=torch.cat(mm_embeds) if mm_embeds else None,
+        prompt_rows=torch.ones(len(input_ids), dtype=torch.bool) if prompt else None,
     )

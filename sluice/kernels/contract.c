@@ -232,7 +232,7 @@ static int check_qgemm(int format) {
     }
     for (int i = 0; !failed && i < M * K; i++) x[i] = 3.0f * random_float(&state);
     for (int r = 1; r <= M && !failed; r++) {
-        if (sluice_qgemm(r, N, K, x, format, packed, out, N, scratch) != 0) failed = 1;
+        if (sluice_qgemm(r, N, K, x, format, packed, out, N, scratch, NULL) != 0) failed = 1;
         for (int i = 0; i < r && !failed; i++)
             for (int n = 0; n < N; n++) {
                 const float *row = x + (size_t)i * K;
@@ -242,6 +242,30 @@ static int check_qgemm(int format) {
                 if (out[i * N + n] != expected) failed = 1;
             }
     }
+#ifdef SLUICE_AMX_BF16
+    /* Prompt rows (two of every three) on bf16 tiles: near the int8 results (bf16 rounds
+     * activations and weights to 8 bits, int8 the activations to 7), the other rows exactly
+     * the int8 results, and each prompt row the same bits alone as among the others. */
+    uint8_t flags[M], one = 1;
+    float alone[N];
+    for (int i = 0; i < M; i++) flags[i] = i % 3 != 0;
+    if (!failed && sluice_qgemm(M, N, K, x, format, packed, out, N, scratch, flags) != 0) failed = 1;
+    for (int i = 0; i < M && !failed; i++) {
+        const float *row = x + (size_t)i * K;
+        float expected[N], largest = 0.0f;
+        for (int n = 0; n < N; n++) {
+            expected[n] = format == SLUICE_Q6_K ? reference_q6_k_output(packed, n, K, row)
+                          : super_blocks        ? reference_k_quant_output(format, packed, n, K, row)
+                                                : reference_output(format, packed, n, K, row);
+            largest = fmaxf(largest, fabsf(expected[n]));
+        }
+        if (flags[i] && sluice_qgemm(1, N, K, row, format, packed, alone, N, scratch, &one) != 0) failed = 1;
+        for (int n = 0; n < N && !failed; n++) {
+            const float got = out[i * N + n];
+            if (flags[i] ? fabsf(got - expected[n]) > 0.02f * largest || got != alone[n] : got != expected[n]) failed = 1;
+        }
+    }
+#endif
     free(x);
     free(out);
     free(packed);

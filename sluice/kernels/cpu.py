@@ -25,12 +25,19 @@ class Isa:
 
 
 _AVX512_FLAGS = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mavx2", "-mfma", "-mf16c")
+_AMX_INT8_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "fma", "f16c", "amx_tile", "amx_int8")
 # Best first. AVX-512 needs F (foundation), BW (byte/word ops), VL and VNNI (vpdpbusd); the
-# AMX build adds tile multiplies for batches of 16+ rows to it.
+# AMX-INT8 build adds tile multiplies for batches of 16+ rows to it, the AMX-BF16 build bf16
+# tiles for prompt rows on top of that.
 ISAS = (
     Isa(
+        "amx_bf16",
+        (*_AMX_INT8_FLAGS, "amx_bf16", "avx512_bf16"),
+        (*_AVX512_FLAGS, "-mamx-tile", "-mamx-int8", "-mamx-bf16", "-mavx512bf16"),
+    ),
+    Isa(
         "amx_int8",
-        ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "fma", "f16c", "amx_tile", "amx_int8"),
+        _AMX_INT8_FLAGS,
         (*_AVX512_FLAGS, "-mamx-tile", "-mamx-int8"),
     ),
     Isa("avx512_vnni", ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "fma", "f16c"), _AVX512_FLAGS),
@@ -81,11 +88,11 @@ def cpu_model() -> str:
 
 def disabled_isas() -> frozenset[str]:
     names = {name.strip() for name in os.environ.get(DISABLE_ENV, "").split(",") if name.strip()}
-    # Short names users reach for: "avx512" covers every AVX-512 build (AMX's included), "amx" the AMX one.
+    # Short names users reach for: "avx512" covers every AVX-512 build (AMX's included), "amx" the AMX ones.
     if "avx512" in names:
         names |= {isa for isa in ISA_NAMES if isa != "avx2"}
     if "amx" in names:
-        names.add("amx_int8")
+        names |= {"amx_int8", "amx_bf16"}
     return frozenset(names)
 
 

@@ -19,8 +19,8 @@ static size_t max_size(size_t a, size_t b) { return a > b ? a : b; }
 /* out[M, N] = x[M, K] @ p^T: the rows before p's tail, then the tail's beside them. */
 static int project(int M, int N, int K, const float *x, const sluice_projection *p, float *out, void *scratch) {
     const int head_rows = p->tail != NULL ? N - p->tail_rows : N;
-    int status = sluice_qgemm(M, head_rows, K, x, p->format, p->packed, out, N, scratch);
-    if (p->tail != NULL) status |= sluice_qgemm(M, p->tail_rows, K, x, p->tail_format, p->tail, out + head_rows, N, scratch);
+    int status = sluice_qgemm(M, head_rows, K, x, p->format, p->packed, out, N, scratch, NULL);
+    if (p->tail != NULL) status |= sluice_qgemm(M, p->tail_rows, K, x, p->tail_format, p->tail, out + head_rows, N, scratch, NULL);
     return status;
 }
 

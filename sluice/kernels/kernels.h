@@ -34,6 +34,12 @@
 #undef SLUICE_ISA_NAME
 #define SLUICE_ISA_NAME "amx_int8"
 #endif
+/* AMX-BF16 on top of that: prompt rows through bf16 tile multiplies (see qgemm.c). */
+#if defined(SLUICE_AMX) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define SLUICE_AMX_BF16 1
+#undef SLUICE_ISA_NAME
+#define SLUICE_ISA_NAME "amx_bf16"
+#endif
 
 /* Bytes of one row group's block: the quants of every row, then float16 scales (and q4_1's
  * float16 minimums), one per row. */
@@ -110,10 +116,12 @@ int sluice_self_test(void);
 /* qgemm.c: out[M, N] = x[M, K] @ W^T with W in row groups, out's rows out_stride floats apart
  * (N for a whole matrix; more to fill some columns of a wider one). K must be a multiple of 32
  * (of 256 for the super-block formats); returns 0, or -1 for a K, a stride or a format it
- * cannot take. On an AMX build, -2 when the OS refuses this process the tile registers. */
+ * cannot take. On an AMX build, -2 when the OS refuses this process the tile registers.
+ * prompt_rows: NULL, or M flags, non-zero for the rows of prompt tokens: an AMX-BF16 build
+ * multiplies those on bf16 tiles (other builds ignore the flags). */
 size_t sluice_qgemm_scratch_bytes(int M, int K);
 int sluice_qgemm(int M, int N, int K, const float *x, int weight_type, const uint8_t *packed, float *out,
-                 int out_stride, void *scratch);
+                 int out_stride, void *scratch, const uint8_t *prompt_rows);
 
 /* rmsnorm.c */
 void sluice_rmsnorm(int rows, int dim, const float *x, const float *w, float eps, float *out);

@@ -61,10 +61,12 @@ class KernelOps:
         packed: torch.Tensor,
         out_features: int,
         out: torch.Tensor | None = None,
+        prompt_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """x [rows, in] float32 @ W.T -> float32 [rows, out_features], W packed in this build's
         row groups; written into `out` when given (rows of contiguous floats, e.g. some
-        columns of a wider matrix)."""
+        columns of a wider matrix). prompt_rows: bool [rows], True for the rows of prompt
+        tokens, which an AMX-BF16 build multiplies on bf16 tiles (see qgemm.c)."""
         if x.dim() != 2 or x.shape[1] % BLOCK:
             raise ValueError(f"qgemm takes [rows, k] with k a multiple of {BLOCK}, not {tuple(x.shape)}")
         x = x.contiguous()
@@ -73,6 +75,11 @@ class KernelOps:
             out = torch.empty(rows, out_features)
         elif out.shape != (rows, out_features) or out.stride(1) != 1:
             raise ValueError(f"out must be [{rows}, {out_features}] with contiguous rows, not {tuple(out.shape)}")
+        flags = None
+        if prompt_rows is not None:
+            if prompt_rows.shape != (rows,):
+                raise ValueError(f"prompt_rows must be [{rows}], not {tuple(prompt_rows.shape)}")
+            flags = prompt_rows.contiguous()
         scratch = torch.empty(self.lib.sluice_qgemm_scratch_bytes(rows, in_features), dtype=torch.uint8)
         status = self.lib.sluice_qgemm(
             rows,
@@ -84,7 +91,10 @@ class KernelOps:
             _pointer(out, "out", torch.float32, contiguous=False),
             out.stride(0),
             scratch.data_ptr(),
+            None if flags is None else _pointer(flags, "prompt_rows", torch.bool),
         )
+        if status == -2:
+            raise RuntimeError("qgemm: the OS refused this process the AMX tile registers")
         if status != 0:
             raise ValueError(f"qgemm refused in_features={in_features} or format {format!r}")
         return out

@@ -319,8 +319,6 @@ static quantized_rows scratch_rows(void *scratch, int M, int K) {
     return rows;
 }
 
-/* Bytes of scratch sluice_qgemm needs: the int8 activations and four 4-byte values per block. */
-size_t sluice_qgemm_scratch_bytes(int M, int K) { return (size_t)M * ((size_t)K + 4 * 4 * (size_t)(K / QK)); }
 
 #ifdef SLUICE_AMX
 /* ------------------------------------------------------------ AMX-INT8: 16 activation rows a tile
@@ -423,11 +421,154 @@ static void amx_group(int weight_type, const uint8_t *w, int K, int r0, const qu
 #undef AMX_START_BLOCK
 #endif
 
+/* Row r of a call's activations is row out_rows[r] of x and out (r where out_rows is NULL). */
+#define OUT_ROW(r) ((size_t)(out_rows != NULL ? out_rows[r] : (r)))
+
+#ifdef SLUICE_AMX_BF16
+/* ------------------------------------------------------------ AMX-BF16: prompt rows
+ *
+ * A row group's weights are dequantized once per call into bf16 B tiles (a 32-weight block of
+ * its 16 rows is one tile: 16 tile rows of a pair of consecutive weights of each row), the
+ * activation rows are rounded to bf16, and C tiles sum every block's products in float32 in
+ * the tile itself: no per-block read-back and scaling, which bounds the int8 tiles. Each row's
+ * result depends on that row alone (the tiles sum K in the same order whichever rows share
+ * them), but not the int8 path's bits: prompt rows only take this path, every time. */
+#define BF16_TILE_WORDS 256 /* 32-bit words of one B tile: 16 weight pairs x 16 rows */
+#define BF16_M_CHUNK 256
+
+/* C (tiles 0-3, 16 x 16 float32), A (4, 5: 16 rows x 32 bf16), B (6, 7: 16 pairs x 16 rows). */
+static void configure_bf16_tiles(void) {
+    tile_config config = {0};
+    config.palette_id = 1;
+    for (int t = 0; t < 8; t++) config.rows[t] = 16, config.colsb[t] = 64;
+    _tile_loadconfig(&config);
+}
+
+/* A row group's K weights, any format, as bf16 B tiles: tiles[b * 256 + pair * 16 + row] holds
+ * weights 2 pair and 2 pair + 1 of block b of that row (low half first), rounded to nearest even. */
+static void dequantize_group_bf16(int format, const uint8_t *w, int K, uint32_t *tiles) {
+    const int nb = K / QK;
+    const __m512i pair_order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
+                                                6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const __m512i low_byte = _mm512_set1_epi32(0xFF);
+    const size_t super_bytes = format == SLUICE_Q8_0 ? 0 : super_bytes_of(format);
+    for (int b = 0; b < nb; b++) {
+        unpacked_block u;
+        if (format == SLUICE_Q8_0) {
+            const uint8_t *block = w + (size_t)b * SLUICE_Q8_0_GROUP_BLOCK_BYTES;
+            for (int g = 0; g < 8; g++) u.q[g] = _mm512_loadu_si512((const void *)(block + 64 * g));
+            u.first = load_halves(block + 32 * GROUP);
+        } else {
+            unpack_super_block(format, w + (size_t)(b / 8) * super_bytes, b % 8, &u);
+        }
+        for (int g = 0; g < 8; g++) {
+            __m512 v[4];
+            for (int t = 0; t < 4; t++) {
+                const __m512i ints = format == SLUICE_Q8_0
+                                         ? _mm512_srai_epi32(_mm512_slli_epi32(u.q[g], 24 - 8 * t), 24)
+                                         : _mm512_and_si512(_mm512_srli_epi32(u.q[g], 8 * t), low_byte);
+                const __m512 q = _mm512_cvtepi32_ps(ints);
+                if (format == SLUICE_Q8_0) v[t] = _mm512_mul_ps(q, u.first);
+                else if (format == SLUICE_Q6_K)
+                    v[t] = _mm512_mul_ps(_mm512_sub_ps(q, _mm512_set1_ps(32.0f)), g < 4 ? u.first : u.second);
+                else v[t] = _mm512_fmsub_ps(u.first, q, u.second);
+            }
+            for (int pair = 0; pair < 2; pair++) {
+                const __m512i halves = (__m512i)_mm512_cvtne2ps_pbh(v[2 * pair + 1], v[2 * pair]);
+                _mm512_store_si512((void *)(tiles + (size_t)b * BF16_TILE_WORDS + (2 * g + pair) * 16),
+                                   _mm512_permutexvar_epi16(pair_order, halves));
+            }
+        }
+    }
+}
+
+/* One row of K floats -> bf16 (NULL: a row of zeros, padding a tile). */
+static void round_row_bf16(const float *x, int K, uint16_t *xb) {
+    for (int k = 0; k < K; k += 16) {
+        const __m512 v = x != NULL ? _mm512_loadu_ps(x + k) : _mm512_setzero_ps();
+        _mm256_storeu_si256((__m256i *)(xb + k), (__m256i)_mm512_cvtneps_pbh(v));
+    }
+}
+
+/* 32 rows of xb (bf16, K a row) against two row groups' tiles -> c[32][32] float32. */
+static void bf16_tiles_32x32(const uint16_t *xb, int K, const uint32_t *tiles0, const uint32_t *tiles1, float *c) {
+    const int nb = K / QK;
+    const size_t stride = (size_t)K * 2;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int b = 0; b < nb; b++) {
+        _tile_loadd(4, xb + (size_t)b * QK, stride);
+        _tile_loadd(5, xb + 16 * (size_t)K + (size_t)b * QK, stride);
+        _tile_loadd(6, tiles0 + (size_t)b * BF16_TILE_WORDS, 64);
+        _tile_loadd(7, tiles1 + (size_t)b * BF16_TILE_WORDS, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+    }
+    _tile_stored(0, c, 128);
+    _tile_stored(1, c + 16, 128);
+    _tile_stored(2, c + 16 * 32, 128);
+    _tile_stored(3, c + 16 * 32 + 16, 128);
+}
+
+/* Bytes of the bf16 rows: M rounded up to whole 32-row tiles. */
+static size_t bf16_scratch_bytes(int M, int K) { return ((size_t)(M + 31) / 32 * 32 * (size_t)K * 2 + 63) / 64 * 64; }
+
+/* The bf16 path: M rows (row r is x's and out's row OUT_ROW(r)), xb: bf16_scratch_bytes(M, K). */
+static int bf16_rows(int M, int N, int K, const float *x, int weight_type, const uint8_t *packed, size_t group_bytes,
+                     float *out, int out_stride, const int *out_rows, uint16_t *xb) {
+    if (!amx_permitted()) return -2;
+    const int nb = K / QK;
+    const int groups = (N + GROUP - 1) / GROUP, pairs = (groups + 1) / 2;
+    const int padded = (M + 31) / 32 * 32;
+    /* Each thread's two row groups' weights as B tiles, dequantized once for every chunk of rows. */
+    const size_t tile_words = (size_t)2 * nb * BF16_TILE_WORDS;
+    uint32_t *all_tiles = aligned_alloc(64, tile_words * 4 * (size_t)omp_get_max_threads());
+    if (all_tiles == NULL) return -1;
+#pragma omp parallel
+    {
+        configure_bf16_tiles();
+        uint32_t *tiles = all_tiles + tile_words * (size_t)omp_get_thread_num();
+        float c[32 * 32] __attribute__((aligned(64)));
+#pragma omp for schedule(static)
+        for (int r = 0; r < padded; r++) {
+            const float *row = r < M ? x + OUT_ROW(r) * K : NULL;
+            round_row_bf16(row, K, xb + (size_t)r * K);
+        }
+        for (int chunk = 0; chunk < padded; chunk += BF16_M_CHUNK) {
+            const int chunk_end = padded - chunk < BF16_M_CHUNK ? padded : chunk + BF16_M_CHUNK;
+#pragma omp for schedule(dynamic, 1)
+            for (int pair = 0; pair < pairs; pair++) {
+                const int g0 = 2 * pair, g1 = g0 + 1 < groups ? g0 + 1 : g0;
+                uint32_t *tiles1 = tiles + (size_t)nb * BF16_TILE_WORDS;
+                dequantize_group_bf16(weight_type, packed + (size_t)g0 * group_bytes, K, tiles);
+                dequantize_group_bf16(weight_type, packed + (size_t)g1 * group_bytes, K, tiles1);
+                const int n0 = g0 * GROUP, width = N - n0 < 2 * GROUP ? N - n0 : 2 * GROUP;
+                for (int r = chunk; r < chunk_end; r += 32) {
+                    bf16_tiles_32x32(xb + (size_t)r * K, K, tiles, tiles1, c);
+                    for (int i = 0; i < 32 && r + i < M; i++)
+                        for (int n = 0; n < width; n += 16)
+                            store_group(out + OUT_ROW(r + i) * out_stride + n0 + n, width - n < 16 ? width - n : 16,
+                                        _mm512_load_ps(c + i * 32 + n));
+                }
+            }
+        }
+        _tile_release();
+    }
+    free(all_tiles);
+    return 0;
+}
+#endif
+
 /* Activation rows [r_begin, r_end) against one row group: out columns n0 .. n0 + width of rows
- * out_stride floats apart. buffer: room for a row group's unpacked blocks (NULL: none, or
+ * out_stride floats apart (rows as OUT_ROW maps them). buffer: room for a row group's unpacked blocks (NULL: none, or
  * q8_0's, which are not unpacked). */
 static void multiply_group(int weight_type, const uint8_t *w, int n0, int width, int out_stride, int K, int r_begin,
-                           int r_end, const quantized_rows *x, float *out, int use_tiles, unpacked_block *buffer) {
+                           int r_end, const quantized_rows *x, const int *out_rows, float *out, int use_tiles,
+                           unpacked_block *buffer) {
     const int nb = K / QK;
 #ifdef SLUICE_AMX
     /* The tiles take the 32-weight formats; the super-block ones run the VNNI code at every M. */
@@ -435,7 +576,7 @@ static void multiply_group(int weight_type, const uint8_t *w, int n0, int width,
         for (; r_begin + AMX_ROWS <= r_end; r_begin += AMX_ROWS) {
             __m512 acc[AMX_ROWS];
             amx_group(weight_type, w, K, r_begin, x, acc);
-            for (int r = 0; r < AMX_ROWS; r++) store_group(out + (size_t)(r_begin + r) * out_stride + n0, width, acc[r]);
+            for (int r = 0; r < AMX_ROWS; r++) store_group(out + OUT_ROW(r_begin + r) * out_stride + n0, width, acc[r]);
         }
     }
 #else
@@ -458,7 +599,7 @@ static void multiply_group(int weight_type, const uint8_t *w, int n0, int width,
         const size_t first_block = (size_t)r0 * nb;
         const float *xd = x->d + first_block, *xdsum = x->dsum + first_block;
         const int32_t *xqsum = x->qsum + first_block, *xqsum_low = x->qsum_low + first_block;
-        group_acc acc[SUPER_TILE > TILE ? SUPER_TILE : TILE];
+        group_acc acc[SUPER_TILE > TILE ? SUPER_TILE : TILE] = {0}; /* every row is set below; gcc cannot tell */
 #define Q8_0_ROWS(R) group_q8_0(R, nb, K, w, xq_tile, xd, xqsum, acc)
 #define SUPER_ROWS(R, FORMAT) group_super(R, FORMAT, nb, K, w, unpacked, xq_tile, xd, xqsum, xqsum_low, xdsum, acc)
 /* q4_1 and q5_1 from the unpacked blocks where a call has them, else their packed loop. */
@@ -477,28 +618,29 @@ static void multiply_group(int weight_type, const uint8_t *w, int n0, int width,
         case SLUICE_Q4_K: DISPATCH_SUPER_ROWS(Q4_K_ROWS) break;
         default: DISPATCH_SUPER_ROWS(Q5_K_ROWS) break;
         }
-        for (int r = 0; r < rows; r++) store_group(out + (size_t)(r0 + r) * out_stride + n0, width, acc[r]);
+        for (int r = 0; r < rows; r++) store_group(out + OUT_ROW(r0 + r) * out_stride + n0, width, acc[r]);
     }
 }
 
-/* out[M, N] = x[M, K] @ W^T, W in row groups (N rounded up to a multiple of GROUP there).
- * scratch: sluice_qgemm_scratch_bytes(M, K). */
-int sluice_qgemm(int M, int N, int K, const float *x, int weight_type, const uint8_t *packed, float *out,
-                 int out_stride, void *scratch) {
-    if (K % QK != 0 || K <= 0 || out_stride < N) return -1;
+/* Bytes of one row group's weights along K, 0 for a format or K it cannot take. */
+static size_t group_bytes_of(int weight_type, int K) {
     const int nb = K / QK;
-    size_t group_bytes;
+    if (SLUICE_SUPER_BLOCK_FORMAT(weight_type) && K % SLUICE_SUPER_BLOCK != 0) return 0;
     switch (weight_type) {
-    case SLUICE_Q8_0: group_bytes = (size_t)nb * SLUICE_Q8_0_GROUP_BLOCK_BYTES; break;
-    case SLUICE_Q4_1: group_bytes = (size_t)nb * SLUICE_Q4_1_GROUP_BLOCK_BYTES; break;
-    case SLUICE_Q5_1: group_bytes = (size_t)nb * SLUICE_Q5_1_GROUP_BLOCK_BYTES; break;
-    case SLUICE_Q6_K: group_bytes = (size_t)(K / SLUICE_SUPER_BLOCK) * SLUICE_Q6_K_GROUP_SUPER_BYTES; break;
-    case SLUICE_Q4_K: group_bytes = (size_t)(K / SLUICE_SUPER_BLOCK) * SLUICE_Q4_K_GROUP_SUPER_BYTES; break;
-    case SLUICE_Q5_K: group_bytes = (size_t)(K / SLUICE_SUPER_BLOCK) * SLUICE_Q5_K_GROUP_SUPER_BYTES; break;
-    default: return -1;
+    case SLUICE_Q8_0: return (size_t)nb * SLUICE_Q8_0_GROUP_BLOCK_BYTES;
+    case SLUICE_Q4_1: return (size_t)nb * SLUICE_Q4_1_GROUP_BLOCK_BYTES;
+    case SLUICE_Q5_1: return (size_t)nb * SLUICE_Q5_1_GROUP_BLOCK_BYTES;
+    case SLUICE_Q6_K: return (size_t)(K / SLUICE_SUPER_BLOCK) * SLUICE_Q6_K_GROUP_SUPER_BYTES;
+    case SLUICE_Q4_K: return (size_t)(K / SLUICE_SUPER_BLOCK) * SLUICE_Q4_K_GROUP_SUPER_BYTES;
+    case SLUICE_Q5_K: return (size_t)(K / SLUICE_SUPER_BLOCK) * SLUICE_Q5_K_GROUP_SUPER_BYTES;
+    default: return 0;
     }
-    const int super_blocks = SLUICE_SUPER_BLOCK_FORMAT(weight_type);
-    if (super_blocks && K % SLUICE_SUPER_BLOCK != 0) return -1;
+}
+
+/* The int8 path: M rows (row r is x's and out's row OUT_ROW(r)), quantized into scratch. */
+static int int8_rows(int M, int N, int K, const float *x, int weight_type, const uint8_t *packed, size_t group_bytes,
+                     float *out, int out_stride, const int *out_rows, void *scratch) {
+    const int nb = K / QK;
     const int groups = (N + GROUP - 1) / GROUP;
     const quantized_rows rows = scratch_rows(scratch, M, K);
     int use_tiles = 0;
@@ -529,7 +671,7 @@ int sluice_qgemm(int M, int N, int K, const float *x, int weight_type, const uin
 #pragma omp for schedule(static)
         for (int r = 0; r < M; r++) {
             const size_t first_block = (size_t)r * nb;
-            quantize_row(x + (size_t)r * K, K, rows.q + (size_t)r * K, rows.d + first_block, rows.qsum + first_block,
+            quantize_row(x + OUT_ROW(r) * K, K, rows.q + (size_t)r * K, rows.d + first_block, rows.qsum + first_block,
                          weight_type == SLUICE_Q6_K ? rows.qsum_low + first_block : NULL, rows.dsum + first_block);
         }
         /* Activation rows in chunks that stay in L2 while every row group passes over them. */
@@ -539,7 +681,7 @@ int sluice_qgemm(int M, int N, int K, const float *x, int weight_type, const uin
             for (int group = 0; group < groups; group++) {
                 const int n0 = group * GROUP;
                 multiply_group(weight_type, packed + (size_t)group * group_bytes, n0, N - n0 < GROUP ? N - n0 : GROUP,
-                               out_stride, K, chunk, chunk_end, &rows, out, use_tiles, buffer);
+                               out_stride, K, chunk, chunk_end, &rows, out_rows, out, use_tiles, buffer);
             }
         }
         free(buffer);
@@ -548,4 +690,46 @@ int sluice_qgemm(int M, int N, int K, const float *x, int weight_type, const uin
 #endif
     }
     return 0;
+}
+
+/* Bytes of the int8 path's scratch: the int8 activations and four 4-byte values per block. */
+static size_t int8_scratch_bytes(int M, int K) { return ((size_t)M * ((size_t)K + 4 * 4 * (size_t)(K / QK)) + 63) / 64 * 64; }
+
+size_t sluice_qgemm_scratch_bytes(int M, int K) {
+#ifdef SLUICE_AMX_BF16
+    /* And the prompt rows in bf16, padded to whole tiles, and the two lists of rows. */
+    return int8_scratch_bytes(M, K) + bf16_scratch_bytes(M, K) + 2 * sizeof(int) * (size_t)M;
+#else
+    return int8_scratch_bytes(M, K);
+#endif
+}
+
+/* out[M, N] = x[M, K] @ W^T, W in row groups (N rounded up to a multiple of GROUP there).
+ * scratch: sluice_qgemm_scratch_bytes(M, K). prompt_rows (NULL: none) flags the rows of prompt
+ * tokens, which an AMX-BF16 build multiplies on bf16 tiles (every other build, and every other
+ * row, on the int8 path). */
+int sluice_qgemm(int M, int N, int K, const float *x, int weight_type, const uint8_t *packed, float *out,
+                 int out_stride, void *scratch, const uint8_t *prompt_rows) {
+    if (K % QK != 0 || K <= 0 || out_stride < N || M < 0) return -1;
+    const size_t group_bytes = group_bytes_of(weight_type, K);
+    if (group_bytes == 0) return -1;
+#ifdef SLUICE_AMX_BF16
+    int prompt = 0;
+    for (int r = 0; prompt_rows != NULL && r < M; r++) prompt += prompt_rows[r] != 0;
+    if (prompt > 0) {
+        uint8_t *bf16_scratch = (uint8_t *)scratch + int8_scratch_bytes(M, K);
+        int *tiled = (int *)(bf16_scratch + bf16_scratch_bytes(M, K)), *rest = tiled + M;
+        for (int r = 0, t = 0, o = 0; r < M; r++) {
+            if (prompt_rows[r]) tiled[t++] = r;
+            else rest[o++] = r;
+        }
+        const int status = bf16_rows(prompt, N, K, x, weight_type, packed, group_bytes, out, out_stride, tiled,
+                                     (uint16_t *)bf16_scratch);
+        if (status != 0 || prompt == M) return status;
+        return int8_rows(M - prompt, N, K, x, weight_type, packed, group_bytes, out, out_stride, rest, scratch);
+    }
+#else
+    (void)prompt_rows;
+#endif
+    return int8_rows(M, N, K, x, weight_type, packed, group_bytes, out, out_stride, NULL, scratch);
 }

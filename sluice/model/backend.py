@@ -41,11 +41,13 @@ class KernelBackend:
         weight: torch.Tensor,
         quantized: QuantizedProjection | None,
         bias: torch.Tensor | None = None,
+        prompt_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """x @ weight.T (+ bias), through the block-quantized copy when the weight has one."""
+        """x @ weight.T (+ bias), through the block-quantized copy when the weight has one
+        (prompt_rows: see KernelOps.qgemm)."""
         if quantized is None:
             return F.linear(x, weight, bias)
-        out = quantized.matmul(x)
+        out = quantized.matmul(x, prompt_rows)
         return out if bias is None else out.add_(bias)
 
     def argmax_rows(self, scores: torch.Tensor) -> torch.Tensor:
@@ -124,6 +126,7 @@ class TorchBackend:
         weight: torch.Tensor,
         quantized: QuantizedProjection | None,
         bias: torch.Tensor | None = None,
+        prompt_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if quantized is not None:
             raise ValueError("block-quantized weights need the C kernels (KernelBackend)")

@@ -92,11 +92,13 @@ def describe(execution: Execution, weight_formats: list[str]) -> dict[str, str]:
         dots = "AVX2 maddubs, 8-row groups" if isa == "avx2" else "AVX-512 VNNI vpdpbusd, 16-row groups"
         if weight_formats:
             gemv = f"{'+'.join(weight_formats)} blocks x int8 activations ({dots})"
-            tiled = [f for f in weight_formats if f in ("q8_0", "q4_1")]  # the other formats take no tiles
-            if isa == "amx_int8" and tiled:
+            tiled = [f for f in weight_formats if f in ("q8_0", "q4_1")]  # the other formats take no int8 tiles
+            if isa in ("amx_int8", "amx_bf16") and tiled:
                 gemm = f"AMX-INT8 tiles for every 16 activation rows of {'+'.join(tiled)}, the rest as GEMV"
             else:
                 gemm = "the GEMV kernel, 4 activation rows per weight load (8 for super-blocks on AVX-512)"
+            if isa == "amx_bf16":
+                gemm = f"prompt rows: AMX-BF16 tiles, weights dequantized once a call; decode rows: {gemm}"
         else:
             gemv = gemm = dense
         attention = f"C kernel, every token at its position, {_dtype_name(execution.kv_dtype)} KV"

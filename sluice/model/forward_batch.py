@@ -37,3 +37,8 @@ class ForwardBatch:
     # `window_slot_of[slot]` (0 = padding for a token no query of this step sees through a
     # window). None: every layer is indexed by the slots above.
     window_slot_of: torch.Tensor | None = None
+    # bool [num_tokens]: True for the tokens of a request's prompt (positions before its
+    # first generated token), which an AMX-BF16 build multiplies on bf16 tiles, False for
+    # generated ones (decode steps, and a retracted request's recomputed output). None: all
+    # rows on the int8 path.
+    prompt_rows: torch.Tensor | None = None

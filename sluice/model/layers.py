@@ -58,8 +58,8 @@ class QKVProjection(nn.Module):
         self.quantized: QuantizedProjection | None = None
         self.backend = backend
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.backend.linear(x, self.weight, self.quantized, self.bias)
+    def forward(self, x: torch.Tensor, prompt_rows: torch.Tensor | None = None) -> torch.Tensor:
+        return self.backend.linear(x, self.weight, self.quantized, self.bias, prompt_rows)
 
 
 class Linear(nn.Module):
@@ -69,8 +69,8 @@ class Linear(nn.Module):
         self.quantized: QuantizedProjection | None = None
         self.backend = backend
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.backend.linear(x, self.weight, self.quantized)
+    def forward(self, x: torch.Tensor, prompt_rows: torch.Tensor | None = None) -> torch.Tensor:
+        return self.backend.linear(x, self.weight, self.quantized, prompt_rows=prompt_rows)
 
 
 class GatedMLP(nn.Module):
@@ -90,9 +90,10 @@ class GatedMLP(nn.Module):
             raise ValueError(f"MLP activation {activation!r} is not supported; supported: silu, gelu_tanh")
         self.activate_and_mul = backend.silu_mul if activation == "silu" else backend.gelu_tanh_mul
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.backend.linear(x, self.gate_up_weight, self.gate_up_quantized)
-        return self.backend.linear(self.activate_and_mul(gate_up), self.down_weight, self.down_quantized)
+    def forward(self, x: torch.Tensor, prompt_rows: torch.Tensor | None = None) -> torch.Tensor:
+        gate_up = self.backend.linear(x, self.gate_up_weight, self.gate_up_quantized, prompt_rows=prompt_rows)
+        activated = self.activate_and_mul(gate_up)
+        return self.backend.linear(activated, self.down_weight, self.down_quantized, prompt_rows=prompt_rows)
 
 
 class RotaryEmbedding(nn.Module):

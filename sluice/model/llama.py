@@ -86,15 +86,17 @@ class DecoderLayer(nn.Module):
         v_buffer: torch.Tensor,
         out_cache_loc: torch.Tensor,
         metadata: AttentionMetadata,
+        prompt_rows: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (residual stream, this layer's MLP output): the caller adds the second to the
-        first, fused with the next norm, so `pending` is the previous layer's (None for the first)."""
+        first, fused with the next norm, so `pending` is the previous layer's (None for the first).
+        prompt_rows: see ForwardBatch."""
         if pending is None:
             normed = self.input_layernorm(hidden)
         else:
             hidden, normed = self.input_layernorm.add_and_norm(hidden, pending)
         num_qk_heads = self.num_heads + self.num_kv_heads
-        qkv = self.qkv_proj(normed).view(-1, num_qk_heads + self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(normed, prompt_rows).view(-1, num_qk_heads + self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             self._norm_heads(qkv[:, : self.num_heads], self.q_norm)
             self._norm_heads(qkv[:, self.num_heads : num_qk_heads], self.k_norm)
@@ -104,11 +106,11 @@ class DecoderLayer(nn.Module):
         )
         attn = self.backend.attention(q, k, qkv[:, num_qk_heads:], k_buffer, v_buffer, metadata, self.attention_options)
         if self.pre_feedforward_layernorm is None or self.post_feedforward_layernorm is None:
-            hidden, normed = self.post_attention_layernorm.add_and_norm(hidden, self.o_proj(attn))
-            return hidden, self.mlp(normed)
-        attended = self.post_attention_layernorm(self.o_proj(attn))
+            hidden, normed = self.post_attention_layernorm.add_and_norm(hidden, self.o_proj(attn, prompt_rows))
+            return hidden, self.mlp(normed, prompt_rows)
+        attended = self.post_attention_layernorm(self.o_proj(attn, prompt_rows))
         hidden, normed = self.pre_feedforward_layernorm.add_and_norm(hidden, attended)
-        return hidden, self.post_feedforward_layernorm(self.mlp(normed))
+        return hidden, self.post_feedforward_layernorm(self.mlp(normed, prompt_rows))
 
     def _norm_heads(self, heads: torch.Tensor, norm: RMSNorm) -> None:
         """RMS-normalize each head_dim row of heads [tokens, n, head_dim] (a view into qkv) in place."""
@@ -167,7 +169,9 @@ class LlamaForCausalLM(nn.Module):
         window_cache_loc, window_metadata = fb.out_cache_loc, metadata
         if fb.window_slot_of is not None:
             window_cache_loc, window_metadata = fb.window_slot_of[fb.out_cache_loc], metadata.through(fb.window_slot_of)
-        if self.decode_layers is not None and metadata.decode_only:
+        # Decode steps in one call; a prompt's last token alone (its prefix cached) takes the
+        # per-op path, whose matmuls multiply prompt rows as every other prompt row.
+        if self.decode_layers is not None and metadata.decode_only and fb.prompt_rows is None:
             _, cos, signed_sin = ropes[0]
             local_rope = (ropes[1][1], ropes[1][2]) if len(ropes) > 1 else None
             hidden = self.decode_layers.run(
@@ -198,6 +202,7 @@ class LlamaForCausalLM(nn.Module):
                     v_buffer,
                     window_cache_loc if windowed else fb.out_cache_loc,
                     window_metadata if windowed else metadata,
+                    fb.prompt_rows,
                 )
             assert pending is not None, "a model has at least one layer"
             hidden = hidden + pending
@@ -205,7 +210,8 @@ class LlamaForCausalLM(nn.Module):
             fb.hidden_states = self.norm(hidden[fb.hidden_indices]).float()
         # Norm and LM head only for the rows whose logits are wanted: the rest are never read.
         last_hidden = self.norm(hidden[fb.logits_indices])
-        logits = self.backend.linear(last_hidden, self.lm_head, self.lm_head_quantized).float()
+        prompt_rows = None if fb.prompt_rows is None else fb.prompt_rows[fb.logits_indices]
+        logits = self.backend.linear(last_hidden, self.lm_head, self.lm_head_quantized, prompt_rows=prompt_rows).float()
         cap = self.config.final_logit_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap
 

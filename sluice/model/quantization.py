@@ -35,7 +35,7 @@ QUANTIZATION_MODES = ("auto", "none", "q8_0", "gguf")
 # The GGUF types that run as a kernel format of their own, on every CPU.
 _KEPT_SUPER_BLOCKS = {"Q5_K": BlockFormat.Q5_K, "Q6_K": BlockFormat.Q6_K}
 # The kernel builds on which `auto` runs Q4_K as q4_1 (see above).
-Q4_K_AS_Q4_1_ISAS = ("avx512_vnni", "amx_int8")
+Q4_K_AS_Q4_1_ISAS = ("avx512_vnni", "amx_int8", "amx_bf16")
 
 
 def quantization_plan(model_path: str | Path, config: ModelConfig, mode: str, backend: Backend) -> FormatPlan | None:

@@ -89,11 +89,12 @@ class QuantizedLinearWeight:
     def parts(self) -> list[QuantizedLinearWeight]:
         return [self]
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x [rows, in] @ weight.T -> float32 [rows, out]; x is quantized to int8 blocks on the way."""
+    def matmul(self, x: torch.Tensor, prompt_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """x [rows, in] @ weight.T -> float32 [rows, out]; x is quantized to int8 blocks on the way
+        (prompt_rows: see KernelOps.qgemm)."""
         if x.shape[-1] != self.in_features:
             raise ValueError(f"x has {x.shape[-1]} features, the weight takes {self.in_features}")
-        return self.ops.qgemm(x, self.format, self.packed, self.out_features)
+        return self.ops.qgemm(x, self.format, self.packed, self.out_features, prompt_rows=prompt_rows)
 
 
 @dataclass(slots=True)
@@ -121,7 +122,7 @@ class StackedQuantizedWeight:
     def dequantize(self) -> torch.Tensor:
         return torch.cat([self.head.dequantize(), self.tail.dequantize()])
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+    def matmul(self, x: torch.Tensor, prompt_rows: torch.Tensor | None = None) -> torch.Tensor:
         """x [rows, in] @ weight.T -> float32 [rows, out]: each part into its own columns."""
         if x.shape[-1] != self.in_features:
             raise ValueError(f"x has {x.shape[-1]} features, the weight takes {self.in_features}")
@@ -130,7 +131,8 @@ class StackedQuantizedWeight:
         start = 0
         for part in self.parts:
             end = start + part.out_features
-            part.ops.qgemm(x, part.format, part.packed, part.out_features, out=out[:, start:end])
+            columns = out[:, start:end]
+            part.ops.qgemm(x, part.format, part.packed, part.out_features, out=columns, prompt_rows=prompt_rows)
             start = end
         return out
 

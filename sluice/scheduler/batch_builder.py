@@ -116,6 +116,7 @@ def build_forward_batch(
     seq_lens: list[int] = []
     mm_rows: list[int] = []
     mm_embeds: list[torch.Tensor] = []
+    prompt_rows: list[bool] = []
     req_to_token = kv.req_to_token
     offset = 0
     for req, n, start in zip(batch.reqs, batch.extend_lens, batch.starts, strict=True):
@@ -127,6 +128,8 @@ def build_forward_batch(
             mm_embeds.extend(embeds)
         input_ids.extend(req.fill_slice(start, start + n))
         positions.extend(range(start, start + n))
+        prompt_count = min(n, max(0, len(req.prompt_ids) - start))
+        prompt_rows.extend([True] * prompt_count + [False] * (n - prompt_count))
         new_slots = batch.out_cache_loc[offset : offset + n]
         req_to_token[req.req_pool_idx, start : start + n] = new_slots
         kv_indices.append(req_to_token[req.req_pool_idx, : start + n])
@@ -146,4 +149,5 @@ def build_forward_batch(
         mm_embeds=torch.cat(mm_embeds) if mm_embeds else None,
         hidden_indices=batch.hidden_indices,
         window_slot_of=kv.window_slot_of,
+        prompt_rows=torch.tensor(prompt_rows) if any(prompt_rows) else None,
     )

@@ -65,6 +65,43 @@ def test_quantized_matmul_matches_dense_matmul_of_the_same_blocks(ops, format, r
     assert relative_error(quantized.matmul(x), F.linear(x, quantized.dequantize())) < 1e-2
 
 
+def prompt_flags(rows: int) -> torch.Tensor:
+    """Two of every three rows flagged as prompt rows, the rest as decode rows."""
+    return torch.arange(rows) % 3 != 1
+
+
+@pytest.mark.parametrize("format", list(BlockFormat))
+@pytest.mark.parametrize("rows", [1, 3, 17, 64, 300])
+def test_prompt_rows_match_the_dense_matmul_and_decode_rows_keep_their_bits(ops, format, rows):
+    """An AMX-BF16 build multiplies prompt rows on bf16 tiles (activations and weights rounded
+    to bf16, not x to int8 blocks: nearer the float product); on every build the other rows
+    give exactly what they give without flags, and elsewhere the flags change nothing."""
+    quantized, in_features = block_weight(format, 203, 96, ops, seed=rows)
+    x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows))
+    flags = prompt_flags(rows)
+    flagged = quantized.matmul(x, flags)
+    unflagged = quantized.matmul(x)
+    assert relative_error(flagged, F.linear(x, quantized.dequantize())) < 1e-2
+    assert torch.equal(flagged[~flags], unflagged[~flags])
+    if ops.isa != "amx_bf16":
+        assert torch.equal(flagged, unflagged)
+    else:
+        assert not torch.equal(flagged[flags], unflagged[flags]), "the prompt rows did not take the bf16 tiles"
+        # All prompt rows too: the last 32-row tile is padded.
+        assert torch.equal(quantized.matmul(x, torch.ones(rows, dtype=torch.bool))[flags], flagged[flags])
+
+
+@pytest.mark.parametrize("format", list(BlockFormat))
+def test_a_prompt_row_gives_the_same_bits_alone_and_in_any_batch(ops, format):
+    quantized, in_features = block_weight(format, 100, 64, ops, seed=7)
+    x = torch.randn(300, in_features, generator=torch.Generator().manual_seed(7))
+    flags = prompt_flags(300)
+    batched = quantized.matmul(x, flags)
+    for row in (1, 2, 151, 299):
+        assert torch.equal(quantized.matmul(x[row : row + 1], flags[row : row + 1])[0], batched[row])
+    assert torch.equal(quantized.matmul(x[5:22], flags[5:22]), batched[5:22])
+
+
 @pytest.mark.parametrize("format", list(BlockFormat))
 def test_a_row_gives_the_same_bits_alone_and_in_any_batch(ops, format):
     quantized, in_features = block_weight(format, 100, 64, ops, seed=5)
@@ -462,24 +499,29 @@ def test_header_parsing_follows_a_changed_declaration():
     assert signatures["sluice_g"] == (None, [])
 
 
-@pytest.mark.skipif("avx512_vnni" not in SUPPORTED, reason="needs AVX-512 VNNI, the base of the AMX build")
-def test_an_amx_build_runs_its_self_test_in_a_child_and_never_kills_the_caller():
-    """Where the CPU (or the OS) has no AMX tiles, the AMX build's self-test fails cleanly
-    (the kernel refuses the tile permission) and the loader passes it over; where it has
-    them, the tile path must give the VNNI path's bits (the self-test compares exactly)."""
+@pytest.mark.skipif("avx512_vnni" not in SUPPORTED, reason="needs AVX-512 VNNI, the base of the AMX builds")
+@pytest.mark.parametrize("amx_isa", ["amx_int8", "amx_bf16"])
+def test_an_amx_build_runs_its_self_test_in_a_child_and_never_kills_the_caller(amx_isa):
+    """Where the CPU (or the OS) has no AMX tiles, an AMX build's self-test fails cleanly
+    (the kernel refuses the tile permission, or the child dies of an instruction the CPU
+    lacks) and the loader passes it over; where it has them, the int8 tiles must give the
+    VNNI path's bits and the bf16 tiles their own (the self-test checks both)."""
     from sluice.kernels.build import built_library
     from sluice.kernels.cpu import isa_by_name
 
-    library = str(built_library(isa_by_name("amx_int8")))
+    library = str(built_library(isa_by_name(amx_isa)))
     result = subprocess.run(
         [sys.executable, "-c", "import ctypes, sys; sys.exit(ctypes.CDLL(sys.argv[1]).sluice_self_test())", library],
         capture_output=True,
         check=False,
     )
+    if amx_isa not in SUPPORTED:
+        # An instruction the CPU lacks (bf16 conversions) may kill the child: the loader
+        # treats that as a failed self-test.
+        assert result.returncode != 0, "the AMX self-test passed on a CPU without it"
+        return
     assert result.returncode >= 0, "the self-test child died by a signal"
-    if "amx_int8" not in SUPPORTED:
-        assert result.returncode != 0, "the AMX self-test passed on a CPU without AMX"
-    elif result.returncode != 0:
+    if result.returncode != 0:
         if not _os_grants_tile_data():
             pytest.skip("the CPU has AMX but the kernel refuses this process the tile registers")
         pytest.fail(f"the AMX build failed its self-test (code {result.returncode}) where AMX is granted")

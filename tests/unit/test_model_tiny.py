@@ -189,19 +189,30 @@ def save_random_model(build, folder: Path):
     return model
 
 
-def assert_same_bits_chunked_and_batched(runner: ModelRunner, whole: torch.Tensor) -> None:
-    """PROMPT_IDS prefilled in two chunks, and beside another request, give `whole` (its
-    logits prefilled at once) bit for bit."""
+def assert_same_bits_chunked_and_batched(runner: ModelRunner, whole: torch.Tensor, prompt: bool = False) -> None:
+    """PROMPT_IDS prefilled in two chunks, beside another request, and beside a decode step,
+    give `whole` (its logits prefilled at once) bit for bit. `prompt`: flagged as prompt rows
+    (then `whole` must have been too), which an AMX-BF16 build multiplies on bf16 tiles."""
     slots = torch.arange(1, len(PROMPT_IDS) + 1)
     kv_buffers = runner.new_kv_buffers(64)
-    first = runner.forward(make_batch([(PROMPT_IDS[:5], slots[:5])], kv_buffers, all_logits=True))
-    rest = runner.forward(make_batch([(PROMPT_IDS[5:], slots)], kv_buffers, all_logits=True))
+    first = runner.forward(make_batch([(PROMPT_IDS[:5], slots[:5])], kv_buffers, all_logits=True, prompt=prompt))
+    rest = runner.forward(make_batch([(PROMPT_IDS[5:], slots)], kv_buffers, all_logits=True, prompt=prompt))
     assert torch.equal(torch.cat([first, rest]), whole)
 
     kv_buffers = runner.new_kv_buffers(64)
     neighbour = ([9, 8, 7, 6, 5, 4, 3, 2, 1], torch.arange(40, 49))
-    batched = runner.forward(make_batch([neighbour, (PROMPT_IDS, slots)], kv_buffers, all_logits=True))
+    batch = make_batch([neighbour, (PROMPT_IDS, slots)], kv_buffers, all_logits=True, prompt=prompt)
+    batched = runner.forward(batch)
     assert torch.equal(batched[len(neighbour[0]) :], whole)
+
+    # The neighbour's last token a decode row (not a prompt row) in the same matmuls.
+    runner.forward(make_batch([(neighbour[0][:-1], neighbour[1][:-1])], kv_buffers, prompt=prompt))
+    decode_step = (neighbour[0][-1:], neighbour[1])
+    batch = make_batch([decode_step, (PROMPT_IDS, slots)], kv_buffers, all_logits=True, prompt=prompt)
+    if prompt:
+        assert batch.prompt_rows is not None
+        batch.prompt_rows[0] = False
+    assert torch.equal(runner.forward(batch)[1:], whole)
 
 
 def sluice_greedy(runner: ModelRunner, prompt_ids: list[int], num_tokens: int) -> list[int]:
@@ -489,10 +500,10 @@ def test_quantized_results_do_not_depend_on_chunking_or_batching(tmp_path: Path)
     runner = ModelRunner(str(tmp_path), torch.float32, quantization="q8_0")
     slots = torch.arange(1, len(PROMPT_IDS) + 1)
 
-    kv_buffers = runner.new_kv_buffers(64)
-    whole = runner.forward(make_batch([(PROMPT_IDS, slots)], kv_buffers, all_logits=True))
-
-    assert_same_bits_chunked_and_batched(runner, whole)
+    for prompt in (False, True):
+        kv_buffers = runner.new_kv_buffers(64)
+        whole = runner.forward(make_batch([(PROMPT_IDS, slots)], kv_buffers, all_logits=True, prompt=prompt))
+        assert_same_bits_chunked_and_batched(runner, whole, prompt)
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["float16", "bfloat16"])
