@@ -209,9 +209,10 @@ class LlamaForCausalLM(nn.Module):
         if fb.hidden_indices is not None:
             fb.hidden_states = self.norm(hidden[fb.hidden_indices]).float()
         # Norm and LM head only for the rows whose logits are wanted: the rest are never read.
+        # The LM head keeps the int8 path for every row: a step's few logits rows (one a
+        # request) would each cost the bf16 tiles a dequantization of the whole table.
         last_hidden = self.norm(hidden[fb.logits_indices])
-        prompt_rows = None if fb.prompt_rows is None else fb.prompt_rows[fb.logits_indices]
-        logits = self.backend.linear(last_hidden, self.lm_head, self.lm_head_quantized, prompt_rows=prompt_rows).float()
+        logits = self.backend.linear(last_hidden, self.lm_head, self.lm_head_quantized).float()
         cap = self.config.final_logit_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
