@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import httpx
 
 from sluice.kernels.cpu import reported_flags
-from sluice.kernels.loader import kernels_available
+from sluice.kernels.loader import kernels_available, load_kernels
+from tests.helpers import generate, greedy
 
 
 def test_server_info_names_the_cpu_features_and_the_kernel_paths(server):
@@ -19,3 +22,29 @@ def test_server_info_names_the_cpu_features_and_the_kernel_paths(server):
         assert info["dtype"] == "auto" and info["kv_cache_dtype"] == "auto"
     else:
         assert execution["backend"] == "torch"
+
+
+def test_a_prompt_gets_the_same_logprobs_alone_from_the_cache_and_beside_others(server):
+    """Every prompt row is multiplied on its own (on bf16 tiles where the build has them, see
+    the README) and every token attends at its position: the same request gives the same
+    tokens and the same logprobs, bit for bit, sent alone, again with its prompt in the radix
+    cache, and at once with other prompts that share its prefill steps."""
+    execution = httpx.get(server.base_url + "/get_server_info", timeout=30).json()["execution"]
+    if kernels_available() and load_kernels().isa == "amx_bf16":
+        assert execution["gemm"].startswith("prompt rows: AMX-BF16 tiles")
+    words = "the river ran past the old mill where seven children counted boats in the evening light"
+    prompt = " ".join([words] * 4)  # ~70 tokens: several prompt tiles
+
+    def answer(text: str) -> tuple[str, list]:
+        body = generate(server.base_url, text=text, sampling_params=greedy(12, ignore_eos=True), return_logprob=True)
+        body.raise_for_status()
+        out = body.json()
+        return out["text"], out["meta_info"]["output_token_logprobs"]
+
+    alone = answer(prompt)
+    assert answer(prompt) == alone  # its prompt now cached but for the last token
+    others = [f"{i} apples and {words} {i}" for i in range(3)]
+    with ThreadPoolExecutor(len(others) + 1) as pool:
+        futures = [pool.submit(answer, text) for text in [*others, prompt]]
+        together = [future.result() for future in futures]
+    assert together[-1] == alone
