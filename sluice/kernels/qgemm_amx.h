@@ -1,0 +1,247 @@
+/* Part of qgemm.c, included by it on the AMX builds: the int8 tiles (batches of 16+ rows,
+ * any build with SLUICE_AMX) and the bf16 tiles for prompt rows (SLUICE_AMX_BF16). qgemm.c
+ * defines the formats' helpers, quantized_rows, unpacked_block and OUT_ROW first. */
+#ifndef SLUICE_QGEMM_AMX_H
+#define SLUICE_QGEMM_AMX_H
+
+#ifdef SLUICE_AMX
+/* ------------------------------------------------------------ AMX-INT8: 16 activation rows a tile
+ *
+ * Per 32-weight block: C[16 x 16] int32 = A (16 activation rows x 32 int8) . B (the row
+ * group's block, 8 tile rows of 4 bytes x 16 weight rows), then the same float steps as
+ * group_q8_0 / group_q4_1 with one 16-lane accumulator per activation row. The integer
+ * dots are exact, so the results are those of the VNNI path, bit for bit. */
+#define AMX_ROWS 16
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+typedef struct {
+    uint8_t palette_id, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+/* Linux gives a process the tile registers only when it asks (once per process). */
+static int amx_permitted(void) {
+    static int state; /* 0 not asked, 1 granted, -1 refused */
+    int seen = __atomic_load_n(&state, __ATOMIC_ACQUIRE);
+    if (seen == 0) {
+        seen = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : -1;
+        __atomic_store_n(&state, seen, __ATOMIC_RELEASE);
+    }
+    return seen == 1;
+}
+
+/* Two sets of tiles, used by alternate blocks: C (16 x 16 int32), A (16 rows x 32 bytes), B
+ * (8 rows x 64 bytes) = tiles 0, 1, 2 for even blocks and 3, 4, 5 for odd ones. */
+static void configure_tiles(void) {
+    tile_config config = {0};
+    config.palette_id = 1;
+    for (int set = 0; set < 6; set += 3) {
+        config.rows[set] = AMX_ROWS, config.colsb[set] = 64;
+        config.rows[set + 1] = AMX_ROWS, config.colsb[set + 1] = QK;
+        config.rows[set + 2] = QK / 4, config.colsb[set + 2] = 64;
+    }
+    _tile_loadconfig(&config);
+}
+
+/* The B tile of a q4_1 block: tile row g < 4 holds the low nibbles of word g (weights
+ * 4g..4g+3), g >= 4 the high ones. */
+static inline void unpack_q4_1_tile(const uint8_t *w, uint8_t *unpacked) {
+    const __m512i nibble = _mm512_set1_epi8(0x0F);
+    for (int j = 0; j < 4; j++) {
+        const __m512i raw = _mm512_loadu_si512((const void *)(w + 64 * j));
+        _mm512_store_si512((void *)(unpacked + 64 * j), _mm512_and_si512(raw, nibble));
+        _mm512_store_si512((void *)(unpacked + 64 * (j + 4)), _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble));
+    }
+}
+
+/* Start block b's integer dots in tiles C, A, B (literal numbers: gcc spells them into the asm). */
+#define AMX_START_BLOCK(C, A, B, b)                                                                \
+    do {                                                                                           \
+        const uint8_t *block = w + (size_t)(b) * block_bytes;                                      \
+        _tile_zero(C);                                                                             \
+        _tile_loadd(A, xq + (size_t)(b) * QK, K);                                                  \
+        if (weight_type == SLUICE_Q8_0) {                                                          \
+            _tile_loadd(B, block, 64);                                                             \
+            _tile_dpbssd(C, A, B);                                                                 \
+        } else {                                                                                   \
+            unpack_q4_1_tile(block, unpacked);                                                     \
+            _tile_loadd(B, unpacked, 64);                                                          \
+            _tile_dpbsud(C, A, B);                                                                 \
+        }                                                                                          \
+    } while (0)
+
+/* Activation rows [r0, r0 + 16) against one row group. Block b + 1's tile multiply is issued
+ * before block b's dots are read back and scaled, so the two overlap; each row still sums
+ * its blocks in order, in the same float steps as group_q8_0 / group_q4_1. */
+static void amx_group(int weight_type, const uint8_t *w, int K, int r0, const quantized_rows *x, __m512 *acc) {
+    const int nb = K / QK;
+    int32_t dots[AMX_ROWS][16] __attribute__((aligned(64)));
+    uint8_t unpacked[8 * 64] __attribute__((aligned(64)));
+    const int block_bytes = weight_type == SLUICE_Q8_0 ? SLUICE_Q8_0_GROUP_BLOCK_BYTES : SLUICE_Q4_1_GROUP_BLOCK_BYTES;
+    const int8_t *xq = x->q + (size_t)r0 * K;
+    for (int r = 0; r < AMX_ROWS; r++) acc[r] = _mm512_setzero_ps();
+    AMX_START_BLOCK(0, 1, 2, 0);
+    for (int b = 0; b < nb; b++) {
+        if (b % 2 == 0) {
+            if (b + 1 < nb) AMX_START_BLOCK(3, 4, 5, b + 1);
+            _tile_stored(0, dots, 64);
+        } else {
+            if (b + 1 < nb) AMX_START_BLOCK(0, 1, 2, b + 1);
+            _tile_stored(3, dots, 64);
+        }
+        const uint8_t *block = w + (size_t)b * block_bytes;
+        const __m512 d = load_halves(block + (weight_type == SLUICE_Q8_0 ? 32 : 16) * GROUP);
+        for (int r = 0; r < AMX_ROWS; r++) {
+            const size_t index = (size_t)(r0 + r) * nb + b;
+            const __m512 row_dots = _mm512_cvtepi32_ps(_mm512_load_si512((const void *)dots[r]));
+            acc[r] = _mm512_fmadd_ps(row_dots, _mm512_mul_ps(d, _mm512_set1_ps(x->d[index])), acc[r]);
+            if (weight_type == SLUICE_Q4_1)
+                acc[r] = _mm512_fmadd_ps(load_halves(block + 18 * GROUP), _mm512_set1_ps(x->dsum[index]), acc[r]);
+        }
+    }
+}
+#undef AMX_START_BLOCK
+#endif
+
+#ifdef SLUICE_AMX_BF16
+/* ------------------------------------------------------------ AMX-BF16: prompt rows
+ *
+ * A row group's weights are dequantized once per call into bf16 B tiles (a 32-weight block of
+ * its 16 rows is one tile: 16 tile rows of a pair of consecutive weights of each row), the
+ * activation rows are rounded to bf16, and C tiles sum every block's products in float32 in
+ * the tile itself: no per-block read-back and scaling, which bounds the int8 tiles. Each row's
+ * result depends on that row alone (the tiles sum K in the same order whichever rows share
+ * them), but not the int8 path's bits: prompt rows only take this path, every time. */
+#define BF16_TILE_WORDS 256 /* 32-bit words of one B tile: 16 weight pairs x 16 rows */
+#define BF16_M_CHUNK 256
+
+/* C (tiles 0-3, 16 x 16 float32), A (4, 5: 16 rows x 32 bf16), B (6, 7: 16 pairs x 16 rows). */
+static void configure_bf16_tiles(void) {
+    tile_config config = {0};
+    config.palette_id = 1;
+    for (int t = 0; t < 8; t++) config.rows[t] = 16, config.colsb[t] = 64;
+    _tile_loadconfig(&config);
+}
+
+/* A row group's K weights, any format, as bf16 B tiles: tiles[b * 256 + pair * 16 + row] holds
+ * weights 2 pair and 2 pair + 1 of block b of that row (low half first), rounded to nearest even. */
+static void dequantize_group_bf16(int format, const uint8_t *w, int K, uint32_t *tiles) {
+    const int nb = K / QK;
+    const __m512i pair_order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
+                                                6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const __m512i low_byte = _mm512_set1_epi32(0xFF);
+    const size_t super_bytes = format == SLUICE_Q8_0 ? 0 : super_bytes_of(format);
+    for (int b = 0; b < nb; b++) {
+        unpacked_block u;
+        if (format == SLUICE_Q8_0) {
+            const uint8_t *block = w + (size_t)b * SLUICE_Q8_0_GROUP_BLOCK_BYTES;
+            for (int g = 0; g < 8; g++) u.q[g] = _mm512_loadu_si512((const void *)(block + 64 * g));
+            u.first = load_halves(block + 32 * GROUP);
+        } else {
+            unpack_super_block(format, w + (size_t)(b / 8) * super_bytes, b % 8, &u);
+        }
+        for (int g = 0; g < 8; g++) {
+            __m512 v[4];
+            for (int t = 0; t < 4; t++) {
+                const __m512i ints = format == SLUICE_Q8_0
+                                         ? _mm512_srai_epi32(_mm512_slli_epi32(u.q[g], 24 - 8 * t), 24)
+                                         : _mm512_and_si512(_mm512_srli_epi32(u.q[g], 8 * t), low_byte);
+                const __m512 q = _mm512_cvtepi32_ps(ints);
+                if (format == SLUICE_Q8_0) v[t] = _mm512_mul_ps(q, u.first);
+                else if (format == SLUICE_Q6_K)
+                    v[t] = _mm512_mul_ps(_mm512_sub_ps(q, _mm512_set1_ps(32.0f)), g < 4 ? u.first : u.second);
+                else v[t] = _mm512_fmsub_ps(u.first, q, u.second);
+            }
+            for (int pair = 0; pair < 2; pair++) {
+                const __m512i halves = (__m512i)_mm512_cvtne2ps_pbh(v[2 * pair + 1], v[2 * pair]);
+                _mm512_store_si512((void *)(tiles + (size_t)b * BF16_TILE_WORDS + (2 * g + pair) * 16),
+                                   _mm512_permutexvar_epi16(pair_order, halves));
+            }
+        }
+    }
+}
+
+/* One row of K floats -> bf16 (NULL: a row of zeros, padding a tile). */
+static void round_row_bf16(const float *x, int K, uint16_t *xb) {
+    for (int k = 0; k < K; k += 16) {
+        const __m512 v = x != NULL ? _mm512_loadu_ps(x + k) : _mm512_setzero_ps();
+        _mm256_storeu_si256((__m256i *)(xb + k), (__m256i)_mm512_cvtneps_pbh(v));
+    }
+}
+
+/* 32 rows of xb (bf16, K a row) against two row groups' tiles -> c[32][32] float32. */
+static void bf16_tiles_32x32(const uint16_t *xb, int K, const uint32_t *tiles0, const uint32_t *tiles1, float *c) {
+    const int nb = K / QK;
+    const size_t stride = (size_t)K * 2;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int b = 0; b < nb; b++) {
+        _tile_loadd(4, xb + (size_t)b * QK, stride);
+        _tile_loadd(5, xb + 16 * (size_t)K + (size_t)b * QK, stride);
+        _tile_loadd(6, tiles0 + (size_t)b * BF16_TILE_WORDS, 64);
+        _tile_loadd(7, tiles1 + (size_t)b * BF16_TILE_WORDS, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+    }
+    _tile_stored(0, c, 128);
+    _tile_stored(1, c + 16, 128);
+    _tile_stored(2, c + 16 * 32, 128);
+    _tile_stored(3, c + 16 * 32 + 16, 128);
+}
+
+/* Bytes of the bf16 rows: M rounded up to whole 32-row tiles. */
+static size_t bf16_scratch_bytes(int M, int K) { return ((size_t)(M + 31) / 32 * 32 * (size_t)K * 2 + 63) / 64 * 64; }
+
+/* The bf16 path: M rows (row r is x's and out's row OUT_ROW(r)), xb: bf16_scratch_bytes(M, K). */
+static int bf16_rows(int M, int N, int K, const float *x, int weight_type, const uint8_t *packed, size_t group_bytes,
+                     float *out, int out_stride, const int *out_rows, uint16_t *xb) {
+    if (!amx_permitted()) return -2;
+    const int nb = K / QK;
+    const int groups = (N + GROUP - 1) / GROUP, pairs = (groups + 1) / 2;
+    const int padded = (M + 31) / 32 * 32;
+    /* Each thread's two row groups' weights as B tiles, dequantized once for every chunk of rows. */
+    const size_t tile_words = (size_t)2 * nb * BF16_TILE_WORDS;
+    uint32_t *all_tiles = aligned_alloc(64, tile_words * 4 * (size_t)omp_get_max_threads());
+    if (all_tiles == NULL) return -1;
+#pragma omp parallel
+    {
+        configure_bf16_tiles();
+        uint32_t *tiles = all_tiles + tile_words * (size_t)omp_get_thread_num();
+        float c[32 * 32] __attribute__((aligned(64)));
+#pragma omp for schedule(static)
+        for (int r = 0; r < padded; r++) {
+            const float *row = r < M ? x + OUT_ROW(r) * K : NULL;
+            round_row_bf16(row, K, xb + (size_t)r * K);
+        }
+        for (int chunk = 0; chunk < padded; chunk += BF16_M_CHUNK) {
+            const int chunk_end = padded - chunk < BF16_M_CHUNK ? padded : chunk + BF16_M_CHUNK;
+#pragma omp for schedule(dynamic, 1)
+            for (int pair = 0; pair < pairs; pair++) {
+                const int g0 = 2 * pair, g1 = g0 + 1 < groups ? g0 + 1 : g0;
+                uint32_t *tiles1 = tiles + (size_t)nb * BF16_TILE_WORDS;
+                dequantize_group_bf16(weight_type, packed + (size_t)g0 * group_bytes, K, tiles);
+                dequantize_group_bf16(weight_type, packed + (size_t)g1 * group_bytes, K, tiles1);
+                const int n0 = g0 * GROUP, width = N - n0 < 2 * GROUP ? N - n0 : 2 * GROUP;
+                for (int r = chunk; r < chunk_end; r += 32) {
+                    bf16_tiles_32x32(xb + (size_t)r * K, K, tiles, tiles1, c);
+                    for (int i = 0; i < 32 && r + i < M; i++)
+                        for (int n = 0; n < width; n += 16)
+                            store_group(out + OUT_ROW(r + i) * out_stride + n0 + n, width - n < 16 ? width - n : 16,
+                                        _mm512_load_ps(c + i * 32 + n));
+                }
+            }
+        }
+        _tile_release();
+    }
+    free(all_tiles);
+    return 0;
+}
+#endif
+
+#endif
