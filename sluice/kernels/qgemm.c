@@ -54,10 +54,6 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
-#ifdef SLUICE_AMX
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
 
 #define QK SLUICE_BLOCK
 #define GROUP SLUICE_ROW_GROUP

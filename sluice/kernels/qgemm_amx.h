@@ -5,6 +5,8 @@
 #define SLUICE_QGEMM_AMX_H
 
 #ifdef SLUICE_AMX
+#include "amx_tiles.h"
+
 /* ------------------------------------------------------------ AMX-INT8: 16 activation rows a tile
  *
  * Per 32-weight block: C[16 x 16] int32 = A (16 activation rows x 32 int8) . B (the row
@@ -12,25 +14,6 @@
  * group_q8_0 / group_q4_1 with one 16-lane accumulator per activation row. The integer
  * dots are exact, so the results are those of the VNNI path, bit for bit. */
 #define AMX_ROWS 16
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
-
-typedef struct {
-    uint8_t palette_id, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tile_config;
-
-/* Linux gives a process the tile registers only when it asks (once per process). */
-static int amx_permitted(void) {
-    static int state; /* 0 not asked, 1 granted, -1 refused */
-    int seen = __atomic_load_n(&state, __ATOMIC_ACQUIRE);
-    if (seen == 0) {
-        seen = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : -1;
-        __atomic_store_n(&state, seen, __ATOMIC_RELEASE);
-    }
-    return seen == 1;
-}
 
 /* Two sets of tiles, used by alternate blocks: C (16 x 16 int32), A (16 rows x 32 bytes), B
  * (8 rows x 64 bytes) = tiles 0, 1, 2 for even blocks and 3, 4, 5 for odd ones. */
@@ -117,13 +100,7 @@ static void amx_group(int weight_type, const uint8_t *w, int K, int r0, const qu
 #define BF16_TILE_WORDS 256 /* 32-bit words of one B tile: 16 weight pairs x 16 rows */
 #define BF16_M_CHUNK 256
 
-/* C (tiles 0-3, 16 x 16 float32), A (4, 5: 16 rows x 32 bf16), B (6, 7: 16 pairs x 16 rows). */
-static void configure_bf16_tiles(void) {
-    tile_config config = {0};
-    config.palette_id = 1;
-    for (int t = 0; t < 8; t++) config.rows[t] = 16, config.colsb[t] = 64;
-    _tile_loadconfig(&config);
-}
+/* Tiles (configure_bf16_tiles): C 0-3, A 4-5 (16 rows x 32 bf16), B 6-7 (16 pairs x 16 rows). */
 
 /* A row group's K weights, any format, as bf16 B tiles: tiles[b * 256 + pair * 16 + row] holds
  * weights 2 pair and 2 pair + 1 of block b of that row (low half first), rounded to nearest even. */
