@@ -6,8 +6,10 @@
     python bench/bench_attention.py --decode 16 --lengths 1250 --shared-prefix 1200 --kv-dtypes float16
 
 Prompts (the default): one layer; sluice attends every prompt token over the pool at its
-position (so a request's result never depends on chunking or batching); SDPA computes the
-same causal attention on contiguous q/k/v in float32 (its flash kernel). Prints microseconds
+position (so a request's result never depends on chunking or batching), once as decode rows
+(float32 vectors) and once flagged as prompt rows (on an amx_bf16 build: bf16 tiles; other
+builds ignore the flag); SDPA computes the same causal attention on contiguous q/k/v in
+float32 and in bfloat16 (its flash kernel; vLLM's CPU path runs bf16). Prints microseconds
 per prompt token.
 
 --decode N: one decode step of N requests with --lengths cached tokens each, over --layers
@@ -67,21 +69,25 @@ def main() -> None:
     if args.decode:
         bench_decode_step(ops, args)
         return
-    print(f"{'tokens':>7s} {'kv dtype':>9s} {'sluice us/token':>16s} {'SDPA us/token':>14s} {'ratio':>6s}")
+    print(
+        f"{'tokens':>7s} {'kv dtype':>9s} {'sluice us/token':>16s} {'as prompt rows':>15s} "
+        f"{'SDPA f32':>9s} {'SDPA bf16':>10s} {'prompt/bf16':>12s}"
+    )
     for length in args.lengths:
         generator = torch.Generator().manual_seed(length)
         q = torch.randn(length, args.heads, args.head_dim, generator=generator)
         k = torch.randn(length, args.kv_heads, args.head_dim, generator=generator)
         v = torch.randn(length, args.kv_heads, args.head_dim, generator=generator)
-        sdpa_s = timed(
-            functools.partial(
-                F.scaled_dot_product_attention,
-                q.transpose(0, 1).unsqueeze(0),
-                k.transpose(0, 1).unsqueeze(0),
-                v.transpose(0, 1).unsqueeze(0),
-                is_causal=True,
-                enable_gqa=True,
+        sdpa_s, sdpa_bf16_s = (
+            timed(
+                functools.partial(
+                    F.scaled_dot_product_attention,
+                    *(x.transpose(0, 1).unsqueeze(0).to(dtype) for x in (q, k, v)),
+                    is_causal=True,
+                    enable_gqa=True,
+                )
             )
+            for dtype in (torch.float32, torch.bfloat16)
         )
         slots = torch.randperm(length) + 1  # the pool's order is not the sequence's
         seq_lens = torch.arange(1, length + 1)
@@ -90,12 +96,12 @@ def main() -> None:
             k_pool = torch.zeros(length + 1, args.kv_heads, args.head_dim, dtype=KV_DTYPES[name])
             v_pool = torch.zeros_like(k_pool)
             k_pool[slots], v_pool[slots] = k.to(k_pool.dtype), v.to(k_pool.dtype)
-            sluice_s = timed(
-                functools.partial(ops.decode_attention, q, k_pool, v_pool, slots, seq_lens, length, slot_rows)
-            )
+            attend = functools.partial(ops.decode_attention, q, k_pool, v_pool, slots, seq_lens, length, slot_rows)
+            sluice_s = timed(attend)
+            prompt_s = timed(functools.partial(attend, prompt_rows=torch.ones(length, dtype=torch.bool)))
             print(
-                f"{length:7d} {name:>9s} {sluice_s / length * 1e6:16.2f} {sdpa_s / length * 1e6:14.2f} "
-                f"{sluice_s / sdpa_s:6.2f}",
+                f"{length:7d} {name:>9s} {sluice_s / length * 1e6:16.2f} {prompt_s / length * 1e6:15.2f} "
+                f"{sdpa_s / length * 1e6:9.2f} {sdpa_bf16_s / length * 1e6:10.2f} {prompt_s / sdpa_bf16_s:12.2f}",
                 flush=True,
             )
 

@@ -306,7 +306,7 @@ static int check_attention(int kv_dtype) {
     const void *v_pool = kv_dtype == SLUICE_KV_FLOAT32 ? (const void *)v : (const void *)v16;
     const float scale = 0.125f;
     if (sluice_decode_attention(1, HEADS, KV_HEADS, DIM, LEN, scale, 0, 0.0f, q, HEADS * DIM, k_pool, v_pool, kv_dtype,
-                                slots, NULL, &seq_len, out) != 0)
+                                slots, NULL, &seq_len, NULL, out) != 0)
         return 1;
     for (int h = 0; h < HEADS; h++) {
         const int kvh = h / (HEADS / KV_HEADS);
@@ -325,6 +325,52 @@ static int check_attention(int kv_dtype) {
         }
     }
     return 0;
+}
+
+/* A prompt of LEN tokens attending causally, every query flagged as a prompt row (the tile
+ * path of an AMX-BF16 build): within bf16's rounding of a double reference, and each query
+ * alone the same bits as in the whole block. */
+static int check_prompt_attention(void) {
+    enum { HEADS = 6, KV_HEADS = 2, DIM = 64, LEN = 150 };
+    const int stride = HEADS * DIM, kv_floats = LEN * KV_HEADS * DIM;
+    float *q = malloc(sizeof(float) * LEN * stride), *out = malloc(sizeof(float) * LEN * stride);
+    float *k = malloc(sizeof(float) * kv_floats), *v = malloc(sizeof(float) * kv_floats);
+    int64_t slots[LEN], rows[LEN], lens[LEN];
+    uint8_t flags[LEN];
+    int failed = q == NULL || out == NULL || k == NULL || v == NULL;
+    uint32_t state = 4242u;
+    for (int i = 0; !failed && i < LEN * stride; i++) q[i] = 2.0f * random_float(&state);
+    for (int i = 0; !failed && i < kv_floats; i++) k[i] = random_float(&state), v[i] = random_float(&state);
+    for (int t = 0; t < LEN; t++) slots[t] = (t * 37) % LEN, rows[t] = 0, lens[t] = t + 1, flags[t] = 1;
+    const float scale = 0.125f;
+    if (!failed)
+        failed = sluice_decode_attention(LEN, HEADS, KV_HEADS, DIM, LEN, scale, 0, 0.0f, q, stride, k, v,
+                                         SLUICE_KV_FLOAT32, slots, rows, lens, flags, out) != 0;
+    for (int i = 0; !failed && i < LEN; i++)
+        for (int h = 0; h < HEADS; h++) {
+            const int kvh = h / (HEADS / KV_HEADS);
+            double p[LEN], max_score = -INFINITY, total = 0.0;
+            for (int t = 0; t <= i; t++) {
+                double dot = 0.0;
+                for (int d = 0; d < DIM; d++) dot += (double)q[i * stride + h * DIM + d] * k[(slots[t] * KV_HEADS + kvh) * DIM + d];
+                p[t] = dot * scale;
+                max_score = p[t] > max_score ? p[t] : max_score;
+            }
+            for (int t = 0; t <= i; t++) total += p[t] = exp(p[t] - max_score);
+            for (int d = 0; d < DIM; d++) {
+                double expected = 0.0;
+                for (int t = 0; t <= i; t++) expected += p[t] / total * v[(slots[t] * KV_HEADS + kvh) * DIM + d];
+                if (fabs(out[i * stride + h * DIM + d] - expected) > 0.03) failed = 1;
+            }
+        }
+    float alone[HEADS * DIM];
+    for (int i = 0; !failed && i < LEN; i += 37) {
+        failed = sluice_decode_attention(1, HEADS, KV_HEADS, DIM, LEN, scale, 0, 0.0f, q + i * stride, stride, k, v,
+                                         SLUICE_KV_FLOAT32, slots, rows, lens + i, flags, alone) != 0;
+        failed = failed || memcmp(alone, out + i * stride, sizeof(alone)) != 0;
+    }
+    free(q), free(out), free(k), free(v);
+    return failed;
 }
 
 /* The glue kernels: norm with the residual add, rotary + store, silu * mul. */
@@ -389,5 +435,6 @@ int sluice_self_test(void) {
     if (check_qgemm(SLUICE_Q4_K)) return 8;
     if (check_qgemm(SLUICE_Q5_K)) return 9;
     if (check_qgemm(SLUICE_Q5_1)) return 10;
+    if (check_prompt_attention()) return 11;
     return 0;
 }

@@ -29,6 +29,7 @@
  * serves the whole block from cache. Both ways sum each score's dot product in the same
  * order (see group_scores), which is what keeps a prompt token's bits those of a decode step.
  */
+#define _GNU_SOURCE /* syscall() for the AMX permission */
 #include <immintrin.h>
 #include <math.h>
 #include <omp.h>
@@ -43,6 +44,7 @@
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 #define MAX_GROUP 8
 #define QUERY_BLOCK 32 /* consecutive queries of one request sharing each K/V tile */
+#define TILE_QUERY_BLOCK 64 /* the same on bf16 tiles (prompt_attention_amx.h), which widen each tile for more */
 #define KV_TILE 64     /* K/V rows a block walks together: 16 KB of float32 at head_dim 64 */
 static const int64_t TILE_ROWS[KV_TILE] = {0,  1,  2,  3,  4,  5,  6,  7,  8,  9,  10, 11, 12, 13, 14, 15,
                                            16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31,
@@ -455,6 +457,8 @@ ALWAYS_INLINE void attend_block(const int G, const int width, const int kv_dtype
         }
 }
 
+#include "prompt_attention_amx.h"
+
 /* Any head_dim and group: one head of one query at a time, scalar. */
 static void attend_head_scalar(const float *qh, int kv_dtype, int head_dim, int len, float scale, int window,
                                float softcap, kv_rows keys, kv_rows values, const int64_t *req_slots, float *scores,
@@ -476,13 +480,17 @@ static void attend_head_scalar(const float *qh, int kv_dtype, int head_dim, int 
 }
 
 /* Splits the queries into blocks: runs of consecutive positions of one request, at most
- * QUERY_BLOCK long (a decode step, slot_rows NULL, is one query per block). */
-static int query_blocks(int queries, const int64_t *slot_rows, const int64_t *seq_lens, int *starts) {
+ * QUERY_BLOCK long (a decode step, slot_rows NULL, is one query per block), all on tiles or
+ * none (tile_rows: NULL, or a flag a query; TILE_QUERY_BLOCK long on tiles). */
+static int query_blocks(int queries, const int64_t *slot_rows, const int64_t *seq_lens, const uint8_t *tile_rows,
+                        int *starts) {
     int blocks = 0;
     for (int r = 0; r < queries;) {
         int count = 1;
-        while (slot_rows != NULL && count < QUERY_BLOCK && r + count < queries &&
-               slot_rows[r + count] == slot_rows[r] && seq_lens[r + count] == seq_lens[r] + count)
+        const int cap = tile_rows != NULL && tile_rows[r] ? TILE_QUERY_BLOCK : QUERY_BLOCK;
+        while (slot_rows != NULL && count < cap && r + count < queries &&
+               slot_rows[r + count] == slot_rows[r] && seq_lens[r + count] == seq_lens[r] + count &&
+               (tile_rows == NULL || !tile_rows[r + count] == !tile_rows[r]))
             count++;
         starts[blocks++] = r;
         r += count;
@@ -508,16 +516,17 @@ static int common_tiles(const int64_t *a, const int64_t *b, int len) {
  * cache) become one block of at most `cap` queries, so the tiles they share are read and
  * widened once for all of them. shared[b]: the slots from 0 that every query of block b
  * reads in common (all of them for one request's consecutive tokens). Returns the number of
- * blocks; starts as query_blocks'. */
+ * blocks; starts as query_blocks'. Blocks on tiles stay as they are. */
 static int share_prefixes(int blocks, int *starts, int *shared, const int64_t *slots, const int64_t *slot_rows,
-                          int max_len, const int64_t *seq_lens, int cap) {
+                          int max_len, const int64_t *seq_lens, const uint8_t *tile_rows, int cap) {
     int merged = 0;
     for (int b = 0; b < blocks;) {
         const int first = starts[b], count = starts[b + 1] - first;
         int members = 1, common = (int)seq_lens[first + count - 1];
-        if (count == 1) {
+        if (count == 1 && (tile_rows == NULL || !tile_rows[first])) {
             const int64_t *mine = query_slots(slots, slot_rows, max_len, first);
-            while (b + members < blocks && members < cap && starts[b + members + 1] - starts[b + members] == 1) {
+            while (b + members < blocks && members < cap && starts[b + members + 1] - starts[b + members] == 1 &&
+                   (tile_rows == NULL || !tile_rows[starts[b + members]])) {
                 const int other = starts[b + members];
                 const int limit = common < seq_lens[other] ? common : (int)seq_lens[other];
                 const int together = common_tiles(mine, query_slots(slots, slot_rows, max_len, other), limit);
@@ -563,7 +572,7 @@ static int value_width(int group, int head_dim) {
 int sluice_decode_attention(int queries, int heads, int kv_heads, int head_dim, int max_len, float scale, int window,
                             float softcap, const float *q, long q_stride, const void *k_pool, const void *v_pool,
                             int kv_dtype, const int64_t *slots, const int64_t *slot_rows, const int64_t *seq_lens,
-                            float *out) {
+                            const uint8_t *prompt_rows, float *out) {
     const int group = heads / kv_heads;
     const int vectorized = head_dim % VLEN == 0 && group <= MAX_GROUP;
     const int width = value_width(group, head_dim);
@@ -572,18 +581,28 @@ int sluice_decode_attention(int queries, int heads, int kv_heads, int head_dim, 
     /* Per thread: a block's tile scores and its transposed K tile, or one head's scores on the scalar path. */
     const size_t scratch_floats = vectorized ? (size_t)(QUERY_BLOCK * group + 2 * head_dim) * KV_TILE
                                              : (size_t)(max_len > 0 ? max_len : 1);
+    /* The queries on tiles: the prompt rows, on a build that has them, for heads they fit. */
+    const uint8_t *tile_rows = NULL;
+    size_t tile_scratch = 0;
+#ifdef SLUICE_AMX_BF16
+    if (prompt_rows != NULL && vectorized && prompt_tiles_fit(head_dim) && amx_permitted())
+        for (int i = 0; i < queries && tile_rows == NULL; i++)
+            if (prompt_rows[i]) tile_rows = prompt_rows, tile_scratch = prompt_tile_scratch_bytes(group, head_dim);
+#else
+    (void)prompt_rows;
+#endif
     int *starts = malloc(sizeof(int) * ((size_t)queries + 1)), *shared = malloc(sizeof(int) * (size_t)queries);
     if (starts == NULL || shared == NULL) {
         free(starts), free(shared);
         return -1;
     }
-    int blocks = query_blocks(queries, slot_rows, seq_lens, starts);
+    int blocks = query_blocks(queries, slot_rows, seq_lens, tile_rows, starts);
     /* Requests sharing a prefix: blocks of about blocks * kv_heads / (3 * threads) queries,
      * so that each thread still gets a few tasks. */
     int cap = blocks * kv_heads / (3 * omp_get_max_threads());
     cap = cap < QUERY_BLOCK ? cap : QUERY_BLOCK;
     if (vectorized && window <= 0 && cap >= TRANSPOSED_KEYS_FROM)
-        blocks = share_prefixes(blocks, starts, shared, slots, slot_rows, max_len, seq_lens, cap);
+        blocks = share_prefixes(blocks, starts, shared, slots, slot_rows, max_len, seq_lens, tile_rows, cap);
     else
         for (int b = 0; b < blocks; b++) shared[b] = (int)seq_lens[starts[b + 1] - 1];
     /* A task is one KV head of a block or, with blocks enough to keep every thread busy (a
@@ -596,18 +615,26 @@ int sluice_decode_attention(int queries, int heads, int kv_heads, int head_dim, 
     int failed = 0;
 #pragma omp parallel
     {
-        float *scores = aligned_alloc(64, (sizeof(float) * scratch_floats + 63) / 64 * 64);
+        float *scores = aligned_alloc(64, (sizeof(float) * scratch_floats + 63) / 64 * 64 + tile_scratch);
         if (scores == NULL) {
 #pragma omp atomic write
             failed = 1;
         }
+#ifdef SLUICE_AMX_BF16
+        prompt_tile_buffers tile_buffers = {0};
+        if (tile_rows != NULL && scores != NULL) {
+            configure_bf16_tiles();
+            tile_buffers = prompt_tile_layout((char *)scores + (sizeof(float) * scratch_floats + 63) / 64 * 64, group,
+                                              head_dim);
+        }
+#endif
         /* One task per (block, KV head), or per block with all its KV heads where blocks are
          * many: the K/V rows of a group come from memory once. */
 #pragma omp for schedule(dynamic) collapse(2)
         for (int b = 0; b < blocks; b++) {
             for (int task = 0; task < head_tasks; task++) {
                 const int first = starts[b], count = starts[b + 1] - starts[b];
-                const int64_t *lists[QUERY_BLOCK];
+                const int64_t *lists[TILE_QUERY_BLOCK];
                 for (int i = 0; i < count; i++) lists[i] = query_slots(slots, slot_rows, max_len, first + i);
                 prefetch_rows(k_pool, v_pool, slot_bytes, (size_t)task * heads_per_task * head_dim * elem,
                               (size_t)heads_per_task * head_dim * elem, lists[0],
@@ -619,6 +646,14 @@ int sluice_decode_attention(int queries, int heads, int kv_heads, int head_dim, 
                     const size_t head_offset = (size_t)kvh * head_dim * elem;
                     const kv_rows keys = {(const char *)k_pool + head_offset, slot_bytes};
                     const kv_rows values = {(const char *)v_pool + head_offset, slot_bytes};
+#ifdef SLUICE_AMX_BF16
+                    if (tile_rows != NULL && tile_rows[first]) {
+                        attend_block_tiles(group, kv_dtype, count, q_first, q_stride, head_dim, seq_lens + first,
+                                           lists[0], scale, window, softcap, keys, values, tile_buffers, out_first,
+                                           (size_t)heads * head_dim);
+                        continue;
+                    }
+#endif
                     if (!vectorized) {
                         for (int i = 0; i < count; i++)
                             for (int g = 0; g < group; g++)
@@ -636,6 +671,9 @@ int sluice_decode_attention(int queries, int heads, int kv_heads, int head_dim, 
                 }
             }
         }
+#ifdef SLUICE_AMX_BF16
+        if (tile_rows != NULL) _tile_release();
+#endif
         free(scores);
     }
     free(starts), free(shared);

@@ -80,7 +80,7 @@ int sluice_decode_layers(const sluice_model_dims *d, const sluice_layer_weights 
         status |= sluice_decode_attention(M, d->heads, d->kv_heads, d->head_dim, max_len, d->attention_scale,
                                           w->sliding_window, d->attn_softcap, qkv, qkv_cols, k_pools[l], v_pools[l],
                                           d->kv_dtype, own_slots ? window_attn_slots : attn_slots, slot_rows,
-                                          seq_lens, attn);
+                                          seq_lens, NULL, attn);
         status |= project(M, D, attn_width, attn, &w->o, pending, qgemm_scratch);
         if (w->pre_feedforward_norm != NULL) { /* Gemma: the attention output is normed before it is added */
             sluice_rmsnorm(M, D, pending, w->post_attention_norm, d->eps, pending);

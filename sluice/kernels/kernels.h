@@ -137,11 +137,13 @@ void sluice_silu_mul(int rows, int width, const float *gate_up, float *out);
 void sluice_gelu_tanh_mul(int rows, int width, const float *gate_up, float *out);
 
 /* decode_attention.c: returns 0, or -1 when its score buffers could not be allocated. window: how
- * many of its last slots a query sees (0: all); softcap: scores soft-capped at it (0: none). */
+ * many of its last slots a query sees (0: all); softcap: scores soft-capped at it (0: none).
+ * prompt_rows: NULL, or a flag a query, non-zero for prompt tokens: an AMX-BF16 build attends
+ * those on bf16 tiles (other builds ignore the flags). */
 int sluice_decode_attention(int queries, int heads, int kv_heads, int head_dim, int max_len, float scale, int window,
                             float softcap, const float *q, long q_stride, const void *k_pool, const void *v_pool,
                             int kv_dtype, const int64_t *slots, const int64_t *slot_rows, const int64_t *seq_lens,
-                            float *out);
+                            const uint8_t *prompt_rows, float *out);
 
 /* decode_layers.c: every decoder layer of a step in one call; returns 0 or -1 as above. */
 size_t sluice_decode_layers_scratch_bytes(const sluice_model_dims *dims, int M);

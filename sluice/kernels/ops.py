@@ -147,11 +147,14 @@ class KernelOps:
         scale: float | None = None,
         sliding_window: int | None = None,
         softcap: float | None = None,
+        prompt_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """q [queries, heads, head_dim] over pooled K/V through padded slots [requests * max_len]:
         query i sees the first seq_lens[i] slots of row slot_rows[i] (None: row i), or only the
         last `sliding_window` of them. Scores are q.k * scale (None: head_dim ** -0.5), then
-        softcap * tanh(score / softcap) when a softcap is given.
+        softcap * tanh(score / softcap) when a softcap is given. prompt_rows: bool [queries],
+        True for prompt tokens, which an AMX-BF16 build attends on bf16 tiles (see
+        prompt_attention_amx.h).
         q's rows may be strided (a view into the qkv projection); each row's heads must be contiguous."""
         queries, heads, head_dim = q.shape
         if q.stride(2) != 1 or q.stride(1) != head_dim:
@@ -162,6 +165,8 @@ class KernelOps:
             raise ValueError(f"q heads {heads} x {head_dim} do not fit pools of {kv_heads} x {k_pool.shape[2]}")
         if seq_lens.shape != (queries,) or (slot_rows is not None and slot_rows.shape != (queries,)):
             raise ValueError("seq_lens (and slot_rows) must hold one entry per query")
+        if prompt_rows is not None and prompt_rows.shape != (queries,):
+            raise ValueError(f"prompt_rows must be [{queries}], not {tuple(prompt_rows.shape)}")
         out = q.new_empty(queries, heads, head_dim)
         status = self.lib.sluice_decode_attention(
             queries,
@@ -180,6 +185,7 @@ class KernelOps:
             _pointer(slots, "slots", torch.int64),
             None if slot_rows is None else _pointer(slot_rows, "slot_rows", torch.int64),
             _pointer(seq_lens, "seq_lens", torch.int64),
+            None if prompt_rows is None else _pointer(prompt_rows, "prompt_rows", torch.bool),
             out.data_ptr(),
         )
         if status != 0:

@@ -53,6 +53,8 @@ class AttentionMetadata:
     prefills: list[PrefillSegment]
     # Row of decode_kv_slots each decoding token reads; None: token i reads row i.
     decode_slot_rows: torch.Tensor | None = None
+    # bool [num_tokens], True for prompt tokens (ForwardBatch.prompt_rows; C kernel only).
+    prompt_rows: torch.Tensor | None = None
 
     @classmethod
     def build(cls, fb: ForwardBatch, every_token_decodes: bool = False) -> AttentionMetadata:
@@ -111,6 +113,7 @@ class AttentionMetadata:
             decode_slot_rows=None
             if one_per_request
             else torch.repeat_interleave(torch.arange(len(fb.extend_lens)), torch.tensor(fb.extend_lens)),
+            prompt_rows=fb.prompt_rows,
         )
 
     def through(self, slot_of: torch.Tensor) -> AttentionMetadata:

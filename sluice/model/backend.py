@@ -109,6 +109,7 @@ class KernelBackend:
             scale=options.scale,
             sliding_window=options.sliding_window,
             softcap=options.softcap,
+            prompt_rows=metadata.prompt_rows,
         )
         return out.view(num_tokens, num_heads * head_dim)
 

@@ -102,6 +102,8 @@ def describe(execution: Execution, weight_formats: list[str]) -> dict[str, str]:
         else:
             gemv = gemm = dense
         attention = f"C kernel, every token at its position, {_dtype_name(execution.kv_dtype)} KV"
+        if isa == "amx_bf16":
+            attention += "; prompt tokens: QK^T and PV on AMX-BF16 tiles"
         isa_text = execution.backend.ops.kernels.describe()
     else:
         gemv = gemm = dense

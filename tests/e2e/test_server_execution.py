@@ -25,13 +25,14 @@ def test_server_info_names_the_cpu_features_and_the_kernel_paths(server):
 
 
 def test_a_prompt_gets_the_same_logprobs_alone_from_the_cache_and_beside_others(server):
-    """Every prompt row is multiplied on its own (on bf16 tiles where the build has them, see
-    the README) and every token attends at its position: the same request gives the same
+    """Every prompt row is multiplied on its own and every token attends at its position (on
+    bf16 tiles where the build has them, see the README): the same request gives the same
     tokens and the same logprobs, bit for bit, sent alone, again with its prompt in the radix
     cache, and at once with other prompts that share its prefill steps."""
     execution = httpx.get(server.base_url + "/get_server_info", timeout=30).json()["execution"]
     if kernels_available() and load_kernels().isa == "amx_bf16":
         assert execution["gemm"].startswith("prompt rows: AMX-BF16 tiles")
+        assert execution["attention"].endswith("prompt tokens: QK^T and PV on AMX-BF16 tiles")
     words = "the river ran past the old mill where seven children counted boats in the evening light"
     prompt = " ".join([words] * 4)  # ~70 tokens: several prompt tiles
 

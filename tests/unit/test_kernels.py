@@ -418,6 +418,68 @@ def test_a_sliding_window_and_softcapped_scores_keep_the_bits_of_a_decode_step(
         first += n
 
 
+PROMPT_TILE_CASES = [
+    # heads, kv_heads, head_dim, window, softcap: SmolLM2's and Qwen3's heads, Gemma's 256-wide
+    # heads with a window and soft-capped scores, and a head the tiles do not take (20).
+    (9, 3, 64, None, None),
+    (16, 8, 128, None, None),
+    (4, 1, 256, 70, 3.0),
+    (8, 2, 64, 5, 2.0),
+    (4, 1, 20, None, None),
+]
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("heads, kv_heads, head_dim, window, softcap", PROMPT_TILE_CASES)
+def test_prompt_rows_on_tiles_are_causal_attention_and_keep_their_bits_alone_and_chunked(
+    ops, heads, kv_heads, head_dim, window, softcap, kv_dtype
+):
+    """An AMX-BF16 build attends prompt tokens on bf16 tiles (q, K, V and the softmax weights
+    rounded to bf16): near the float reference, each token's bits the same alone, in any
+    chunk of its prompt and beside decode steps; those decode steps keep their bits. On other
+    builds, and for heads the tiles do not take, the flags change nothing."""
+    prompts = Prompts(torch.Generator().manual_seed(8), [300, 40], heads, kv_heads, head_dim, kv_dtype)
+    scale = head_dim**-0.5
+    options = dict(scale=scale, sliding_window=window, softcap=softcap)
+    everything = torch.ones(len(prompts.q), dtype=torch.bool)
+    flagged = prompts.attend_together(ops, prompt_rows=everything, **options)
+    unflagged = prompts.attend_together(ops, **options)
+    first = 0
+    for slots in prompts.request_slots:
+        n = len(slots)
+        keys = prompts.k_pool[slots].float().repeat_interleave(heads // kv_heads, dim=1)
+        values = prompts.v_pool[slots].float().repeat_interleave(heads // kv_heads, dim=1)
+        expected = windowed_reference(prompts.q[first : first + n], keys, values, scale, window or n, softcap)
+        torch.testing.assert_close(flagged[first : first + n], expected, rtol=0.0, atol=0.04)
+        first += n
+    tiles_ran = ops.isa == "amx_bf16" and head_dim % 32 == 0
+    assert torch.equal(flagged, unflagged) != tiles_ran, "the prompt rows took the wrong path"
+
+    def attend(rows: slice, prompt: bool) -> torch.Tensor:
+        return ops.decode_attention(
+            prompts.q[rows],
+            prompts.k_pool,
+            prompts.v_pool,
+            prompts.padded.view(-1),
+            prompts.seq_lens[rows],
+            prompts.max_len,
+            prompts.slot_rows[rows],
+            prompt_rows=torch.full((rows.stop - rows.start,), prompt),
+            **options,
+        )
+
+    # The first prompt in chunks, as a chunked prefill or a cached prefix splits it.
+    for start, stop in [(0, 37), (37, 38), (38, 129), (129, 300)]:
+        assert torch.equal(attend(slice(start, stop), True), flagged[start:stop]), f"chunk {start}:{stop}"
+    for i in (0, 63, 64, 299, 300, 339):
+        assert torch.equal(attend(slice(i, i + 1), True)[0], flagged[i]), f"token {i} alone"
+    # Half the tokens as decode steps (not prompt rows) in the same call.
+    half = torch.arange(len(prompts.q)) % 2 == 0
+    mixed = prompts.attend_together(ops, prompt_rows=half, **options)
+    assert torch.equal(mixed[half], flagged[half])
+    assert torch.equal(mixed[~half], unflagged[~half])
+
+
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_rope_and_store_matches_the_torch_rotation_and_copy(ops, kv_dtype):
     generator = torch.Generator().manual_seed(3)
@@ -461,7 +523,7 @@ def test_every_declared_function_is_bound_with_the_header_types(ops):
     signatures = contract.declared_signatures()
     assert {"sluice_qgemm", "sluice_decode_attention", "sluice_decode_layers", "sluice_self_test"} <= set(signatures)
     restype, argtypes = signatures["sluice_decode_attention"]
-    assert restype is not None and len(argtypes) == 17
+    assert restype is not None and len(argtypes) == 18
     assert ops.lib.sluice_decode_attention.argtypes == argtypes
     assert ops.lib.sluice_self_test() == 0
 
