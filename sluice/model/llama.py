@@ -154,6 +154,9 @@ class LlamaForCausalLM(nn.Module):
         self.embedding_blocks: QuantizedLinearWeight | None = None
         # Set by quantize() when every projection is quantized: all layers run in one C call.
         self.decode_layers: DecodeLayers | None = None
+        # Set by quantize(): prompt tokens attend as prompt rows (on an AMX-BF16 build, on bf16
+        # tiles, as their quantized matmuls run). Dense weights keep float32 attention too.
+        self.prompt_attention = False
 
     @property
     def decoder_layers(self) -> list[DecoderLayer]:
@@ -161,7 +164,9 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         """float32 logits of shape [len(fb.logits_indices), vocab_size]."""
-        metadata = AttentionMetadata.build(fb, every_token_decodes=self.backend.every_token_decodes)
+        metadata = AttentionMetadata.build(
+            fb, every_token_decodes=self.backend.every_token_decodes, prompt_rows=self.prompt_attention
+        )
         rotaries = cast(list[RotaryEmbedding], list(self.rotaries))  # nn.ModuleList holds them untyped
         ropes: list[RopeTables] = [(rotary, *rotary.lookup(fb.positions)) for rotary in rotaries]
         hidden = self._embed(fb)
@@ -317,6 +322,7 @@ class LlamaForCausalLM(nn.Module):
         else:
             self.lm_head_quantized = quantize_in_place(self, "lm_head", ["lm_head"])
         self.decode_layers = self._fused_decode_layers(self.backend)
+        self.prompt_attention = True
 
     def quantized_weights(self) -> list[QuantizedLinearWeight]:
         """Every block-quantized matrix the model multiplies (a stacked projection's parts apart)."""

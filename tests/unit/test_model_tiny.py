@@ -492,11 +492,14 @@ def assert_one_call_equals_per_op(runner: ModelRunner) -> None:
 
 
 @pytest.mark.skipif(not kernels_available(), reason="the C kernels need an x86-64 CPU with AVX2 and gcc")
-def test_quantized_results_do_not_depend_on_chunking_or_batching(tmp_path: Path):
+@pytest.mark.parametrize("build", [llama_linear_rope_tied, qwen3_with_qk_norm, gemma3_local_and_global_rope])
+def test_quantized_results_do_not_depend_on_chunking_or_batching(tmp_path: Path, build):
     """On the kernels every token attends like a decode step at its position and every matmul
     row is computed alone, so a prompt gives the same logits bit for bit whether it is
-    prefilled at once, in chunks (as with a cached prefix), or beside other requests."""
-    save_random_model(llama_linear_rope_tied, tmp_path)
+    prefilled at once, in chunks (as with a cached prefix), or beside other requests. With the
+    rows flagged as prompt rows too, which an AMX-BF16 build multiplies and (for Qwen3's and
+    Gemma 3's 32-wide heads, windows included) attends on bf16 tiles."""
+    save_random_model(build, tmp_path)
     runner = ModelRunner(str(tmp_path), torch.float32, quantization="q8_0")
     slots = torch.arange(1, len(PROMPT_IDS) + 1)
 
