@@ -273,6 +273,24 @@ static int check_qgemm(int format) {
     return failed;
 }
 
+/* expected[DIM] = softmax(scale * qh . k_t) v over the first len slots of one KV head, in
+ * double: the scalar reference of the attention checks. */
+static void reference_head(const float *qh, const float *k, const float *v, const int64_t *slots, int len, int kv_heads,
+                           int kvh, int dim, float scale, double *expected) {
+    double p[256], max_score = -INFINITY, total = 0.0;
+    for (int t = 0; t < len; t++) {
+        double dot = 0.0;
+        for (int i = 0; i < dim; i++) dot += (double)qh[i] * k[(slots[t] * kv_heads + kvh) * dim + i];
+        p[t] = dot * scale;
+        max_score = p[t] > max_score ? p[t] : max_score;
+    }
+    for (int t = 0; t < len; t++) total += p[t] = exp(p[t] - max_score);
+    for (int i = 0; i < dim; i++) {
+        expected[i] = 0.0;
+        for (int t = 0; t < len; t++) expected[i] += p[t] / total * v[(slots[t] * kv_heads + kvh) * dim + i];
+    }
+}
+
 /* Attention over a pool of each KV dtype, against a scalar softmax(q.k) v. */
 static int check_attention(int kv_dtype) {
     enum { HEADS = 6, KV_HEADS = 2, DIM = 64, SLOTS = 20, LEN = 11 };
@@ -309,20 +327,10 @@ static int check_attention(int kv_dtype) {
                                 slots, NULL, &seq_len, NULL, out) != 0)
         return 1;
     for (int h = 0; h < HEADS; h++) {
-        const int kvh = h / (HEADS / KV_HEADS);
-        double p[LEN], max_score = -INFINITY, total = 0.0;
-        for (int t = 0; t < LEN; t++) {
-            double dot = 0.0;
-            for (int i = 0; i < DIM; i++) dot += (double)q[h * DIM + i] * k[(slots[t] * KV_HEADS + kvh) * DIM + i];
-            p[t] = dot * scale;
-            max_score = p[t] > max_score ? p[t] : max_score;
-        }
-        for (int t = 0; t < LEN; t++) total += p[t] = exp(p[t] - max_score);
-        for (int i = 0; i < DIM; i++) {
-            double expected = 0.0;
-            for (int t = 0; t < LEN; t++) expected += p[t] / total * v[(slots[t] * KV_HEADS + kvh) * DIM + i];
-            if (fabs(out[h * DIM + i] - expected) > 1e-4) return 1;
-        }
+        double expected[DIM];
+        reference_head(q + h * DIM, k, v, slots, LEN, KV_HEADS, h / (HEADS / KV_HEADS), DIM, scale, expected);
+        for (int i = 0; i < DIM; i++)
+            if (fabs(out[h * DIM + i] - expected[i]) > 1e-4) return 1;
     }
     return 0;
 }
@@ -331,7 +339,7 @@ static int check_attention(int kv_dtype) {
  * path of an AMX-BF16 build): within bf16's rounding of a double reference, and each query
  * alone the same bits as in the whole block. */
 static int check_prompt_attention(void) {
-    enum { HEADS = 6, KV_HEADS = 2, DIM = 64, LEN = 150 };
+    enum { HEADS = 6, KV_HEADS = 2, DIM = 64, LEN = 150 }; /* LEN: at most reference_head's 256 */
     const int stride = HEADS * DIM, kv_floats = LEN * KV_HEADS * DIM;
     float *q = malloc(sizeof(float) * LEN * stride), *out = malloc(sizeof(float) * LEN * stride);
     float *k = malloc(sizeof(float) * kv_floats), *v = malloc(sizeof(float) * kv_floats);
@@ -348,20 +356,11 @@ static int check_prompt_attention(void) {
                                          SLUICE_KV_FLOAT32, slots, rows, lens, flags, out) != 0;
     for (int i = 0; !failed && i < LEN; i++)
         for (int h = 0; h < HEADS; h++) {
-            const int kvh = h / (HEADS / KV_HEADS);
-            double p[LEN], max_score = -INFINITY, total = 0.0;
-            for (int t = 0; t <= i; t++) {
-                double dot = 0.0;
-                for (int d = 0; d < DIM; d++) dot += (double)q[i * stride + h * DIM + d] * k[(slots[t] * KV_HEADS + kvh) * DIM + d];
-                p[t] = dot * scale;
-                max_score = p[t] > max_score ? p[t] : max_score;
-            }
-            for (int t = 0; t <= i; t++) total += p[t] = exp(p[t] - max_score);
-            for (int d = 0; d < DIM; d++) {
-                double expected = 0.0;
-                for (int t = 0; t <= i; t++) expected += p[t] / total * v[(slots[t] * KV_HEADS + kvh) * DIM + d];
-                if (fabs(out[i * stride + h * DIM + d] - expected) > 0.03) failed = 1;
-            }
+            double expected[DIM];
+            reference_head(q + i * stride + h * DIM, k, v, slots, i + 1, KV_HEADS, h / (HEADS / KV_HEADS), DIM, scale,
+                           expected);
+            for (int d = 0; d < DIM; d++)
+                if (fabs(out[i * stride + h * DIM + d] - expected[d]) > 0.03) failed = 1;
         }
     float alone[HEADS * DIM];
     for (int i = 0; !failed && i < LEN; i += 37) {

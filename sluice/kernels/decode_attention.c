@@ -581,13 +581,17 @@ int sluice_decode_attention(int queries, int heads, int kv_heads, int head_dim, 
     /* Per thread: a block's tile scores and its transposed K tile, or one head's scores on the scalar path. */
     const size_t scratch_floats = vectorized ? (size_t)(QUERY_BLOCK * group + 2 * head_dim) * KV_TILE
                                              : (size_t)(max_len > 0 ? max_len : 1);
+    const size_t scratch_bytes = (sizeof(float) * scratch_floats + 63) / 64 * 64;
     /* The queries on tiles: the prompt rows, on a build that has them, for heads they fit. */
     const uint8_t *tile_rows = NULL;
     size_t tile_scratch = 0;
 #ifdef SLUICE_AMX_BF16
     if (prompt_rows != NULL && vectorized && prompt_tiles_fit(head_dim) && amx_permitted())
         for (int i = 0; i < queries && tile_rows == NULL; i++)
-            if (prompt_rows[i]) tile_rows = prompt_rows, tile_scratch = prompt_tile_scratch_bytes(group, head_dim);
+            if (prompt_rows[i]) {
+                prompt_tile_buffers sizes;
+                tile_rows = prompt_rows, tile_scratch = prompt_tile_layout(NULL, group, head_dim, &sizes);
+            }
 #else
     (void)prompt_rows;
 #endif
@@ -615,7 +619,7 @@ int sluice_decode_attention(int queries, int heads, int kv_heads, int head_dim, 
     int failed = 0;
 #pragma omp parallel
     {
-        float *scores = aligned_alloc(64, (sizeof(float) * scratch_floats + 63) / 64 * 64 + tile_scratch);
+        float *scores = aligned_alloc(64, scratch_bytes + tile_scratch);
         if (scores == NULL) {
 #pragma omp atomic write
             failed = 1;
@@ -624,8 +628,7 @@ int sluice_decode_attention(int queries, int heads, int kv_heads, int head_dim, 
         prompt_tile_buffers tile_buffers = {0};
         if (tile_rows != NULL && scores != NULL) {
             configure_bf16_tiles();
-            tile_buffers = prompt_tile_layout((char *)scores + (sizeof(float) * scratch_floats + 63) / 64 * 64, group,
-                                              head_dim);
+            prompt_tile_layout((char *)scores + scratch_bytes, group, head_dim, &tile_buffers);
         }
 #endif
         /* One task per (block, KV head), or per block with all its KV heads where blocks are

@@ -37,19 +37,12 @@ typedef struct {
     float *running_sum;
 } prompt_tile_buffers;
 
-static size_t prompt_tile_rows(int group) { return ((size_t)TILE_QUERY_BLOCK * group + 15) / 16 * 16; }
-
-static size_t prompt_tile_scratch_bytes(int group, int head_dim) {
-    const size_t rows = prompt_tile_rows(group);
-    return rows * head_dim * 2 + (size_t)head_dim * KV_TILE * 2 * 2 + 16 * KV_TILE * (4 + 2) + 16 * (size_t)head_dim * 4 +
-           rows * 4 * 2 + 64 * 8;
-}
-
-static prompt_tile_buffers prompt_tile_layout(char *scratch, int group, int head_dim) {
-    const size_t rows = prompt_tile_rows(group);
-    prompt_tile_buffers b;
-    char *at = scratch;
-#define TAKE(field, type, bytes) (b.field = (type *)at, at += ((bytes) + 63) / 64 * 64)
+/* Lays the buffers out from `scratch` (each 64-byte aligned, as the scratch is) and returns
+ * the bytes they take; with scratch NULL it only counts them. */
+static size_t prompt_tile_layout(char *scratch, int group, int head_dim, prompt_tile_buffers *b) {
+    const size_t rows = ((size_t)TILE_QUERY_BLOCK * group + 15) / 16 * 16;
+    size_t used = 0;
+#define TAKE(field, type, bytes) (b->field = (type *)(scratch == NULL ? NULL : scratch + used), used += ((bytes) + 63) / 64 * 64)
     TAKE(q, uint16_t, rows * head_dim * 2);
     TAKE(k, uint32_t, (size_t)head_dim * KV_TILE * 2);
     TAKE(v, uint32_t, (size_t)head_dim * KV_TILE * 2);
@@ -59,7 +52,7 @@ static prompt_tile_buffers prompt_tile_layout(char *scratch, int group, int head
     TAKE(running_max, float, rows * 4);
     TAKE(running_sum, float, rows * 4);
 #undef TAKE
-    return b;
+    return used;
 }
 
 /* 32 elements of a K/V row (or of zeros) as bf16, rounded to nearest even. */

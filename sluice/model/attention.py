@@ -57,10 +57,12 @@ class AttentionMetadata:
     prompt_rows: torch.Tensor | None = None
 
     @classmethod
-    def build(cls, fb: ForwardBatch, every_token_decodes: bool = False, prompt_rows: bool = False) -> AttentionMetadata:
-        """prompt_rows: pass on ForwardBatch.prompt_rows (C kernel only)."""
+    def build(
+        cls, fb: ForwardBatch, every_token_decodes: bool = False, flag_prompts: bool = False
+    ) -> AttentionMetadata:
+        """flag_prompts: pass ForwardBatch.prompt_rows on as `prompt_rows` (C kernel only)."""
         if every_token_decodes:
-            return cls._every_token_decodes(fb, prompt_rows)
+            return cls._every_token_decodes(fb, flag_prompts)
         decode_rows: list[int] = []
         decode_kv_indices: list[torch.Tensor] = []
         decode_seq_lens: list[int] = []
@@ -99,7 +101,7 @@ class AttentionMetadata:
         return metadata
 
     @classmethod
-    def _every_token_decodes(cls, fb: ForwardBatch, prompt_rows: bool) -> AttentionMetadata:
+    def _every_token_decodes(cls, fb: ForwardBatch, flag_prompts: bool) -> AttentionMetadata:
         """Token i of request r reads the first positions[i] + 1 slots of r's row (C kernel only)."""
         num_tokens = int(fb.input_ids.shape[0])
         one_per_request = num_tokens == len(fb.extend_lens)
@@ -114,7 +116,7 @@ class AttentionMetadata:
             decode_slot_rows=None
             if one_per_request
             else torch.repeat_interleave(torch.arange(len(fb.extend_lens)), torch.tensor(fb.extend_lens)),
-            prompt_rows=fb.prompt_rows if prompt_rows else None,
+            prompt_rows=fb.prompt_rows if flag_prompts else None,
         )
 
     def through(self, slot_of: torch.Tensor) -> AttentionMetadata:

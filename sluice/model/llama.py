@@ -165,7 +165,7 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         """float32 logits of shape [len(fb.logits_indices), vocab_size]."""
         metadata = AttentionMetadata.build(
-            fb, every_token_decodes=self.backend.every_token_decodes, prompt_rows=self.prompt_attention
+            fb, every_token_decodes=self.backend.every_token_decodes, flag_prompts=self.prompt_attention
         )
         rotaries = cast(list[RotaryEmbedding], list(self.rotaries))  # nn.ModuleList holds them untyped
         ropes: list[RopeTables] = [(rotary, *rotary.lookup(fb.positions)) for rotary in rotaries]
