@@ -21,6 +21,7 @@ import torch
 from sluice.config import ServerArgs
 from sluice.messages import SamplingParams, TokenizedGenerateReqInput
 from sluice.model.model_runner import ModelRunner
+from sluice.procutil import keep_freed_memory_for_reuse
 from sluice.scheduler.scheduler import Scheduler
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -156,6 +157,7 @@ def main() -> None:
         for quantization in args.quantization:
             torch.set_num_threads(args.threads)
             runner = ModelRunner(model_path, dtype_name, quantization, args.kv_cache_dtype)
+            keep_freed_memory_for_reuse()  # as the Scheduler process does
             print(
                 f"sluice --dtype {dtype_name} --quantization {quantization}: "
                 + "; ".join(f"{key} {value}" for key, value in runner.execution_info.items()),

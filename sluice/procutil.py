@@ -101,6 +101,31 @@ def release_freed_memory() -> None:
         trim(0)
 
 
+# mallopt's parameters (malloc.h).
+M_TRIM_THRESHOLD = -1
+M_MMAP_THRESHOLD = -3
+REUSED_ALLOCATION_BYTES = 1 << 30
+
+
+def keep_freed_memory_for_reuse() -> None:
+    """Let glibc serve allocations of up to 1 GiB from its heap and keep up to 1 GiB it frees.
+
+    By default an allocation over 32 MiB (and, before the threshold adapts, one over 128 KiB)
+    is a fresh map of its own, and its pages fault in one by one every time: a 512-token
+    prompt step of a 1 B model allocates a [512, 16384] float32 output for each layer's
+    gate/up projection, and on this project's VMs faulting in those 32 MiB took as long as the
+    multiplication (17 of 36 ms). Kept in the heap, the next step reuses the same pages.
+    Peak resident memory is unchanged; after a burst of long prompts the process keeps its
+    peak instead of shrinking. Called by the Scheduler process once its model is loaded
+    (loading frees gigabytes of float copies, and gives them back with malloc_trim)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    libc.mallopt(M_MMAP_THRESHOLD, REUSED_ALLOCATION_BYTES)
+    libc.mallopt(M_TRIM_THRESHOLD, REUSED_ALLOCATION_BYTES)
+
+
 @functools.cache
 def _malloc_trim() -> Callable[[int], int] | None:
     """glibc's malloc_trim, opened once (loading calls release_freed_memory after every matrix)."""

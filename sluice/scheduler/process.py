@@ -34,7 +34,7 @@ from sluice.messages import (
     UpdateWeightsFromDiskReq,
     UpdateWeightsFromDiskReqOutput,
 )
-from sluice.procutil import become_child_process
+from sluice.procutil import become_child_process, keep_freed_memory_for_reuse
 
 if TYPE_CHECKING:
     from sluice.scheduler.output import SchedulerOutput
@@ -75,6 +75,7 @@ def build_scheduler(args: ServerArgs) -> Scheduler:
     from sluice.scheduler.scheduler import Scheduler
 
     runner = ModelRunner(args.resolved_model_path(), args.dtype, args.quantization, args.kv_cache_dtype)
+    keep_freed_memory_for_reuse()
     max_total_tokens = default_max_total_tokens(
         args,
         runner.kv_bytes_per_token(),
