@@ -99,18 +99,19 @@ static void amx_group(int weight_type, const uint8_t *w, int K, int r0, const qu
  * them), but not the int8 path's bits: prompt rows only take this path, every time. */
 #define BF16_TILE_WORDS 256 /* 32-bit words of one B tile: 16 weight pairs x 16 rows */
 #define BF16_M_CHUNK 256
+#define BF16_K_SLICE 64 /* blocks: 2,048 weights */
 
 /* Tiles (configure_bf16_tiles): C 0-3, A 4-5 (16 rows x 32 bf16), B 6-7 (16 pairs x 16 rows). */
 
-/* A row group's K weights, any format, as bf16 B tiles: tiles[b * 256 + pair * 16 + row] holds
- * weights 2 pair and 2 pair + 1 of block b of that row (low half first), rounded to nearest even. */
-static void dequantize_group_bf16(int format, const uint8_t *w, int K, uint32_t *tiles) {
-    const int nb = K / QK;
+/* Blocks [b0, b1) of a row group's weights, any format, as bf16 B tiles: tiles[(b - b0) * 256 +
+ * pair * 16 + row] holds weights 2 pair and 2 pair + 1 of block b of that row (low half first),
+ * rounded to nearest even. */
+static void dequantize_group_bf16(int format, const uint8_t *w, int b0, int b1, uint32_t *tiles) {
     const __m512i pair_order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
                                                 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
     const __m512i low_byte = _mm512_set1_epi32(0xFF);
     const size_t super_bytes = format == SLUICE_Q8_0 ? 0 : super_bytes_of(format);
-    for (int b = 0; b < nb; b++) {
+    for (int b = b0; b < b1; b++) {
         unpacked_block u;
         if (format == SLUICE_Q8_0) {
             const uint8_t *block = w + (size_t)b * SLUICE_Q8_0_GROUP_BLOCK_BYTES;
@@ -119,6 +120,7 @@ static void dequantize_group_bf16(int format, const uint8_t *w, int K, uint32_t 
         } else {
             unpack_super_block(format, w + (size_t)(b / 8) * super_bytes, b % 8, &u);
         }
+        uint32_t *tile = tiles + (size_t)(b - b0) * BF16_TILE_WORDS;
         for (int g = 0; g < 8; g++) {
             __m512 v[4];
             for (int t = 0; t < 4; t++) {
@@ -133,8 +135,7 @@ static void dequantize_group_bf16(int format, const uint8_t *w, int K, uint32_t 
             }
             for (int pair = 0; pair < 2; pair++) {
                 const __m512i halves = (__m512i)_mm512_cvtne2ps_pbh(v[2 * pair + 1], v[2 * pair]);
-                _mm512_store_si512((void *)(tiles + (size_t)b * BF16_TILE_WORDS + (2 * g + pair) * 16),
-                                   _mm512_permutexvar_epi16(pair_order, halves));
+                _mm512_store_si512((void *)(tile + (2 * g + pair) * 16), _mm512_permutexvar_epi16(pair_order, halves));
             }
         }
     }
@@ -148,15 +149,23 @@ static void round_row_bf16(const float *x, int K, uint16_t *xb) {
     }
 }
 
-/* 32 rows of xb (bf16, K a row) against two row groups' tiles -> c[32][32] float32. */
-static void bf16_tiles_32x32(const uint16_t *xb, int K, const uint32_t *tiles0, const uint32_t *tiles1, float *c) {
-    const int nb = K / QK;
+/* 32 rows of xb (bf16, K a row) against `blocks` blocks of two row groups' tiles, added to
+ * from[32][32] float32 (NULL: zeros) -> c[32][32]. */
+static void bf16_tiles_32x32(const uint16_t *xb, int K, int blocks, const uint32_t *tiles0, const uint32_t *tiles1,
+                             const float *from, float *c) {
     const size_t stride = (size_t)K * 2;
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    for (int b = 0; b < nb; b++) {
+    if (from != NULL) {
+        _tile_loadd(0, from, 128);
+        _tile_loadd(1, from + 16, 128);
+        _tile_loadd(2, from + 16 * 32, 128);
+        _tile_loadd(3, from + 16 * 32 + 16, 128);
+    } else {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+    }
+    for (int b = 0; b < blocks; b++) {
         _tile_loadd(4, xb + (size_t)b * QK, stride);
         _tile_loadd(5, xb + 16 * (size_t)K + (size_t)b * QK, stride);
         _tile_loadd(6, tiles0 + (size_t)b * BF16_TILE_WORDS, 64);
@@ -175,21 +184,31 @@ static void bf16_tiles_32x32(const uint16_t *xb, int K, const uint32_t *tiles0, 
 /* Bytes of the bf16 rows: M rounded up to whole 32-row tiles. */
 static size_t bf16_scratch_bytes(int M, int K) { return ((size_t)(M + 31) / 32 * 32 * (size_t)K * 2 + 63) / 64 * 64; }
 
-/* The bf16 path: M rows (row r is x's and out's row OUT_ROW(r)), xb: bf16_scratch_bytes(M, K). */
+/* The bf16 path: M rows (row r is x's and out's row OUT_ROW(r)), xb: bf16_scratch_bytes(M, K).
+ *
+ * Rows go in chunks of up to 256 and K in slices of up to 2,048 weights, so that a chunk's
+ * slice of bf16 rows (1 MiB) stays in L2 while every row group passes over it; each row
+ * group's slice is dequantized once a chunk. With K over one slice, the 32 x 32 float sums
+ * wait between slices in `partial` (a store and load of float32 tiles: the bits of a row's
+ * result do not depend on the slicing). */
 static int bf16_rows(int M, int N, int K, const float *x, int weight_type, const uint8_t *packed, size_t group_bytes,
                      float *out, int out_stride, const int *out_rows, uint16_t *xb) {
     if (!amx_permitted()) return -2;
-    const int nb = K / QK;
+    const int nb = K / QK, slices = (nb + BF16_K_SLICE - 1) / BF16_K_SLICE;
     const int groups = (N + GROUP - 1) / GROUP, pairs = (groups + 1) / 2;
     const int padded = (M + 31) / 32 * 32;
-    /* Each thread's two row groups' weights as B tiles, dequantized once for every chunk of rows. */
-    const size_t tile_words = (size_t)2 * nb * BF16_TILE_WORDS;
-    uint32_t *all_tiles = aligned_alloc(64, tile_words * 4 * (size_t)omp_get_max_threads());
+    /* Each thread's two row groups' slices as B tiles; the sums between slices. */
+    const int slice_blocks = nb < BF16_K_SLICE ? nb : BF16_K_SLICE;
+    const size_t tile_words = (size_t)2 * slice_blocks * BF16_TILE_WORDS;
+    const size_t partial_floats = slices > 1 ? (size_t)(BF16_M_CHUNK / 32) * pairs * 32 * 32 : 0;
+    uint32_t *all_tiles = aligned_alloc(64, (tile_words * (size_t)omp_get_max_threads() + partial_floats) * 4);
     if (all_tiles == NULL) return -1;
+    float *partial = (float *)(all_tiles + tile_words * (size_t)omp_get_max_threads());
 #pragma omp parallel
     {
         configure_bf16_tiles();
         uint32_t *tiles = all_tiles + tile_words * (size_t)omp_get_thread_num();
+        uint32_t *tiles1 = tiles + (size_t)slice_blocks * BF16_TILE_WORDS;
         float c[32 * 32] __attribute__((aligned(64)));
 #pragma omp for schedule(static)
         for (int r = 0; r < padded; r++) {
@@ -198,19 +217,26 @@ static int bf16_rows(int M, int N, int K, const float *x, int weight_type, const
         }
         for (int chunk = 0; chunk < padded; chunk += BF16_M_CHUNK) {
             const int chunk_end = padded - chunk < BF16_M_CHUNK ? padded : chunk + BF16_M_CHUNK;
+            for (int slice = 0; slice < slices; slice++) {
+                const int b0 = slice * BF16_K_SLICE, b1 = b0 + BF16_K_SLICE < nb ? b0 + BF16_K_SLICE : nb;
+                const int last = slice == slices - 1;
 #pragma omp for schedule(dynamic, 1)
-            for (int pair = 0; pair < pairs; pair++) {
-                const int g0 = 2 * pair, g1 = g0 + 1 < groups ? g0 + 1 : g0;
-                uint32_t *tiles1 = tiles + (size_t)nb * BF16_TILE_WORDS;
-                dequantize_group_bf16(weight_type, packed + (size_t)g0 * group_bytes, K, tiles);
-                dequantize_group_bf16(weight_type, packed + (size_t)g1 * group_bytes, K, tiles1);
-                const int n0 = g0 * GROUP, width = N - n0 < 2 * GROUP ? N - n0 : 2 * GROUP;
-                for (int r = chunk; r < chunk_end; r += 32) {
-                    bf16_tiles_32x32(xb + (size_t)r * K, K, tiles, tiles1, c);
-                    for (int i = 0; i < 32 && r + i < M; i++)
-                        for (int n = 0; n < width; n += 16)
-                            store_group(out + OUT_ROW(r + i) * out_stride + n0 + n, width - n < 16 ? width - n : 16,
-                                        _mm512_load_ps(c + i * 32 + n));
+                for (int pair = 0; pair < pairs; pair++) {
+                    const int g0 = 2 * pair, g1 = g0 + 1 < groups ? g0 + 1 : g0;
+                    dequantize_group_bf16(weight_type, packed + (size_t)g0 * group_bytes, b0, b1, tiles);
+                    dequantize_group_bf16(weight_type, packed + (size_t)g1 * group_bytes, b0, b1, tiles1);
+                    const int n0 = g0 * GROUP, width = N - n0 < 2 * GROUP ? N - n0 : 2 * GROUP;
+                    for (int r = chunk; r < chunk_end; r += 32) {
+                        float *sums =
+                            slices > 1 ? partial + ((size_t)(r - chunk) / 32 * pairs + pair) * 32 * 32 : NULL;
+                        bf16_tiles_32x32(xb + (size_t)r * K + (size_t)b0 * QK, K, b1 - b0, tiles, tiles1,
+                                         slice > 0 ? sums : NULL, last ? c : sums);
+                        if (!last) continue;
+                        for (int i = 0; i < 32 && r + i < M; i++)
+                            for (int n = 0; n < width; n += 16)
+                                store_group(out + OUT_ROW(r + i) * out_stride + n0 + n,
+                                            width - n < 16 ? width - n : 16, _mm512_load_ps(c + i * 32 + n));
+                    }
                 }
             }
         }

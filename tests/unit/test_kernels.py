@@ -103,6 +103,20 @@ def test_a_prompt_row_gives_the_same_bits_alone_and_in_any_batch(ops, format):
 
 
 @pytest.mark.parametrize("format", list(BlockFormat))
+def test_prompt_rows_past_one_k_slice_and_one_row_chunk_keep_their_bits(ops, format):
+    """K = 4,352 is three of the bf16 tiles' K slices (2,048 weights, the last one partial),
+    whose float sums wait in memory between slices; 300 rows are two 256-row chunks."""
+    quantized, in_features = block_weight(format, 40, 4352, ops, seed=11)
+    x = torch.randn(300, in_features, generator=torch.Generator().manual_seed(11))
+    flags = torch.ones(300, dtype=torch.bool)
+    batched = quantized.matmul(x, flags)
+    assert relative_error(batched, F.linear(x, quantized.dequantize())) < 1e-2
+    for row in (0, 255, 256, 299):
+        assert torch.equal(quantized.matmul(x[row : row + 1], flags[:1])[0], batched[row])
+    assert torch.equal(quantized.matmul(x[250:270], flags[:20]), batched[250:270])
+
+
+@pytest.mark.parametrize("format", list(BlockFormat))
 def test_a_row_gives_the_same_bits_alone_and_in_any_batch(ops, format):
     quantized, in_features = block_weight(format, 100, 64, ops, seed=5)
     x = torch.randn(300, in_features, generator=torch.Generator().manual_seed(5))
