@@ -98,7 +98,7 @@ def describe(execution: Execution, weight_formats: list[str]) -> dict[str, str]:
             else:
                 gemm = "the GEMV kernel, 4 activation rows per weight load (8 for super-blocks on AVX-512)"
             if isa == "amx_bf16":
-                gemm = f"prompt rows: AMX-BF16 tiles, weights dequantized once a call; decode rows: {gemm}"
+                gemm = f"prompt rows: AMX-BF16 tiles, weights dequantized once per 256 rows; decode rows: {gemm}"
         else:
             gemv = gemm = dense
         attention = f"C kernel, every token at its position, {_dtype_name(execution.kv_dtype)} KV"
