@@ -7,9 +7,20 @@
 #include <math.h>
 #include <stddef.h>
 
+#define LANES 8 /* independent partial sums of squares: one AVX-512 register of doubles, two AVX2 ones */
+
 static void norm_row(const float *x, const float *w, float eps, int dim, float *out) {
+    /* One running sum would be a chain of dependent double adds, ~4 cycles an element (a
+     * prompt step of Qwen3-0.6B spent ~8% of its time here, on its per-head q/k norms). Eight
+     * lanes summed in a fixed order vectorize, with the same bits on every build (ISO C: no
+     * contraction into FMAs). */
+    double lanes[LANES] = {0.0};
+    int i = 0;
+    for (; i + LANES <= dim; i += LANES)
+        for (int j = 0; j < LANES; j++) lanes[j] += (double)x[i + j] * x[i + j];
     double sum_sq = 0.0;
-    for (int i = 0; i < dim; i++) sum_sq += (double)x[i] * x[i];
+    for (int j = 0; j < LANES; j++) sum_sq += lanes[j];
+    for (; i < dim; i++) sum_sq += (double)x[i] * x[i];
     const float inv = (float)(1.0 / sqrt(sum_sq / dim + eps));
     for (int i = 0; i < dim; i++) out[i] = x[i] * inv * w[i];
 }
