@@ -96,7 +96,7 @@ def release_freed_memory() -> None:
     """Hand the heap freed so far back to the OS (glibc's malloc_trim; a no-op elsewhere).
     Loading a model frees the float copies its blocks were made from, gigabytes at 1 B
     parameters, which glibc would otherwise keep resident."""
-    trim = _malloc_trim()
+    trim = _glibc_function("malloc_trim")
     if trim is not None:
         trim(0)
 
@@ -118,19 +118,18 @@ def keep_freed_memory_for_reuse() -> None:
     Peak resident memory is unchanged; after a burst of long prompts the process keeps its
     peak instead of shrinking. Called by the Scheduler process once its model is loaded
     (loading frees gigabytes of float copies, and gives them back with malloc_trim)."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return
-    libc.mallopt(M_MMAP_THRESHOLD, REUSED_ALLOCATION_BYTES)
-    libc.mallopt(M_TRIM_THRESHOLD, REUSED_ALLOCATION_BYTES)
+    mallopt = _glibc_function("mallopt")
+    if mallopt is not None:
+        mallopt(M_MMAP_THRESHOLD, REUSED_ALLOCATION_BYTES)
+        mallopt(M_TRIM_THRESHOLD, REUSED_ALLOCATION_BYTES)
 
 
 @functools.cache
-def _malloc_trim() -> Callable[[int], int] | None:
-    """glibc's malloc_trim, opened once (loading calls release_freed_memory after every matrix)."""
+def _glibc_function(name: str) -> Callable[..., int] | None:
+    """A glibc function, opened once (loading calls release_freed_memory after every matrix);
+    None where the C library has no such function."""
     try:
-        return ctypes.CDLL("libc.so.6").malloc_trim
+        return getattr(ctypes.CDLL("libc.so.6"), name)
     except (OSError, AttributeError):
         return None
 
