@@ -191,13 +191,10 @@ static float reference_k_quant_output(int format, const uint8_t *packed, int n, 
     return acc;
 }
 
-/* Every tile height (and two 16-row AMX tiles plus a remainder), a partial row group and every
- * format: the result must be exact. */
-static int check_qgemm(int format) {
-    enum { M = 37, N = 2 * SLUICE_ROW_GROUP + 3 }; /* M: every tile height, and AMX's 16-row tiles */
+/* Random weights of `groups` row groups in `format` (K weights a row), in qgemm's layout, with
+ * finite float16 scales; NULL where memory runs out. */
+static uint8_t *random_packed(int format, int groups, int K, uint32_t *state) {
     const int super_blocks = SLUICE_SUPER_BLOCK_FORMAT(format);
-    const int K = super_blocks ? 2 * SLUICE_SUPER_BLOCK : 96; /* 96: three blocks, no power of two */
-    const int groups = (N + SLUICE_ROW_GROUP - 1) / SLUICE_ROW_GROUP;
     /* A unit whose float16 scales are set after the random bytes: a block, or q6_k's super-block. */
     int unit_bytes, unit_weights, scale_offset, scale_count;
     if (format == SLUICE_Q6_K) {
@@ -218,18 +215,29 @@ static int check_qgemm(int format) {
     }
     const size_t packed_bytes = (size_t)groups * (K / unit_weights) * unit_bytes;
     uint8_t *packed = malloc(packed_bytes);
-    float *x = malloc(sizeof(float) * M * K), *out = malloc(sizeof(float) * M * N);
-    void *scratch = malloc(sluice_qgemm_scratch_bytes(M, K));
-    int failed = packed == NULL || x == NULL || out == NULL || scratch == NULL;
-    uint32_t state = 12345u + (uint32_t)format;
-    for (size_t i = 0; !failed && i < packed_bytes; i++) packed[i] = (uint8_t)next_random(&state);
-    for (size_t unit = 0; !failed && unit < packed_bytes / unit_bytes; unit++) {
+    for (size_t i = 0; packed != NULL && i < packed_bytes; i++) packed[i] = (uint8_t)next_random(state);
+    for (size_t unit = 0; packed != NULL && unit < packed_bytes / unit_bytes; unit++) {
         uint8_t *scales = packed + unit * unit_bytes + scale_offset;
         for (int i = 0; i < scale_count; i++) {
-            const uint16_t half = _cvtss_sh(0.01f * random_float(&state), 0);
+            const uint16_t half = _cvtss_sh(0.01f * random_float(state), 0);
             memcpy(scales + 2 * i, &half, 2);
         }
     }
+    return packed;
+}
+
+/* Every tile height (and two 16-row AMX tiles plus a remainder), a partial row group and every
+ * format: the result must be exact. */
+static int check_qgemm(int format) {
+    enum { M = 37, N = 2 * SLUICE_ROW_GROUP + 3 }; /* M: every tile height, and AMX's 16-row tiles */
+    const int super_blocks = SLUICE_SUPER_BLOCK_FORMAT(format);
+    const int K = super_blocks ? 2 * SLUICE_SUPER_BLOCK : 96; /* 96: three blocks, no power of two */
+    const int groups = (N + SLUICE_ROW_GROUP - 1) / SLUICE_ROW_GROUP;
+    uint32_t state = 12345u + (uint32_t)format;
+    uint8_t *packed = random_packed(format, groups, K, &state);
+    float *x = malloc(sizeof(float) * M * K), *out = malloc(sizeof(float) * M * N);
+    void *scratch = malloc(sluice_qgemm_scratch_bytes(M, K));
+    int failed = packed == NULL || x == NULL || out == NULL || scratch == NULL;
     for (int i = 0; !failed && i < M * K; i++) x[i] = 3.0f * random_float(&state);
     for (int r = 1; r <= M && !failed; r++) {
         if (sluice_qgemm(r, N, K, x, format, packed, out, N, scratch, NULL) != 0) failed = 1;
@@ -372,6 +380,33 @@ static int check_prompt_attention(void) {
     return failed;
 }
 
+/* The gated matmul: the bits of the matmul then silu * mul, for decode rows, for prompt rows
+ * (gated on the way out of the bf16 tiles of an AMX-BF16 build) and for both in one call. */
+static int check_qgemm_gated(void) {
+    enum { M = 37, I = 2 * SLUICE_ROW_GROUP, K = 96 };
+    uint32_t state = 777u;
+    uint8_t *packed = random_packed(SLUICE_Q4_1, 2 * I / SLUICE_ROW_GROUP, K, &state);
+    float *x = malloc(sizeof(float) * M * K), *gate_up = malloc(sizeof(float) * M * 2 * I);
+    float *expected = malloc(sizeof(float) * M * I), *out = malloc(sizeof(float) * M * I);
+    void *scratch = malloc(sluice_qgemm_gated_scratch_bytes(M, I, K));
+    int failed = packed == NULL || x == NULL || gate_up == NULL || expected == NULL || out == NULL || scratch == NULL;
+    for (int i = 0; !failed && i < M * K; i++) x[i] = 3.0f * random_float(&state);
+    uint8_t flags[M];
+    for (int i = 0; i < M; i++) flags[i] = i % 3 != 0;
+    for (int pass = 0; pass < 2 && !failed; pass++) {
+        const uint8_t *prompt_rows = pass == 0 ? NULL : flags;
+        if (sluice_qgemm(M, 2 * I, K, x, SLUICE_Q4_1, packed, gate_up, 2 * I, scratch, prompt_rows) != 0 ||
+            sluice_qgemm_gated(M, I, K, x, SLUICE_Q4_1, packed, out, I, scratch, prompt_rows, SLUICE_SILU) != 0) {
+            failed = 1;
+            break;
+        }
+        sluice_silu_mul(M, I, gate_up, expected);
+        if (memcmp(out, expected, sizeof(float) * M * I) != 0) failed = 1;
+    }
+    free(packed), free(x), free(gate_up), free(expected), free(out), free(scratch);
+    return failed;
+}
+
 /* The glue kernels: norm with the residual add, rotary + store, silu * mul. */
 static int check_glue(void) {
     enum { ROWS = 3, DIM = 40, HEADS = 2, KV_HEADS = 1, HEAD_DIM = 16, SLOTS = 4 };
@@ -435,5 +470,6 @@ int sluice_self_test(void) {
     if (check_qgemm(SLUICE_Q5_K)) return 9;
     if (check_qgemm(SLUICE_Q5_1)) return 10;
     if (check_prompt_attention()) return 11;
+    if (check_qgemm_gated()) return 12;
     return 0;
 }

@@ -122,6 +122,13 @@ int sluice_self_test(void);
 size_t sluice_qgemm_scratch_bytes(int M, int K);
 int sluice_qgemm(int M, int N, int K, const float *x, int weight_type, const uint8_t *packed, float *out,
                  int out_stride, void *scratch, const uint8_t *prompt_rows);
+/* A gated MLP's first projection and its activation in one call: out[M, I] = act(x @ gate^T)
+ * * (x @ up^T) (activation: enum sluice_activation), W = [gate; up] in row groups (2 I rows, I
+ * a multiple of SLUICE_ROW_GROUP), the same bits as sluice_qgemm then sluice_silu_mul (or
+ * sluice_gelu_tanh_mul). The prompt rows of an AMX-BF16 build never store [gate | up]. */
+size_t sluice_qgemm_gated_scratch_bytes(int M, int I, int K);
+int sluice_qgemm_gated(int M, int I, int K, const float *x, int weight_type, const uint8_t *packed, float *out,
+                       int out_stride, void *scratch, const uint8_t *prompt_rows, int activation);
 
 /* rmsnorm.c */
 void sluice_rmsnorm(int rows, int dim, const float *x, const float *w, float eps, float *out);

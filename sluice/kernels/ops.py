@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from sluice.kernels.contract import BLOCK, BlockFormat, KvDtype
+from sluice.kernels.contract import BLOCK, Activation, BlockFormat, KvDtype
 from sluice.kernels.loader import Kernels
 
 KV_DTYPES = {torch.float32: KvDtype.FLOAT32, torch.float16: KvDtype.FLOAT16, torch.bfloat16: KvDtype.BFLOAT16}
@@ -37,6 +37,24 @@ def _pool_pointers(k_pool: torch.Tensor, v_pool: torch.Tensor) -> tuple[int, int
     if v_pool.shape != k_pool.shape:
         raise ValueError(f"K and V pools differ in shape: {tuple(k_pool.shape)} vs {tuple(v_pool.shape)}")
     return (_pointer(k_pool, "k_pool", k_pool.dtype), _pointer(v_pool, "v_pool", k_pool.dtype), kv_dtype)
+
+
+def _prompt_flags(prompt_rows: torch.Tensor | None, rows: int) -> torch.Tensor | None:
+    """The contiguous bool flags of qgemm's prompt rows, checked against the call's rows."""
+    if prompt_rows is None:
+        return None
+    if prompt_rows.shape != (rows,):
+        raise ValueError(f"prompt_rows must be [{rows}], not {tuple(prompt_rows.shape)}")
+    flags = prompt_rows.contiguous()
+    _pointer(flags, "prompt_rows", torch.bool)
+    return flags
+
+
+def _check_qgemm_status(status: int, name: str, in_features: int, format: BlockFormat) -> None:
+    if status == -2:
+        raise RuntimeError(f"{name}: the OS refused this process the AMX tile registers")
+    if status != 0:
+        raise ValueError(f"{name} refused in_features={in_features} or format {format!r}")
 
 
 class KernelOps:
@@ -75,11 +93,7 @@ class KernelOps:
             out = torch.empty(rows, out_features)
         elif out.shape != (rows, out_features) or out.stride(1) != 1:
             raise ValueError(f"out must be [{rows}, {out_features}] with contiguous rows, not {tuple(out.shape)}")
-        flags = None
-        if prompt_rows is not None:
-            if prompt_rows.shape != (rows,):
-                raise ValueError(f"prompt_rows must be [{rows}], not {tuple(prompt_rows.shape)}")
-            flags = prompt_rows.contiguous()
+        flags = _prompt_flags(prompt_rows, rows)
         scratch = torch.empty(self.lib.sluice_qgemm_scratch_bytes(rows, in_features), dtype=torch.uint8)
         status = self.lib.sluice_qgemm(
             rows,
@@ -91,12 +105,48 @@ class KernelOps:
             _pointer(out, "out", torch.float32, contiguous=False),
             out.stride(0),
             scratch.data_ptr(),
-            None if flags is None else _pointer(flags, "prompt_rows", torch.bool),
+            None if flags is None else flags.data_ptr(),
         )
-        if status == -2:
-            raise RuntimeError("qgemm: the OS refused this process the AMX tile registers")
-        if status != 0:
-            raise ValueError(f"qgemm refused in_features={in_features} or format {format!r}")
+        _check_qgemm_status(status, "qgemm", in_features, format)
+        return out
+
+    def qgemm_gated(
+        self,
+        x: torch.Tensor,
+        format: BlockFormat,
+        packed: torch.Tensor,
+        intermediate: int,
+        activation: Activation,
+        prompt_rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """act(x @ gate.T) * (x @ up.T) -> float32 [rows, intermediate], W = [gate; up] packed
+        as qgemm takes it (2 * intermediate rows, intermediate a multiple of row_group): the
+        bits of qgemm then silu_mul / gelu_tanh_mul. An AMX-BF16 build never stores the prompt
+        rows' [gate | up] matrix, twice the output's size."""
+        if x.dim() != 2 or x.shape[1] % BLOCK:
+            raise ValueError(f"qgemm_gated takes [rows, k] with k a multiple of {BLOCK}, not {tuple(x.shape)}")
+        if intermediate <= 0 or intermediate % self.row_group:
+            raise ValueError(f"qgemm_gated needs an intermediate size that is a multiple of {self.row_group}")
+        x = x.contiguous()
+        rows, in_features = x.shape
+        out = torch.empty(rows, intermediate)
+        flags = _prompt_flags(prompt_rows, rows)
+        scratch_bytes = self.lib.sluice_qgemm_gated_scratch_bytes(rows, intermediate, in_features)
+        scratch = torch.empty(scratch_bytes, dtype=torch.uint8)
+        status = self.lib.sluice_qgemm_gated(
+            rows,
+            intermediate,
+            in_features,
+            _pointer(x, "x", torch.float32),
+            int(format),
+            _pointer(packed, "packed weights", torch.uint8),
+            out.data_ptr(),
+            intermediate,
+            scratch.data_ptr(),
+            None if flags is None else flags.data_ptr(),
+            int(activation),
+        )
+        _check_qgemm_status(status, "qgemm_gated", in_features, format)
         return out
 
     def argmax_rows(self, x: torch.Tensor) -> torch.Tensor:

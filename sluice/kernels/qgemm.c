@@ -48,6 +48,7 @@
  */
 #define _GNU_SOURCE /* syscall() for the AMX permission */
 #include "kernels.h"
+#include "vector_math.h"
 
 #include <immintrin.h>
 #include <omp.h>
@@ -462,6 +463,48 @@ size_t sluice_qgemm_scratch_bytes(int M, int K) {
 #endif
 }
 
+/* sluice_qgemm, or sluice_qgemm_gated where activation >= 0 (N = 2 I then). The prompt rows
+ * (AMX-BF16 builds) go on bf16 tiles, gated there on the way out; the others on the int8 path,
+ * whose [gate | up] products a gated call keeps in scratch, rows in place, to gate them after. */
+static int qgemm(int M, int N, int K, const float *x, int weight_type, const uint8_t *packed, float *out,
+                 int out_stride, void *scratch, const uint8_t *prompt_rows, int activation) {
+    const size_t group_bytes = group_bytes_of(weight_type, K);
+    if (group_bytes == 0) return -1;
+    const int gated = activation >= 0;
+    float *int8_out = gated ? (float *)((uint8_t *)scratch + sluice_qgemm_scratch_bytes(M, K)) : out;
+    const int int8_stride = gated ? N : out_stride;
+    const int *rest = NULL;
+    int rest_count = M;
+#ifdef SLUICE_AMX_BF16
+    int prompt = 0;
+    for (int r = 0; prompt_rows != NULL && r < M; r++) prompt += prompt_rows[r] != 0;
+    if (prompt > 0) {
+        uint8_t *bf16_scratch = (uint8_t *)scratch + int8_scratch_bytes(M, K);
+        int *tiled = (int *)(bf16_scratch + bf16_scratch_bytes(M, K)), *others = tiled + M;
+        for (int r = 0, t = 0, o = 0; r < M; r++) {
+            if (prompt_rows[r]) tiled[t++] = r;
+            else others[o++] = r;
+        }
+        const int status = bf16_rows(prompt, N, K, x, weight_type, packed, group_bytes, out, out_stride, tiled,
+                                     (uint16_t *)bf16_scratch, activation);
+        if (status != 0 || prompt == M) return status;
+        rest = others, rest_count = M - prompt;
+    }
+#else
+    (void)prompt_rows;
+#endif
+    const int status =
+        int8_rows(rest_count, N, K, x, weight_type, packed, group_bytes, int8_out, int8_stride, rest, scratch);
+    if (status != 0 || !gated) return status;
+    const int I = N / 2;
+#pragma omp parallel for schedule(static) if (rest_count > 16)
+    for (int i = 0; i < rest_count; i++) {
+        const size_t r = rest != NULL ? (size_t)rest[i] : (size_t)i;
+        gated_row(I, int8_out + r * N, int8_out + r * N + I, out + r * out_stride, activation == SLUICE_GELU_TANH);
+    }
+    return 0;
+}
+
 /* out[M, N] = x[M, K] @ W^T, W in row groups (N rounded up to a multiple of GROUP there).
  * scratch: sluice_qgemm_scratch_bytes(M, K). prompt_rows (NULL: none) flags the rows of prompt
  * tokens, which an AMX-BF16 build multiplies on bf16 tiles (every other build, and every other
@@ -469,25 +512,17 @@ size_t sluice_qgemm_scratch_bytes(int M, int K) {
 int sluice_qgemm(int M, int N, int K, const float *x, int weight_type, const uint8_t *packed, float *out,
                  int out_stride, void *scratch, const uint8_t *prompt_rows) {
     if (K % QK != 0 || K <= 0 || out_stride < N || M < 0) return -1;
-    const size_t group_bytes = group_bytes_of(weight_type, K);
-    if (group_bytes == 0) return -1;
-#ifdef SLUICE_AMX_BF16
-    int prompt = 0;
-    for (int r = 0; prompt_rows != NULL && r < M; r++) prompt += prompt_rows[r] != 0;
-    if (prompt > 0) {
-        uint8_t *bf16_scratch = (uint8_t *)scratch + int8_scratch_bytes(M, K);
-        int *tiled = (int *)(bf16_scratch + bf16_scratch_bytes(M, K)), *rest = tiled + M;
-        for (int r = 0, t = 0, o = 0; r < M; r++) {
-            if (prompt_rows[r]) tiled[t++] = r;
-            else rest[o++] = r;
-        }
-        const int status = bf16_rows(prompt, N, K, x, weight_type, packed, group_bytes, out, out_stride, tiled,
-                                     (uint16_t *)bf16_scratch);
-        if (status != 0 || prompt == M) return status;
-        return int8_rows(M - prompt, N, K, x, weight_type, packed, group_bytes, out, out_stride, rest, scratch);
-    }
-#else
-    (void)prompt_rows;
-#endif
-    return int8_rows(M, N, K, x, weight_type, packed, group_bytes, out, out_stride, NULL, scratch);
+    return qgemm(M, N, K, x, weight_type, packed, out, out_stride, scratch, prompt_rows, -1);
+}
+
+size_t sluice_qgemm_gated_scratch_bytes(int M, int I, int K) {
+    return sluice_qgemm_scratch_bytes(M, K) + ((size_t)M * 2 * (size_t)I * sizeof(float) + 63) / 64 * 64;
+}
+
+/* out[M, I] = act(x @ gate^T) * (x @ up^T), W = [gate; up] in row groups, I a multiple of GROUP. */
+int sluice_qgemm_gated(int M, int I, int K, const float *x, int weight_type, const uint8_t *packed, float *out,
+                       int out_stride, void *scratch, const uint8_t *prompt_rows, int activation) {
+    if (K % QK != 0 || K <= 0 || I <= 0 || I % GROUP != 0 || out_stride < I || M < 0) return -1;
+    if (activation != SLUICE_SILU && activation != SLUICE_GELU_TANH) return -1;
+    return qgemm(M, 2 * I, K, x, weight_type, packed, out, out_stride, scratch, prompt_rows, activation);
 }

@@ -190,12 +190,20 @@ static size_t bf16_scratch_bytes(int M, int K) { return ((size_t)(M + 31) / 32 *
  * slice of bf16 rows (1 MiB) stays in L2 while every row group passes over it; each row
  * group's slice is dequantized once a chunk. With K over one slice, the 32 x 32 float sums
  * wait between slices in `partial` (a store and load of float32 tiles: the bits of a row's
- * result do not depend on the slicing). */
+ * result do not depend on the slicing).
+ *
+ * activation >= 0 (enum sluice_activation): W is a gated MLP's [gate; up], N = 2 I with I a
+ * multiple of GROUP, and out [M, I] = act(x @ gate^T) * (x @ up^T). Each task then takes gate
+ * group j beside up group j, and its 32 x 32 sums become 32 x 16 products on the way out: the
+ * [M, 2 I] matrix is never written, nor read back (gated_row, so the same bits as the
+ * product of the stored matrix). */
 static int bf16_rows(int M, int N, int K, const float *x, int weight_type, const uint8_t *packed, size_t group_bytes,
-                     float *out, int out_stride, const int *out_rows, uint16_t *xb) {
+                     float *out, int out_stride, const int *out_rows, uint16_t *xb, int activation) {
     if (!amx_permitted()) return -2;
     const int nb = K / QK, slices = (nb + BF16_K_SLICE - 1) / BF16_K_SLICE;
     const int groups = (N + GROUP - 1) / GROUP, pairs = (groups + 1) / 2;
+    const int gated = activation >= 0;
+    if (gated && N % (2 * GROUP) != 0) return -1;
     const int padded = (M + 31) / 32 * 32;
     /* Each thread's two row groups' slices as B tiles; the sums between slices. */
     const int slice_blocks = nb < BF16_K_SLICE ? nb : BF16_K_SLICE;
@@ -222,16 +230,22 @@ static int bf16_rows(int M, int N, int K, const float *x, int weight_type, const
                 const int last = slice == slices - 1;
 #pragma omp for schedule(dynamic, 1)
                 for (int pair = 0; pair < pairs; pair++) {
-                    const int g0 = 2 * pair, g1 = g0 + 1 < groups ? g0 + 1 : g0;
+                    const int g0 = gated ? pair : 2 * pair, g1 = gated ? pair + pairs : g0 + 1 < groups ? g0 + 1 : g0;
                     dequantize_group_bf16(weight_type, packed + (size_t)g0 * group_bytes, b0, b1, tiles);
                     dequantize_group_bf16(weight_type, packed + (size_t)g1 * group_bytes, b0, b1, tiles1);
-                    const int n0 = g0 * GROUP, width = N - n0 < 2 * GROUP ? N - n0 : 2 * GROUP;
+                    const int n0 = g0 * GROUP, width = gated ? GROUP : N - n0 < 2 * GROUP ? N - n0 : 2 * GROUP;
                     for (int r = chunk; r < chunk_end; r += 32) {
                         float *sums =
                             slices > 1 ? partial + ((size_t)(r - chunk) / 32 * pairs + pair) * 32 * 32 : NULL;
                         bf16_tiles_32x32(xb + (size_t)r * K + (size_t)b0 * QK, K, b1 - b0, tiles, tiles1,
                                          slice > 0 ? sums : NULL, last ? c : sums);
                         if (!last) continue;
+                        if (gated) {
+                            for (int i = 0; i < 32 && r + i < M; i++)
+                                gated_row(GROUP, c + i * 32, c + i * 32 + GROUP, out + OUT_ROW(r + i) * out_stride + n0,
+                                          activation == SLUICE_GELU_TANH);
+                            continue;
+                        }
                         for (int i = 0; i < 32 && r + i < M; i++)
                             for (int n = 0; n < width; n += 16)
                                 store_group(out + OUT_ROW(r + i) * out_stride + n0 + n,

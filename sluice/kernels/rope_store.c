@@ -67,26 +67,12 @@ void sluice_rope_store(int tokens, int heads, int kv_heads, int head_dim, float 
     }
 }
 
-/* out = gate * sigmoid(a) * up, a = gate for silu; for GELU's tanh form gelu(x) = x (1 +
- * tanh(u)) / 2 with u = sqrt(2 / pi) (x + 0.044715 x^3), which is x sigmoid(2u), a = 2u.
- * exp's argument is clamped as exp256 does, in the scalar tail too. */
+/* out = act(gate) * up, row by row (gated_row). */
 static void gated_product(int rows, int width, const float *gate_up, float *out, const int gelu) {
-    const float c1 = 1.5957691216f, c3 = 0.0713548162f; /* 2 sqrt(2 / pi) and that times 0.044715 */
 #pragma omp parallel for schedule(static) if (rows > 16)
     for (int r = 0; r < rows; r++) {
-        const float *gate = gate_up + (size_t)r * 2 * width, *up = gate + width;
-        float *o = out + (size_t)r * width;
-        int i = 0;
-        for (; i + 8 <= width; i += 8) {
-            const __m256 g = _mm256_loadu_ps(gate + i);
-            const __m256 a = gelu ? _mm256_mul_ps(g, _mm256_fmadd_ps(_mm256_mul_ps(g, g), _mm256_set1_ps(c3), _mm256_set1_ps(c1))) : g;
-            const __m256 denominator = _mm256_add_ps(_mm256_set1_ps(1.0f), exp256(_mm256_sub_ps(_mm256_setzero_ps(), a)));
-            _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_div_ps(g, denominator), _mm256_loadu_ps(up + i)));
-        }
-        for (; i < width; i++) {
-            const float a = gelu ? gate[i] * fmaf(gate[i] * gate[i], c3, c1) : gate[i];
-            o[i] = gate[i] / (1.0f + expf(fminf(-a, 88.0f))) * up[i];
-        }
+        const float *gate = gate_up + (size_t)r * 2 * width;
+        gated_row(width, gate, gate + width, out + (size_t)r * width, gelu);
     }
 }
 

@@ -3,6 +3,7 @@
 #define SLUICE_VECTOR_MATH_H
 
 #include <immintrin.h>
+#include <math.h>
 
 /* exp of 8 floats: Cody-Waite reduction to r in [-ln2/2, ln2/2], a degree-6 Taylor
  * polynomial (relative error ~1e-7 there), then scaling by 2^n through the exponent bits.
@@ -45,5 +46,25 @@ static inline __m512 exp512(__m512 x) {
     return _mm512_mul_ps(p, _mm512_castsi512_ps(exponent));
 }
 #endif
+
+/* The gated MLP's product of one row: out[i] = gate[i] * sigmoid(a) * up[i], a = gate for silu;
+ * for GELU's tanh form gelu(x) = x (1 + tanh(u)) / 2 with u = sqrt(2 / pi) (x + 0.044715 x^3),
+ * which is x sigmoid(2u), a = 2u. Eight at a time, the last width % 8 one by one (exp's
+ * argument clamped as exp256 does): an element's bits depend on its own two inputs and on
+ * whether it falls in the row's scalar tail, so callers that keep the row's width agree. */
+static inline void gated_row(int width, const float *gate, const float *up, float *out, int gelu) {
+    const float c1 = 1.5957691216f, c3 = 0.0713548162f; /* 2 sqrt(2 / pi) and that times 0.044715 */
+    int i = 0;
+    for (; i + 8 <= width; i += 8) {
+        const __m256 g = _mm256_loadu_ps(gate + i);
+        const __m256 a = gelu ? _mm256_mul_ps(g, _mm256_fmadd_ps(_mm256_mul_ps(g, g), _mm256_set1_ps(c3), _mm256_set1_ps(c1))) : g;
+        const __m256 denominator = _mm256_add_ps(_mm256_set1_ps(1.0f), exp256(_mm256_sub_ps(_mm256_setzero_ps(), a)));
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_div_ps(g, denominator), _mm256_loadu_ps(up + i)));
+    }
+    for (; i < width; i++) {
+        const float a = gelu ? gate[i] * fmaf(gate[i] * gate[i], c3, c1) : gate[i];
+        out[i] = gate[i] / (1.0f + expf(fminf(-a, 88.0f))) * up[i];
+    }
+}
 
 #endif

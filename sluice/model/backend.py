@@ -4,10 +4,10 @@ Two backends with one interface; the layers hold one and never ask again which p
 
 - `KernelBackend`: float32 activations through sluice's C kernels, the build for this CPU's
   best instruction set (AVX-512 VNNI or AVX2). Block-quantized projections go through the
-  quantized matmul, dense ones through torch's `F.linear`; RMSNorm, rotary + KV store,
-  silu * mul and attention (sliding windows and soft-capping included) run in C, every
-  token attending as a decode step at its position,
-  so a request's results never depend on its batch, its chunking or its cached prefix.
+  quantized matmul, dense ones through torch's `F.linear`; RMSNorm, rotary + KV store, the
+  gated MLP's activation (in one call with its quantized matmul) and attention (sliding
+  windows and soft-capping included) run in C, every token attending as a decode step at its
+  position, so a request's results never depend on its batch, its chunking or its cached prefix.
 - `TorchBackend`: plain torch ops in the model dtype, for bfloat16 or where the kernels
   cannot run (no AVX2, no compiler): decoding requests attend as one padded batch,
   prefilling ones through SDPA.
@@ -18,9 +18,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from sluice.kernels.contract import Activation
 from sluice.kernels.ops import KernelOps
 from sluice.model.attention import AttentionMetadata, AttentionOptions, torch_attention
-from sluice.model.quantized_linear import QuantizedProjection
+from sluice.model.quantized_linear import QuantizedLinearWeight, QuantizedProjection
 from sluice.model.sampler import TORCH_ARGMAX_ROWS
 
 
@@ -80,11 +81,23 @@ class KernelBackend:
         self.ops.rope_and_store(qkv, num_heads, cos, signed_sin, k_buffer, v_buffer, out_cache_loc)
         return qkv[:, :num_heads], qkv[:, num_heads : num_heads + num_kv_heads]
 
-    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        return self.ops.silu_mul(gate_up)
-
-    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        return self.ops.gelu_tanh_mul(gate_up)
+    def gated_linear(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        quantized: QuantizedProjection | None,
+        activation: str,
+        prompt_rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """act(x @ gate.T) * (x @ up.T) for weight = [gate; up] (activation "silu" or
+        "gelu_tanh"): one call where the blocks are in one format and the halves in whole row
+        groups, else the matmul then the activation (the same bits either way)."""
+        code = Activation.GELU_TANH if activation == "gelu_tanh" else Activation.SILU
+        if isinstance(quantized, QuantizedLinearWeight) and quantized.out_features % (2 * self.ops.row_group) == 0:
+            half = quantized.out_features // 2
+            return self.ops.qgemm_gated(x, quantized.format, quantized.packed, half, code, prompt_rows)
+        gate_up = self.linear(x, weight, quantized, prompt_rows=prompt_rows)
+        return self.ops.gelu_tanh_mul(gate_up) if code is Activation.GELU_TANH else self.ops.silu_mul(gate_up)
 
     def attention(
         self,
@@ -162,12 +175,19 @@ class TorchBackend:
         v_buffer.index_copy_(0, out_cache_loc, qkv[:, num_qk_heads:].to(v_buffer.dtype))
         return q, k
 
-    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+    def gated_linear(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        quantized: QuantizedProjection | None,
+        activation: str,
+        prompt_rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        gate_up = self.linear(x, weight, quantized, prompt_rows=prompt_rows)
+        if activation == "gelu_tanh":
+            return gelu_tanh_mul(gate_up)
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
-
-    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        return gelu_tanh_mul(gate_up)
 
     def attention(
         self,

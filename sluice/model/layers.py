@@ -88,11 +88,12 @@ class GatedMLP(nn.Module):
         self.backend = backend
         if activation not in ("silu", "gelu_tanh"):
             raise ValueError(f"MLP activation {activation!r} is not supported; supported: silu, gelu_tanh")
-        self.activate_and_mul = backend.silu_mul if activation == "silu" else backend.gelu_tanh_mul
+        self.activation = activation
 
     def forward(self, x: torch.Tensor, prompt_rows: torch.Tensor | None = None) -> torch.Tensor:
-        gate_up = self.backend.linear(x, self.gate_up_weight, self.gate_up_quantized, prompt_rows=prompt_rows)
-        activated = self.activate_and_mul(gate_up)
+        activated = self.backend.gated_linear(
+            x, self.gate_up_weight, self.gate_up_quantized, self.activation, prompt_rows=prompt_rows
+        )
         return self.backend.linear(activated, self.down_weight, self.down_quantized, prompt_rows=prompt_rows)
 
 

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from sluice.kernels import contract
+from sluice.kernels.contract import Activation
 from sluice.kernels.cpu import DISABLE_ENV, ISA_NAMES, supported_isas
 from sluice.kernels.loader import load_kernels
 from sluice.kernels.ops import KernelOps
@@ -114,6 +115,24 @@ def test_prompt_rows_past_one_k_slice_and_one_row_chunk_keep_their_bits(ops, for
     for row in (0, 255, 256, 299):
         assert torch.equal(quantized.matmul(x[row : row + 1], flags[:1])[0], batched[row])
     assert torch.equal(quantized.matmul(x[250:270], flags[:20]), batched[250:270])
+
+
+@pytest.mark.parametrize("activation", [Activation.SILU, Activation.GELU_TANH])
+@pytest.mark.parametrize("format", list(BlockFormat))
+@pytest.mark.parametrize("rows", [1, 3, 17, 64, 300])
+def test_the_gated_matmul_gives_the_bits_of_the_matmul_then_the_activation(ops, format, rows, activation):
+    """The gated MLP's [gate; up] projection and its activation in one call: prompt rows (on an
+    AMX-BF16 build's tiles, gated on the way out), decode rows, and both in one batch give
+    exactly what qgemm then silu_mul / gelu_tanh_mul give. K = 4,352: three K slices."""
+    intermediate = 3 * ops.row_group
+    quantized, in_features = block_weight(format, 2 * intermediate, 4352 if rows == 300 else 96, ops, seed=rows)
+    x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows)) * 3
+    activate = ops.gelu_tanh_mul if activation is Activation.GELU_TANH else ops.silu_mul
+    for flags in (None, prompt_flags(rows), torch.ones(rows, dtype=torch.bool)):
+        gated = ops.qgemm_gated(x, quantized.format, quantized.packed, intermediate, activation, flags)
+        assert torch.equal(gated, activate(quantized.matmul(x, flags)))
+    with pytest.raises(ValueError, match="multiple of"):
+        ops.qgemm_gated(x, quantized.format, quantized.packed, intermediate - 1, activation)
 
 
 @pytest.mark.parametrize("format", list(BlockFormat))
