@@ -36,7 +36,7 @@ class StepBatch:
 
     @classmethod
     def allocate(cls, reqs: list[Req], extend_lens: list[int], kv: KVManager) -> StepBatch:
-        out_cache_loc = kv.alloc_tokens(sum(extend_lens))
+        out_cache_loc = kv.alloc_step(reqs, extend_lens)
         assert out_cache_loc is not None, "the scheduler admitted more tokens than the cache holds"
         starts = [r.kv_len for r in reqs]
         samples = [

@@ -19,6 +19,13 @@ from sluice.scheduler.memory_pool import ReqToTokenPool, SlidingWindowSlotAlloca
 from sluice.scheduler.radix_cache import RadixCache
 from sluice.scheduler.req import Req
 
+# A request takes its token slots in runs of this many consecutive ones (where the free
+# slots allow), holding the rest of a run for its next tokens: its K/V rows then lie in
+# streams the attention reads at memory speed. One slot per request per step, a 32-request
+# decode step's K/V reads interleaved and SmolLM2's attention took 1.3x as long (8.9 against
+# 7.0 ms for 30 layers at 200 tokens each; runs of 16: 7.2 ms; 64: 6.8 ms).
+SLOT_RUN = 32
+
 
 class KVManager:
     def __init__(
@@ -117,6 +124,37 @@ class KVManager:
             self.tree_cache.evict(num_tokens - self.allocator.available())
         return self.allocator.alloc(num_tokens)
 
+    @staticmethod
+    def new_slots_needed(reqs: list[Req], extend_lens: list[int]) -> int:
+        """Slots a step of these requests takes from the free ones (beyond their reserves)."""
+        return sum(max(0, n - len(req.reserved_slots)) for req, n in zip(reqs, extend_lens, strict=True))
+
+    def alloc_step(self, reqs: list[Req], extend_lens: list[int]) -> torch.Tensor | None:
+        """A step's token slots, request after request (its out_cache_loc); None if there are
+        too few. Each request takes its reserved slots first; where it needs more, it takes
+        them in a run rounded up to SLOT_RUN and reserves the rest, from slots that are free
+        anyway: only what the step needs is evicted from the cache. A sliding-window model
+        reserves nothing (its window slots are sized for the tokens in use)."""
+        needed = self.new_slots_needed(reqs, extend_lens)
+        if self.allocator.available() < needed:
+            self.tree_cache.evict(needed - self.allocator.available())
+        if self.allocator.available() < needed:
+            return None
+        run = 1 if self.windows is not None else SLOT_RUN
+        spare = self.allocator.available() - needed
+        slots: list[int] = []
+        for req, n in zip(reqs, extend_lens, strict=True):
+            short = n - len(req.reserved_slots)
+            if short > 0:
+                extra = min(-short % run, spare)
+                spare -= extra
+                fresh = self.allocator.alloc(short + extra)
+                assert fresh is not None, "the free slots were counted above"
+                req.reserved_slots += fresh.tolist()
+            slots += req.reserved_slots[:n]
+            del req.reserved_slots[:n]
+        return torch.tensor(slots, dtype=torch.int64)
+
     def cache_prefix(self, req: Req) -> None:
         """Hand the KV a running request has computed so far to the radix cache."""
         slots = req.kv_slots(self.req_to_token)
@@ -132,7 +170,11 @@ class KVManager:
         req.locked_prefix_len = new_prefix_len
 
     def release(self, req: Req, keep_in_cache: bool) -> None:
-        """Free a request's slots: into the cache (finished) or back to the allocator."""
+        """Free a request's slots: into the cache (finished) or back to the allocator; its
+        reserved slots back to the allocator."""
+        if req.reserved_slots:
+            self.allocator.free(torch.tensor(req.reserved_slots, dtype=torch.int64))
+            req.reserved_slots = []
         if req.req_pool_idx is None:
             return
         slots = req.kv_slots(self.req_to_token)

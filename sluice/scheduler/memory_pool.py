@@ -105,7 +105,8 @@ class TokenToKVSlotAllocator:
         if n > 1 and torch.unique(slots).numel() != n:
             raise ValueError("double free: the same slot appears twice in one free() call")
         self._slot_is_free[slots] = True
-        self._free_stack[self._num_free : self._num_free + n] = slots
+        # Pushed last first, so that alloc() hands a freed run out again in its order.
+        self._free_stack[self._num_free : self._num_free + n] = slots.flip(0)
         self._num_free += n
 
     def are_allocated(self, slots: torch.Tensor) -> bool:

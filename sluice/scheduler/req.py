@@ -60,6 +60,8 @@ class Req:
     req_pool_idx: int | None = None
     kv_len: int = 0
     locked_prefix_len: int = 0
+    # Slots this request holds for its next tokens, in order (KVManager.alloc_step).
+    reserved_slots: list[int] = field(default_factory=list)
     last_node: Any = None
     cached_tokens: int = 0
     times_retracted: int = 0

@@ -254,7 +254,7 @@ class Scheduler:
         return not self.waiting and not self.running and not self.compiling
 
     def check_integrity(self) -> None:
-        owned = sum(r.kv_len - r.locked_prefix_len for r in self.running)
+        owned = sum(r.kv_len - r.locked_prefix_len + len(r.reserved_slots) for r in self.running)
         self.kv.check_integrity(owned)
         self.kv.check_windows(self.running)
 
@@ -285,7 +285,8 @@ class Scheduler:
             decoding.sort(key=priority_order)  # the KV cache full: the lowest goes back first
         decoding = self._reserve_decode_slots(decoding)
         # Right after a retraction the cache is full: admitting now would only thrash.
-        plan = self._plan_prefill(len(decoding), admit_new=self.num_retractions == retractions)
+        new_decode_slots = self.kv.new_slots_needed(decoding, [1] * len(decoding))
+        plan = self._plan_prefill(new_decode_slots, admit_new=self.num_retractions == retractions)
         reqs = decoding + plan.reqs
         if not reqs:
             return None
@@ -294,7 +295,7 @@ class Scheduler:
 
     def _reserve_decode_slots(self, decoding: list[Req]) -> list[Req]:
         """Make room for one new token per decoding request, retracting if the cache is full."""
-        while decoding and self.kv.available() < len(decoding):
+        while decoding and self.kv.available() < self.kv.new_slots_needed(decoding, [1] * len(decoding)):
             victim = decoding.pop()
             self._retract(victim)
         return decoding
@@ -320,11 +321,11 @@ class Scheduler:
         self.num_retractions += 1
         self.waiting.insert(0, req)
 
-    def _plan_prefill(self, num_decoding: int, admit_new: bool) -> PrefillPlan:
+    def _plan_prefill(self, new_decode_slots: int, admit_new: bool) -> PrefillPlan:
         """Prefill chunks for this step. `committed` counts the slots the step already needs."""
         plan = PrefillPlan()
         budget = self.args.max_prefill_tokens
-        committed = num_decoding
+        committed = new_decode_slots
         # A request already admitted and prefilling in chunks goes first.
         for req in self.running:
             if not req.is_decoding and budget > 0:

@@ -4,6 +4,7 @@ on batching, prefix caching, chunked prefill or retraction."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import re
 
 import pytest
@@ -12,6 +13,7 @@ import torch
 from sluice.config import ServerArgs
 from sluice.messages import AbortReq, SamplingParams, TokenizedGenerateReqInput
 from sluice.model.model_runner import ModelRunner
+from sluice.scheduler.kv_manager import SLOT_RUN
 from sluice.scheduler.req import Req
 from sluice.scheduler.scheduler import Scheduler
 from sluice.tokenizer_files import load_tokenizer
@@ -172,6 +174,30 @@ def test_abort_frees_waiting_and_running(runner, prompts):
     state = scheduler.internal_state()
     assert state.kv_tokens_in_use == 0
     assert state.finished_reqs == {"abort": 3, "stop": 1}
+
+
+def test_each_request_takes_its_slots_in_runs_and_its_reserve_goes_back(runner):
+    """Decoding side by side, each request's K/V slots still lie in runs of SLOT_RUN (a break
+    a run), not one slot per request per step; the unused rest of a run is reserved for the
+    request and freed with it. (Prompts with nothing in common: a prefix the cache already
+    holds replaces a request's own slots, which go back to be reused in pieces.)"""
+    scheduler = make_scheduler(runner)
+    for i, ids in enumerate([list(range(1000 + 100 * i, 1000 + 100 * i + 10 + 7 * i)) for i in range(4)]):
+        params = SamplingParams(max_new_tokens=100, temperature=0, ignore_eos=True)
+        scheduler.add_request(TokenizedGenerateReqInput(rid=f"r{i}", input_ids=ids, sampling_params=params))
+    for _ in range(60):
+        scheduler.step()
+        scheduler.check_integrity()
+    assert len(scheduler.running) == 4
+    for req in scheduler.running:
+        slots = req.kv_slots(scheduler.kv.req_to_token).tolist()
+        breaks = sum(b != a + 1 for a, b in itertools.pairwise(slots))
+        assert breaks <= len(slots) // SLOT_RUN, slots
+        assert req.reserved_slots == list(range(slots[-1] + 1, slots[-1] + 1 + len(req.reserved_slots)))
+    assert sum(len(req.reserved_slots) for req in scheduler.running) > 0
+    scheduler.abort(AbortReq(abort_all=True))
+    scheduler.check_integrity()
+    assert scheduler.internal_state().kv_tokens_in_use == 0
 
 
 def test_bad_request_is_refused_before_scheduling(runner):
