@@ -68,20 +68,24 @@ class QuantizedLinearWeight:
         the packed layout (an embedding lookup from a quantized table)."""
         group = self.ops.row_group
         groups = -(-self.out_features // group)
-        within, every = ids % group, torch.arange(len(ids))
+        picked_group, within = ids // group, ids % group
         if self.format in SUPER_BLOCK_SCALES:
-            supers = self.in_features // SUPER_BLOCK
-            picked_supers = self.packed.view(groups, supers, -1)[ids // group]
-            return _super_block_rows(self.format, picked_supers, within, group).dequantize()
+            by_group = self.packed.view(groups, self.in_features // SUPER_BLOCK, -1)
+            return _super_block_rows(self.format, by_group, picked_group, within, group).dequantize()
         quant_bytes = BLOCK_QUANT_BYTES[self.format]
         blocks = self.in_features // BLOCK
-        picked = self.packed.view(groups, blocks, -1)[ids // group]  # [n, blocks, a row group's block bytes]
-        n = len(ids)
-        quants = picked[..., : group * quant_bytes].reshape(n, blocks, quant_bytes // 4, group, 4)
-        quants = quants.permute(0, 3, 1, 2, 4)[every, within].reshape(n, blocks, quant_bytes)
+        # Only the picked rows' bytes are gathered (not their whole row groups): a view that
+        # splits each block's bytes by row, indexed by (row group, row).
+        by_group = self.packed.view(groups, blocks, -1)
+        quants = by_group[..., : group * quant_bytes].unflatten(-1, (quant_bytes // 4, group, 4))
+        quants = quants[picked_group, :, :, within].reshape(len(ids), blocks, quant_bytes)
         scales = [
-            picked[..., start : start + 2 * group].contiguous().view(torch.float16).transpose(1, 2)[every, within]
-            for start in range(group * quant_bytes, picked.shape[-1], 2 * group)
+            by_group[..., start : start + 2 * group]
+            .unflatten(-1, (group, 2))[picked_group, :, within]
+            .contiguous()
+            .view(torch.float16)
+            .squeeze(-1)
+            for start in range(group * quant_bytes, by_group.shape[-1], 2 * group)
         ]
         return BlockRows(self.format, quants, scales).dequantize()
 
@@ -195,20 +199,22 @@ def _interleave_super_blocks(rows: BlockRows, row_group: int) -> torch.Tensor:
     return torch.cat([part.reshape(groups, supers, -1) for part in parts], dim=-1).reshape(-1).contiguous()
 
 
-def _super_block_rows(format: BlockFormat, picked: torch.Tensor, within: torch.Tensor, row_group: int) -> BlockRows:
-    """Row `within[i]` of row group `picked[i]` (uint8 [n, super-blocks, a row group's
-    super-block bytes]) as BlockRows: the inverse of _interleave_super_blocks."""
-    n, supers, _ = picked.shape
-    every = torch.arange(n)
+def _super_block_rows(
+    format: BlockFormat, by_group: torch.Tensor, picked_group: torch.Tensor, within: torch.Tensor, row_group: int
+) -> BlockRows:
+    """Row `within[i]` of row group `picked_group[i]` as BlockRows, from uint8 `by_group`
+    [row groups, super-blocks, a row group's super-block bytes]: the inverse of
+    _interleave_super_blocks, gathering only those rows' bytes."""
+    supers = by_group.shape[1]
     quant_bytes = SUPER_QUANT_BYTES[format]
     offset = 8 * quant_bytes * row_group
-    quants = picked[..., :offset].reshape(n, supers, 8, quant_bytes // 4, row_group, 4)
-    quants = quants.permute(0, 4, 1, 2, 3, 5)[every, within].reshape(n, supers * 8, quant_bytes)
+    quants = by_group[..., :offset].unflatten(-1, (8, quant_bytes // 4, row_group, 4))
+    quants = quants[picked_group, :, :, :, within].reshape(len(picked_group), supers * 8, quant_bytes)
     scales = []
     for count, dtype in SUPER_BLOCK_SCALES[format]:
         size = count * row_group * dtype.itemsize
-        part = picked[..., offset : offset + size].contiguous().view(dtype).reshape(n, supers, count, row_group)
-        scales.append(part.permute(0, 3, 1, 2)[every, within])  # [n, supers, count]
+        part = by_group[..., offset : offset + size].unflatten(-1, (count, row_group, dtype.itemsize))
+        scales.append(part[picked_group, :, :, within].contiguous().view(dtype).squeeze(-1))  # [n, supers, count]
         offset += size
     return BlockRows(format, quants, scales)
 
