@@ -129,6 +129,11 @@ class KVManager:
         """Slots a step of these requests takes from the free ones (beyond their reserves)."""
         return sum(max(0, n - len(req.reserved_slots)) for req, n in zip(reqs, extend_lens, strict=True))
 
+    @staticmethod
+    def decode_slots_needed(decoding: list[Req]) -> int:
+        """new_slots_needed for a decode token each: the requests with nothing in reserve."""
+        return sum(not req.reserved_slots for req in decoding)
+
     def alloc_step(self, reqs: list[Req], extend_lens: list[int]) -> torch.Tensor | None:
         """A step's token slots, request after request (its out_cache_loc); None if there are
         too few. Each request takes its reserved slots first; where it needs more, it takes

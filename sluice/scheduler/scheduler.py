@@ -285,7 +285,7 @@ class Scheduler:
             decoding.sort(key=priority_order)  # the KV cache full: the lowest goes back first
         decoding = self._reserve_decode_slots(decoding)
         # Right after a retraction the cache is full: admitting now would only thrash.
-        new_decode_slots = self.kv.new_slots_needed(decoding, [1] * len(decoding))
+        new_decode_slots = self.kv.decode_slots_needed(decoding)
         plan = self._plan_prefill(new_decode_slots, admit_new=self.num_retractions == retractions)
         reqs = decoding + plan.reqs
         if not reqs:
@@ -295,7 +295,7 @@ class Scheduler:
 
     def _reserve_decode_slots(self, decoding: list[Req]) -> list[Req]:
         """Make room for one new token per decoding request, retracting if the cache is full."""
-        while decoding and self.kv.available() < self.kv.new_slots_needed(decoding, [1] * len(decoding)):
+        while decoding and self.kv.available() < self.kv.decode_slots_needed(decoding):
             victim = decoding.pop()
             self._retract(victim)
         return decoding
