@@ -378,26 +378,36 @@ ALWAYS_INLINE void group_values(const int G, const int width, const int kv_dtype
     }
 }
 
-/* A block of `count` queries against one KV head, tile by tile: scores, online softmax,
- * values; then each head's values divided by its softmax sum. Query i reads the slots
- * slot_lists[i] up to lens[i]; the first shared_len slots are the same for all of them.
- * Either the block is consecutive tokens of one request (lens[i] = lens[0] + i, one slot
+/* A block of `count` queries against `kv_heads` consecutive KV heads (keys, values, q and
+ * out at the first; each next head head_dim elements on in the pool's rows, G query heads on
+ * in q and out), tile by tile: for each tile, each head's scores, online softmax and values;
+ * then each query head's values divided by its softmax sum. The heads take each tile in turn
+ * (each head's sums are those it gets alone), so a tile's K/V rows, which hold every head,
+ * come from memory once, in whole rows: a decode step of many requests reads its tiles in
+ * rows of kv_heads * head_dim instead of one head's slice of each row per pass (Qwen3-0.6B's
+ * 8 heads of 128: 16 requests of 160 tokens, 17.2 against 18.0 ms for 28 layers; of 500
+ * tokens, 53.5 against 58.3). Query i reads the slots slot_lists[i] up to lens[i]; the
+ * first shared_len slots are the same for all of them. Either the block is consecutive tokens of one request (lens[i] = lens[0] + i, one slot
  * list, shared_len its longest) or decode steps of requests with a common prefix (no window).
  * A block of TRANSPOSED_KEYS_FROM queries or more widens and transposes each K tile its
  * queries share once for all of them; the others each query reads from the pool. scratch:
- * count * G * KV_TILE floats, then the transposed tile (head_dim * KV_TILE). */
+ * count * G * KV_TILE floats, then the transposed tile (head_dim * KV_TILE), then 2 *
+ * QUERY_BLOCK * kv_heads * G floats of softmax state. */
 ALWAYS_INLINE void attend_block(const int G, const int width, const int kv_dtype, int count, const float *q,
                                 long q_stride, int head_dim, const int64_t *lens, const int64_t *const *slot_lists,
                                 int shared_len, float scale, int window, float softcap, kv_rows keys,
-                                kv_rows values, float *scratch, float *out, size_t out_stride) {
-    float running_max[QUERY_BLOCK][MAX_GROUP], running_sum[QUERY_BLOCK][MAX_GROUP];
+                                kv_rows values, int kv_heads, float *scratch, float *out, size_t out_stride) {
+    float *kt = scratch + (size_t)QUERY_BLOCK * G * KV_TILE, *vt = kt + (size_t)head_dim * KV_TILE;
+    /* The running maximum and sum of query i's head h * G + g at [(i * kv_heads + h) * G + g]. */
+    float *running_max = vt + (size_t)head_dim * KV_TILE, *running_sum = running_max + (size_t)QUERY_BLOCK * kv_heads * G;
     int longest = 0;
     for (int i = 0; i < count; i++) {
-        for (int g = 0; g < G; g++) running_max[i][g] = -INFINITY, running_sum[i][g] = 0.0f;
+        for (int s = 0; s < kv_heads * G; s++)
+            running_max[i * kv_heads * G + s] = -INFINITY, running_sum[i * kv_heads * G + s] = 0.0f;
         longest = (int)lens[i] > longest ? (int)lens[i] : longest;
     }
     const int shared_reach = shared_len < longest ? shared_len : longest;
-    float *kt = scratch + (size_t)QUERY_BLOCK * G * KV_TILE, *vt = kt + (size_t)head_dim * KV_TILE;
+    const size_t elem = kv_element_bytes(kv_dtype), head_bytes = (size_t)head_dim * elem;
     const kv_rows widened_values = {(const char *)vt, sizeof(float) * head_dim};
     /* Over the widened tile in cache the slice's accumulators, its V vectors and a broadcast
      * weight must fit in registers: a spilled accumulator makes every key wait on a store and
@@ -408,51 +418,63 @@ ALWAYS_INLINE void attend_block(const int G, const int width, const int kv_dtype
     for (int t0 = window_start((int)lens[0], window) / KV_TILE * KV_TILE; t0 < longest; t0 += KV_TILE) {
         const int transposed =
             count >= TRANSPOSED_KEYS_FROM && (t0 + KV_TILE <= shared_len || longest <= shared_len);
-        if (transposed) {
-            const int n = t0 + KV_TILE < longest ? KV_TILE : longest - t0;
-            transpose_keys(kv_dtype, head_dim, t0, n, shared_reach, keys, slot_lists[0], kt);
-            widen_values(kv_dtype, head_dim, t0, n, shared_reach, values, slot_lists[0], vt);
-            int i = 0;
-            for (; i + SCORE_QUERIES <= count; i += SCORE_QUERIES) {
-                const int last = (int)lens[i + SCORE_QUERIES - 1], n = t0 + KV_TILE < last ? KV_TILE : last - t0;
-                if (n > 0)
-                    group_scores_transposed(SCORE_QUERIES, G, q + (size_t)i * q_stride, q_stride, head_dim, n, scale,
-                                            kt, scratch + (size_t)i * G * KV_TILE, (size_t)G * KV_TILE);
+        /* The next tile's rows, every head of them, towards L2 while this one is computed. */
+        if (kv_heads > 1 && count == 1 && t0 + KV_TILE < longest)
+            prefetch_rows(keys.base, values.base, keys.slot_bytes, 0, kv_heads * head_bytes, slot_lists[0],
+                          t0 + KV_TILE, t0 + 2 * KV_TILE < longest ? t0 + 2 * KV_TILE : longest);
+        for (int h = 0; h < kv_heads; h++) {
+            const kv_rows head_keys = {keys.base + h * head_bytes, keys.slot_bytes};
+            const kv_rows head_values = {values.base + h * head_bytes, values.slot_bytes};
+            const float *head_q = q + (size_t)h * G * head_dim;
+            float *head_out = out + (size_t)h * G * head_dim;
+            if (transposed) {
+                const int n = t0 + KV_TILE < longest ? KV_TILE : longest - t0;
+                transpose_keys(kv_dtype, head_dim, t0, n, shared_reach, head_keys, slot_lists[0], kt);
+                widen_values(kv_dtype, head_dim, t0, n, shared_reach, head_values, slot_lists[0], vt);
+                int i = 0;
+                for (; i + SCORE_QUERIES <= count; i += SCORE_QUERIES) {
+                    const int last = (int)lens[i + SCORE_QUERIES - 1], n = t0 + KV_TILE < last ? KV_TILE : last - t0;
+                    if (n > 0)
+                        group_scores_transposed(SCORE_QUERIES, G, head_q + (size_t)i * q_stride, q_stride, head_dim, n,
+                                                scale, kt, scratch + (size_t)i * G * KV_TILE, (size_t)G * KV_TILE);
+                }
+                for (; i < count; i++) {
+                    const int len = (int)lens[i], n = t0 + KV_TILE < len ? KV_TILE : len - t0;
+                    if (n > 0)
+                        group_scores_transposed(1, G, head_q + (size_t)i * q_stride, q_stride, head_dim, n, scale, kt,
+                                                scratch + (size_t)i * G * KV_TILE, (size_t)G * KV_TILE);
+                }
             }
-            for (; i < count; i++) {
-                const int len = (int)lens[i], n = t0 + KV_TILE < len ? KV_TILE : len - t0;
-                if (n > 0)
-                    group_scores_transposed(1, G, q + (size_t)i * q_stride, q_stride, head_dim, n, scale, kt,
-                                            scratch + (size_t)i * G * KV_TILE, (size_t)G * KV_TILE);
+            for (int i = 0; i < count; i++) {
+                const int len = (int)lens[i], t1 = t0 + KV_TILE < len ? t0 + KV_TILE : len;
+                const int start = window_start(len, window);
+                if (t1 <= t0 || t0 + KV_TILE <= start) continue;
+                float *tile = scratch + (size_t)i * G * KV_TILE, correction[MAX_GROUP];
+                float *head_max = running_max + ((size_t)i * kv_heads + h) * G;
+                float *head_sum = running_sum + ((size_t)i * kv_heads + h) * G;
+                if (!transposed)
+                    group_scores(G, kv_dtype, head_q + (size_t)i * q_stride, head_dim, t0, t1, len, scale, head_keys,
+                                 slot_lists[i], tile, KV_TILE);
+                for (int g = 0; g < G; g++) {
+                    float *head_tile = tile + (size_t)g * KV_TILE;
+                    if (softcap > 0.0f) softcap_tile(head_tile, t1 - t0, softcap);
+                    for (int t = t0; t < start; t++) head_tile[t - t0] = -INFINITY; /* before the window */
+                    correction[g] = softmax_tile(head_tile, t1 - t0, &head_max[g], &head_sum[g]);
+                }
+                const int first_tile = t0 <= start; /* the tile holding the window's first slot (0 without one) */
+                if (transposed)
+                    group_values(G, tile_width, SLUICE_KV_FLOAT32, tile, KV_TILE, correction, head_dim, first_tile, 0,
+                                 t1 - t0, 0, widened_values, TILE_ROWS, head_out + (size_t)i * out_stride);
+                else
+                    group_values(G, width, kv_dtype, tile, KV_TILE, correction, head_dim, first_tile, t0, t1, len,
+                                 head_values, slot_lists[i], head_out + (size_t)i * out_stride);
             }
-        }
-        for (int i = 0; i < count; i++) {
-            const int len = (int)lens[i], t1 = t0 + KV_TILE < len ? t0 + KV_TILE : len;
-            const int start = window_start(len, window);
-            if (t1 <= t0 || t0 + KV_TILE <= start) continue;
-            float *tile = scratch + (size_t)i * G * KV_TILE, correction[MAX_GROUP];
-            if (!transposed)
-                group_scores(G, kv_dtype, q + (size_t)i * q_stride, head_dim, t0, t1, len, scale, keys, slot_lists[i],
-                             tile, KV_TILE);
-            for (int g = 0; g < G; g++) {
-                float *head_tile = tile + (size_t)g * KV_TILE;
-                if (softcap > 0.0f) softcap_tile(head_tile, t1 - t0, softcap);
-                for (int t = t0; t < start; t++) head_tile[t - t0] = -INFINITY; /* before the window */
-                correction[g] = softmax_tile(head_tile, t1 - t0, &running_max[i][g], &running_sum[i][g]);
-            }
-            const int first_tile = t0 <= start; /* the tile holding the window's first slot (0 without one) */
-            if (transposed)
-                group_values(G, tile_width, SLUICE_KV_FLOAT32, tile, KV_TILE, correction, head_dim, first_tile, 0, t1 - t0,
-                             0, widened_values, TILE_ROWS, out + (size_t)i * out_stride);
-            else
-                group_values(G, width, kv_dtype, tile, KV_TILE, correction, head_dim, first_tile, t0, t1, len, values,
-                             slot_lists[i], out + (size_t)i * out_stride);
         }
     }
     for (int i = 0; i < count; i++)
-        for (int g = 0; g < G; g++) {
-            const vec inv_sum = vset1(1.0f / running_sum[i][g]);
-            float *o = out + (size_t)i * out_stride + (size_t)g * head_dim;
+        for (int s = 0; s < kv_heads * G; s++) {
+            const vec inv_sum = vset1(1.0f / running_sum[i * kv_heads * G + s]);
+            float *o = out + (size_t)i * out_stride + (size_t)s * head_dim;
             for (int c = 0; c < head_dim; c += VLEN) vstore(o + c, vmul(vload(o + c), inv_sum));
         }
 }
@@ -556,7 +578,7 @@ static int value_width(int group, int head_dim) {
 /* One block of the group's query heads, with G, the value width and the dtype constants. */
 #define BLOCK_CALL(G, W, DTYPE)                                                                             \
     attend_block(G, W, DTYPE, count, q_first, q_stride, head_dim, seq_lens + first, lists, shared[b], scale,    \
-                 window, softcap, keys, values, scores, out_first, (size_t)heads * head_dim)
+                 window, softcap, keys, values, heads_a_call, scores, out_first, (size_t)heads * head_dim)
 #define WIDTH_SWITCH(G, DTYPE)                                                                              \
     case G:                                                                                                 \
         if (width == 4) BLOCK_CALL(G, 4, DTYPE);                                                            \
@@ -579,7 +601,8 @@ int sluice_decode_attention(int queries, int heads, int kv_heads, int head_dim, 
     const size_t elem = kv_element_bytes(kv_dtype);
     const size_t slot_bytes = (size_t)kv_heads * head_dim * elem;
     /* Per thread: a block's tile scores and its transposed K tile, or one head's scores on the scalar path. */
-    const size_t scratch_floats = vectorized ? (size_t)(QUERY_BLOCK * group + 2 * head_dim) * KV_TILE
+    const size_t scratch_floats = vectorized ? (size_t)(QUERY_BLOCK * group + 2 * head_dim) * KV_TILE +
+                                                   (size_t)2 * QUERY_BLOCK * heads
                                              : (size_t)(max_len > 0 ? max_len : 1);
     const size_t scratch_bytes = (sizeof(float) * scratch_floats + 63) / 64 * 64;
     /* The queries on tiles: the prompt rows, on a build that has them, for heads they fit. */
@@ -610,8 +633,8 @@ int sluice_decode_attention(int queries, int heads, int kv_heads, int head_dim, 
     else
         for (int b = 0; b < blocks; b++) shared[b] = (int)seq_lens[starts[b + 1] - 1];
     /* A task is one KV head of a block or, with blocks enough to keep every thread busy (a
-     * decode step of many requests), all of its KV heads in turn: a slot's row holds every
-     * head, so the neighbouring lines one head's pass brings in are not wasted. Each task
+     * decode step of many requests), all of its KV heads, tile by tile (attend_block): a
+     * slot's row holds every head, so a tile's rows come from memory once. Each task
      * first sends the K/V rows it will read to its core's L2 at once: many misses in flight
      * instead of a few rows ahead of the arithmetic. */
     const int heads_per_task = blocks >= 4 * omp_get_max_threads() ? kv_heads : 1;
@@ -642,7 +665,11 @@ int sluice_decode_attention(int queries, int heads, int kv_heads, int head_dim, 
                 prefetch_rows(k_pool, v_pool, slot_bytes, (size_t)task * heads_per_task * head_dim * elem,
                               (size_t)heads_per_task * head_dim * elem, lists[0],
                               window_start((int)seq_lens[first], window), shared[b]);
-                for (int kvh = task * heads_per_task; kvh < (task + 1) * heads_per_task; kvh++) {
+                /* The vectorized path takes the task's heads in one call (tile by tile, every
+                 * head of a tile in turn); the others one head at a time. */
+                const int on_tiles = tile_rows != NULL && tile_rows[first];
+                const int heads_a_call = vectorized && !on_tiles ? heads_per_task : 1;
+                for (int kvh = task * heads_per_task; kvh < (task + 1) * heads_per_task; kvh += heads_a_call) {
                     if (scores == NULL) continue;
                     const float *q_first = q + (size_t)first * q_stride + (size_t)kvh * group * head_dim;
                     float *out_first = out + ((size_t)first * heads + (size_t)kvh * group) * head_dim;
@@ -650,7 +677,7 @@ int sluice_decode_attention(int queries, int heads, int kv_heads, int head_dim, 
                     const kv_rows keys = {(const char *)k_pool + head_offset, slot_bytes};
                     const kv_rows values = {(const char *)v_pool + head_offset, slot_bytes};
 #ifdef SLUICE_AMX_BF16
-                    if (tile_rows != NULL && tile_rows[first]) {
+                    if (on_tiles) {
                         attend_block_tiles(group, kv_dtype, count, q_first, q_stride, head_dim, seq_lens + first,
                                            lists[0], scale, window, softcap, keys, values, tile_buffers, out_first,
                                            (size_t)heads * head_dim);
