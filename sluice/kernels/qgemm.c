@@ -330,11 +330,12 @@ static void multiply_group(int weight_type, const uint8_t *w, int n0, int width,
                            unpacked_block *buffer) {
     const int nb = K / QK;
 #ifdef SLUICE_AMX
-    /* The tiles take the 32-weight formats; the super-block ones run the VNNI code at every M. */
-    if (use_tiles && (weight_type == SLUICE_Q8_0 || weight_type == SLUICE_Q4_1)) {
+    /* The tiles take q8_0, q4_1 and q6_k; the other formats run the VNNI code at every M. */
+    if (use_tiles && (weight_type == SLUICE_Q8_0 || weight_type == SLUICE_Q4_1 || weight_type == SLUICE_Q6_K)) {
         for (; r_begin + AMX_ROWS <= r_end; r_begin += AMX_ROWS) {
             __m512 acc[AMX_ROWS];
-            amx_group(weight_type, w, K, r_begin, x, acc);
+            if (weight_type == SLUICE_Q6_K) amx_six_bit_group(w, K, r_begin, x, acc);
+            else amx_group(weight_type, w, K, r_begin, x, acc);
             for (int r = 0; r < AMX_ROWS; r++) store_group(out + OUT_ROW(r_begin + r) * out_stride + n0, width, acc[r]);
         }
     }

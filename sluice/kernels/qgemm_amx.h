@@ -16,7 +16,8 @@
 #define AMX_ROWS 16
 
 /* Two sets of tiles, used by alternate blocks: C (16 x 16 int32), A (16 rows x 32 bytes), B
- * (8 rows x 64 bytes) = tiles 0, 1, 2 for even blocks and 3, 4, 5 for odd ones. */
+ * (8 rows x 64 bytes) = tiles 0, 1, 2 for even blocks and 3, 4, 5 for odd ones; tiles 6 and 7
+ * are two more C, for q6_k's second halves (amx_six_bit_group). */
 static void configure_tiles(void) {
     tile_config config = {0};
     config.palette_id = 1;
@@ -25,6 +26,7 @@ static void configure_tiles(void) {
         config.rows[set + 1] = AMX_ROWS, config.colsb[set + 1] = QK;
         config.rows[set + 2] = QK / 4, config.colsb[set + 2] = 64;
     }
+    config.rows[6] = config.rows[7] = AMX_ROWS, config.colsb[6] = config.colsb[7] = 64;
     _tile_loadconfig(&config);
 }
 
@@ -86,6 +88,75 @@ static void amx_group(int weight_type, const uint8_t *w, int K, int r0, const qu
     }
 }
 #undef AMX_START_BLOCK
+
+/* ------------------------------------------------------------ q6_k on the int8 tiles
+ *
+ * A q6_k block's halves have scales of their own, so each half is its own dot: the block's
+ * quants, less 32 (signed bytes), go in two B tiles, the first with the second half's four
+ * tile rows zero and the second with the first half's, against the same A tile (the block's
+ * 32 activation bytes). Each C tile then holds one half's (q - 32) . x, the integers that
+ * half_block_dots forms, and the float steps are six_bit_block's and group_super's: the
+ * results are the VNNI path's bits. The B tiles hold the zero rows, so there is twice the
+ * tile arithmetic a block needs; what bounds the tiles is the read-back, which is the same
+ * per half as q8_0's per block. */
+
+/* Start block b's two half dots in C tiles CL and CH (A tile A; B tiles 2 and 5). */
+#define AMX_START_SIX_BITS(CL, CH, A, b)                                                           \
+    do {                                                                                           \
+        __m512i q[8];                                                                              \
+        const uint8_t *block = w + (size_t)((b) / 8) * SLUICE_Q6_K_GROUP_SUPER_BYTES +             \
+                               (size_t)((b) % 8) * SLUICE_Q6_K_GROUP_BLOCK_BYTES;                  \
+        prefetch_ahead(w + (size_t)(b) * (SLUICE_Q6_K_GROUP_SUPER_BYTES / 8),                      \
+                       SLUICE_Q6_K_GROUP_SUPER_BYTES / 8);                                         \
+        unpack_six_bits(block, q);                                                                 \
+        for (int g = 0; g < 4; g++) {                                                              \
+            _mm512_store_si512((void *)(halves + 64 * g), _mm512_sub_epi8(q[g], thirty_two));      \
+            _mm512_store_si512((void *)(halves + 512 + 64 * (g + 4)), _mm512_sub_epi8(q[g + 4], thirty_two)); \
+        }                                                                                          \
+        _tile_zero(CL);                                                                            \
+        _tile_zero(CH);                                                                            \
+        _tile_loadd(A, xq + (size_t)(b) * QK, K);                                                  \
+        _tile_loadd(2, halves, 64);                                                                \
+        _tile_loadd(5, halves + 512, 64);                                                          \
+        _tile_dpbssd(CL, A, 2);                                                                    \
+        _tile_dpbssd(CH, A, 5);                                                                    \
+    } while (0)
+
+/* Activation rows [r0, r0 + 16) against one q6_k row group, block b + 1's tile multiplies
+ * issued before block b's dots are read back (as amx_group). */
+static void amx_six_bit_group(const uint8_t *w, int K, int r0, const quantized_rows *x, __m512 *acc) {
+    const int nb = K / QK;
+    int32_t low[AMX_ROWS][16] __attribute__((aligned(64))), high[AMX_ROWS][16] __attribute__((aligned(64)));
+    /* The two B tiles: tile rows 0-3 of the first and 4-7 of the second hold a block's halves. */
+    uint8_t halves[2 * 8 * 64] __attribute__((aligned(64))) = {0};
+    const __m512i thirty_two = _mm512_set1_epi8(32);
+    const int8_t *xq = x->q + (size_t)r0 * K;
+    for (int r = 0; r < AMX_ROWS; r++) acc[r] = _mm512_setzero_ps();
+    AMX_START_SIX_BITS(0, 6, 1, 0);
+    for (int b = 0; b < nb; b++) {
+        if (b % 2 == 0) {
+            if (b + 1 < nb) AMX_START_SIX_BITS(3, 7, 4, b + 1);
+            _tile_stored(0, low, 64);
+            _tile_stored(6, high, 64);
+        } else {
+            if (b + 1 < nb) AMX_START_SIX_BITS(0, 6, 1, b + 1);
+            _tile_stored(3, low, 64);
+            _tile_stored(7, high, 64);
+        }
+        const uint8_t *super = w + (size_t)(b / 8) * SLUICE_Q6_K_GROUP_SUPER_BYTES;
+        const int8_t *scales = (const int8_t *)(super + 8 * SLUICE_Q6_K_GROUP_BLOCK_BYTES);
+        const __m512 d = load_halves(super + 8 * SLUICE_Q6_K_GROUP_BLOCK_BYTES + 16 * GROUP);
+        const __m512 low_scale = _mm512_mul_ps(d, signed_bytes(scales + 2 * (b % 8) * GROUP));
+        const __m512 high_scale = _mm512_mul_ps(d, signed_bytes(scales + (2 * (b % 8) + 1) * GROUP));
+        for (int r = 0; r < AMX_ROWS; r++) {
+            const size_t index = (size_t)(r0 + r) * nb + b;
+            const __m512 block = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512((const void *)high[r])), high_scale,
+                                                 _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512((const void *)low[r])), low_scale));
+            acc[r] = _mm512_fmadd_ps(block, _mm512_set1_ps(x->d[index]), acc[r]);
+        }
+    }
+}
+#undef AMX_START_SIX_BITS
 #endif
 
 #ifdef SLUICE_AMX_BF16

@@ -92,7 +92,7 @@ def describe(execution: Execution, weight_formats: list[str]) -> dict[str, str]:
         dots = "AVX2 maddubs, 8-row groups" if isa == "avx2" else "AVX-512 VNNI vpdpbusd, 16-row groups"
         if weight_formats:
             gemv = f"{'+'.join(weight_formats)} blocks x int8 activations ({dots})"
-            tiled = [f for f in weight_formats if f in ("q8_0", "q4_1")]  # the other formats take no int8 tiles
+            tiled = [f for f in weight_formats if f in ("q8_0", "q4_1", "q6_k")]  # the others take no int8 tiles
             if isa in ("amx_int8", "amx_bf16") and tiled:
                 gemm = f"AMX-INT8 tiles for every 16 activation rows of {'+'.join(tiled)}, the rest as GEMV"
             else:
