@@ -161,25 +161,55 @@ static void tile_values(const uint16_t *weights, int head_dim, const uint32_t *v
     }
 }
 
-/* The online softmax of a row tile's 16 rows over one K/V tile, the rows side by side.
+/* 2^x of 16 floats, x <= 0 (clamped at -126; -inf gives 2^-126, which only ever multiplies
+ * sums of 0): 2^n 2^f with n = round(x), |f| <= 1/2 and 2^f by its degree-5 Taylor
+ * polynomial in f ln 2 (relative error under 3.3e-6, far below the bf16 rounding of the weights
+ * it makes). */
+ALWAYS_INLINE __m512 exp2_weights(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-126.0f));
+    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(x, n);
+    __m512 p = _mm512_set1_ps(1.3333558e-3f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* The online softmax of a row tile's 16 rows over one K/V tile, the rows side by side, in
+ * base 2: with c = scale log2(e), a score s has the weight 2^(c s - m), m the row's running
+ * maximum of c s (or, with a softcap, of log2(e) softcap tanh(scale s / softcap)).
  * scores[16][KV_TILE] (q.k; row `row` sees its keys [before[row], seen[row]) of the tile)
- * become bf16 weights exp(scale * score - new running max), zero outside what the row sees;
- * each row's running maximum and sum move on, and correction[row] is the factor for the
- * values summed so far (-1: the row sees none of this tile, its sums stay). */
+ * become bf16 weights, zero outside what the row sees; each row's running maximum and sum
+ * move on, and correction[row] is the factor for the values summed so far (-1: the row sees
+ * none of this tile, its sums stay). A row that sees the whole tile (most rows of a long
+ * prompt's tiles) takes no masks. */
 static void softmax_rows(float *scores, uint16_t *weights, const int *before, const int *seen, float scale,
                          float softcap, float *running_max, float *running_sum, float *correction) {
     float tile_max[16] __attribute__((aligned(64))), sums[16][16] __attribute__((aligned(64)));
     __mmask16 visible[16][KV_TILE / 16];
+    int whole[16];
+    const float log2e = 1.44269504f;
+    float c = scale * log2e;
+    if (softcap > 0.0f) {
+        for (int row = 0; row < 16; row++) {
+            float *s = scores + row * KV_TILE;
+            for (int t = 0; t < KV_TILE; t += 16) _mm512_store_ps(s + t, _mm512_mul_ps(_mm512_load_ps(s + t), _mm512_set1_ps(scale)));
+            softcap_tile(s, KV_TILE, softcap);
+        }
+        c = log2e;
+    }
     for (int row = 0; row < 16; row++) {
-        float *s = scores + row * KV_TILE;
-        for (int t = 0; t < KV_TILE; t += 16) _mm512_store_ps(s + t, _mm512_mul_ps(_mm512_load_ps(s + t), _mm512_set1_ps(scale)));
-        if (softcap > 0.0f) softcap_tile(s, KV_TILE, softcap);
+        const float *s = scores + row * KV_TILE;
+        whole[row] = before[row] == 0 && seen[row] == KV_TILE;
         __m512 maxes = _mm512_set1_ps(-INFINITY);
         for (int j = 0; j < KV_TILE / 16; j++) {
             const int lo = before[row] - 16 * j, hi = seen[row] - 16 * j;
             const uint32_t below_hi = hi <= 0 ? 0u : hi >= 16 ? 0xFFFFu : (1u << hi) - 1u;
             const uint32_t below_lo = lo <= 0 ? 0u : lo >= 16 ? 0xFFFFu : (1u << lo) - 1u;
-            visible[row][j] = (__mmask16)(below_hi & ~below_lo);
+            visible[row][j] = whole[row] ? (__mmask16)0xFFFF : (__mmask16)(below_hi & ~below_lo);
             maxes = _mm512_mask_max_ps(maxes, visible[row][j], maxes, _mm512_load_ps(s + 16 * j));
         }
         tile_max[row] = _mm512_reduce_max_ps(maxes);
@@ -187,18 +217,22 @@ static void softmax_rows(float *scores, uint16_t *weights, const int *before, co
     __mmask16 active = 0;
     for (int row = 0; row < 16; row++) active |= (__mmask16)((seen[row] > before[row]) << row);
     const __m512 old_max = _mm512_loadu_ps(running_max);
-    const __m512 new_max = _mm512_mask_max_ps(old_max, active, old_max, _mm512_load_ps(tile_max));
-    /* 0 for a row's first tile (exp of -inf, clamped, is 0 when it multiplies sums of 0). */
-    const __m512 factor = _mm512_mask_mov_ps(_mm512_set1_ps(-1.0f), active, exp512(_mm512_sub_ps(old_max, new_max)));
+    /* c > 0, so the largest c s is c times the largest s. */
+    const __m512 tile_top = _mm512_mul_ps(_mm512_load_ps(tile_max), _mm512_set1_ps(c));
+    const __m512 new_max = _mm512_mask_max_ps(old_max, active, old_max, tile_top);
+    const __m512 factor = _mm512_mask_mov_ps(_mm512_set1_ps(-1.0f), active, exp2_weights(_mm512_sub_ps(old_max, new_max)));
     _mm512_storeu_ps(running_max, new_max);
     _mm512_storeu_ps(correction, factor);
     float maxima[16] __attribute__((aligned(64)));
     _mm512_store_ps(maxima, new_max);
+    const __m512 cv = _mm512_set1_ps(c);
     for (int row = 0; row < 16; row++) {
         const float *s = scores + row * KV_TILE;
+        const __m512 m = _mm512_set1_ps(maxima[row]);
         __m512 acc = _mm512_setzero_ps(), e[KV_TILE / 16];
         for (int j = 0; j < KV_TILE / 16; j++) {
-            e[j] = _mm512_maskz_mov_ps(visible[row][j], exp512(_mm512_sub_ps(_mm512_load_ps(s + 16 * j), _mm512_set1_ps(maxima[row]))));
+            e[j] = exp2_weights(_mm512_fmsub_ps(_mm512_load_ps(s + 16 * j), cv, m));
+            if (!whole[row]) e[j] = _mm512_maskz_mov_ps(visible[row][j], e[j]);
             acc = _mm512_add_ps(acc, e[j]);
         }
         for (int j = 0; j < KV_TILE / 16; j += 2)
