@@ -7,9 +7,13 @@
  *   scores  C[16 rows x 16 keys] = Q (rows x head_dim, bf16) . K^T, summed over head_dim
  *           in 32-dimension steps; K^T's B tiles hold each key's dimension pairs down a
  *           column (the tile of 16 keys is a 16 x 16 transpose of 32-bit pairs);
- *   values  C[16 rows x 16 dimensions] = P (rows x 64 keys, bf16) . V, V's B tiles holding
- *           each pair of consecutive keys interleaved.
- * Each tile's softmax weights are rounded to bf16; the sums are float32. A row's results
+ *   values  C[16 rows x 16 dimensions] += P (rows x 64 keys, bf16) . V, V's B tiles holding
+ *           each pair of consecutive keys interleaved, C loaded from and stored back to the
+ *           block's float32 sums.
+ * Each tile's softmax weights are rounded to bf16; the sums are float32. A row keeps its
+ * running maximum until a tile's passes it by more than LAZY_GROWTH (weights then reach up
+ * to 2^8), so its sums are rescaled a few times a prompt, not once a tile: most tiles add
+ * their values in the C tiles and nothing else touches the sums. A row's results
  * depend on that row alone (a tile's element sums its own row and column, in the same
  * steps whatever else shares the tile), so a prompt still gets the same bits however it was
  * chunked, cached or batched; but not a decode step's bits, as with the prompt rows of
@@ -21,6 +25,7 @@
 #include "amx_tiles.h"
 
 #define TILE_WORDS 256 /* 32-bit words of one B tile: 16 rows of 16 */
+#define LAZY_GROWTH 8.0f
 
 /* The tile path takes heads of whole 32-dimension steps (A tiles of 32 bf16), up to 256. */
 static inline int prompt_tiles_fit(int head_dim) { return head_dim % 32 == 0 && head_dim <= 256; }
@@ -32,7 +37,7 @@ typedef struct {
     uint32_t *v;        /* V B tiles: [KV_TILE / 32][head_dim / 16] tiles */
     float *scores;      /* [16][KV_TILE]: one row tile's scores, then its softmax weights */
     uint16_t *weights;  /* [16][KV_TILE] bf16 */
-    float *values;      /* [16][head_dim]: one row tile's weighted values for this K/V tile */
+    float *sums;        /* [rows][head_dim]: each row's weighted values so far, unnormalized */
     float *running_max; /* [rows] */
     float *running_sum;
 } prompt_tile_buffers;
@@ -48,7 +53,7 @@ static size_t prompt_tile_layout(char *scratch, int group, int head_dim, prompt_
     TAKE(v, uint32_t, (size_t)head_dim * KV_TILE * 2);
     TAKE(scores, float, 16 * KV_TILE * 4);
     TAKE(weights, uint16_t, 16 * KV_TILE * 2);
-    TAKE(values, float, 16 * (size_t)head_dim * 4);
+    TAKE(sums, float, rows * head_dim * 4);
     TAKE(running_max, float, rows * 4);
     TAKE(running_sum, float, rows * 4);
 #undef TAKE
@@ -140,14 +145,15 @@ static void tile_scores(const uint16_t *q, int head_dim, const uint32_t *k_tiles
     _tile_stored(3, scores + 48, KV_TILE * 4);
 }
 
-/* values[16][head_dim] = weights (16 rows x KV_TILE keys, bf16) . the tile's values. */
-static void tile_values(const uint16_t *weights, int head_dim, const uint32_t *v_tiles, float *values) {
+/* sums[16][head_dim] += weights (16 rows x KV_TILE keys, bf16) . the tile's values, in the
+ * C tiles (loaded from the sums and stored back). */
+static void tile_values(const uint16_t *weights, int head_dim, const uint32_t *v_tiles, float *sums) {
     const int columns = head_dim / 16;
     _tile_loadd(4, weights, KV_TILE * 2);
     _tile_loadd(5, weights + 32, KV_TILE * 2);
     for (int d = 0; d < columns; d += 2) {
-        _tile_zero(0);
-        _tile_zero(1);
+        _tile_loadd(0, sums + 16 * d, head_dim * 4);
+        _tile_loadd(1, sums + 16 * (d + 1), head_dim * 4);
         _tile_loadd(6, v_tiles + (size_t)d * TILE_WORDS, 64);
         _tile_loadd(7, v_tiles + (size_t)(columns + d) * TILE_WORDS, 64);
         _tile_dpbf16ps(0, 4, 6);
@@ -156,8 +162,8 @@ static void tile_values(const uint16_t *weights, int head_dim, const uint32_t *v
         _tile_loadd(7, v_tiles + (size_t)(columns + d + 1) * TILE_WORDS, 64);
         _tile_dpbf16ps(1, 4, 6);
         _tile_dpbf16ps(1, 5, 7);
-        _tile_stored(0, values + 16 * d, head_dim * 4);
-        _tile_stored(1, values + 16 * (d + 1), head_dim * 4);
+        _tile_stored(0, sums + 16 * d, head_dim * 4);
+        _tile_stored(1, sums + 16 * (d + 1), head_dim * 4);
     }
 }
 
@@ -182,10 +188,10 @@ ALWAYS_INLINE __m512 exp2_weights(__m512 x) {
  * base 2: with c = scale log2(e), a score s has the weight 2^(c s - m), m the row's running
  * maximum of c s (or, with a softcap, of log2(e) softcap tanh(scale s / softcap)).
  * scores[16][KV_TILE] (q.k; row `row` sees its keys [before[row], seen[row]) of the tile)
- * become bf16 weights, zero outside what the row sees; each row's running maximum and sum
- * move on, and correction[row] is the factor for the values summed so far (-1: the row sees
- * none of this tile, its sums stay). A row that sees the whole tile (most rows of a long
- * prompt's tiles) takes no masks. */
+ * become bf16 weights, zero outside what the row sees; each row's running maximum (lazily,
+ * see the top) and sum move on, and correction[row] is the factor for the values summed so
+ * far (1: they stay; -1: the row sees none of this tile, its sums stay). A row that sees the
+ * whole tile (most rows of a long prompt's tiles) takes no masks. */
 static void softmax_rows(float *scores, uint16_t *weights, const int *before, const int *seen, float scale,
                          float softcap, float *running_max, float *running_sum, float *correction) {
     float tile_max[16] __attribute__((aligned(64))), sums[16][16] __attribute__((aligned(64)));
@@ -219,8 +225,12 @@ static void softmax_rows(float *scores, uint16_t *weights, const int *before, co
     const __m512 old_max = _mm512_loadu_ps(running_max);
     /* c > 0, so the largest c s is c times the largest s. */
     const __m512 tile_top = _mm512_mul_ps(_mm512_load_ps(tile_max), _mm512_set1_ps(c));
-    const __m512 new_max = _mm512_mask_max_ps(old_max, active, old_max, tile_top);
-    const __m512 factor = _mm512_mask_mov_ps(_mm512_set1_ps(-1.0f), active, exp2_weights(_mm512_sub_ps(old_max, new_max)));
+    /* A row keeps its maximum until the tile's passes it by more than LAZY_GROWTH (weights of
+     * up to 2^LAZY_GROWTH), so most tiles rescale nothing. */
+    const __mmask16 grows = _mm512_mask_cmp_ps_mask(active, tile_top, _mm512_add_ps(old_max, _mm512_set1_ps(LAZY_GROWTH)), _CMP_GT_OQ);
+    const __m512 new_max = _mm512_mask_mov_ps(old_max, grows, tile_top);
+    const __m512 factor = _mm512_mask_mov_ps(_mm512_set1_ps(-1.0f), active,
+                                             _mm512_mask_mov_ps(_mm512_set1_ps(1.0f), grows, exp2_weights(_mm512_sub_ps(old_max, new_max))));
     _mm512_storeu_ps(running_max, new_max);
     _mm512_storeu_ps(correction, factor);
     float maxima[16] __attribute__((aligned(64)));
@@ -263,10 +273,7 @@ static void attend_block_tiles(const int G, const int kv_dtype, int count, const
             _mm256_store_si256((__m256i *)(qb + d),
                                (__m256i)_mm512_cvtneps_pbh(qr != NULL ? _mm512_loadu_ps(qr + d) : _mm512_setzero_ps()));
         b.running_max[r] = -INFINITY, b.running_sum[r] = 0.0f;
-        if (r < rows) {
-            float *o = out + (size_t)(r / G) * out_stride + (size_t)(r % G) * head_dim;
-            for (int d = 0; d < head_dim; d += 16) _mm512_storeu_ps(o + d, _mm512_setzero_ps());
-        }
+        for (int d = 0; d < head_dim; d += 16) _mm512_store_ps(b.sums + (size_t)r * head_dim + d, _mm512_setzero_ps());
     }
     for (int t0 = window_start((int)lens[0], window) / KV_TILE * KV_TILE; t0 < longest; t0 += KV_TILE) {
         const int n = t0 + KV_TILE < longest ? KV_TILE : longest - t0;
@@ -286,22 +293,20 @@ static void attend_block_tiles(const int G, const int kv_dtype, int count, const
             tile_scores(b.q + (size_t)r0 * head_dim, head_dim, b.k, b.scores);
             softmax_rows(b.scores, b.weights, before, seen, scale, softcap, b.running_max + r0, b.running_sum + r0,
                          correction);
-            tile_values(b.weights, head_dim, b.v, b.values);
-            for (int row = 0; row < 16 && r0 + row < rows; row++) {
-                if (correction[row] < 0.0f) continue;
-                const int r = r0 + row;
-                float *o = out + (size_t)(r / G) * out_stride + (size_t)(r % G) * head_dim;
+            for (int row = 0; row < 16; row++) {
+                if (correction[row] < 0.0f || correction[row] == 1.0f) continue;
+                float *o = b.sums + (size_t)(r0 + row) * head_dim;
                 const __m512 factor = _mm512_set1_ps(correction[row]);
-                for (int d = 0; d < head_dim; d += 16)
-                    _mm512_storeu_ps(o + d, _mm512_fmadd_ps(_mm512_loadu_ps(o + d), factor,
-                                                            _mm512_load_ps(b.values + row * head_dim + d)));
+                for (int d = 0; d < head_dim; d += 16) _mm512_store_ps(o + d, _mm512_mul_ps(_mm512_load_ps(o + d), factor));
             }
+            tile_values(b.weights, head_dim, b.v, b.sums + (size_t)r0 * head_dim);
         }
     }
     for (int r = 0; r < rows; r++) {
         float *o = out + (size_t)(r / G) * out_stride + (size_t)(r % G) * head_dim;
+        const float *sum = b.sums + (size_t)r * head_dim;
         const __m512 inv_sum = _mm512_set1_ps(1.0f / b.running_sum[r]);
-        for (int d = 0; d < head_dim; d += 16) _mm512_storeu_ps(o + d, _mm512_mul_ps(_mm512_loadu_ps(o + d), inv_sum));
+        for (int d = 0; d < head_dim; d += 16) _mm512_storeu_ps(o + d, _mm512_mul_ps(_mm512_load_ps(sum + d), inv_sum));
     }
 }
 #endif
