@@ -41,6 +41,9 @@ def eventually_version(base_url: str, version: str) -> None:
         time.sleep(0.05)
 
 
+STREAM_TOKENS = 512
+
+
 def stream(base_url: str, text: str, tokens: int) -> list[dict]:
     body = {"text": text, "stream": True, "sampling_params": greedy(tokens, ignore_eos=True)}
     with httpx.stream("POST", base_url + "/generate", json=body, timeout=300) as response:
@@ -56,7 +59,11 @@ def test_an_update_while_8_streams_run_fails_none_and_later_requests_carry_the_n
     reference = generate(base_url, text="Name a colour.", sampling_params=greedy(8)).json()
     assert reference["meta_info"]["weight_version"] == old
     with ThreadPoolExecutor(10) as pool:
-        streams = [pool.submit(stream, base_url, f"Tell a story about the number {i}.", 128) for i in range(8)]
+        # Long enough that all 8 are seen running together however fast a step is (at 128
+        # tokens the streams could finish between two polls on a fast machine).
+        streams = [
+            pool.submit(stream, base_url, f"Tell a story about the number {i}.", STREAM_TOKENS) for i in range(8)
+        ]
         wait_for_states(base_url, lambda states: states["num_running_reqs"] == 8, "8 streams running")
         updated = pool.submit(update, base_url, model_path=info["model_path"])
         time.sleep(0.2)
@@ -68,7 +75,7 @@ def test_an_update_while_8_streams_run_fails_none_and_later_requests_carry_the_n
             events = finished.result()
             assert events[-1] == "[DONE]"
             last = events[-2]["meta_info"]
-            assert last["finish_reason"]["type"] == "length" and last["completion_tokens"] == 128
+            assert last["finish_reason"]["type"] == "length" and last["completion_tokens"] == STREAM_TOKENS
             assert {event["meta_info"]["weight_version"] for event in events[:-1]} == {old}
         response = updated.result()
         assert response.status_code == 200, response.text
