@@ -65,13 +65,11 @@ int sluice_decode_layers(const sluice_model_dims *d, const sluice_layer_weights 
         if (w->qkv_bias != NULL)
             for (int r = 0; r < M; r++)
                 for (int c = 0; c < qkv_cols; c++) qkv[(size_t)r * qkv_cols + c] += w->qkv_bias[c];
-        if (w->q_norm != NULL) /* each head's row normalized in place, as the per-op path does */
-            for (int r = 0; r < M; r++) {
-                float *row = qkv + (size_t)r * qkv_cols;
-                sluice_rmsnorm(d->heads, d->head_dim, row, w->q_norm, d->eps, row);
-                sluice_rmsnorm(d->kv_heads, d->head_dim, row + (size_t)d->heads * d->head_dim, w->k_norm, d->eps,
-                               row + (size_t)d->heads * d->head_dim);
-            }
+        if (w->q_norm != NULL) { /* each head's row normalized in place, as the per-op path does */
+            sluice_rmsnorm_heads(M, d->heads, d->head_dim, qkv, qkv_cols, w->q_norm, d->eps);
+            sluice_rmsnorm_heads(M, d->kv_heads, d->head_dim, qkv + (size_t)d->heads * d->head_dim, qkv_cols, w->k_norm,
+                                 d->eps);
+        }
         if (w->local_rope && local_cos == NULL) return -1;
         const int own_slots = w->sliding_window > 0 && window_out_slots != NULL;
         sluice_rope_store(M, d->heads, d->kv_heads, d->head_dim, qkv, w->local_rope ? local_cos : cos,

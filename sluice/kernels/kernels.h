@@ -133,6 +133,8 @@ int sluice_qgemm_gated(int M, int I, int K, const float *x, int weight_type, con
 /* rmsnorm.c */
 void sluice_rmsnorm(int rows, int dim, const float *x, const float *w, float eps, float *out);
 void sluice_add_rmsnorm(int rows, int dim, float *hidden, const float *delta, const float *w, float eps, float *out);
+/* In place: rows x + t * token_stride + h * dim (t < tokens, h < heads) of dim floats each. */
+void sluice_rmsnorm_heads(int tokens, int heads, int dim, float *x, long token_stride, const float *w, float eps);
 
 /* argmax.c: torch.argmax over each row (first of equal values; a NaN is the largest). */
 void sluice_argmax_rows(int rows, int cols, const float *x, int64_t *out);

@@ -167,6 +167,23 @@ class KernelOps:
         )
         return out
 
+    def rms_norm_heads(self, heads: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+        """RMS-normalize each head_dim row of heads [tokens, n, head_dim] in place: a view of
+        some heads of qkv rows (rows of heads contiguous, tokens any stride apart)."""
+        tokens, count, dim = heads.shape
+        if heads.stride(2) != 1 or heads.stride(1) != dim:
+            raise ValueError(f"heads must be [tokens, n, {dim}] with contiguous heads, not strides {heads.stride()}")
+        if tokens and count:
+            self.lib.sluice_rmsnorm_heads(
+                tokens,
+                count,
+                dim,
+                _pointer(heads, "heads", torch.float32, contiguous=False),
+                heads.stride(0),
+                _norm_weight(weight, dim),
+                eps,
+            )
+
     def add_rms_norm(self, hidden: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """hidden += delta in place; returns rms_norm(hidden). hidden must be contiguous."""
         rows, dim = hidden.shape

@@ -31,6 +31,18 @@ void sluice_rmsnorm(int rows, int dim, const float *x, const float *w, float eps
     for (int r = 0; r < rows; r++) norm_row(x + (size_t)r * dim, w, eps, dim, out + (size_t)r * dim);
 }
 
+/* Each head's row of dim floats, x + t * token_stride + h * dim for t < tokens and h < heads,
+ * normalized in place: a layer's q or k heads inside its qkv rows (Qwen3's per-head norms),
+ * with no copy of them in or out. */
+void sluice_rmsnorm_heads(int tokens, int heads, int dim, float *x, long token_stride, const float *w, float eps) {
+#pragma omp parallel for schedule(static) if (tokens * heads > 16)
+    for (int t = 0; t < tokens; t++)
+        for (int h = 0; h < heads; h++) {
+            float *row = x + (size_t)t * (size_t)token_stride + (size_t)h * dim;
+            norm_row(row, w, eps, dim, row);
+        }
+}
+
 /* hidden += delta (in place); out = rmsnorm(hidden) * w */
 void sluice_add_rmsnorm(int rows, int dim, float *hidden, const float *delta, const float *w, float eps, float *out) {
 #pragma omp parallel for schedule(static) if (rows > 16)

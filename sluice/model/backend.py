@@ -58,6 +58,10 @@ class KernelBackend:
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return self.ops.rms_norm(x, weight, eps)
 
+    def rms_norm_heads(self, heads: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+        """Each head_dim row of heads [tokens, n, head_dim] (a view into qkv) normalized in place."""
+        self.ops.rms_norm_heads(heads, weight, eps)
+
     def add_rms_norm(
         self, hidden: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -148,6 +152,9 @@ class TorchBackend:
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return F.rms_norm(x, weight.shape, weight, eps)
+
+    def rms_norm_heads(self, heads: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+        heads.copy_(F.rms_norm(heads, weight.shape, weight, eps))
 
     def add_rms_norm(
         self, hidden: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float

@@ -33,6 +33,10 @@ class RMSNorm(nn.Module):
         """x [tokens, hidden]."""
         return self.backend.rms_norm(x, self.weight, self.eps)
 
+    def norm_heads(self, heads: torch.Tensor) -> None:
+        """Each head_dim row of heads [tokens, n, head_dim], a view into qkv, normalized in place."""
+        self.backend.rms_norm_heads(heads, self.weight, self.eps)
+
     def add_and_norm(self, hidden: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(hidden + delta, norm(hidden + delta)); the sum may be written into `hidden`."""
         return self.backend.add_rms_norm(hidden, delta, self.weight, self.eps)

@@ -98,8 +98,8 @@ class DecoderLayer(nn.Module):
         num_qk_heads = self.num_heads + self.num_kv_heads
         qkv = self.qkv_proj(normed, prompt_rows).view(-1, num_qk_heads + self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
-            self._norm_heads(qkv[:, : self.num_heads], self.q_norm)
-            self._norm_heads(qkv[:, self.num_heads : num_qk_heads], self.k_norm)
+            self.q_norm.norm_heads(qkv[:, : self.num_heads])
+            self.k_norm.norm_heads(qkv[:, self.num_heads : num_qk_heads])
         rotary, cos, signed_sin = rope
         q, k = self.backend.rotate_and_store(
             qkv, self.num_heads, self.num_kv_heads, rotary, cos, signed_sin, k_buffer, v_buffer, out_cache_loc
@@ -111,10 +111,6 @@ class DecoderLayer(nn.Module):
         attended = self.post_attention_layernorm(self.o_proj(attn, prompt_rows))
         hidden, normed = self.pre_feedforward_layernorm.add_and_norm(hidden, attended)
         return hidden, self.post_feedforward_layernorm(self.mlp(normed, prompt_rows))
-
-    def _norm_heads(self, heads: torch.Tensor, norm: RMSNorm) -> None:
-        """RMS-normalize each head_dim row of heads [tokens, n, head_dim] (a view into qkv) in place."""
-        heads.copy_(norm(heads.reshape(-1, self.head_dim)).view_as(heads))
 
 
 class LlamaForCausalLM(nn.Module):

@@ -259,6 +259,23 @@ def test_rms_norm_and_fused_add_match_torch(ops):
     torch.testing.assert_close(normed, F.rms_norm(x + delta, (576,), weight, 1e-5))
 
 
+@pytest.mark.parametrize("tokens", [1, 3, 40])
+def test_rms_norm_heads_normalizes_some_heads_of_qkv_rows_in_place(ops, tokens):
+    """Qwen3's per-head q/k norms: heads inside qkv rows, the rest of each row untouched, the
+    same bits as rms_norm of those heads gathered into rows."""
+    generator = torch.Generator().manual_seed(3)
+    heads, head_dim = 7, 40
+    qkv = torch.randn(tokens, heads, head_dim, generator=generator) * 2
+    weight = torch.rand(head_dim, generator=generator) + 0.5
+    original, expected = qkv.clone(), qkv.clone()
+    expected[:, 2:5] = ops.rms_norm(qkv[:, 2:5].reshape(-1, head_dim), weight, 1e-6).view(tokens, 3, head_dim)
+    ops.rms_norm_heads(qkv[:, 2:5], weight, 1e-6)
+    assert torch.equal(qkv, expected)
+    torch.testing.assert_close(qkv[:, 2:5], F.rms_norm(original[:, 2:5], (head_dim,), weight, 1e-6))
+    with pytest.raises(ValueError, match="contiguous heads"):
+        ops.rms_norm_heads(qkv.transpose(0, 1), weight, 1e-6)
+
+
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("heads, kv_heads, head_dim", [(6, 2, 64), (9, 3, 64), (8, 2, 128), (4, 4, 32), (4, 1, 20)])
 def test_decode_attention_reads_each_request_slots_in_place(ops, heads, kv_heads, head_dim, kv_dtype):
