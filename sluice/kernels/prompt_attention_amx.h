@@ -167,23 +167,6 @@ static void tile_values(const uint16_t *weights, int head_dim, const uint32_t *v
     }
 }
 
-/* 2^x of 16 floats, x <= 0 (clamped at -126; -inf gives 2^-126, which only ever multiplies
- * sums of 0): 2^n 2^f with n = round(x), |f| <= 1/2 and 2^f by its degree-5 Taylor
- * polynomial in f ln 2 (relative error under 3.3e-6, far below the bf16 rounding of the weights
- * it makes). */
-ALWAYS_INLINE __m512 exp2_weights(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-126.0f));
-    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(x, n);
-    __m512 p = _mm512_set1_ps(1.3333558e-3f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
-}
-
 /* The online softmax of a row tile's 16 rows over one K/V tile, the rows side by side, in
  * base 2: with c = scale log2(e), a score s has the weight 2^(c s - m), m the row's running
  * maximum of c s (or, with a softcap, of log2(e) softcap tanh(scale s / softcap)).
@@ -197,15 +180,14 @@ static void softmax_rows(float *scores, uint16_t *weights, const int *before, co
     float tile_max[16] __attribute__((aligned(64))), sums[16][16] __attribute__((aligned(64)));
     __mmask16 visible[16][KV_TILE / 16];
     int whole[16];
-    const float log2e = 1.44269504f;
-    float c = scale * log2e;
+    float c = scale * LOG2E;
     if (softcap > 0.0f) {
         for (int row = 0; row < 16; row++) {
             float *s = scores + row * KV_TILE;
             for (int t = 0; t < KV_TILE; t += 16) _mm512_store_ps(s + t, _mm512_mul_ps(_mm512_load_ps(s + t), _mm512_set1_ps(scale)));
             softcap_tile(s, KV_TILE, softcap);
         }
-        c = log2e;
+        c = LOG2E;
     }
     for (int row = 0; row < 16; row++) {
         const float *s = scores + row * KV_TILE;
@@ -230,7 +212,7 @@ static void softmax_rows(float *scores, uint16_t *weights, const int *before, co
     const __mmask16 grows = _mm512_mask_cmp_ps_mask(active, tile_top, _mm512_add_ps(old_max, _mm512_set1_ps(LAZY_GROWTH)), _CMP_GT_OQ);
     const __m512 new_max = _mm512_mask_mov_ps(old_max, grows, tile_top);
     const __m512 factor = _mm512_mask_mov_ps(_mm512_set1_ps(-1.0f), active,
-                                             _mm512_mask_mov_ps(_mm512_set1_ps(1.0f), grows, exp2_weights(_mm512_sub_ps(old_max, new_max))));
+                                             _mm512_mask_mov_ps(_mm512_set1_ps(1.0f), grows, exp2_512(_mm512_sub_ps(old_max, new_max))));
     _mm512_storeu_ps(running_max, new_max);
     _mm512_storeu_ps(correction, factor);
     float maxima[16] __attribute__((aligned(64)));
@@ -241,7 +223,7 @@ static void softmax_rows(float *scores, uint16_t *weights, const int *before, co
         const __m512 m = _mm512_set1_ps(maxima[row]);
         __m512 acc = _mm512_setzero_ps(), e[KV_TILE / 16];
         for (int j = 0; j < KV_TILE / 16; j++) {
-            e[j] = exp2_weights(_mm512_fmsub_ps(_mm512_load_ps(s + 16 * j), cv, m));
+            e[j] = exp2_512(_mm512_fmsub_ps(_mm512_load_ps(s + 16 * j), cv, m));
             if (!whole[row]) e[j] = _mm512_maskz_mov_ps(visible[row][j], e[j]);
             acc = _mm512_add_ps(acc, e[j]);
         }

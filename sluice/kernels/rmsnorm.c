@@ -33,9 +33,10 @@ void sluice_rmsnorm(int rows, int dim, const float *x, const float *w, float eps
 
 /* Each head's row of dim floats, x + t * token_stride + h * dim for t < tokens and h < heads,
  * normalized in place: a layer's q or k heads inside its qkv rows (Qwen3's per-head norms),
- * with no copy of them in or out. */
+ * with no copy of them in or out. Threads only for a prompt's many tokens, as rope_store: a
+ * decode step's few tokens of heads are less work than starting them. */
 void sluice_rmsnorm_heads(int tokens, int heads, int dim, float *x, long token_stride, const float *w, float eps) {
-#pragma omp parallel for schedule(static) if (tokens * heads > 16)
+#pragma omp parallel for schedule(static) if (tokens > 16)
     for (int t = 0; t < tokens; t++)
         for (int h = 0; h < heads; h++) {
             float *row = x + (size_t)t * (size_t)token_stride + (size_t)h * dim;
