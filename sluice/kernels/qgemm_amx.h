@@ -169,7 +169,7 @@ static void amx_six_bit_group(const uint8_t *w, int K, int r0, const quantized_r
  * result depends on that row alone (the tiles sum K in the same order whichever rows share
  * them), but not the int8 path's bits: prompt rows only take this path, every time. */
 #define BF16_TILE_WORDS 256 /* 32-bit words of one B tile: 16 weight pairs x 16 rows */
-#define BF16_M_CHUNK 256
+#define BF16_CHUNK_BYTES (1 << 20) /* of bf16 rows: a chunk's slice of them stays in L2 */
 #define BF16_K_SLICE 64 /* blocks: 2,048 weights */
 
 /* Tiles (configure_bf16_tiles): C 0-3, A 4-5 (16 rows x 32 bf16), B 6-7 (16 pairs x 16 rows). */
@@ -257,11 +257,11 @@ static size_t bf16_scratch_bytes(int M, int K) { return ((size_t)(M + 31) / 32 *
 
 /* The bf16 path: M rows (row r is x's and out's row OUT_ROW(r)), xb: bf16_scratch_bytes(M, K).
  *
- * Rows go in chunks of up to 256 and K in slices of up to 2,048 weights, so that a chunk's
- * slice of bf16 rows (1 MiB) stays in L2 while every row group passes over it; each row
- * group's slice is dequantized once a chunk. With K over one slice, the 32 x 32 float sums
- * wait between slices in `partial` (a store and load of float32 tiles: the bits of a row's
- * result do not depend on the slicing).
+ * Rows go in chunks and K in slices of up to 2,048 weights, so that a chunk's slice of bf16
+ * rows (1 MiB: 256 rows of a 2,048-weight slice, 512 of a 1,024-weight K) stays in L2 while
+ * every row group passes over it; each row group's slice is dequantized once a chunk. With K
+ * over one slice, the 32 x 32 float sums wait between slices in `partial` (a store and load
+ * of float32 tiles: the bits of a row's result do not depend on the slicing).
  *
  * activation >= 0 (enum sluice_activation): W is a gated MLP's [gate; up], N = 2 I with I a
  * multiple of GROUP, and out [M, I] = act(x @ gate^T) * (x @ up^T). Each task then takes gate
@@ -278,8 +278,12 @@ static int bf16_rows(int M, int N, int K, const float *x, int weight_type, const
     const int padded = (M + 31) / 32 * 32;
     /* Each thread's two row groups' slices as B tiles; the sums between slices. */
     const int slice_blocks = nb < BF16_K_SLICE ? nb : BF16_K_SLICE;
+    /* 512 rows where K is 1,024 (Qwen3-0.6B's hidden size) halve the dequantization of a
+     * 512-token prompt step: its qkv and gate/up products took 5-9% less time than in chunks
+     * of 256 on the AMX Xeon. */
+    const int chunk_rows = BF16_CHUNK_BYTES / (slice_blocks * QK * 2) / 32 * 32;
     const size_t tile_words = (size_t)2 * slice_blocks * BF16_TILE_WORDS;
-    const size_t partial_floats = slices > 1 ? (size_t)(BF16_M_CHUNK / 32) * pairs * 32 * 32 : 0;
+    const size_t partial_floats = slices > 1 ? (size_t)(chunk_rows / 32) * pairs * 32 * 32 : 0;
     uint32_t *all_tiles = aligned_alloc(64, (tile_words * (size_t)omp_get_max_threads() + partial_floats) * 4);
     if (all_tiles == NULL) return -1;
     float *partial = (float *)(all_tiles + tile_words * (size_t)omp_get_max_threads());
@@ -294,8 +298,8 @@ static int bf16_rows(int M, int N, int K, const float *x, int weight_type, const
             const float *row = r < M ? x + OUT_ROW(r) * K : NULL;
             round_row_bf16(row, K, xb + (size_t)r * K);
         }
-        for (int chunk = 0; chunk < padded; chunk += BF16_M_CHUNK) {
-            const int chunk_end = padded - chunk < BF16_M_CHUNK ? padded : chunk + BF16_M_CHUNK;
+        for (int chunk = 0; chunk < padded; chunk += chunk_rows) {
+            const int chunk_end = padded - chunk < chunk_rows ? padded : chunk + chunk_rows;
             for (int slice = 0; slice < slices; slice++) {
                 const int b0 = slice * BF16_K_SLICE, b1 = b0 + BF16_K_SLICE < nb ? b0 + BF16_K_SLICE : nb;
                 const int last = slice == slices - 1;

@@ -104,17 +104,19 @@ def test_a_prompt_row_gives_the_same_bits_alone_and_in_any_batch(ops, format):
 
 
 @pytest.mark.parametrize("format", list(BlockFormat))
-def test_prompt_rows_past_one_k_slice_and_one_row_chunk_keep_their_bits(ops, format):
+@pytest.mark.parametrize(("in_features", "rows", "chunk"), [(4352, 300, 256), (1024, 600, 512)])
+def test_prompt_rows_past_one_k_slice_and_one_row_chunk_keep_their_bits(ops, format, in_features, rows, chunk):
     """K = 4,352 is three of the bf16 tiles' K slices (2,048 weights, the last one partial),
-    whose float sums wait in memory between slices; 300 rows are two 256-row chunks."""
-    quantized, in_features = block_weight(format, 40, 4352, ops, seed=11)
-    x = torch.randn(300, in_features, generator=torch.Generator().manual_seed(11))
-    flags = torch.ones(300, dtype=torch.bool)
+    whose float sums wait in memory between slices, and 300 rows two 256-row chunks; at K =
+    1,024 a chunk is 512 rows, so 600 rows are two."""
+    quantized, in_features = block_weight(format, 40, in_features, ops, seed=11)
+    x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(11))
+    flags = torch.ones(rows, dtype=torch.bool)
     batched = quantized.matmul(x, flags)
     assert relative_error(batched, F.linear(x, quantized.dequantize())) < 1e-2
-    for row in (0, 255, 256, 299):
+    for row in (0, chunk - 1, chunk, rows - 1):
         assert torch.equal(quantized.matmul(x[row : row + 1], flags[:1])[0], batched[row])
-    assert torch.equal(quantized.matmul(x[250:270], flags[:20]), batched[250:270])
+    assert torch.equal(quantized.matmul(x[chunk - 6 : chunk + 14], flags[:20]), batched[chunk - 6 : chunk + 14])
 
 
 @pytest.mark.parametrize("activation", [Activation.SILU, Activation.GELU_TANH])
