@@ -14,6 +14,9 @@
  * group_q8_0 / group_q4_1 with one 16-lane accumulator per activation row. The integer
  * dots are exact, so the results are those of the VNNI path, bit for bit. */
 #define AMX_ROWS 16
+/* Bytes of a block's B tiles: q4_1's and q8_0's one (8 tile rows of 64 bytes), q6_k's two. */
+#define AMX_TILE_BYTES 512
+#define AMX_SIX_BIT_TILE_BYTES 1024
 
 /* Two sets of tiles, used by alternate blocks: C (16 x 16 int32), A (16 rows x 32 bytes), B
  * (8 rows x 64 bytes) = tiles 0, 1, 2 for even blocks and 3, 4, 5 for odd ones; tiles 6 and 7
@@ -51,7 +54,8 @@ static inline void unpack_q4_1_tile(const uint8_t *w, uint8_t *unpacked) {
             _tile_loadd(B, block, 64);                                                             \
             _tile_dpbssd(C, A, B);                                                                 \
         } else {                                                                                   \
-            unpack_q4_1_tile(block, unpacked);                                                     \
+            uint8_t *unpacked = unpacked_blocks + (size_t)(b) * block_stride;                      \
+            if (!unpacked_before) unpack_q4_1_tile(block, unpacked);                               \
             _tile_loadd(B, unpacked, 64);                                                          \
             _tile_dpbsud(C, A, B);                                                                 \
         }                                                                                          \
@@ -60,10 +64,10 @@ static inline void unpack_q4_1_tile(const uint8_t *w, uint8_t *unpacked) {
 /* Activation rows [r0, r0 + 16) against one row group. Block b + 1's tile multiply is issued
  * before block b's dots are read back and scaled, so the two overlap; each row still sums
  * its blocks in order, in the same float steps as group_q8_0 / group_q4_1. */
-static void amx_group(int weight_type, const uint8_t *w, int K, int r0, const quantized_rows *x, __m512 *acc) {
+static void amx_group(int weight_type, const uint8_t *w, int K, int r0, const quantized_rows *x, __m512 *acc,
+                      uint8_t *unpacked_blocks, size_t block_stride, int unpacked_before) {
     const int nb = K / QK;
     int32_t dots[AMX_ROWS][16] __attribute__((aligned(64)));
-    uint8_t unpacked[8 * 64] __attribute__((aligned(64)));
     const int block_bytes = weight_type == SLUICE_Q8_0 ? SLUICE_Q8_0_GROUP_BLOCK_BYTES : SLUICE_Q4_1_GROUP_BLOCK_BYTES;
     const int8_t *xq = x->q + (size_t)r0 * K;
     for (int r = 0; r < AMX_ROWS; r++) acc[r] = _mm512_setzero_ps();
@@ -103,15 +107,21 @@ static void amx_group(int weight_type, const uint8_t *w, int K, int r0, const qu
 /* Start block b's two half dots in C tiles CL and CH (A tile A; B tiles 2 and 5). */
 #define AMX_START_SIX_BITS(CL, CH, A, b)                                                           \
     do {                                                                                           \
-        __m512i q[8];                                                                              \
-        const uint8_t *block = w + (size_t)((b) / 8) * SLUICE_Q6_K_GROUP_SUPER_BYTES +             \
-                               (size_t)((b) % 8) * SLUICE_Q6_K_GROUP_BLOCK_BYTES;                  \
-        prefetch_ahead(w + (size_t)(b) * (SLUICE_Q6_K_GROUP_SUPER_BYTES / 8),                      \
-                       SLUICE_Q6_K_GROUP_SUPER_BYTES / 8);                                         \
-        unpack_six_bits(block, q);                                                                 \
-        for (int g = 0; g < 4; g++) {                                                              \
-            _mm512_store_si512((void *)(halves + 64 * g), _mm512_sub_epi8(q[g], thirty_two));      \
-            _mm512_store_si512((void *)(halves + 512 + 64 * (g + 4)), _mm512_sub_epi8(q[g + 4], thirty_two)); \
+        uint8_t *halves = unpacked_blocks + (size_t)(b) * block_stride;                           \
+        if (!unpacked_before) {                                                                    \
+            __m512i q[8];                                                                          \
+            const uint8_t *block = w + (size_t)((b) / 8) * SLUICE_Q6_K_GROUP_SUPER_BYTES +         \
+                                   (size_t)((b) % 8) * SLUICE_Q6_K_GROUP_BLOCK_BYTES;              \
+            prefetch_ahead(w + (size_t)(b) * (SLUICE_Q6_K_GROUP_SUPER_BYTES / 8),                  \
+                           SLUICE_Q6_K_GROUP_SUPER_BYTES / 8);                                     \
+            unpack_six_bits(block, q);                                                             \
+            for (int g = 0; g < 4; g++) {                                                          \
+                _mm512_store_si512((void *)(halves + 64 * g), _mm512_sub_epi8(q[g], thirty_two));  \
+                _mm512_store_si512((void *)(halves + 64 * (g + 4)), _mm512_setzero_si512());       \
+                _mm512_store_si512((void *)(halves + 512 + 64 * g), _mm512_setzero_si512());       \
+                _mm512_store_si512((void *)(halves + 512 + 64 * (g + 4)),                          \
+                                   _mm512_sub_epi8(q[g + 4], thirty_two));                         \
+            }                                                                                      \
         }                                                                                          \
         _tile_zero(CL);                                                                            \
         _tile_zero(CH);                                                                            \
@@ -124,11 +134,10 @@ static void amx_group(int weight_type, const uint8_t *w, int K, int r0, const qu
 
 /* Activation rows [r0, r0 + 16) against one q6_k row group, block b + 1's tile multiplies
  * issued before block b's dots are read back (as amx_group). */
-static void amx_six_bit_group(const uint8_t *w, int K, int r0, const quantized_rows *x, __m512 *acc) {
+static void amx_six_bit_group(const uint8_t *w, int K, int r0, const quantized_rows *x, __m512 *acc,
+                              uint8_t *unpacked_blocks, size_t block_stride, int unpacked_before) {
     const int nb = K / QK;
     int32_t low[AMX_ROWS][16] __attribute__((aligned(64))), high[AMX_ROWS][16] __attribute__((aligned(64)));
-    /* The two B tiles: tile rows 0-3 of the first and 4-7 of the second hold a block's halves. */
-    uint8_t halves[2 * 8 * 64] __attribute__((aligned(64))) = {0};
     const __m512i thirty_two = _mm512_set1_epi8(32);
     const int8_t *xq = x->q + (size_t)r0 * K;
     for (int r = 0; r < AMX_ROWS; r++) acc[r] = _mm512_setzero_ps();
