@@ -229,10 +229,24 @@ static void round_row_bf16(const float *x, int K, uint16_t *xb) {
     }
 }
 
+/* Two row groups' packed weights that a tile loop asks for towards L2 as it goes, a line of
+ * each per block (bf16_rows: the next pair's, while this pair's tiles keep the core busy). */
+typedef struct {
+    const char *next[2], *end[2];
+} weights_ahead;
+
+ALWAYS_INLINE void ask_ahead(weights_ahead *ahead) {
+    for (int g = 0; g < 2; g++)
+        if (ahead->next[g] < ahead->end[g]) {
+            _mm_prefetch(ahead->next[g], _MM_HINT_T1);
+            ahead->next[g] += 64;
+        }
+}
+
 /* 32 rows of xb (bf16, K a row) against `blocks` blocks of two row groups' tiles, added to
  * from[32][32] float32 (NULL: zeros) -> c[32][32]. */
 static void bf16_tiles_32x32(const uint16_t *xb, int K, int blocks, const uint32_t *tiles0, const uint32_t *tiles1,
-                             const float *from, float *c) {
+                             const float *from, float *c, weights_ahead *ahead) {
     const size_t stride = (size_t)K * 2;
     if (from != NULL) {
         _tile_loadd(0, from, 128);
@@ -254,6 +268,7 @@ static void bf16_tiles_32x32(const uint16_t *xb, int K, int blocks, const uint32
         _tile_dpbf16ps(1, 4, 7);
         _tile_dpbf16ps(2, 5, 6);
         _tile_dpbf16ps(3, 5, 7);
+        ask_ahead(ahead);
     }
     _tile_stored(0, c, 128);
     _tile_stored(1, c + 16, 128);
@@ -318,11 +333,23 @@ static int bf16_rows(int M, int N, int K, const float *x, int weight_type, const
                     dequantize_group_bf16(weight_type, packed + (size_t)g0 * group_bytes, b0, b1, tiles);
                     dequantize_group_bf16(weight_type, packed + (size_t)g1 * group_bytes, b0, b1, tiles1);
                     const int n0 = g0 * GROUP, width = gated ? GROUP : N - n0 < 2 * GROUP ? N - n0 : 2 * GROUP;
+                    /* The dequantization waited on memory for its weights (19% of a 1 B body's
+                     * 512-token prompt step by `perf`, 14% with this): the tile loop asks for
+                     * the slice of the pair this thread most likely takes next, one turn of the
+                     * threads on (3% less time a step). */
+                    const int later = pair + omp_get_num_threads();
+                    const size_t block_share = group_bytes / nb; /* slices are whole super-blocks */
+                    weights_ahead ahead = {{NULL, NULL}, {NULL, NULL}};
+                    for (int g = 0; g < 2 && later < pairs; g++) {
+                        const int group = gated ? later + g * pairs : 2 * later + g < groups ? 2 * later + g : 2 * later;
+                        ahead.next[g] = (const char *)packed + (size_t)group * group_bytes + (size_t)b0 * block_share;
+                        ahead.end[g] = ahead.next[g] + (size_t)(b1 - b0) * block_share;
+                    }
                     for (int r = chunk; r < chunk_end; r += 32) {
                         float *sums =
                             slices > 1 ? partial + ((size_t)(r - chunk) / 32 * pairs + pair) * 32 * 32 : NULL;
                         bf16_tiles_32x32(xb + (size_t)r * K + (size_t)b0 * QK, K, b1 - b0, tiles, tiles1,
-                                         slice > 0 ? sums : NULL, last ? c : sums);
+                                         slice > 0 ? sums : NULL, last ? c : sums, &ahead);
                         if (!last) continue;
                         if (gated) {
                             for (int i = 0; i < 32 && r + i < M; i++)
