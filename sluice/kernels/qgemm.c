@@ -330,21 +330,18 @@ static void multiply_group(int weight_type, const uint8_t *w, int n0, int width,
                            unpacked_block *buffer) {
     const int nb = K / QK;
 #ifdef SLUICE_AMX
-    /* The tiles take q8_0, q4_1 and q6_k; the other formats run the VNNI code at every M. */
-    if (use_tiles && (weight_type == SLUICE_Q8_0 || weight_type == SLUICE_Q4_1 || weight_type == SLUICE_Q6_K)) {
-        /* The first 16 rows unpack each block's B tiles into the thread's buffer, the next ones
-         * load them from there (without a buffer, every 16 rows unpack them into one block's
-         * room). At 64 rows q4_1 16,384 x 2,048 took 3.9 ms against 4.4-5.0 unpacked per tile. */
-        uint8_t one_block[AMX_SIX_BIT_TILE_BYTES] __attribute__((aligned(64)));
-        uint8_t *tiles = buffer != NULL ? (uint8_t *)buffer : one_block;
-        const size_t stride = buffer == NULL              ? 0
-                              : weight_type == SLUICE_Q6_K ? AMX_SIX_BIT_TILE_BYTES
-                                                           : AMX_TILE_BYTES;
+    /* The tiles take q8_0, q4_1 and q6_k; the other formats run the VNNI code at every M.
+     * q4_1 and q6_k unpack their B tiles into the thread's buffer (without one, which only a
+     * failed allocation leaves, every row takes the VNNI code: the same bits). The first 16
+     * rows unpack each block, the next ones load it from there: at 64 rows q4_1 16,384 x
+     * 2,048 took 3.9 ms against 4.4-5.0 unpacked per tile. */
+    const int tiles_ready = weight_type == SLUICE_Q8_0 ||
+                            ((weight_type == SLUICE_Q4_1 || weight_type == SLUICE_Q6_K) && buffer != NULL);
+    if (use_tiles && tiles_ready) {
         for (int first = 1; r_begin + AMX_ROWS <= r_end; r_begin += AMX_ROWS, first = 0) {
             __m512 acc[AMX_ROWS];
-            const int unpacked_before = !first && buffer != NULL;
-            if (weight_type == SLUICE_Q6_K) amx_six_bit_group(w, K, r_begin, x, acc, tiles, stride, unpacked_before);
-            else amx_group(weight_type, w, K, r_begin, x, acc, tiles, stride, unpacked_before);
+            if (weight_type == SLUICE_Q6_K) amx_six_bit_group(w, K, r_begin, x, acc, (uint8_t *)buffer, !first);
+            else amx_group(weight_type, w, K, r_begin, x, acc, (uint8_t *)buffer, !first);
             for (int r = 0; r < AMX_ROWS; r++) store_group(out + OUT_ROW(r_begin + r) * out_stride + n0, width, acc[r]);
         }
     }

@@ -54,7 +54,7 @@ static inline void unpack_q4_1_tile(const uint8_t *w, uint8_t *unpacked) {
             _tile_loadd(B, block, 64);                                                             \
             _tile_dpbssd(C, A, B);                                                                 \
         } else {                                                                                   \
-            uint8_t *unpacked = unpacked_blocks + (size_t)(b) * block_stride;                      \
+            uint8_t *unpacked = unpacked_blocks + (size_t)(b) * AMX_TILE_BYTES;                    \
             if (!unpacked_before) unpack_q4_1_tile(block, unpacked);                               \
             _tile_loadd(B, unpacked, 64);                                                          \
             _tile_dpbsud(C, A, B);                                                                 \
@@ -65,7 +65,7 @@ static inline void unpack_q4_1_tile(const uint8_t *w, uint8_t *unpacked) {
  * before block b's dots are read back and scaled, so the two overlap; each row still sums
  * its blocks in order, in the same float steps as group_q8_0 / group_q4_1. */
 static void amx_group(int weight_type, const uint8_t *w, int K, int r0, const quantized_rows *x, __m512 *acc,
-                      uint8_t *unpacked_blocks, size_t block_stride, int unpacked_before) {
+                      uint8_t *unpacked_blocks, int unpacked_before) {
     const int nb = K / QK;
     int32_t dots[AMX_ROWS][16] __attribute__((aligned(64)));
     const int block_bytes = weight_type == SLUICE_Q8_0 ? SLUICE_Q8_0_GROUP_BLOCK_BYTES : SLUICE_Q4_1_GROUP_BLOCK_BYTES;
@@ -107,7 +107,7 @@ static void amx_group(int weight_type, const uint8_t *w, int K, int r0, const qu
 /* Start block b's two half dots in C tiles CL and CH (A tile A; B tiles 2 and 5). */
 #define AMX_START_SIX_BITS(CL, CH, A, b)                                                           \
     do {                                                                                           \
-        uint8_t *halves = unpacked_blocks + (size_t)(b) * block_stride;                           \
+        uint8_t *halves = unpacked_blocks + (size_t)(b) * AMX_SIX_BIT_TILE_BYTES;                 \
         if (!unpacked_before) {                                                                    \
             __m512i q[8];                                                                          \
             const uint8_t *block = w + (size_t)((b) / 8) * SLUICE_Q6_K_GROUP_SUPER_BYTES +         \
@@ -135,7 +135,7 @@ static void amx_group(int weight_type, const uint8_t *w, int K, int r0, const qu
 /* Activation rows [r0, r0 + 16) against one q6_k row group, block b + 1's tile multiplies
  * issued before block b's dots are read back (as amx_group). */
 static void amx_six_bit_group(const uint8_t *w, int K, int r0, const quantized_rows *x, __m512 *acc,
-                              uint8_t *unpacked_blocks, size_t block_stride, int unpacked_before) {
+                              uint8_t *unpacked_blocks, int unpacked_before) {
     const int nb = K / QK;
     int32_t low[AMX_ROWS][16] __attribute__((aligned(64))), high[AMX_ROWS][16] __attribute__((aligned(64)));
     const __m512i thirty_two = _mm512_set1_epi8(32);
