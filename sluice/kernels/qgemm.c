@@ -305,11 +305,15 @@ typedef struct {
     float *dsum;    /* [M, K / 32] d * qsum */
 } quantized_rows;
 
+/* Room for the int8 rows: M rounded up to whole 16-row tiles, so that a tile of the last few
+ * rows loads inside the buffer (the rows past M are never read back). */
+static inline size_t padded_rows(int M) { return ((size_t)M + 15) / 16 * 16; }
+
 static quantized_rows scratch_rows(void *scratch, int M, int K) {
     const size_t blocks = (size_t)M * (K / QK);
     quantized_rows rows;
     rows.q = (int8_t *)scratch;
-    rows.d = (float *)(rows.q + (size_t)M * K);
+    rows.d = (float *)(rows.q + padded_rows(M) * K);
     rows.qsum = (int32_t *)(rows.d + blocks);
     rows.qsum_low = rows.qsum + blocks;
     rows.dsum = (float *)(rows.qsum_low + blocks);
@@ -338,11 +342,12 @@ static void multiply_group(int weight_type, const uint8_t *w, int n0, int width,
     const int tiles_ready = weight_type == SLUICE_Q8_0 ||
                             ((weight_type == SLUICE_Q4_1 || weight_type == SLUICE_Q6_K) && buffer != NULL);
     if (use_tiles && tiles_ready) {
-        for (int first = 1; r_begin + AMX_ROWS <= r_end; r_begin += AMX_ROWS, first = 0) {
+        for (int first = 1; r_begin < r_end; r_begin += AMX_ROWS, first = 0) {
+            const int rows = r_end - r_begin < AMX_ROWS ? r_end - r_begin : AMX_ROWS;
             __m512 acc[AMX_ROWS];
-            if (weight_type == SLUICE_Q6_K) amx_six_bit_group(w, K, r_begin, x, acc, (uint8_t *)buffer, !first);
-            else amx_group(weight_type, w, K, r_begin, x, acc, (uint8_t *)buffer, !first);
-            for (int r = 0; r < AMX_ROWS; r++) store_group(out + OUT_ROW(r_begin + r) * out_stride + n0, width, acc[r]);
+            if (weight_type == SLUICE_Q6_K) amx_six_bit_group(w, K, r_begin, rows, x, acc, (uint8_t *)buffer, !first);
+            else amx_group(weight_type, w, K, r_begin, rows, x, acc, (uint8_t *)buffer, !first);
+            for (int r = 0; r < rows; r++) store_group(out + OUT_ROW(r_begin + r) * out_stride + n0, width, acc[r]);
         }
     }
 #else
@@ -421,7 +426,7 @@ static int int8_rows(int M, int N, int K, const float *x, int weight_type, const
     const quantized_rows rows = scratch_rows(scratch, M, K);
     int use_tiles = 0;
 #ifdef SLUICE_AMX
-    if (M >= AMX_ROWS) {
+    if (M >= AMX_MIN_ROWS) {
         if (!amx_permitted()) return -2;
         use_tiles = 1;
     }
@@ -439,9 +444,10 @@ static int int8_rows(int M, int N, int K, const float *x, int weight_type, const
 #ifdef SLUICE_AMX
         if (use_tiles) configure_tiles();
 #endif
-        /* Each thread's buffer for unpacked blocks, once a call (none for a decode step's few
-         * rows; where it cannot be had, the blocks are unpacked per tile: the same bits). */
-        unpacked_block *buffer = weight_type != SLUICE_Q8_0 && M > tile_rows(weight_type)
+        /* Each thread's buffer for unpacked blocks or B tiles, once a call (none for a decode
+         * step's few rows off the tiles; where it cannot be had, the blocks are unpacked per
+         * tile, or the rows take the VNNI code: the same bits). */
+        unpacked_block *buffer = weight_type != SLUICE_Q8_0 && (use_tiles || M > tile_rows(weight_type))
                                      ? aligned_alloc(64, (buffer_block_bytes(use_tiles) * (size_t)nb + 63) / 64 * 64)
                                      : NULL;
 #pragma omp for schedule(static)
@@ -469,7 +475,9 @@ static int int8_rows(int M, int N, int K, const float *x, int weight_type, const
 }
 
 /* Bytes of the int8 path's scratch: the int8 activations and four 4-byte values per block. */
-static size_t int8_scratch_bytes(int M, int K) { return ((size_t)M * ((size_t)K + 4 * 4 * (size_t)(K / QK)) + 63) / 64 * 64; }
+static size_t int8_scratch_bytes(int M, int K) {
+    return (padded_rows(M) * (size_t)K + (size_t)M * 4 * 4 * (size_t)(K / QK) + 63) / 64 * 64;
+}
 
 size_t sluice_qgemm_scratch_bytes(int M, int K) {
 #ifdef SLUICE_AMX_BF16

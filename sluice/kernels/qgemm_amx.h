@@ -12,8 +12,15 @@
  * Per 32-weight block: C[16 x 16] int32 = A (16 activation rows x 32 int8) . B (the row
  * group's block, 8 tile rows of 4 bytes x 16 weight rows), then the same float steps as
  * group_q8_0 / group_q4_1 with one 16-lane accumulator per activation row. The integer
- * dots are exact, so the results are those of the VNNI path, bit for bit. */
+ * dots are exact, so the results are those of the VNNI path, bit for bit.
+ *
+ * A call's last tile may hold fewer rows: it loads 16 (the scratch rows are padded to whole
+ * tiles) and reads back the dots of its own. Calls of AMX_MIN_ROWS rows or more take the
+ * tiles: a 1 B body's decode step (Q4_K_M, on the AMX Xeon) took 54 / 59 ms at 8 / 12 rows
+ * on them against 64 / 83 ms on the VNNI code, about the same at 5 and 6 rows, and more
+ * below (56 against 40 ms at 4 rows, which the VNNI code reads as one 4-row tile). */
 #define AMX_ROWS 16
+#define AMX_MIN_ROWS 6
 /* Bytes of a block's B tiles: q4_1's and q8_0's one (8 tile rows of 64 bytes), q6_k's two. */
 #define AMX_TILE_BYTES 512
 #define AMX_SIX_BIT_TILE_BYTES 1024
@@ -44,7 +51,8 @@ static inline void unpack_q4_1_tile(const uint8_t *w, uint8_t *unpacked) {
     }
 }
 
-/* Start block b's integer dots in tiles C, A, B (literal numbers: gcc spells them into the asm). */
+/* Start block b's integer dots in tiles C, A, B (literal numbers: gcc spells them into the
+ * asm), unpacking block b + 1's B tile first (the first tile of a call; the next ones find it). */
 #define AMX_START_BLOCK(C, A, B, b)                                                                \
     do {                                                                                           \
         const uint8_t *block = w + (size_t)(b) * block_bytes;                                      \
@@ -54,23 +62,28 @@ static inline void unpack_q4_1_tile(const uint8_t *w, uint8_t *unpacked) {
             _tile_loadd(B, block, 64);                                                             \
             _tile_dpbssd(C, A, B);                                                                 \
         } else {                                                                                   \
-            uint8_t *unpacked = unpacked_blocks + (size_t)(b) * AMX_TILE_BYTES;                    \
-            if (!unpacked_before) unpack_q4_1_tile(block, unpacked);                               \
-            _tile_loadd(B, unpacked, 64);                                                          \
+            if (!unpacked_before && (b) + 1 < nb)                                                  \
+                unpack_q4_1_tile(block + block_bytes, unpacked_blocks + (size_t)((b) + 1) * AMX_TILE_BYTES); \
+            _tile_loadd(B, unpacked_blocks + (size_t)(b) * AMX_TILE_BYTES, 64);                    \
             _tile_dpbsud(C, A, B);                                                                 \
         }                                                                                          \
     } while (0)
 
-/* Activation rows [r0, r0 + 16) against one row group. Block b + 1's tile multiply is issued
- * before block b's dots are read back and scaled, so the two overlap; each row still sums
- * its blocks in order, in the same float steps as group_q8_0 / group_q4_1. */
-static void amx_group(int weight_type, const uint8_t *w, int K, int r0, const quantized_rows *x, __m512 *acc,
+/* Activation rows [r0, r0 + rows), rows <= 16, against one row group. Block b + 1's tile
+ * multiply is issued before block b's dots are read back and scaled, so the two overlap; each
+ * row still sums its blocks in order, in the same float steps as group_q8_0 / group_q4_1.
+ * q4_1's blocks are unpacked into their B tiles one block ahead of their tile load: a tile
+ * load right behind the vector stores of its bytes waited for them (q4_1 16,384 x 2,048 at
+ * 16 rows, one thread: 2.1 against 2.35 ms; a 32-row decode step of a 1 B body: 99-102
+ * against 109 ms, with q6_k's blocks unpacked ahead too). */
+static void amx_group(int weight_type, const uint8_t *w, int K, int r0, int rows, const quantized_rows *x, __m512 *acc,
                       uint8_t *unpacked_blocks, int unpacked_before) {
     const int nb = K / QK;
     int32_t dots[AMX_ROWS][16] __attribute__((aligned(64)));
     const int block_bytes = weight_type == SLUICE_Q8_0 ? SLUICE_Q8_0_GROUP_BLOCK_BYTES : SLUICE_Q4_1_GROUP_BLOCK_BYTES;
     const int8_t *xq = x->q + (size_t)r0 * K;
     for (int r = 0; r < AMX_ROWS; r++) acc[r] = _mm512_setzero_ps();
+    if (weight_type == SLUICE_Q4_1 && !unpacked_before) unpack_q4_1_tile(w, unpacked_blocks);
     AMX_START_BLOCK(0, 1, 2, 0);
     for (int b = 0; b < nb; b++) {
         if (b % 2 == 0) {
@@ -82,7 +95,7 @@ static void amx_group(int weight_type, const uint8_t *w, int K, int r0, const qu
         }
         const uint8_t *block = w + (size_t)b * block_bytes;
         const __m512 d = load_halves(block + (weight_type == SLUICE_Q8_0 ? 32 : 16) * GROUP);
-        for (int r = 0; r < AMX_ROWS; r++) {
+        for (int r = 0; r < rows; r++) {
             const size_t index = (size_t)(r0 + r) * nb + b;
             const __m512 row_dots = _mm512_cvtepi32_ps(_mm512_load_si512((const void *)dots[r]));
             acc[r] = _mm512_fmadd_ps(row_dots, _mm512_mul_ps(d, _mm512_set1_ps(x->d[index])), acc[r]);
@@ -104,25 +117,30 @@ static void amx_group(int weight_type, const uint8_t *w, int K, int r0, const qu
  * tile arithmetic a block needs; what bounds the tiles is the read-back, which is the same
  * per half as q8_0's per block. */
 
-/* Start block b's two half dots in C tiles CL and CH (A tile A; B tiles 2 and 5). */
+/* Block b of a q6_k row group as its two B tiles (the halves' quants less 32, each with the
+ * other half's tile rows zero) at halves. */
+static inline void unpack_six_bit_tiles(const uint8_t *w, int b, uint8_t *halves) {
+    const __m512i thirty_two = _mm512_set1_epi8(32);
+    __m512i q[8];
+    const uint8_t *block =
+        w + (size_t)(b / 8) * SLUICE_Q6_K_GROUP_SUPER_BYTES + (size_t)(b % 8) * SLUICE_Q6_K_GROUP_BLOCK_BYTES;
+    prefetch_ahead(w + (size_t)b * (SLUICE_Q6_K_GROUP_SUPER_BYTES / 8), SLUICE_Q6_K_GROUP_SUPER_BYTES / 8);
+    unpack_six_bits(block, q);
+    for (int g = 0; g < 4; g++) {
+        _mm512_store_si512((void *)(halves + 64 * g), _mm512_sub_epi8(q[g], thirty_two));
+        _mm512_store_si512((void *)(halves + 64 * (g + 4)), _mm512_setzero_si512());
+        _mm512_store_si512((void *)(halves + 512 + 64 * g), _mm512_setzero_si512());
+        _mm512_store_si512((void *)(halves + 512 + 64 * (g + 4)), _mm512_sub_epi8(q[g + 4], thirty_two));
+    }
+}
+
+/* Start block b's two half dots in C tiles CL and CH (A tile A; B tiles 2 and 5), unpacking
+ * block b + 1 first (see AMX_START_BLOCK). */
 #define AMX_START_SIX_BITS(CL, CH, A, b)                                                           \
     do {                                                                                           \
-        uint8_t *halves = unpacked_blocks + (size_t)(b) * AMX_SIX_BIT_TILE_BYTES;                 \
-        if (!unpacked_before) {                                                                    \
-            __m512i q[8];                                                                          \
-            const uint8_t *block = w + (size_t)((b) / 8) * SLUICE_Q6_K_GROUP_SUPER_BYTES +         \
-                                   (size_t)((b) % 8) * SLUICE_Q6_K_GROUP_BLOCK_BYTES;              \
-            prefetch_ahead(w + (size_t)(b) * (SLUICE_Q6_K_GROUP_SUPER_BYTES / 8),                  \
-                           SLUICE_Q6_K_GROUP_SUPER_BYTES / 8);                                     \
-            unpack_six_bits(block, q);                                                             \
-            for (int g = 0; g < 4; g++) {                                                          \
-                _mm512_store_si512((void *)(halves + 64 * g), _mm512_sub_epi8(q[g], thirty_two));  \
-                _mm512_store_si512((void *)(halves + 64 * (g + 4)), _mm512_setzero_si512());       \
-                _mm512_store_si512((void *)(halves + 512 + 64 * g), _mm512_setzero_si512());       \
-                _mm512_store_si512((void *)(halves + 512 + 64 * (g + 4)),                          \
-                                   _mm512_sub_epi8(q[g + 4], thirty_two));                         \
-            }                                                                                      \
-        }                                                                                          \
+        if (!unpacked_before && (b) + 1 < nb)                                                      \
+            unpack_six_bit_tiles(w, (b) + 1, unpacked_blocks + (size_t)((b) + 1) * AMX_SIX_BIT_TILE_BYTES); \
+        const uint8_t *halves = unpacked_blocks + (size_t)(b) * AMX_SIX_BIT_TILE_BYTES;           \
         _tile_zero(CL);                                                                            \
         _tile_zero(CH);                                                                            \
         _tile_loadd(A, xq + (size_t)(b) * QK, K);                                                  \
@@ -134,13 +152,13 @@ static void amx_group(int weight_type, const uint8_t *w, int K, int r0, const qu
 
 /* Activation rows [r0, r0 + 16) against one q6_k row group, block b + 1's tile multiplies
  * issued before block b's dots are read back (as amx_group). */
-static void amx_six_bit_group(const uint8_t *w, int K, int r0, const quantized_rows *x, __m512 *acc,
+static void amx_six_bit_group(const uint8_t *w, int K, int r0, int rows, const quantized_rows *x, __m512 *acc,
                               uint8_t *unpacked_blocks, int unpacked_before) {
     const int nb = K / QK;
     int32_t low[AMX_ROWS][16] __attribute__((aligned(64))), high[AMX_ROWS][16] __attribute__((aligned(64)));
-    const __m512i thirty_two = _mm512_set1_epi8(32);
     const int8_t *xq = x->q + (size_t)r0 * K;
     for (int r = 0; r < AMX_ROWS; r++) acc[r] = _mm512_setzero_ps();
+    if (!unpacked_before) unpack_six_bit_tiles(w, 0, unpacked_blocks);
     AMX_START_SIX_BITS(0, 6, 1, 0);
     for (int b = 0; b < nb; b++) {
         if (b % 2 == 0) {
@@ -157,7 +175,7 @@ static void amx_six_bit_group(const uint8_t *w, int K, int r0, const quantized_r
         const __m512 d = load_halves(super + 8 * SLUICE_Q6_K_GROUP_BLOCK_BYTES + 16 * GROUP);
         const __m512 low_scale = _mm512_mul_ps(d, signed_bytes(scales + 2 * (b % 8) * GROUP));
         const __m512 high_scale = _mm512_mul_ps(d, signed_bytes(scales + (2 * (b % 8) + 1) * GROUP));
-        for (int r = 0; r < AMX_ROWS; r++) {
+        for (int r = 0; r < rows; r++) {
             const size_t index = (size_t)(r0 + r) * nb + b;
             const __m512 block = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512((const void *)high[r])), high_scale,
                                                  _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512((const void *)low[r])), low_scale));
