@@ -150,8 +150,8 @@ static inline void unpack_six_bit_tiles(const uint8_t *w, int b, uint8_t *halves
         _tile_dpbssd(CH, A, 5);                                                                    \
     } while (0)
 
-/* Activation rows [r0, r0 + 16) against one q6_k row group, block b + 1's tile multiplies
- * issued before block b's dots are read back (as amx_group). */
+/* Activation rows [r0, r0 + rows), rows <= 16, against one q6_k row group, block b + 1's tile
+ * multiplies issued before block b's dots are read back (as amx_group). */
 static void amx_six_bit_group(const uint8_t *w, int K, int r0, int rows, const quantized_rows *x, __m512 *acc,
                               uint8_t *unpacked_blocks, int unpacked_before) {
     const int nb = K / QK;

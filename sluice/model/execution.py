@@ -94,11 +94,14 @@ def describe(execution: Execution, weight_formats: list[str]) -> dict[str, str]:
             gemv = f"{'+'.join(weight_formats)} blocks x int8 activations ({dots})"
             tiled = [f for f in weight_formats if f in ("q8_0", "q4_1", "q6_k")]  # the others take no int8 tiles
             if isa in ("amx_int8", "amx_bf16") and tiled:
-                gemm = f"AMX-INT8 tiles for every 16 activation rows of {'+'.join(tiled)}, the rest as GEMV"
+                gemm = (
+                    f"AMX-INT8 tiles of 16 activation rows (the last one partial) for 6+ rows of {'+'.join(tiled)}, "
+                    "fewer rows as GEMV"
+                )
             else:
                 gemm = "the GEMV kernel, 4 activation rows per weight load (8 for super-blocks on AVX-512)"
             if isa == "amx_bf16":
-                gemm = f"prompt rows: AMX-BF16 tiles, weights dequantized once per 256 rows; decode rows: {gemm}"
+                gemm = f"prompt rows: AMX-BF16 tiles, weights dequantized once per 1 MiB of rows; decode rows: {gemm}"
         else:
             gemv = gemm = dense
         attention = f"C kernel, every token at its position, {_dtype_name(execution.kv_dtype)} KV"
