@@ -294,6 +294,13 @@ static void bf16_tiles_32x32(const uint16_t *xb, int K, int blocks, const uint32
     _tile_stored(3, c + 16 * 32 + 16, 128);
 }
 
+/* Row group g (0 or 1) of pair `pair`: gated, gate group `pair` beside up group `pair +
+ * pairs`; else groups 2 pair and 2 pair + 1 (the last pair of an odd count repeats its one). */
+static inline int pair_group(int pair, int g, int gated, int pairs, int groups) {
+    if (gated) return pair + g * pairs;
+    return 2 * pair + g < groups ? 2 * pair + g : 2 * pair;
+}
+
 /* Bytes of the bf16 rows: M rounded up to whole 32-row tiles. */
 static size_t bf16_scratch_bytes(int M, int K) { return ((size_t)(M + 31) / 32 * 32 * (size_t)K * 2 + 63) / 64 * 64; }
 
@@ -347,7 +354,8 @@ static int bf16_rows(int M, int N, int K, const float *x, int weight_type, const
                 const int last = slice == slices - 1;
 #pragma omp for schedule(dynamic, 1)
                 for (int pair = 0; pair < pairs; pair++) {
-                    const int g0 = gated ? pair : 2 * pair, g1 = gated ? pair + pairs : g0 + 1 < groups ? g0 + 1 : g0;
+                    const int g0 = pair_group(pair, 0, gated, pairs, groups);
+                    const int g1 = pair_group(pair, 1, gated, pairs, groups);
                     dequantize_group_bf16(weight_type, packed + (size_t)g0 * group_bytes, b0, b1, tiles);
                     dequantize_group_bf16(weight_type, packed + (size_t)g1 * group_bytes, b0, b1, tiles1);
                     const int n0 = g0 * GROUP, width = gated ? GROUP : N - n0 < 2 * GROUP ? N - n0 : 2 * GROUP;
@@ -359,7 +367,7 @@ static int bf16_rows(int M, int N, int K, const float *x, int weight_type, const
                     const size_t block_share = group_bytes / nb; /* slices are whole super-blocks */
                     weights_ahead ahead = {{NULL, NULL}, {NULL, NULL}};
                     for (int g = 0; g < 2 && later < pairs; g++) {
-                        const int group = gated ? later + g * pairs : 2 * later + g < groups ? 2 * later + g : 2 * later;
+                        const int group = pair_group(later, g, gated, pairs, groups);
                         ahead.next[g] = (const char *)packed + (size_t)group * group_bytes + (size_t)b0 * block_share;
                         ahead.end[g] = ahead.next[g] + (size_t)(b1 - b0) * block_share;
                     }
