@@ -121,6 +121,21 @@ ALWAYS_INLINE void values_to_tiles(const int kv_dtype, int head_dim, int t0, int
     }
 }
 
+/* C tiles 0-3 += A tile A . the four B tiles from b on (TILE_WORDS apart), loaded two at a
+ * time into B tiles 6 and 7 (a macro: tile numbers are spelled into the instructions). */
+#define ADD_FOUR_PRODUCTS(A, b)                                                                    \
+    do {                                                                                           \
+        const uint32_t *four = (b);                                                                \
+        _tile_loadd(6, four, 64);                                                                  \
+        _tile_loadd(7, four + TILE_WORDS, 64);                                                     \
+        _tile_dpbf16ps(0, A, 6);                                                                   \
+        _tile_dpbf16ps(1, A, 7);                                                                   \
+        _tile_loadd(6, four + 2 * TILE_WORDS, 64);                                                 \
+        _tile_loadd(7, four + 3 * TILE_WORDS, 64);                                                 \
+        _tile_dpbf16ps(2, A, 6);                                                                   \
+        _tile_dpbf16ps(3, A, 7);                                                                   \
+    } while (0)
+
 /* scores[16][KV_TILE] = the row tile's 16 rows of q (bf16, head_dim a row) . the tile's keys. */
 static void tile_scores(const uint16_t *q, int head_dim, const uint32_t *k_tiles, float *scores) {
     _tile_zero(0);
@@ -128,16 +143,8 @@ static void tile_scores(const uint16_t *q, int head_dim, const uint32_t *k_tiles
     _tile_zero(2);
     _tile_zero(3);
     for (int c = 0; c < head_dim / 32; c++) {
-        const uint32_t *k = k_tiles + (size_t)c * (KV_TILE / 16) * TILE_WORDS;
         _tile_loadd(4, q + 32 * c, head_dim * 2);
-        _tile_loadd(6, k, 64);
-        _tile_loadd(7, k + TILE_WORDS, 64);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 4, 7);
-        _tile_loadd(6, k + 2 * TILE_WORDS, 64);
-        _tile_loadd(7, k + 3 * TILE_WORDS, 64);
-        _tile_dpbf16ps(2, 4, 6);
-        _tile_dpbf16ps(3, 4, 7);
+        ADD_FOUR_PRODUCTS(4, k_tiles + (size_t)c * (KV_TILE / 16) * TILE_WORDS);
     }
     _tile_stored(0, scores, KV_TILE * 4);
     _tile_stored(1, scores + 16, KV_TILE * 4);
@@ -158,27 +165,12 @@ static void tile_values(const uint16_t *weights, int head_dim, const uint32_t *v
     _tile_loadd(5, weights + 32, KV_TILE * 2);
     int d = 0;
     for (; d + 4 <= columns; d += 4) {
-        const uint32_t *low = v_tiles + (size_t)d * TILE_WORDS, *high = v_tiles + (size_t)(columns + d) * TILE_WORDS;
         _tile_loadd(0, sums + 16 * d, row);
         _tile_loadd(1, sums + 16 * (d + 1), row);
         _tile_loadd(2, sums + 16 * (d + 2), row);
         _tile_loadd(3, sums + 16 * (d + 3), row);
-        _tile_loadd(6, low, 64);
-        _tile_loadd(7, low + TILE_WORDS, 64);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 4, 7);
-        _tile_loadd(6, low + 2 * TILE_WORDS, 64);
-        _tile_loadd(7, low + 3 * TILE_WORDS, 64);
-        _tile_dpbf16ps(2, 4, 6);
-        _tile_dpbf16ps(3, 4, 7);
-        _tile_loadd(6, high, 64);
-        _tile_loadd(7, high + TILE_WORDS, 64);
-        _tile_dpbf16ps(0, 5, 6);
-        _tile_dpbf16ps(1, 5, 7);
-        _tile_loadd(6, high + 2 * TILE_WORDS, 64);
-        _tile_loadd(7, high + 3 * TILE_WORDS, 64);
-        _tile_dpbf16ps(2, 5, 6);
-        _tile_dpbf16ps(3, 5, 7);
+        ADD_FOUR_PRODUCTS(4, v_tiles + (size_t)d * TILE_WORDS);             /* keys 0-31 */
+        ADD_FOUR_PRODUCTS(5, v_tiles + (size_t)(columns + d) * TILE_WORDS); /* keys 32-63 */
         _tile_stored(0, sums + 16 * d, row);
         _tile_stored(1, sums + 16 * (d + 1), row);
         _tile_stored(2, sums + 16 * (d + 2), row);
@@ -336,6 +328,7 @@ static void attend_block_tiles(const int G, const int kv_dtype, int count, const
         for (int d = 0; d < head_dim; d += 16) _mm512_storeu_ps(o + d, _mm512_mul_ps(_mm512_load_ps(sum + d), inv_sum));
     }
 }
+#undef ADD_FOUR_PRODUCTS
 #endif
 
 #endif
