@@ -358,7 +358,7 @@ static int bf16_rows(int M, int N, int K, const float *x, int weight_type, const
     if (gated && N % (2 * GROUP) != 0) return -1;
     const int padded = (M + 31) / 32 * 32;
     const size_t xs = bf16_row_stride(K);
-    /* Each thread's two row groups' slices as B tiles; the sums between slices. */
+    /* A row group's slice of blocks as B tiles (four a thread: two pairs); the sums between slices. */
     const int slice_blocks = nb < BF16_K_SLICE ? nb : BF16_K_SLICE;
     /* 512 rows where K is 1,024 (Qwen3-0.6B's hidden size) halve the dequantization of a
      * 512-token prompt step: its qkv and gate/up products took 5-9% less time than in chunks
