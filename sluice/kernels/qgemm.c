@@ -323,8 +323,9 @@ static quantized_rows scratch_rows(void *scratch, int M, int K) {
 /* Row r of a call's activations is row out_rows[r] of x and out (r where out_rows is NULL). */
 #define OUT_ROW(r) ((size_t)(out_rows != NULL ? out_rows[r] : (r)))
 
-/* The AMX tile paths (nothing on other builds). */
-#include "qgemm_amx.h"
+/* The AMX tile paths (nothing on other builds): int8 tiles for batches, bf16 tiles for prompts. */
+#include "qgemm_amx_int8.h"
+#include "qgemm_amx_bf16.h"
 
 /* Activation rows [r_begin, r_end) against one row group: out columns n0 .. n0 + width of rows
  * out_stride floats apart (rows as OUT_ROW maps them). buffer: room for a row group's unpacked
