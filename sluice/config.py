@@ -108,6 +108,16 @@ class ServerArgs:
             ),
         },
     )
+    idle_gather_ms: float = field(
+        default=5.0,
+        metadata={
+            "help": (
+                "An idle scheduler that receives a request waits until none has followed it for this many ms (at "
+                "most 10 such gaps in all) before its first step, so requests sent together prefill together; 0 "
+                "starts at once."
+            ),
+        },
+    )
     schedule_policy: str = field(
         default="fcfs",
         metadata={
@@ -270,6 +280,7 @@ class ServerArgs:
             (self.max_running_requests >= 1, "max_running_requests must be >= 1"),
             (self.chunked_prefill_size >= 1, "chunked_prefill_size must be >= 1"),
             (self.max_prefill_tokens >= 1, "max_prefill_tokens must be >= 1"),
+            (0 <= self.idle_gather_ms <= 1000, "idle_gather_ms must be in 0..1000"),
             (self.swa_cache_tokens >= 0, "swa_cache_tokens must be >= 0"),
             (self.schedule_policy in ("fcfs", "lpm", "priority"), "schedule_policy must be fcfs, lpm or priority"),
             (

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -61,6 +62,18 @@ class Receiver:
         messages: list[Message] = []
         while (message := self.recv_nowait()) is not None:
             messages.append(message)
+        return messages
+
+    def recv_burst(self, timeout_ms: int, gap_ms: float, limit_ms: float) -> list[Message]:
+        """Waits up to timeout_ms for a message, then also takes the ones that follow it less
+        than gap_ms apart, for at most limit_ms after the first ([] if none came)."""
+        first = self.recv(timeout_ms=timeout_ms)
+        if first is None:
+            return []
+        messages = [first, *self.drain()]
+        deadline = time.monotonic() + limit_ms / 1000
+        while (left_ms := (deadline - time.monotonic()) * 1000) > 0 and self.sock.poll(math.ceil(min(gap_ms, left_ms))):
+            messages += self.drain()
         return messages
 
     def close(self) -> None:

@@ -289,6 +289,7 @@ class InternalState(Message):
     kv_window_tokens_held: int = 0
     last_step_ms: float = 0.0
     num_retractions: int = 0  # requests sent back to the waiting queue for KV, since start
+    prefill_steps: int = 0  # steps that prefilled prompt tokens, since start
     # Messages the scheduler received, by type name (a batch counts once).
     messages_received: dict[str, int] = {}
     # Requests the scheduler ended, by finish_reason type ("stop", "length", "abort"); a

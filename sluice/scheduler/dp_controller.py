@@ -328,6 +328,7 @@ def merge_states(states: list[InternalState], ipc: str | None, control_id: int =
         kv_window_tokens_held=total("kv_window_tokens_held"),
         last_step_ms=max((state.last_step_ms for state in states), default=0.0),
         num_retractions=total("num_retractions"),
+        prefill_steps=total("prefill_steps"),
         messages_received=summed("messages_received"),
         finished_reqs=summed("finished_reqs"),
         replicas=states,

@@ -43,6 +43,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 IDLE_POLL_MS = 1000
+IDLE_GATHER_GAPS = 10  # an idle scheduler gathers arrivals for at most this many --idle-gather-ms
 # While requests run, something goes to the detokenizer at least this often, so the
 # TokenizerManager's watchdog sees messages flow even when no output is due (a long
 # non-streaming request).
@@ -106,8 +107,11 @@ class SchedulerLoop:
             if self.scheduler.is_idle:
                 if self.scheduler.args.debug_checks:
                     self.scheduler.check_integrity()
-                first = self.inbox.recv(timeout_ms=IDLE_POLL_MS)
-                messages = ([first] if first is not None else []) + self.inbox.drain()
+                # Requests sent together reach an idle scheduler a few ms apart (tokenized one by
+                # one); the first alone would take a whole prefill step, the weights' pass that a
+                # step of many shares.
+                gap_ms = self.scheduler.args.idle_gather_ms
+                messages = self.inbox.recv_burst(IDLE_POLL_MS, gap_ms, IDLE_GATHER_GAPS * gap_ms)
             else:
                 messages = self.inbox.drain()
             outputs: list[SchedulerOutput] = []

@@ -83,6 +83,7 @@ class Scheduler:
         self.finished_by_reason: Counter[str] = Counter()
         self.last_step_ms = 0.0
         self.num_retractions = 0
+        self.prefill_steps = 0  # steps that prefilled prompt tokens
         self.num_arrived = 0
         self.grammars = Grammars(args.resolved_model_path(), self.config.vocab_size, args.reasoning_parser)
         self.weight_version = args.weight_version
@@ -244,6 +245,7 @@ class Scheduler:
             kv_window_tokens_held=self.kv.window_slots_held(),
             last_step_ms=self.last_step_ms,
             num_retractions=self.num_retractions,
+            prefill_steps=self.prefill_steps,
             messages_received=dict(self.received_by_type),
             finished_reqs=dict(self.finished_by_reason),
             pid=os.getpid(),
@@ -268,6 +270,7 @@ class Scheduler:
             if self.compiling and not self.waiting and not self.running:
                 wait([r.compiling_grammar for r in self.compiling], GRAMMAR_WAIT_S, FIRST_COMPLETED)
             return outputs
+        self.prefill_steps += any(batch.was_prefill)
         fb = build_forward_batch(batch, self.kv, self.k_buffers, self.v_buffers, self.runner)
         logits = self.runner.forward(fb)
         batch.pool_hidden_states(fb.hidden_states)

@@ -10,7 +10,15 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.helpers import RunningServer, generate, greedy, wait_for_states, wait_until_drained, wait_until_running
+from tests.helpers import (
+    RunningServer,
+    generate,
+    greedy,
+    internal_states,
+    wait_for_states,
+    wait_until_drained,
+    wait_until_running,
+)
 
 
 def scrape(base_url: str, headers: dict | None = None) -> dict[str, float]:
@@ -181,5 +189,29 @@ def test_an_urgent_request_overtakes_earlier_low_priority_ones():
         samples = scrape(base_url)
         assert samples["sluice:num_retractions"] >= 1
         wait_until_drained(base_url)
+    finally:
+        server.stop()
+
+
+def test_requests_sent_together_to_an_idle_server_prefill_in_one_step():
+    """They reach the Scheduler some ms apart (each is tokenized on its own, here by two HTTP
+    workers); an idle one waits until none has followed for --idle-gather-ms before its first
+    step, so all four prompts go into that step instead of the first alone and the rest after
+    it. The gap is 500 ms here (5 by default), beyond any a cold server's workers take."""
+    server = RunningServer("--idle-gather-ms", "500", "--tokenizer-worker-num", "2", "--skip-warmup")
+    try:
+        base_url = server.base_url
+        before = internal_states(base_url)["prefill_steps"]
+        prompts = [f"Name a colour, number {i}." for i in range(4)]
+        together = threading.Barrier(len(prompts))
+
+        def send(prompt: str) -> httpx.Response:
+            together.wait()
+            return generate(base_url, text=prompt, sampling_params=greedy(1, ignore_eos=True))
+
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            results = list(pool.map(send, prompts))
+        assert all(r.status_code == 200 for r in results), [r.text for r in results]
+        assert internal_states(base_url)["prefill_steps"] - before == 1
     finally:
         server.stop()

@@ -3,6 +3,8 @@ every field, a frame that is not a message is refused, and the sockets carry mes
 
 from __future__ import annotations
 
+import threading
+import time
 import typing
 
 import msgspec
@@ -178,6 +180,52 @@ def test_messages_cross_the_sockets_in_order(tmp_path):
         assert drained == EXAMPLES[1:3]
         assert inbox.recv_nowait() is None
     finally:
+        sender.close()
+        inbox.close()
+        context.term()
+
+
+def test_a_burst_is_taken_whole_and_ends_at_its_gap_or_its_limit(tmp_path):
+    """recv_burst takes what follows the first message less than gap_ms apart (margins of
+    seconds here, so a slow machine does not change the answer), and returns at limit_ms
+    even while messages keep coming."""
+    context = zmq.Context(1)
+    address = f"ipc://{tmp_path}/inbox"
+    inbox = Receiver(context, address)
+    sender = Sender(context, address)
+    stop = threading.Event()
+
+    def send_two() -> None:
+        sender.send(EXAMPLES[0])
+        time.sleep(0.05)
+        sender.send(EXAMPLES[1])
+
+    def send_until_stopped() -> None:
+        while not stop.wait(0.02):
+            sender.send(EXAMPLES[2])
+
+    try:
+        assert inbox.recv_burst(10, gap_ms=5, limit_ms=50) == []  # nothing came
+        thread = threading.Thread(target=send_two)
+        thread.start()
+        assert inbox.recv_burst(5000, gap_ms=2000, limit_ms=20000) == EXAMPLES[:2]
+        thread.join()
+        endless = threading.Thread(target=send_until_stopped)
+        endless.start()
+        burst = inbox.recv_burst(5000, gap_ms=2000, limit_ms=300)
+        still_sending = endless.is_alive()
+        stop.set()
+        endless.join()
+        assert still_sending and burst and all(message == EXAMPLES[2] for message in burst)
+        while inbox.recv(timeout_ms=100) is not None:  # the endless sender's last ones
+            pass
+        thread = threading.Thread(target=send_two)
+        thread.start()
+        assert inbox.recv_burst(5000, gap_ms=0, limit_ms=0) == EXAMPLES[:1]  # gap 0: no wait for the second
+        assert inbox.recv(timeout_ms=5000) == EXAMPLES[1]
+        thread.join()
+    finally:
+        stop.set()
         sender.close()
         inbox.close()
         context.term()
