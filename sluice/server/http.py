@@ -20,6 +20,13 @@ def serve_http(server_args: ServerArgs, app, workers: int = 1) -> None:
         timeout_keep_alive=30,
         workers=workers if workers > 1 else None,
         factory=isinstance(app, str),
+        # uvloop's event loop and httptools' parser instead of asyncio's and h11's (both
+        # dependencies, named so that a missing one fails at start-up instead of falling back
+        # quietly). On the 2 vCPU AMX Xeon, SmolLM2 at 32 streams: the HTTP process used about
+        # 1.05 s of CPU against 1.24 s for 16,384 streamed tokens, and each cycle it takes
+        # stalls the Scheduler's kernel threads.
+        loop="uvloop",
+        http="httptools",
     )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import psutil
 
 from sluice.kernels.cpu import reported_flags
 from sluice.kernels.loader import kernels_available, load_kernels
@@ -22,6 +23,21 @@ def test_server_info_names_the_cpu_features_and_the_kernel_paths(server):
         assert info["dtype"] == "auto" and info["kv_cache_dtype"] == "auto"
     else:
         assert execution["backend"] == "torch"
+
+
+def test_http_processes_run_on_uvloop_and_httptools(server):
+    """The processes that answer HTTP run uvicorn on uvloop's event loop and httptools' parser
+    (serve_http): their compiled modules are mapped into them, with one HTTP worker and with
+    two behind the router alike."""
+    main = psutil.Process(server.process.pid)
+
+    def mapped(process: psutil.Process) -> str:
+        return " ".join(region.path for region in process.memory_maps())
+
+    maps = [mapped(process) for process in [main, *main.children(recursive=True)]]
+    serving = [m for m in maps if "httptools" in m]
+    assert len(serving) >= server.tokenizer_worker_num, "no process maps httptools' parser"
+    assert all("uvloop" in m for m in serving), "an HTTP process runs without uvloop"
 
 
 def test_a_prompt_gets_the_same_logprobs_alone_from_the_cache_and_beside_others(server):
