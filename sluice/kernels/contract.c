@@ -82,12 +82,14 @@ static uint32_t next_random(uint32_t *state) {
 /* Uniform in [-1, 1). */
 static float random_float(uint32_t *state) { return (float)next_random(state) / (float)(1u << 23) - 1.0f; }
 
-/* x's 32-value block as the kernels round it to int8: the quants into xq, the scale returned. */
-static float reference_x_block(const float *xb, int *xq) {
+/* `count` values of x as the kernels round them to int8 with one scale (a 32-value block, or
+ * for the super-block formats a 256-value super-block): the quants into xq, the scale
+ * returned. */
+static float reference_x_block(const float *xb, int count, int *xq) {
     float max_abs = 0.0f;
-    for (int k = 0; k < SLUICE_BLOCK; k++) max_abs = fmaxf(max_abs, fabsf(xb[k]));
+    for (int k = 0; k < count; k++) max_abs = fmaxf(max_abs, fabsf(xb[k]));
     const float inv = max_abs > 0.0f ? 127.0f / max_abs : 0.0f;
-    for (int k = 0; k < SLUICE_BLOCK; k++) xq[k] = (int)nearbyintf(xb[k] * inv);
+    for (int k = 0; k < count; k++) xq[k] = (int)nearbyintf(xb[k] * inv);
     return max_abs / 127.0f;
 }
 
@@ -105,7 +107,7 @@ static float reference_output(int format, const uint8_t *packed, int n, int K, c
     for (int b = 0; b < nb; b++) {
         const uint8_t *block = packed + ((size_t)group * nb + b) * block_bytes;
         int xq[SLUICE_BLOCK];
-        const float xd = reference_x_block(x + b * SLUICE_BLOCK, xq);
+        const float xd = reference_x_block(x + b * SLUICE_BLOCK, SLUICE_BLOCK, xq);
         int dot = 0, qsum = 0;
         for (int k = 0; k < SLUICE_BLOCK; k++) {
             const int word = (k % (quant_bytes)) / 4, byte = word * 4 * SLUICE_ROW_GROUP + lane * 4 + k % 4;
@@ -137,21 +139,23 @@ static float reference_q6_k_output(const uint8_t *packed, int n, int K, const fl
         uint16_t half;
         memcpy(&half, super + 8 * SLUICE_Q6_K_GROUP_BLOCK_BYTES + 16 * G + 2 * lane, 2);
         const float d = _cvtsh_ss(half);
+        int xq[SLUICE_SUPER_BLOCK];
+        const float xd = reference_x_block(x + s * SLUICE_SUPER_BLOCK, SLUICE_SUPER_BLOCK, xq);
+        float part = 0.0f;
         for (int k = 0; k < 8; k++) {
             const uint8_t *block = super + k * SLUICE_Q6_K_GROUP_BLOCK_BYTES;
-            int xq[SLUICE_BLOCK];
-            const float xd = reference_x_block(x + (8 * s + k) * SLUICE_BLOCK, xq);
             int dots[2] = {0, 0};
             for (int w = 0; w < SLUICE_BLOCK; w++) {
                 const int within = w % 16, t = w % 4, g = within / 4;
                 const uint8_t nibbles = block[g * 4 * G + lane * 4 + t];
                 const uint8_t highs = block[(4 + w / 16) * 4 * G + lane * 4 + t];
                 const int q = (w < 16 ? nibbles & 0x0F : nibbles >> 4) | ((highs >> (2 * g)) & 3) << 4;
-                dots[w / 16] += (q - 32) * xq[w];
+                dots[w / 16] += (q - 32) * xq[k * SLUICE_BLOCK + w];
             }
-            const float low = (float)dots[0] * (d * (float)scales[2 * k * G + lane]);
-            acc = fmaf(fmaf((float)dots[1], d * (float)scales[(2 * k + 1) * G + lane], low), xd, acc);
+            part = fmaf((float)dots[0], d * (float)scales[2 * k * G + lane], part);
+            part = fmaf((float)dots[1], d * (float)scales[(2 * k + 1) * G + lane], part);
         }
+        acc = fmaf(part, xd, acc);
     }
     return acc;
 }
@@ -172,21 +176,23 @@ static float reference_k_quant_output(int format, const uint8_t *packed, int n, 
         const float d = _cvtsh_ss(half);
         memcpy(&half, minimums + 10 * G + 2 * lane, 2);
         const float dmin = _cvtsh_ss(half);
+        int xq[SLUICE_SUPER_BLOCK];
+        const float xd = reference_x_block(x + s * SLUICE_SUPER_BLOCK, SLUICE_SUPER_BLOCK, xq);
+        float part = 0.0f;
         for (int k = 0; k < 8; k++) {
             const uint8_t *block = super + k * block_bytes;
-            int xq[SLUICE_BLOCK];
-            const float xd = reference_x_block(x + (8 * s + k) * SLUICE_BLOCK, xq);
             int dot = 0, qsum = 0;
             for (int w = 0; w < SLUICE_BLOCK; w++) {
                 const uint8_t nibbles = block[(w % 16) / 4 * 4 * G + lane * 4 + w % 4];
                 int q = w < 16 ? nibbles & 0x0F : nibbles >> 4;
                 if (five_bits) q |= (block[16 * G + lane * 4 + w % 4] >> (w / 4) & 1) << 4;
-                dot += q * xq[w];
-                qsum += xq[w];
+                dot += q * xq[k * SLUICE_BLOCK + w];
+                qsum += xq[k * SLUICE_BLOCK + w];
             }
-            acc = fmaf((float)dot, d * (float)scales[k * G + lane] * xd, acc);
-            acc = fmaf(-(dmin * (float)minimums[k * G + lane]), xd * (float)qsum, acc);
+            part = fmaf((float)dot, d * (float)scales[k * G + lane], part);
+            part = fmaf(-(dmin * (float)minimums[k * G + lane]), (float)qsum, part);
         }
+        acc = fmaf(part, xd, acc);
     }
     return acc;
 }

@@ -11,10 +11,11 @@
  *   q5_k: GGUF's Q5_K: q4_k with 5-bit q
  *   q5_1: GGUF's Q5_1 (and Q5_0, m = -16 d): q4_1 with 5-bit q
  *
- * x is quantized on the fly to int8 per block of 32 (scale = max|x| / 127), so each block's
- * dot product is an integer dot of 32 pairs: the weights are read once as bytes, which is
- * what a decode step is bound by. This is the arithmetic of llama.cpp's q8_0 and q4_1 dot
- * products; the code and the layout below are our own.
+ * x is quantized on the fly to int8 (scale = max|x| / 127) per block of 32 for q8_0, q4_1 and
+ * q5_1, per super-block of 256 for q6_k, q4_k and q5_k, so each block's dot product is an
+ * integer dot of 32 pairs: the weights are read once as bytes, which is what a decode step
+ * is bound by. This is the arithmetic of llama.cpp's dot products against q8_0 and q8_K
+ * activations; the code and the layout below are our own.
  *
  * Weights are interleaved by G output rows ("a row group", G = SLUICE_ROW_GROUP: 8 for
  * 256-bit registers, 16 for 512-bit ones), block after block, so that one register holds 4
@@ -36,10 +37,16 @@
  *   q5_1: q4_1's 16 G nibble bytes, then q5_k's word of high bits a row, then G float16 d
  *         and G float16 m
  *
- * A q6_k block's two 16-weight halves are integer dots with the half's sum of x taken off
- * 32 times (at most 32 * 127 * 16 < 2^24, exact as a float); the block is the first half
- * times its scale (d times the int8 sub-block scale, exact in float32) plus the second's in
- * one FMA, then one FMA of that times x's block scale into the output.
+ * The super-block formats sum a super-block's blocks before x's scale: a q6_k block's two
+ * 16-weight halves are integer dots with the half's sum of x taken off 32 times (at most 32
+ * * 127 * 16 < 2^24, exact as a float), each added times its scale (d times the int8
+ * sub-block scale, exact in float32) into the super-block's sum in one FMA; a q4_k or q5_k
+ * block's dot is added times d sc, and dmin mn times the block's sum of x taken off, in two.
+ * One FMA a super-block adds its sum times x's scale into the output. A block of the other
+ * formats goes into the output at once: its dot times d * x's scale, plus m times x's sum.
+ * (With x's scale a block, the super-block formats took two or three more float operations
+ * a block, which on the AMX tiles bound the time: q6_k 4,096 x 2,048 at 16 and 32 rows
+ * takes about 10% less time this way.)
  *
  * Each block's integer dot is exact on either instruction set (no intermediate can
  * saturate), and each output is accumulated in block order by one chain of FMAs, whatever
@@ -76,31 +83,45 @@ static inline int hsum_epi32(__m256i v) {
     return _mm_cvtsi128_si32(s);
 }
 
-/* One row of K floats -> K int8, with per block: d (scale), the sum of its quants, the sum of
- * its first 16 (for q6_k's halves; only where qsum_low is not NULL), and d * the sum (for
- * q4_1's m). */
-static void quantize_row(const float *x, int K, int8_t *q, float *d, int32_t *qsum, int32_t *qsum_low, float *dsum) {
+/* The largest |x| of a 32-float block. */
+static inline float block_max_abs(const float *xb) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 amax = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(xb)), _mm256_andnot_ps(sign, _mm256_loadu_ps(xb + 8))),
+                                _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(xb + 16)), _mm256_andnot_ps(sign, _mm256_loadu_ps(xb + 24))));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    return _mm_cvtss_f32(m4);
+}
+
+/* One row of K floats -> K int8, in scales of `blocks_a_scale` blocks (scale = max|x| / 127 over
+ * them): 1 for the 32-weight formats (llama.cpp's q8_0 activations), 8 for the super-block
+ * ones (its q8_K: one scale per 256, which their float steps take once a super-block). Per
+ * block: d (its scale), the sum of its quants, the sum of its first 16 (for q6_k's halves;
+ * only where qsum_low is not NULL), and dsum: d * the sum (for q4_1's m), or with a scale per
+ * super-block the sum itself as a float (exact: at most 32 * 127). */
+static void quantize_row(const float *x, int K, int blocks_a_scale, int8_t *q, float *d, int32_t *qsum,
+                         int32_t *qsum_low, float *dsum) {
     const __m256i perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     const __m256i ones8 = _mm256_set1_epi8(1);
     const __m256i ones16 = _mm256_set1_epi16(1);
+    float max_abs = 0.0f;
     for (int b = 0; b < K / QK; b++) {
         const float *xb = x + b * QK;
-        __m256 v0 = _mm256_loadu_ps(xb), v1 = _mm256_loadu_ps(xb + 8);
-        __m256 v2 = _mm256_loadu_ps(xb + 16), v3 = _mm256_loadu_ps(xb + 24);
-        __m256 amax = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v0), _mm256_andnot_ps(sign, v1)),
-                                    _mm256_max_ps(_mm256_andnot_ps(sign, v2), _mm256_andnot_ps(sign, v3)));
-        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-        const float max_abs = _mm_cvtss_f32(m4);
+        if (b % blocks_a_scale == 0) {
+            max_abs = block_max_abs(xb);
+            for (int next = 1; next < blocks_a_scale; next++) {
+                const float other = block_max_abs(xb + next * QK);
+                max_abs = other > max_abs ? other : max_abs;
+            }
+        }
         const float scale = max_abs / 127.0f;
         const __m256 inv = _mm256_set1_ps(max_abs > 0.0f ? 127.0f / max_abs : 0.0f);
         const int rnd = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
-        __m256i i0 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v0, inv), rnd));
-        __m256i i1 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v1, inv), rnd));
-        __m256i i2 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v2, inv), rnd));
-        __m256i i3 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v3, inv), rnd));
+        __m256i i0 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(xb), inv), rnd));
+        __m256i i1 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(xb + 8), inv), rnd));
+        __m256i i2 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(xb + 16), inv), rnd));
+        __m256i i3 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(xb + 24), inv), rnd));
         /* The packs interleave 128-bit lanes; the permute puts the 32 bytes back in order. */
         __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
         packed = _mm256_permutevar8x32_epi32(packed, perm);
@@ -110,7 +131,7 @@ static void quantize_row(const float *x, int K, int8_t *q, float *d, int32_t *qs
         d[b] = scale;
         qsum[b] = sum;
         if (qsum_low != NULL) qsum_low[b] = hsum_epi32(_mm256_zextsi128_si256(_mm256_castsi256_si128(sums))); /* lanes 0-3: bytes 0-15 */
-        dsum[b] = scale * (float)sum;
+        dsum[b] = blocks_a_scale == 1 ? scale * (float)sum : (float)sum;
     }
 }
 
@@ -199,11 +220,14 @@ static size_t super_bytes_of(int format) {
  * The integer dots are the same exact sums, 4-bit ones in int16 (8 words: at most 16 * 15 *
  * 127), 5-bit ones widened after each 4 words (8 * 31 * 127); the float steps are
  * group_super's, so the bits are too. */
-ALWAYS_INLINE void unpacked_nibble_rows(const int rows, const int five_bits, int nb, int K, const unpacked_block *u,
-                                        const int8_t *xq, const float *xd, const float *xdsum, __m256 *acc) {
+ALWAYS_INLINE void unpacked_nibble_rows(const int rows, const int five_bits, const int super_blocks, int nb, int K,
+                                        const unpacked_block *u, const int8_t *xq, const float *xd, const float *xdsum,
+                                        __m256 *acc) {
     const __m256i ones = _mm256_set1_epi16(1);
-    __m256 totals[TILE]; /* in registers: acc is an array its caller indexes at run time */
-    for (int r = 0; r < rows; r++) totals[r] = _mm256_setzero_ps();
+    /* In registers: acc is an array its caller indexes at run time. The super-block formats sum
+     * a super-block here and add it into acc once a super-block (see group_super). */
+    __m256 totals[TILE];
+    for (int r = 0; r < rows; r++) acc[r] = totals[r] = _mm256_setzero_ps();
     for (int b = 0; b < nb; b++, u++) {
         __m256i sums[TILE], wide[TILE];
 #pragma GCC unroll 8
@@ -221,30 +245,38 @@ ALWAYS_INLINE void unpacked_nibble_rows(const int rows, const int five_bits, int
             const size_t index = (size_t)r * nb + b;
             const __m256i dots = five_bits ? _mm256_add_epi32(wide[r], _mm256_madd_epi16(sums[r], ones))
                                            : _mm256_madd_epi16(sums[r], ones);
-            totals[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), _mm256_mul_ps(u->first, _mm256_set1_ps(xd[index])),
-                                        totals[r]);
+            const __m256 scale = super_blocks ? u->first : _mm256_mul_ps(u->first, _mm256_set1_ps(xd[index]));
+            totals[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), scale, totals[r]);
             totals[r] = _mm256_fnmadd_ps(u->second, _mm256_set1_ps(xdsum[index]), totals[r]);
+            if (super_blocks && b % 8 == 7) {
+                acc[r] = _mm256_fmadd_ps(totals[r], _mm256_set1_ps(xd[index]), acc[r]);
+                totals[r] = _mm256_setzero_ps();
+            }
         }
     }
-    for (int r = 0; r < rows; r++) acc[r] = totals[r];
+    for (int r = 0; !super_blocks && r < rows; r++) acc[r] = totals[r];
 }
 #endif
 
 /* `rows` activation rows against a row group of any format but q8_0, block by block, from
  * the packed weights or, where `unpacked` is not NULL, from all its blocks unpacked before
- * (the same numbers: the results are the same bits either way). */
+ * (the same numbers: the results are the same bits either way). The super-block formats sum
+ * each super-block's blocks in `part` (their activations have one scale a super-block), then
+ * add that times the scale into acc; q4_1 and q5_1 add each block into acc. */
 ALWAYS_INLINE void group_super(const int rows, const int format, int nb, int K, const uint8_t *w,
                                const unpacked_block *unpacked, const int8_t *xq, const float *xd,
                                const int32_t *xqsum, const int32_t *xqsum_low, const float *xdsum, group_acc *acc) {
 #ifndef SLUICE_AVX512_VNNI
     if (unpacked != NULL && format != SLUICE_Q6_K) {
         const int five_bits = format == SLUICE_Q5_K || format == SLUICE_Q5_1;
-        unpacked_nibble_rows(rows, five_bits, nb, K, unpacked, xq, xd, xdsum, acc);
+        unpacked_nibble_rows(rows, five_bits, SLUICE_SUPER_BLOCK_FORMAT(format), nb, K, unpacked, xq, xd, xdsum, acc);
         return;
     }
 #endif
     const size_t super_bytes = super_bytes_of(format);
-    for (int r = 0; r < rows; r++) acc[r] = VEC_ZERO();
+    const int super_blocks = SLUICE_SUPER_BLOCK_FORMAT(format);
+    group_acc part[SUPER_TILE > TILE ? SUPER_TILE : TILE];
+    for (int r = 0; r < rows; r++) acc[r] = part[r] = VEC_ZERO();
     for (int b = 0; b < nb; b++) {
         unpacked_block here;
         const unpacked_block *u = unpacked != NULL ? unpacked + b : &here;
@@ -255,15 +287,21 @@ ALWAYS_INLINE void group_super(const int rows, const int format, int nb, int K, 
         for (int r = 0; r < rows; r++) {
             const size_t index = (size_t)r * nb + b;
             const int8_t *x = xq + (size_t)r * K + b * QK;
+            const int five_bits = format == SLUICE_Q5_K || format == SLUICE_Q5_1;
             if (format == SLUICE_Q6_K) {
                 const int32_t low_sum = xqsum_low[index], high_sum = xqsum[index] - low_sum;
-                acc[r] = VEC_FMADD(six_bit_block(u->q, x, low_sum, high_sum, u->first, u->second), VEC_SET1(xd[index]),
-                                   acc[r]);
+                part[r] = add_six_bit_block(part[r], u->q, x, low_sum, high_sum, u->first, u->second);
+            } else if (super_blocks) {
+                part[r] = VEC_FMADD(VEC_CVT_INT(nibble_block_dots(u->q, x, five_bits)), u->first, part[r]);
+                part[r] = VEC_FNMADD(u->second, VEC_SET1(xdsum[index]), part[r]);
             } else {
-                const int five_bits = format == SLUICE_Q5_K || format == SLUICE_Q5_1;
                 const group_acc dots = VEC_CVT_INT(nibble_block_dots(u->q, x, five_bits));
                 acc[r] = VEC_FMADD(dots, VEC_MUL(u->first, VEC_SET1(xd[index])), acc[r]);
                 acc[r] = VEC_FNMADD(u->second, VEC_SET1(xdsum[index]), acc[r]);
+            }
+            if (super_blocks && b % 8 == 7) {
+                acc[r] = VEC_FMADD(part[r], VEC_SET1(xd[index]), acc[r]);
+                part[r] = VEC_ZERO();
             }
         }
     }
@@ -302,7 +340,7 @@ typedef struct {
     float *d;       /* [M, K / 32] scales */
     int32_t *qsum;  /* [M, K / 32] sums of each block's quants */
     int32_t *qsum_low; /* [M, K / 32] sums of each block's first 16 quants */
-    float *dsum;    /* [M, K / 32] d * qsum */
+    float *dsum;    /* [M, K / 32] d * qsum, or qsum itself for the super-block formats */
 } quantized_rows;
 
 /* Room for the int8 rows: M rounded up to whole 16-row tiles, so that a tile of the last few
@@ -335,18 +373,19 @@ static void multiply_group(int weight_type, const uint8_t *w, int n0, int width,
                            unpacked_block *buffer) {
     const int nb = K / QK;
 #ifdef SLUICE_AMX
-    /* The tiles take q8_0, q4_1 and q6_k; the other formats run the VNNI code at every M.
-     * q4_1 and q6_k unpack their B tiles into the thread's buffer (without one, which only a
+    /* The tiles take every format but q5_1, which runs the VNNI code at every M. All but
+     * q8_0 unpack their B tiles into the thread's buffer (without one, which only a
      * failed allocation leaves, every row takes the VNNI code: the same bits). The first 16
      * rows unpack each block, the next ones load it from there: at 64 rows q4_1 16,384 x
      * 2,048 took 3.9 ms against 4.4-5.0 unpacked per tile. */
-    const int tiles_ready = weight_type == SLUICE_Q8_0 ||
-                            ((weight_type == SLUICE_Q4_1 || weight_type == SLUICE_Q6_K) && buffer != NULL);
+    const int tiles_ready = weight_type == SLUICE_Q8_0 || (weight_type != SLUICE_Q5_1 && buffer != NULL);
     if (use_tiles && tiles_ready) {
         for (int first = 1; r_begin < r_end; r_begin += AMX_ROWS, first = 0) {
             const int rows = r_end - r_begin < AMX_ROWS ? r_end - r_begin : AMX_ROWS;
             __m512 acc[AMX_ROWS];
             if (weight_type == SLUICE_Q6_K) amx_six_bit_group(w, K, r_begin, rows, x, acc, (uint8_t *)buffer, !first);
+            else if (weight_type == SLUICE_Q4_K || weight_type == SLUICE_Q5_K)
+                amx_super_group(weight_type, w, K, r_begin, rows, x, acc, buffer, !first);
             else amx_group(weight_type, w, K, r_begin, rows, x, acc, (uint8_t *)buffer, !first);
             for (int r = 0; r < rows; r++) store_group(out + OUT_ROW(r_begin + r) * out_stride + n0, width, acc[r]);
         }
@@ -454,7 +493,8 @@ static int int8_rows(int M, int N, int K, const float *x, int weight_type, const
 #pragma omp for schedule(static)
         for (int r = 0; r < M; r++) {
             const size_t first_block = (size_t)r * nb;
-            quantize_row(x + OUT_ROW(r) * K, K, rows.q + (size_t)r * K, rows.d + first_block, rows.qsum + first_block,
+            quantize_row(x + OUT_ROW(r) * K, K, SLUICE_SUPER_BLOCK_FORMAT(weight_type) ? 8 : 1, rows.q + (size_t)r * K,
+                         rows.d + first_block, rows.qsum + first_block,
                          weight_type == SLUICE_Q6_K ? rows.qsum_low + first_block : NULL, rows.dsum + first_block);
         }
         /* Activation rows in chunks that stay in L2 while every row group passes over them. */

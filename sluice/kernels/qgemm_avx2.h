@@ -149,11 +149,13 @@ ALWAYS_INLINE void unpack_six_bits(const uint8_t *block, __m256i *q) {
     }
 }
 
-/* One activation block against a q6_k block: its halves' dots times their scales, summed. */
-ALWAYS_INLINE __m256 six_bit_block(const __m256i *q, const int8_t *x, int32_t low_sum, int32_t high_sum,
-                                   __m256 low_scale, __m256 high_scale) {
+/* One activation block against a q6_k block, added to its super-block's sum; see the
+ * AVX-512 version. */
+ALWAYS_INLINE __m256 add_six_bit_block(__m256 part, const __m256i *q, const int8_t *x, int32_t low_sum,
+                                       int32_t high_sum, __m256 low_scale, __m256 high_scale) {
     const __m256i low = half_block_dot(q, x, low_sum), high = half_block_dot(q + 4, x + 16, high_sum);
-    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(high), high_scale, _mm256_mul_ps(_mm256_cvtepi32_ps(low), low_scale));
+    part = _mm256_fmadd_ps(_mm256_cvtepi32_ps(low), low_scale, part);
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(high), high_scale, part);
 }
 
 ALWAYS_INLINE void store_group(float *o, int width, __m256 acc) {

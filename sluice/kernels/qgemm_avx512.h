@@ -141,12 +141,14 @@ ALWAYS_INLINE void unpack_six_bits(const uint8_t *block, __m512i *q) {
     }
 }
 
-/* One activation block against a q6_k block: its halves' dots times their scales, summed. */
-ALWAYS_INLINE __m512 six_bit_block(const __m512i *q, const int8_t *x, int32_t low_sum, int32_t high_sum,
-                                   __m512 low_scale, __m512 high_scale) {
+/* One activation block against a q6_k block, added to its super-block's sum: each half's dot
+ * times that half's scale. */
+ALWAYS_INLINE __m512 add_six_bit_block(__m512 part, const __m512i *q, const int8_t *x, int32_t low_sum,
+                                       int32_t high_sum, __m512 low_scale, __m512 high_scale) {
     __m512i low, high;
     half_block_dots(q, x, low_sum, high_sum, &low, &high);
-    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(high), high_scale, _mm512_mul_ps(_mm512_cvtepi32_ps(low), low_scale));
+    part = _mm512_fmadd_ps(_mm512_cvtepi32_ps(low), low_scale, part);
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(high), high_scale, part);
 }
 
 ALWAYS_INLINE void store_group(float *o, int width, __m512 acc) {

@@ -12,9 +12,10 @@
 Q4_K as q4_k keeps the file's numbers and reads 7.5% fewer bytes than as q4_1 (whose block
 scales are rounded to float16, at most 2^-11 of themselves). Where memory bounds a decode step
 that is worth more than q4_1's cheaper arithmetic: on an AVX2 Zen 3 the Llama-3.2-1B body
-decoded 10% faster at one stream, its prompts 2.4-3.5% slower. The AMX build multiplies q4_1 on
-tiles for prompts and batches (q4_k runs the VNNI code there), and on the AVX-512 Zen 4 q4_k
-was no faster at one stream and 7% slower at 32 (measured before the block prefetch), so
+decoded 10% faster at one stream, its prompts 2.4-3.5% slower. On the AVX-512 Zen 4 q4_k was no
+faster at one stream and 7% slower at 32 (measured before the block prefetch). On the AMX
+Xeon both run on the int8 tiles for batches, and 16,384 x 2,048 at 32 rows took 2.37-2.51 ms
+as q4_k against 2.13-2.31 as q4_1, at 4 rows (the VNNI code) 0.51 against 0.42-0.43, so
 those keep q4_1.
 
 Blocks run only on the C kernels (float32 activations): on the torch backend `auto` keeps

@@ -17,7 +17,7 @@ from sluice.kernels.contract import Activation
 from sluice.kernels.cpu import DISABLE_ENV, ISA_NAMES, supported_isas
 from sluice.kernels.loader import load_kernels
 from sluice.kernels.ops import KernelOps
-from sluice.model.block_rows import BlockFormat
+from sluice.model.block_rows import SUPER_BLOCK_SCALES, BlockFormat
 from sluice.model.gguf_blocks import block_rows
 from sluice.model.layers import RotaryEmbedding
 from sluice.model.quantized_linear import QuantizedLinearWeight
@@ -44,6 +44,14 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((actual - expected).abs().max() / expected.abs().max()).item()
 
 
+def rounding_bound(format: BlockFormat) -> float:
+    """The relative error x's rounding to int8 (scale max|x| / 127) may leave on random data:
+    0.14-0.22% with a scale per 32-value block (q8_0, q4_1, q5_1), 0.6-1.3% per 256-value
+    super-block (q6_k, q4_k, q5_k, as llama.cpp's q8_K; 0.3-0.9% with a scale a block, as until
+    2026-12-05)."""
+    return 2e-2 if format in SUPER_BLOCK_SCALES else 1e-2
+
+
 def block_weight(format: BlockFormat, out_features: int, in_features: int, ops: KernelOps, seed: int):
     """A random [out, in] weight in `format`: floats rounded to its blocks, or for the
     super-block formats (which only a GGUF holds) random blocks of that GGUF type as a file
@@ -62,8 +70,8 @@ def block_weight(format: BlockFormat, out_features: int, in_features: int, ops: 
 def test_quantized_matmul_matches_dense_matmul_of_the_same_blocks(ops, format, rows):
     quantized, in_features = block_weight(format, 203, 96, ops, seed=rows)  # 203: the last row group is partial
     x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows))
-    # The only error left is x's own rounding to int8 blocks (scale max|x| / 127).
-    assert relative_error(quantized.matmul(x), F.linear(x, quantized.dequantize())) < 1e-2
+    # The only error left is x's own rounding to int8.
+    assert relative_error(quantized.matmul(x), F.linear(x, quantized.dequantize())) < rounding_bound(format)
 
 
 def prompt_flags(rows: int) -> torch.Tensor:
@@ -82,7 +90,7 @@ def test_prompt_rows_match_the_dense_matmul_and_decode_rows_keep_their_bits(ops,
     flags = prompt_flags(rows)
     flagged = quantized.matmul(x, flags)
     unflagged = quantized.matmul(x)
-    assert relative_error(flagged, F.linear(x, quantized.dequantize())) < 1e-2
+    assert relative_error(flagged, F.linear(x, quantized.dequantize())) < rounding_bound(format)
     assert torch.equal(flagged[~flags], unflagged[~flags])
     if ops.isa != "amx_bf16":
         assert torch.equal(flagged, unflagged)
@@ -113,7 +121,7 @@ def test_prompt_rows_past_one_k_slice_and_one_row_chunk_keep_their_bits(ops, for
     x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(11))
     flags = torch.ones(rows, dtype=torch.bool)
     batched = quantized.matmul(x, flags)
-    assert relative_error(batched, F.linear(x, quantized.dequantize())) < 1e-2
+    assert relative_error(batched, F.linear(x, quantized.dequantize())) < rounding_bound(format)
     for row in (0, chunk - 1, chunk, rows - 1):
         assert torch.equal(quantized.matmul(x[row : row + 1], flags[:1])[0], batched[row])
     assert torch.equal(quantized.matmul(x[chunk - 6 : chunk + 14], flags[:20]), batched[chunk - 6 : chunk + 14])
