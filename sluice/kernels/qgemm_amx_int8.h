@@ -79,6 +79,20 @@ static inline void unpack_q4_1_tile(const uint8_t *w, uint8_t *unpacked) {
         }                                                                                          \
     } while (0)
 
+/* The head of block b's turn in amx_group and amx_super_group: block b + 1's dots started in
+ * the other tile set by START (tiles 0, 1, 2 and 3, 4, 5 take turns), then block b's stored
+ * into `dots` for its read-back. */
+#define AMX_NEXT_BLOCK(START, b)                                                                   \
+    do {                                                                                           \
+        if ((b) % 2 == 0) {                                                                        \
+            if ((b) + 1 < nb) START(3, 4, 5, (b) + 1);                                             \
+            _tile_stored(0, dots, 64);                                                             \
+        } else {                                                                                   \
+            if ((b) + 1 < nb) START(0, 1, 2, (b) + 1);                                             \
+            _tile_stored(3, dots, 64);                                                             \
+        }                                                                                          \
+    } while (0)
+
 /* Activation rows [r0, r0 + rows), rows <= 16, against one row group. Block b + 1's tile
  * multiply is issued before block b's dots are read back and scaled, so the two overlap; each
  * row still sums its blocks in order, in the same float steps as group_q8_0 / group_q4_1.
@@ -96,13 +110,7 @@ static void amx_group(int weight_type, const uint8_t *w, int K, int r0, int rows
     if (weight_type == SLUICE_Q4_1 && !unpacked_before) unpack_q4_1_tile(w, unpacked_blocks);
     AMX_START_BLOCK(0, 1, 2, 0);
     for (int b = 0; b < nb; b++) {
-        if (b % 2 == 0) {
-            if (b + 1 < nb) AMX_START_BLOCK(3, 4, 5, b + 1);
-            _tile_stored(0, dots, 64);
-        } else {
-            if (b + 1 < nb) AMX_START_BLOCK(0, 1, 2, b + 1);
-            _tile_stored(3, dots, 64);
-        }
+        AMX_NEXT_BLOCK(AMX_START_BLOCK, b);
         const uint8_t *block = w + (size_t)b * block_bytes;
         const __m512 d = load_halves(block + (weight_type == SLUICE_Q8_0 ? 32 : 16) * GROUP);
         const __m512 m = weight_type == SLUICE_Q4_1 ? load_halves(block + 18 * GROUP) : _mm512_setzero_ps();
@@ -248,13 +256,7 @@ ALWAYS_INLINE void amx_super_group(int format, const uint8_t *w, int K, int r0, 
     if (!unpacked_before) unpack_super_block(format, w, 0, blocks);
     AMX_START_SUPER_BLOCK(0, 1, 2, 0);
     for (int b = 0; b < nb; b++) {
-        if (b % 2 == 0) {
-            if (b + 1 < nb) AMX_START_SUPER_BLOCK(3, 4, 5, b + 1);
-            _tile_stored(0, dots, 64);
-        } else {
-            if (b + 1 < nb) AMX_START_SUPER_BLOCK(0, 1, 2, b + 1);
-            _tile_stored(3, dots, 64);
-        }
+        AMX_NEXT_BLOCK(AMX_START_SUPER_BLOCK, b);
         const unpacked_block *u = blocks + b;
         const float *activation_sums = x->dsum + (size_t)r0 * nb + b;
         for (int r = 0; r < rows; r++) {
@@ -266,6 +268,7 @@ ALWAYS_INLINE void amx_super_group(int format, const uint8_t *w, int K, int r0, 
     for (int r = 0; r < rows; r++) acc[r] = sums[r];
 }
 #undef AMX_START_SUPER_BLOCK
+#undef AMX_NEXT_BLOCK
 #endif
 
 #endif
