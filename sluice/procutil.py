@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import gc
 import logging
 import mmap
 import os
@@ -122,6 +123,21 @@ def keep_freed_memory_for_reuse() -> None:
     if mallopt is not None:
         mallopt(M_MMAP_THRESHOLD, REUSED_ALLOCATION_BYTES)
         mallopt(M_TRIM_THRESHOLD, REUSED_ALLOCATION_BYTES)
+
+
+def freeze_live_objects() -> None:
+    """Keep the objects alive now out of every later garbage collection.
+
+    A full collection walks every object the collector tracks: with a 1 B model loaded the
+    Scheduler process holds about 178,000 (torch's, transformers', the model's), and the full
+    collection that came every few hundred decode steps held one step up by about 130 ms (16
+    streams of a Llama-3.2-1B-shaped body: longest of 150 steps 208 ms, against 96 ms frozen).
+    Frozen, a collection walks only what was made since. Objects frozen before are thawed first,
+    so that what a weight update left unreferenced can still be collected. Called by the
+    Scheduler process once its model is loaded and after each weight update."""
+    gc.unfreeze()
+    gc.collect()
+    gc.freeze()
 
 
 @functools.cache

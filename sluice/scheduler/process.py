@@ -34,7 +34,7 @@ from sluice.messages import (
     UpdateWeightsFromDiskReq,
     UpdateWeightsFromDiskReqOutput,
 )
-from sluice.procutil import become_child_process, keep_freed_memory_for_reuse
+from sluice.procutil import become_child_process, freeze_live_objects, keep_freed_memory_for_reuse
 
 if TYPE_CHECKING:
     from sluice.scheduler.output import SchedulerOutput
@@ -84,7 +84,9 @@ def build_scheduler(args: ServerArgs) -> Scheduler:
         runner.config.widest_window,
         runner.kv_bytes_per_token(sliding_layers_only=True),
     )
-    return Scheduler(args, runner, max_total_tokens)
+    scheduler = Scheduler(args, runner, max_total_tokens)
+    freeze_live_objects()
+    return scheduler
 
 
 class SchedulerLoop:

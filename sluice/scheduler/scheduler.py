@@ -29,7 +29,7 @@ from sluice.messages import (
 )
 from sluice.model.model_runner import ModelRunner
 from sluice.model.sampler import SampleOutput, SamplingBatch, sample
-from sluice.procutil import release_freed_memory
+from sluice.procutil import freeze_live_objects, release_freed_memory
 from sluice.scheduler.batch_builder import StepBatch, build_forward_batch
 from sluice.scheduler.grammar import Grammars
 from sluice.scheduler.kv_manager import KVManager
@@ -224,6 +224,7 @@ class Scheduler:
             return update_reply(update.request, loaded, self.weight_version, self.weights_path)
         self.runner = loaded
         self.kv.flush()  # no request holds KV now: all of it was computed by the old weights
+        freeze_live_objects()  # the new model's objects; the old one's cycles are collected
         release_freed_memory()  # the old weights
         self.weight_version, self.weights_path = update.weight_version, update.model_path
         message = f"serving {update.model_path} as weight_version {update.weight_version}"

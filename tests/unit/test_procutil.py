@@ -66,3 +66,36 @@ def test_a_freed_large_allocation_is_reused_without_faulting_its_pages_in_again(
     pages = 32 * 2**20 // 4096
     assert faults("default") > pages // 2  # a fresh map: every page faults in again
     assert faults("reuse") < pages // 16
+
+
+FROZEN_CYCLES = """
+import gc, weakref
+from sluice.procutil import freeze_live_objects
+
+class Node:
+    pass
+
+def cycle():
+    first, second = Node(), Node()
+    first.other, second.other = second, first
+    return weakref.ref(first), first
+
+old, kept = cycle()
+freeze_live_objects()
+del kept
+gc.collect()
+print(old() is not None)  # frozen: a full collection passes it by
+new, made_later = cycle()
+del made_later
+gc.collect()
+print(new() is None)  # made after the freeze: collected as ever
+freeze_live_objects()
+print(old() is None)  # thawed before the next freeze: collected
+"""
+
+
+def test_frozen_objects_skip_collections_until_the_next_freeze_thaws_them():
+    # In a child: freezing is the whole process's state.
+    run = subprocess.run([sys.executable, "-c", FROZEN_CYCLES], check=False, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == ["True", "True", "True"]
