@@ -1,5 +1,6 @@
 """What every child process does first: die with its parent, log; keeping torch out of the
-processes that run no tensors; and handing freed heap and read file maps back to the OS."""
+processes that run no tensors; handing freed heap and read file maps back to the OS; and
+keeping a loaded model's objects out of the garbage collector's full passes."""
 
 from __future__ import annotations
 
