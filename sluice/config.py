@@ -66,6 +66,16 @@ class ServerArgs:
         default=0,
         metadata={"help": "Threads for the forward pass of each Scheduler (0: all cores, split over --dp-size)."},
     )
+    fixed_num_threads: bool = field(
+        default=False,
+        metadata={
+            "help": (
+                "Keep --num-threads while other processes keep some of the Scheduler's cores busy. By default the "
+                "forward pass runs on one thread fewer per busy core (read twice a second from /proc/stat) and "
+                "takes them back once the cores are free: a thread without a core holds up every step."
+            )
+        },
+    )
     dp_size: int = field(
         default=1,
         metadata={

@@ -288,6 +288,9 @@ class InternalState(Message):
     # Tokens whose sliding-window layers' K/V are held (a model with such layers; else 0).
     kv_window_tokens_held: int = 0
     last_step_ms: float = 0.0
+    # Threads the forward pass runs on now: fewer than --num-threads while other processes
+    # keep some of the Scheduler's cores busy (scheduler/forward_threads.py).
+    forward_threads: int = 0
     num_retractions: int = 0  # requests sent back to the waiting queue for KV, since start
     prefill_steps: int = 0  # steps that prefilled prompt tokens, since start
     # Messages the scheduler received, by type name (a batch counts once).

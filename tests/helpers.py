@@ -128,14 +128,19 @@ def internal_states(base_url: str, headers: dict | None = None) -> dict:
 
 
 def wait_for_states(
-    base_url: str, condition: Callable[[dict], bool], what: str, timeout_s: float = 30, headers: dict | None = None
+    base_url: str,
+    condition: Callable[[dict], bool],
+    what: str,
+    timeout_s: float = 30,
+    headers: dict | None = None,
+    poll_s: float = 0.05,
 ) -> dict:
-    """Poll the server's internal states until `condition` holds; fail naming `what` if it
-    does not within `timeout_s`. Returns the states that satisfied it."""
+    """Poll the server's internal states every `poll_s` until `condition` holds; fail naming
+    `what` if it does not within `timeout_s`. Returns the states that satisfied it."""
     deadline = time.monotonic() + timeout_s
     while not condition(states := internal_states(base_url, headers)):
         assert time.monotonic() < deadline, f"{what}: not within {timeout_s} s; last states {states}"
-        time.sleep(0.05)
+        time.sleep(poll_s)
     return states
 
 

@@ -327,6 +327,7 @@ def merge_states(states: list[InternalState], ipc: str | None, control_id: int =
         kv_tokens_in_use=total("kv_tokens_in_use"),
         kv_window_tokens_held=total("kv_window_tokens_held"),
         last_step_ms=max((state.last_step_ms for state in states), default=0.0),
+        forward_threads=total("forward_threads"),
         num_retractions=total("num_retractions"),
         prefill_steps=total("prefill_steps"),
         messages_received=summed("messages_received"),

@@ -35,6 +35,7 @@ from sluice.messages import (
     UpdateWeightsFromDiskReqOutput,
 )
 from sluice.procutil import become_child_process, freeze_live_objects, keep_freed_memory_for_reuse
+from sluice.scheduler.forward_threads import ForwardThreads
 
 if TYPE_CHECKING:
     from sluice.scheduler.output import SchedulerOutput
@@ -89,6 +90,14 @@ def build_scheduler(args: ServerArgs) -> Scheduler:
     return scheduler
 
 
+def watch_forward_threads() -> ForwardThreads:
+    """The forward pass's threads (torch's, which the kernels' OpenMP team follows), fewer
+    while other processes keep its cores busy."""
+    import torch
+
+    return ForwardThreads(torch.get_num_threads(), torch.set_num_threads)
+
+
 class SchedulerLoop:
     """Owns the sockets; feeds messages to the Scheduler and sends what it produces.
 
@@ -102,6 +111,7 @@ class SchedulerLoop:
         self.inbox = Receiver(self.context, port_args.scheduler_input)
         self.to_detokenizer = Sender(self.context, port_args.detokenizer_input)
         self.to_tokenizer = Sender(self.context, port_args.tokenizer_input)
+        self.forward_threads = None if scheduler.args.fixed_num_threads else watch_forward_threads()
 
     def run_forever(self) -> None:
         last_send = time.monotonic()
@@ -133,6 +143,8 @@ class SchedulerLoop:
                 last_send = now
             if self.dp_rank is not None:
                 self.report_finished(outputs)
+            if self.forward_threads is not None:
+                self.forward_threads.after_turn()
 
     def report_finished(self, outputs: list[SchedulerOutput]) -> None:
         finished = [out.output.rid for out in outputs if out.output.finish_reason is not None]

@@ -245,6 +245,7 @@ class Scheduler:
             kv_tokens_in_use=self.kv.in_use(),
             kv_window_tokens_held=self.kv.window_slots_held(),
             last_step_ms=self.last_step_ms,
+            forward_threads=torch.get_num_threads(),
             num_retractions=self.num_retractions,
             prefill_steps=self.prefill_steps,
             messages_received=dict(self.received_by_type),

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import psutil
+import pytest
 
 from sluice.kernels.cpu import reported_flags
 from sluice.kernels.loader import kernels_available, load_kernels
-from tests.helpers import generate, greedy
+from tests.helpers import generate, greedy, wait_for_states
 
 
 def test_server_info_names_the_cpu_features_and_the_kernel_paths(server):
@@ -65,3 +69,36 @@ def test_a_prompt_gets_the_same_logprobs_alone_from_the_cache_and_beside_others(
         futures = [pool.submit(answer, text) for text in [*others, prompt]]
         together = [future.result() for future in futures]
     assert together[-1] == alone
+
+
+def test_a_busy_core_takes_a_forward_thread_away_and_the_answers_stay_the_same(server):
+    """Beside a process that keeps a core busy, the Scheduler runs its forward pass on one
+    thread fewer (scheduler/forward_threads.py) and takes the thread back once the core is free
+    again. A request gets the same tokens and logprobs, bit for bit, on either count."""
+    cores = len(os.sched_getaffinity(0))  # the fixture's server runs one thread a core
+    if cores < 2:
+        pytest.skip("one core: the forward pass has no thread to give up")
+
+    def on_threads(count: int, what: str) -> None:
+        # Polled at 20 Hz, /get_server_info keeps half a core busy itself: that would count.
+        wait_for_states(server.base_url, lambda states: states["forward_threads"] == count, what, poll_s=0.5)
+
+    def answer() -> tuple[str, list]:
+        httpx.post(server.base_url + "/flush_cache", timeout=30).raise_for_status()  # compute the prompt again
+        text = "Name three rivers of Europe and say which sea each flows into."
+        body = generate(server.base_url, text=text, sampling_params=greedy(24, ignore_eos=True), return_logprob=True)
+        body.raise_for_status()
+        out = body.json()
+        return out["text"], out["meta_info"]["output_token_logprobs"]
+
+    on_threads(cores, "every thread in use")
+    on_all_threads = answer()
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        on_threads(cores - 1, "one thread given up beside a busy loop")
+        beside_busy_core = answer()
+    finally:
+        busy.kill()
+        busy.wait()
+    on_threads(cores, "the thread taken back once the loop ended")
+    assert beside_busy_core == on_all_threads

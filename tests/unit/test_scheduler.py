@@ -97,6 +97,27 @@ def test_batch_of_16_matches_alone(runner, prompts, alone):
     assert scheduler.internal_state().finished_reqs == {"length": 16}
 
 
+def test_the_thread_count_changing_between_steps_changes_no_token(runner, prompts, alone):
+    """The forward pass gives up a thread while another process keeps a core busy
+    (scheduler/forward_threads.py), in the middle of requests: prompt chunks and decode steps
+    on one thread give the tokens they give on two."""
+    scheduler = make_scheduler(runner, chunked_prefill_size=16, disable_radix_cache=True)
+    for i, ids in enumerate(prompts):
+        params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+        scheduler.add_request(TokenizedGenerateReqInput(rid=f"r{i}", input_ids=ids, sampling_params=params))
+    tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+    try:
+        for step in itertools.count():
+            if scheduler.is_idle:
+                break
+            torch.set_num_threads(1 + step % 2)
+            for out in scheduler.step():
+                tokens[out.output.rid].extend(out.output.new_token_ids)
+    finally:
+        torch.set_num_threads(2)
+    assert [tokens[f"r{i}"] for i in range(len(prompts))] == alone
+
+
 def test_prefix_from_radix_cache_matches(runner, prompts, alone):
     scheduler = make_scheduler(runner)
     run(scheduler, [prompts[0]])
