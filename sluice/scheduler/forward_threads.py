@@ -2,8 +2,8 @@
 fewer while other processes keep some of those cores busy.
 
 The kernels' OpenMP barriers spin. A team with more threads than free cores waits at every
-barrier for a thread that has no core, and a step takes 10-70x as long (README, "Split the
-cores"). Twice a second the Scheduler reads how busy its cores were (/proc/stat) less what
+barrier for a thread that has no core, and a step takes 10-100x as long (README, "Split
+the cores"). Twice a second the Scheduler reads how busy its cores were (/proc/stat) less what
 it used itself: that is the other processes' share. When it leaves fewer free cores than
 threads for a second (two readings in a row: a shorter burst passes), the team shrinks; it
 grows back once the cores have been free for a second.
@@ -25,7 +25,8 @@ WINDOW_S = 0.5  # how often the cores' use is read
 STALE_S = 5.0  # a longer window (a scheduler asleep while idle) decides nothing
 SPARE = 0.5  # a core the others use less than this much counts as free
 CHANGE_AFTER = 2  # windows in a row that ask for another team size before it changes
-# /proc/stat's columns after the cpu name: user nice system idle iowait irq softirq steal.
+PROC_STAT = "/proc/stat"
+# Its columns after the cpu name: user nice system idle iowait irq softirq steal.
 BUSY_COLUMNS = (0, 1, 2, 5, 6)
 
 
@@ -33,14 +34,15 @@ def busy_core_seconds(stat_text: str, cores: Collection[int], ticks_per_s: int) 
     """Seconds that `cores` have spent running anything since boot, from /proc/stat's text."""
     ticks = 0
     for line in stat_text.splitlines():
-        name, *columns = line.split()
+        name, _, columns = line.partition(" ")
         if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cores:
-            ticks += sum(int(columns[i]) for i in BUSY_COLUMNS)
+            counts = columns.split()
+            ticks += sum(int(counts[i]) for i in BUSY_COLUMNS)
     return ticks / ticks_per_s
 
 
 def read_busy_core_seconds(cores: Collection[int]) -> float:
-    with open("/proc/stat") as f:
+    with open(PROC_STAT) as f:
         return busy_core_seconds(f.read(), cores, os.sysconf("SC_CLK_TCK"))
 
 

@@ -35,7 +35,7 @@ from sluice.messages import (
     UpdateWeightsFromDiskReqOutput,
 )
 from sluice.procutil import become_child_process, freeze_live_objects, keep_freed_memory_for_reuse
-from sluice.scheduler.forward_threads import ForwardThreads
+from sluice.scheduler.forward_threads import PROC_STAT, ForwardThreads
 
 if TYPE_CHECKING:
     from sluice.scheduler.output import SchedulerOutput
@@ -90,11 +90,14 @@ def build_scheduler(args: ServerArgs) -> Scheduler:
     return scheduler
 
 
-def watch_forward_threads() -> ForwardThreads:
+def watch_forward_threads() -> ForwardThreads | None:
     """The forward pass's threads (torch's, which the kernels' OpenMP team follows), fewer
-    while other processes keep its cores busy."""
+    while other processes keep its cores busy; None where /proc/stat does not say how busy
+    the cores are (not Linux)."""
     import torch
 
+    if not os.path.exists(PROC_STAT):
+        return None
     return ForwardThreads(torch.get_num_threads(), torch.set_num_threads)
 
 
