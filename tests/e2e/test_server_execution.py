@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -11,6 +10,7 @@ import httpx
 import psutil
 import pytest
 
+from sluice.config import ServerArgs
 from sluice.kernels.cpu import reported_flags
 from sluice.kernels.loader import kernels_available, load_kernels
 from tests.helpers import generate, greedy, wait_for_states
@@ -75,8 +75,8 @@ def test_a_busy_core_takes_a_forward_thread_away_and_the_answers_stay_the_same(s
     """Beside a process that keeps a core busy, the Scheduler runs its forward pass on one
     thread fewer (scheduler/forward_threads.py) and takes the thread back once the core is free
     again. A request gets the same tokens and logprobs, bit for bit, on either count."""
-    cores = len(os.sched_getaffinity(0))  # the fixture's server runs one thread a core
-    if cores < 2:
+    threads = ServerArgs().threads_per_scheduler()  # what the fixture's server was given
+    if threads < 2:
         pytest.skip("one core: the forward pass has no thread to give up")
 
     def on_threads(count: int, what: str) -> None:
@@ -91,14 +91,14 @@ def test_a_busy_core_takes_a_forward_thread_away_and_the_answers_stay_the_same(s
         out = body.json()
         return out["text"], out["meta_info"]["output_token_logprobs"]
 
-    on_threads(cores, "every thread in use")
+    on_threads(threads, "every thread in use")
     on_all_threads = answer()
     busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
-        on_threads(cores - 1, "one thread given up beside a busy loop")
+        on_threads(threads - 1, "one thread given up beside a busy loop")
         beside_busy_core = answer()
     finally:
         busy.kill()
         busy.wait()
-    on_threads(cores, "the thread taken back once the loop ended")
+    on_threads(threads, "the thread taken back once the loop ended")
     assert beside_busy_core == on_all_threads
