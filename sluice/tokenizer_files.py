@@ -10,11 +10,9 @@ import hashlib
 import importlib.metadata
 import json
 import logging
-import mmap
 import multiprocessing as mp
 import os
 import shutil
-import struct
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
@@ -27,6 +25,7 @@ import jinja2.ext
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from sluice.model.gguf_file import read_gguf
 from sluice.procutil import keep_torch_out
 
 if TYPE_CHECKING:
@@ -155,48 +154,8 @@ def load_chat_template(model_path: str, tokenizer: PreTrainedTokenizerBase | Non
 
 
 def _gguf_chat_template(path: Path) -> str | None:
-    # gguf.GGUFReader takes seconds on a small model: it builds an array for every
-    # tensor and vocabulary entry. Walking the metadata for one key takes milliseconds.
-    with open(path, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as data:
-        if data[:4] != b"GGUF" or struct.unpack_from("<I", data, 4)[0] not in (2, 3):
-            raise ValueError(f"{path} is not a little-endian GGUF v2/v3 file")
-        (kv_count,) = struct.unpack_from("<Q", data, 16)
-        offset = 24
-        wanted = _GGUF_CHAT_TEMPLATE_KEY.encode()
-        for _ in range(kv_count):
-            key, offset = _gguf_string(data, offset)
-            (value_type,) = struct.unpack_from("<I", data, offset)
-            offset += 4
-            if key == wanted and value_type == _GGUF_STRING:
-                return _gguf_string(data, offset)[0].decode("utf-8") or None
-            offset = _skip_gguf_value(data, offset, value_type)
-    return None
-
-
-_GGUF_STRING, _GGUF_ARRAY = 8, 9
-_GGUF_SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
-
-
-def _gguf_string(data: mmap.mmap, offset: int) -> tuple[bytes, int]:
-    (length,) = struct.unpack_from("<Q", data, offset)
-    start = offset + 8
-    return data[start : start + length], start + length
-
-
-def _skip_gguf_value(data: mmap.mmap, offset: int, value_type: int) -> int:
-    if value_type == _GGUF_STRING:
-        return offset + 8 + struct.unpack_from("<Q", data, offset)[0]
-    if value_type == _GGUF_ARRAY:
-        item_type, count = struct.unpack_from("<IQ", data, offset)
-        offset += 12
-        if item_type in _GGUF_SCALAR_SIZES:
-            return offset + count * _GGUF_SCALAR_SIZES[item_type]
-        for _ in range(count):
-            offset = _skip_gguf_value(data, offset, item_type)
-        return offset
-    if value_type not in _GGUF_SCALAR_SIZES:
-        raise ValueError(f"unknown GGUF metadata value type {value_type}")
-    return offset + _GGUF_SCALAR_SIZES[value_type]
+    template = read_gguf(path).fields.get(_GGUF_CHAT_TEMPLATE_KEY)
+    return template if isinstance(template, str) and template else None
 
 
 def _folder_chat_template(folder: Path) -> str | None:

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import functools
 from pathlib import Path
 from typing import Any
 
+from sluice.model.gguf_file import GGUFFile, read_gguf
 from sluice.model.model_config import (
     ARCHITECTURE_BY_GGUF_NAME,
     GEMMA_ARCHITECTURES,
@@ -15,24 +15,11 @@ from sluice.model.model_config import (
 )
 
 
-@functools.lru_cache(maxsize=1)
-def open_gguf(path: str):
-    """A `gguf.GGUFReader` for `path`, shared by config and weight loading.
-
-    Building one parses every tokenizer array entry (about 5 s for a 49k vocabulary), so the
-    config read and the weight load that follows it reuse the same reader.
-    """
-    import gguf
-
-    return gguf.GGUFReader(path)
-
-
 def config_from_gguf(path: Path) -> ModelConfig:
-    reader = open_gguf(str(path))
+    reader = read_gguf(path)
 
     def field(key: str, default: Any = None) -> Any:
-        found = reader.fields.get(key)
-        return default if found is None else found.contents()
+        return reader.fields.get(key, default)
 
     arch_name = field("general.architecture")
     architecture = ARCHITECTURE_BY_GGUF_NAME.get(arch_name)
@@ -48,7 +35,6 @@ def config_from_gguf(path: Path) -> ModelConfig:
     rotary_dims = field(f"{arch_name}.rope.dimension_count")
     rotary_dim = checked_rotary_dim(None if rotary_dims is None else int(rotary_dims), head_dim)
     num_layers = int(field(f"{arch_name}.block_count"))
-    tokens = reader.fields["tokenizer.ggml.tokens"]
     eos_token_ids = [
         int(token_id)
         for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
@@ -56,7 +42,7 @@ def config_from_gguf(path: Path) -> ModelConfig:
     ]
     return ModelConfig(
         architecture=architecture,
-        vocab_size=len(tokens.data),
+        vocab_size=len(reader.fields["tokenizer.ggml.tokens"]),
         hidden_size=hidden_size,
         intermediate_size=int(field(f"{arch_name}.feed_forward_length")),
         num_layers=num_layers,
@@ -102,7 +88,7 @@ def _gemma_gguf_fields(
     )
 
 
-def _gguf_rope_scaling(field, arch_name: str, reader) -> dict[str, Any] | None:
+def _gguf_rope_scaling(field, arch_name: str, reader: GGUFFile) -> dict[str, Any] | None:
     factors = {tensor.name: tensor for tensor in reader.tensors if tensor.name.startswith("rope_factors_")}
     if "rope_factors_long.weight" in factors and "rope_factors_short.weight" in factors:
         # Phi-3's LongRoPE, as llama.cpp's converter writes it: the factors as tensors.

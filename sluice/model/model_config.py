@@ -8,7 +8,7 @@ from dataclasses import field as dataclass_field
 from pathlib import Path
 from typing import Any
 
-from sluice.model.gguf_header import read_architecture
+from sluice.model.gguf_file import read_architecture
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",

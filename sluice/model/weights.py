@@ -18,7 +18,7 @@ import torch
 
 from sluice.model.block_rows import BlockFormat, BlockRows
 from sluice.model.gguf_blocks import block_rows
-from sluice.model.gguf_config import open_gguf
+from sluice.model.gguf_file import GGUFTensor, read_gguf
 from sluice.model.lazy_weights import LazyWeights
 from sluice.model.model_config import ModelConfig, is_gguf
 from sluice.procutil import drop_mapped_pages, release_freed_memory
@@ -178,18 +178,14 @@ def _llava_name(name: str) -> str:
 def _gguf_weights(path: Path, config: ModelConfig, dtype: torch.dtype, format_of: FormatPlan | None) -> Weights:
     import gguf
 
-    reader = open_gguf(str(path))
-    tensors, mapped = reader.tensors, reader.data
-    # The config and the plan are read: the reader's parsed metadata (the tokenizer's arrays,
-    # 100+ MB of Python objects at a 49 k vocabulary) goes now, before any weight is copied.
-    open_gguf.cache_clear()
-    del reader
+    gguf_file = read_gguf(path)
+    tensors, mapped = gguf_file.tensors, gguf_file.data
     # llama.cpp's converter permutes Q/K rows of llama models for its rotary layout; Qwen2,
     # Qwen3, Phi-3 and Gemma use the NeoX layout there and are stored unpermuted.
     unpermute_qk = config.architecture in ("LlamaForCausalLM", "MistralForCausalLM")
     float_bytes_freed = 0
 
-    def read(tensor: gguf.ReaderTensor, name: str) -> Weight:
+    def read(tensor: GGUFTensor, name: str) -> Weight:
         nonlocal float_bytes_freed
         type_name = tensor.tensor_type.name
         format = format_of(name) if format_of is not None and type_name not in FLOAT_TYPES else None
@@ -229,9 +225,8 @@ def _gguf_weights(path: Path, config: ModelConfig, dtype: torch.dtype, format_of
 
 def gguf_tensor_types(path: str | Path, config: ModelConfig) -> dict[str, str]:
     """HF weight name -> the GGUF storage type of that tensor ("Q4_1", "Q8_0", "F32", ...)."""
-    reader = open_gguf(str(path))
     types = {}
-    for tensor in reader.tensors:
+    for tensor in read_gguf(path).tensors:
         name = _hf_name(tensor.name, config)
         if name is None:
             continue

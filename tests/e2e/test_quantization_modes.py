@@ -13,6 +13,7 @@ import gguf
 import httpx
 import pytest
 
+from sluice.model.gguf_file import read_gguf
 from sluice.model_files import default_model_path
 from tests.gguf_files import copy_gguf, quantize_q5_k
 from tests.helpers import RunningServer, generate, greedy
@@ -68,7 +69,7 @@ def five_bit_model(request, tmp_path_factory) -> tuple[str, str]:
     source = default_model_path()
     rewrites = FIVE_BIT_REWRITES[request.param]
     replace = {}
-    for tensor in gguf.GGUFReader(source).tensors:
+    for tensor in read_gguf(source).tensors:
         kind = next((kind for end, kind in rewrites.items() if tensor.name.endswith(end)), None)
         if kind is None:
             continue

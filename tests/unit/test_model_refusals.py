@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from sluice.model.gguf_header import GGUFHeaderError, read_architecture
+from sluice.model.gguf_file import GGUFHeaderError, read_architecture
 from sluice.model.model_config import check_servable
 from tests.gguf_files import write_gguf
 from tests.tiny_lms import build_tiny_model
