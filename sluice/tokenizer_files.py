@@ -107,12 +107,14 @@ def _cached_copy(path: Path, cache_dir: str | None) -> Path:
 
 
 def _gguf_cache_key(path: Path) -> str:
-    # The transformers version is part of the key because its GGUF converter changes
-    # between releases; a copy made by another version may differ. Read from the package's
-    # metadata: importing transformers would decide, for this process, whether torch is there.
-    stat = path.stat()
-    identity = f"{path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}\0{importlib.metadata.version('transformers')}"
-    return f"{path.stem}-{hashlib.sha256(identity.encode()).hexdigest()[:16]}"
+    """The conversion reads the file's metadata only: files that hold the same metadata (a
+    copy, a moved file, weights rewritten in other blocks) share one converted tokenizer.
+    The transformers version is part of the key because its GGUF converter changes between
+    releases; it is read from the package's metadata: importing transformers would decide,
+    for this process, whether torch is there."""
+    digest = hashlib.sha256(read_gguf(path).metadata)
+    digest.update(importlib.metadata.version("transformers").encode())
+    return f"gguf-{digest.hexdigest()[:16]}"
 
 
 def _publish_cache(tokenizer: PreTrainedTokenizerBase, cached: Path) -> None:

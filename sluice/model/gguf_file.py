@@ -81,6 +81,13 @@ class GGUFFile:
     fields: dict[str, Any]  # scalars, strings, lists of scalars, StringArray
     tensors: list[GGUFTensor]
     data: np.memmap  # the whole file
+    metadata_end: int  # where the metadata ends and the tensor table begins
+
+    @property
+    def metadata(self) -> memoryview:
+        """The file's bytes up to the end of its metadata: the version, the counts and every
+        key and value, the tokenizer's included."""
+        return self.data.data[: self.metadata_end]
 
 
 def read_architecture(path: str | Path) -> str:
@@ -111,7 +118,7 @@ def read_gguf(path: str | Path) -> GGUFFile:
             key, offset = _string(header, offset)
             (value_type,), offset = _unpack(header, offset, "<I")
             fields[key], offset = _value(header, offset, _value_type(value_type))
-        table = []
+        metadata_end, table = offset, []
         for _ in range(num_tensors):
             name, offset = _string(header, offset)
             (num_dims,), offset = _unpack(header, offset, "<I")
@@ -127,7 +134,7 @@ def read_gguf(path: str | Path) -> GGUFFile:
         tensors = [_tensor(data, data_start, *entry, path=path) for entry in table]
     except struct.error:
         raise GGUFHeaderError(f"{path} is truncated (its header ends early)") from None
-    return GGUFFile(fields, tensors, data)
+    return GGUFFile(fields, tensors, data, metadata_end)
 
 
 def _tensor(

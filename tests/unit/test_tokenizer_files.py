@@ -76,6 +76,21 @@ def test_gguf_tokenizer_is_cached_and_the_cached_copy_behaves_the_same(loads):
     assert cached.chat_template == converted.chat_template
 
 
+def test_a_copy_of_the_file_shares_its_converted_tokenizer_and_other_metadata_does_not(loads, tmp_path):
+    """The cache is keyed by the file's metadata, which is all the conversion reads: a copy
+    under another name (or weights rewritten in other blocks) loads the converted copy; a
+    file whose metadata differs in one byte of its chat template is converted anew."""
+    cache_dir = str(loads[0])
+    original = Path(default_model_path()).read_bytes()
+    copy = tmp_path / "renamed.gguf"
+    copy.write_bytes(original)
+    assert tokenizer_loads_without_torch(str(copy), cache_dir)
+    edited = original.replace(b"You are a helpful AI assistant", b"You are a helpful AI assistanT", 1)
+    assert edited != original
+    copy.write_bytes(edited)
+    assert not tokenizer_loads_without_torch(str(copy), cache_dir)
+
+
 def test_a_gguf_tokenizer_is_converted_in_a_child_then_loads_without_torch(tmp_path):
     """Converting a GGUF vocabulary needs torch (transformers' GGUF reader imports it); the
     server converts it into the cache in a child process, and then a process that keeps torch
