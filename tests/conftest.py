@@ -4,6 +4,9 @@ end-to-end test runs against both topologies."""
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import NamedTuple
+
 import pytest
 
 from tests.helpers import RunningServer
@@ -20,3 +23,24 @@ def server(request):
 @pytest.fixture(scope="session")
 def base_url(server) -> str:
     return server.base_url
+
+
+class TransformersReference(NamedTuple):
+    tokenizer: object
+    model: object  # a float32 transformers causal LM, in eval mode
+
+
+@pytest.fixture(scope="session")
+def transformers_default_model() -> TransformersReference:
+    """transformers' own tokenizer and float32 model of the default GGUF, the reference the
+    parity and embedding tests hold sluice to. Loading them takes transformers half a minute
+    on a slow core (it parses the GGUF twice), so the whole session shares one."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from sluice.model_files import default_model_path
+
+    path = Path(default_model_path())
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    return TransformersReference(tokenizer, model.eval())

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import base64
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import numpy as np
@@ -13,20 +12,15 @@ import openai
 import pytest
 import torch
 
-from sluice.config import ServerArgs
 from tests.helpers import RunningServer, generate, greedy, internal_states, wait_until_drained, wait_until_running
 
 TEXTS = ["The capital of France is Paris.", "def add(a, b):\n    return a + b", "Rain falls on the quiet harbour."]
 
 
 @pytest.fixture(scope="module")
-def reference():
+def reference(transformers_default_model):
     """transformers' pooled, normalised final hidden state of a text (last token or mean)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    path = Path(ServerArgs().resolved_model_path())
-    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    tokenizer, model = transformers_default_model
 
     def embed(text: str, pooling: str = "last") -> np.ndarray:
         with torch.inference_mode():

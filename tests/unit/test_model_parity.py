@@ -53,19 +53,13 @@ def model_path() -> Path:
 
 
 @pytest.fixture(scope="module")
-def prompt_ids(model_path: Path) -> list[list[int]]:
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(model_path.parent, gguf_file=model_path.name)
-    return [tokenizer(prompt).input_ids for prompt in PROMPTS]
+def prompt_ids(transformers_default_model) -> list[list[int]]:
+    return [transformers_default_model.tokenizer(prompt).input_ids for prompt in PROMPTS]
 
 
 @pytest.fixture(scope="module")
-def hf_model(model_path: Path):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_path.parent, gguf_file=model_path.name, dtype=torch.float32)
-    return model.eval()
+def hf_model(transformers_default_model):
+    return transformers_default_model.model
 
 
 @pytest.fixture(scope="module")
@@ -178,10 +172,8 @@ def quantized_runner(model_path: Path) -> ModelRunner:
 
 
 @pytest.fixture(scope="module")
-def chat_prompt_ids(model_path: Path) -> list[list[int]]:
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(model_path.parent, gguf_file=model_path.name)
+def chat_prompt_ids(transformers_default_model) -> list[list[int]]:
+    tokenizer = transformers_default_model.tokenizer
     texts = [
         tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
         for prompt in CHAT_PROMPTS

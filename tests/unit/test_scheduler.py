@@ -303,14 +303,9 @@ def test_priority_preemption_retracts_the_lowest_and_it_resumes_unchanged(runner
 
 
 @pytest.fixture(scope="module")
-def hf_last_hidden():
+def hf_last_hidden(transformers_default_model):
     """transformers' final (normed) hidden states of a prompt, on the same GGUF weights."""
-    from pathlib import Path
-
-    from transformers import AutoModelForCausalLM
-
-    path = Path(ServerArgs().resolved_model_path())
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    model = transformers_default_model.model
 
     def last_hidden(ids: list[int]) -> torch.Tensor:
         with torch.inference_mode():
