@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import re
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -59,17 +60,24 @@ def make_scheduler(runner, **overrides) -> Scheduler:
 
 
 def run(
-    scheduler: Scheduler, prompts: list[list[int]], max_new_tokens: int = NEW_TOKENS, **fields
+    scheduler: Scheduler,
+    prompts: list[list[int]],
+    max_new_tokens: int = NEW_TOKENS,
+    before_step: Callable[[int], None] | None = None,
+    **fields,
 ) -> dict[str, list[int]]:
+    """Greedy tokens of each prompt, keyed `r0`, `r1`, ...; `before_step(n)` runs before step n."""
     for i, ids in enumerate(prompts):
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0, ignore_eos=True, **fields)
         out = scheduler.add_request(TokenizedGenerateReqInput(rid=f"r{i}", input_ids=ids, sampling_params=params))
         assert out is None
     tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
     cached: dict[str, int] = {}
-    for _ in range(10_000):
+    for step in range(10_000):
         if scheduler.is_idle:
             break
+        if before_step is not None:
+            before_step(step)
         for out in scheduler.step():
             tokens[out.output.rid].extend(out.output.new_token_ids)
             cached[out.output.rid] = out.output.cached_tokens
@@ -102,17 +110,8 @@ def test_the_thread_count_changing_between_steps_changes_no_token(runner, prompt
     (scheduler/forward_threads.py), in the middle of requests: prompt chunks and decode steps
     on one thread give the tokens they give on two."""
     scheduler = make_scheduler(runner, chunked_prefill_size=16, disable_radix_cache=True)
-    for i, ids in enumerate(prompts):
-        params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
-        scheduler.add_request(TokenizedGenerateReqInput(rid=f"r{i}", input_ids=ids, sampling_params=params))
-    tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
     try:
-        for step in itertools.count():
-            if scheduler.is_idle:
-                break
-            torch.set_num_threads(1 + step % 2)
-            for out in scheduler.step():
-                tokens[out.output.rid].extend(out.output.new_token_ids)
+        tokens = run(scheduler, prompts, before_step=lambda step: torch.set_num_threads(1 + step % 2))
     finally:
         torch.set_num_threads(2)
     assert [tokens[f"r{i}"] for i in range(len(prompts))] == alone
