@@ -41,7 +41,7 @@ def eventually_version(base_url: str, version: str) -> None:
         time.sleep(0.05)
 
 
-STREAM_TOKENS = 512
+STREAM_TOKENS = 256
 
 
 def stream(base_url: str, text: str, tokens: int) -> list[dict]:
