@@ -117,7 +117,10 @@ def read_gguf(path: str | Path) -> GGUFFile:
         for _ in range(num_entries):
             key, offset = _string(header, offset)
             (value_type,), offset = _unpack(header, offset, "<I")
-            fields[key], offset = _value(header, offset, _value_type(value_type))
+            try:
+                fields[key], offset = _value(header, offset, _value_type(value_type))
+            except _UnknownValueType as unknown:
+                raise GGUFHeaderError(f"{path}: metadata {key} holds an unknown value type {unknown}") from None
         metadata_end, table = offset, []
         for _ in range(num_tensors):
             name, offset = _string(header, offset)
@@ -160,11 +163,15 @@ def _tensor(
     return GGUFTensor(name, tensor_type, tuple(int(dim) for dim in dims), view)
 
 
+class _UnknownValueType(Exception):
+    pass
+
+
 def _value_type(type_id: int) -> GGUFValueType:
     try:
         return GGUFValueType(type_id)
     except ValueError:
-        raise GGUFHeaderError(f"unknown GGUF metadata value type {type_id}") from None
+        raise _UnknownValueType(type_id) from None
 
 
 def _value(header: memoryview, offset: int, value_type: GGUFValueType) -> tuple[Any, int]:

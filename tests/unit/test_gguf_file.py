@@ -3,6 +3,7 @@ value and every tensor's type, shape and bytes; and refuses a broken file in one
 
 from __future__ import annotations
 
+import struct
 from pathlib import Path
 
 import gguf
@@ -95,3 +96,12 @@ def test_an_empty_file_is_refused(tmp_path):
     empty.write_bytes(b"")
     with pytest.raises(GGUFHeaderError, match="not a GGUF file"):
         read_gguf(empty)
+
+
+def test_an_unknown_value_type_is_refused_naming_its_key(tmp_path):
+    key = b"test.mystery"
+    header = struct.pack("<IIQQ", gguf.GGUF_MAGIC, 3, 0, 1) + struct.pack("<Q", len(key)) + key
+    path = tmp_path / "mystery.gguf"
+    path.write_bytes(header + struct.pack("<I", 99) + bytes(16))
+    with pytest.raises(GGUFHeaderError, match=r"metadata test\.mystery holds an unknown value type 99"):
+        read_gguf(path)
