@@ -190,7 +190,7 @@ def llama_binary(peers_dir: Path) -> Path:
     return Path(found.stdout.strip()) / "bin" / "llama-server"
 
 
-def vllm_dtype(requested: str) -> str:
+def vllm_dtype_for_cpu(requested: str) -> str:
     """The dtype vLLM-CPU runs in: bfloat16 where the CPU computes it (AVX-512-BF16 or AMX),
     float32 elsewhere, where bfloat16 is emulated at under 1 GFLOP/s (what a vLLM user there
     would pick)."""
@@ -408,7 +408,7 @@ def main() -> None:
         return
     limits = raw_limits()
     if "vllm" in args.servers:
-        print(f"vLLM dtype: {vllm_dtype(args.vllm_dtype)}", flush=True)
+        print(f"vLLM dtype: {vllm_dtype_for_cpu(args.vllm_dtype)}", flush=True)
     print("raw limits: " + ", ".join(f"{key} {value:.1f}" for key, value in limits.items()), flush=True)
     rounds = []
     for round_index in range(args.rounds):
@@ -416,7 +416,7 @@ def main() -> None:
         results = {}
         model = args.model or default_model_path()
         hf_model = args.hf_model or peer_paths(args.peers_dir).hf_model
-        for server in servers(args.peers_dir, order, model, hf_model, vllm_dtype(args.vllm_dtype)):
+        for server in servers(args.peers_dir, order, model, hf_model, vllm_dtype_for_cpu(args.vllm_dtype)):
             print(f"round {round_index + 1}: {server.name}", flush=True)
             results[server.name] = measure(server, args.workloads, args.peers_dir)
         rounds.append({name: results[name] for name in args.servers})
