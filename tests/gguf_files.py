@@ -96,11 +96,13 @@ def write_gguf(
     arch: str,
     quantize_matrices: str | None = None,
     raw_matrices: dict[str, tuple[np.ndarray, str]] | None = None,
+    metadata: dict[str, str | float] | None = None,
 ) -> Path:
     """Save `model` (a transformers causal LM) at `path` as GGUF architecture `arch`. Matrices
     are float32, or `quantize_matrices` ("Q8_0", "Q4_1", ...) blocks; norms stay float32.
     `raw_matrices` gives some matrices as (blocks in the file's row order, block type)
-    instead: the model's weights must be what they dequantize to."""
+    instead: the model's weights must be what they dequantize to. `metadata`: further keys
+    (strings, or numbers as float32) the model's own config does not write."""
     import gguf
 
     config = model.config
@@ -132,6 +134,17 @@ def write_gguf(
         )
         writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
         writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
+    if rope.get("rope_type") == "yarn":  # the keys llama.cpp's converter writes
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(rope["factor"])
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        for key, add in (
+            ("attention_factor", writer.add_rope_scaling_yarn_attn_factor),
+            ("beta_fast", writer.add_rope_scaling_yarn_beta_fast),
+            ("beta_slow", writer.add_rope_scaling_yarn_beta_slow),
+        ):
+            if key in rope:
+                add(rope[key])
     if rope.get("rope_type") == "llama3":  # Llama 3.x: one divisor per rotary frequency, as a tensor
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
@@ -140,6 +153,8 @@ def write_gguf(
         writer.add_tensor("rope_freqs.weight", (plain / scaled).numpy().astype(np.float32))
     if arch in GEMMA_ARCHES:
         _add_gemma_fields(writer, config, arch)
+    for key, value in (metadata or {}).items():
+        writer.add_string(key, value) if isinstance(value, str) else writer.add_float32(key, value)
     writer.add_tokenizer_model("gpt2")
     writer.add_token_list([f"<t{i}>" for i in range(config.vocab_size)])
     block_type = None if quantize_matrices is None else gguf.GGMLQuantizationType[quantize_matrices]

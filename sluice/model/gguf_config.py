@@ -106,6 +106,44 @@ def _gguf_rope_scaling(field, arch_name: str, reader: GGUFFile) -> dict[str, Any
         # Llama 3.x: llama.cpp's converter bakes the llama3 scaling into one divisor per
         # rotary frequency (inv_freq / factor).
         return {"rope_type": "frequency_factors", "factors": [float(x) for x in frequency_factors.data]}
-    if field(f"{arch_name}.rope.scaling.type") != "linear":
+    key = f"{arch_name}.rope.scaling."
+    scaling_type = field(key + "type", "linear")  # llama.cpp's default
+    if scaling_type == "yarn":
+        return _gguf_yarn(field, arch_name)
+    if scaling_type == "none":
         return None
-    return {"rope_type": "linear", "factor": float(field(f"{arch_name}.rope.scaling.factor", 1.0))}
+    if scaling_type == "longrope":
+        raise ValueError(f"{key}type is longrope but the file has no rope_factors_long and rope_factors_short tensors")
+    if scaling_type != "linear":
+        raise ValueError(f"{key}type {scaling_type!r} is not supported; supported: none, linear, yarn, longrope")
+    factor = float(field(key + "factor") or field(f"{arch_name}.rope.scale_linear") or 1.0)  # and its old name
+    return None if factor == 1.0 else {"rope_type": "linear", "factor": factor}
+
+
+def _gguf_yarn(field, arch_name: str) -> dict[str, Any]:
+    """YaRN as transformers' rope_parameters, from the keys llama.cpp's converter writes. An
+    attention factor the file gives replaces YaRN's own, as in transformers (llama.cpp
+    computes its own regardless)."""
+    key = f"{arch_name}.rope.scaling."
+    for name, neutral in (("yarn_ext_factor", 1.0), ("yarn_log_multiplier", 0.0), ("attn_factor", 1.0)):
+        value = field(key + name)
+        if value is not None and float(value) != neutral:
+            raise ValueError(f"{key}{name} {value:g} is not supported with YaRN (only {neutral:g})")
+    factor = field(key + "factor")
+    if factor is None:
+        raise ValueError(f"{key}type is yarn but {key}factor is missing")
+    scaling: dict[str, Any] = {
+        "rope_type": "yarn",
+        "factor": float(factor),
+        "original_max_position_embeddings": int(
+            field(key + "original_context_length") or field(f"{arch_name}.context_length")
+        ),
+    }
+    for name, hf_name in (
+        ("yarn_beta_fast", "beta_fast"),
+        ("yarn_beta_slow", "beta_slow"),
+        ("yarn_attn_factor", "attention_factor"),
+    ):
+        if (value := field(key + name)) is not None:
+            scaling[hf_name] = float(value)
+    return scaling

@@ -82,13 +82,26 @@ def _text_fields(config: dict[str, Any]) -> dict[str, Any]:
         rope_parameters.setdefault(
             "factor", config["max_position_embeddings"] / rope_parameters["original_max_position_embeddings"]
         )
+    context_len = config.get("max_position_embeddings", 2048)
+    if rope_parameters.get("rope_type") == "yarn":
+        # As transformers reads it: the trained length from the top level first, then from the
+        # RoPE parameters, else max_position_embeddings; the factor their ratio unless given.
+        original = (
+            config.get("original_max_position_embeddings")
+            or rope_parameters.get("original_max_position_embeddings")
+            or context_len
+        )
+        rope_parameters["original_max_position_embeddings"] = original
+        if rope_parameters.get("factor") is None:
+            rope_parameters["factor"] = context_len / original
+        # As vLLM: YaRN is switched on to serve factor times the trained length.
+        context_len = max(context_len, int(original * rope_parameters["factor"]))
     partial_rotary_factor = rope_parameters.pop("partial_rotary_factor", None) or config.get("partial_rotary_factor")
     rope_scaling = rope_parameters if rope_parameters.get("rope_type", "default") != "default" else None
 
     hidden_size = config["hidden_size"]
     num_heads = config["num_attention_heads"]
     head_dim = config.get("head_dim") or hidden_size // num_heads
-    context_len = config.get("max_position_embeddings", 2048)
     rotary_dim = None if partial_rotary_factor is None else int(head_dim * partial_rotary_factor)
     use_sliding_window = config.get("use_sliding_window", True) or config.get("layer_types") is not None
     return dict(

@@ -155,17 +155,17 @@ class RotaryEmbedding(nn.Module):
         """The tables of positions [start, start + _ROTARY_BLOCK), within the context."""
         positions = torch.arange(start, min(start + _ROTARY_BLOCK, self.context_len), dtype=torch.float32)
         rotating = self.rotating
-        scale = 1.0
         if self.rope_scaling.get("rope_type") == "longrope":
             freqs, scale = _longrope_freqs(rotating, self.rope_theta, self.rope_scaling, positions)
         else:
-            freqs = torch.outer(positions, _scaled_inv_freq(rotating, self.rope_theta, self.rope_scaling))
+            inv_freq, scale = _scaled_inv_freq(rotating, self.rope_theta, self.rope_scaling)
+            freqs = torch.outer(positions, inv_freq)
         passing = (self.head_dim - rotating) // 2
         # The sign of rotate_half is folded into sin: rotate_half(x) * sin ==
         # roll(x, half) * [-sin, sin], which saves a negation and a concat per layer.
         cos = torch.cat((freqs, freqs), dim=-1).cos() * scale
         signed_sin = torch.cat((-freqs, freqs), dim=-1).sin() * scale
-        if passing:  # dimensions that do not rotate: cos 1 (LongRoPE's scale is not theirs), sin 0
+        if passing:  # dimensions that do not rotate: cos 1 (LongRoPE's and YaRN's scale is not theirs), sin 0
             cos, signed_sin = (
                 torch.cat([table[:, : rotating // 2], fill, table[:, rotating // 2 :], fill], dim=-1)
                 for table, fill in (
@@ -183,22 +183,30 @@ class RotaryEmbedding(nn.Module):
 _ROTARY_BLOCK = 4096  # positions whose rotary tables are computed together
 
 
-def _scaled_inv_freq(head_dim: int, rope_theta: float, rope_scaling: dict[str, Any] | None) -> torch.Tensor:
+def _scaled_inv_freq(
+    head_dim: int, rope_theta: float, rope_scaling: dict[str, Any] | None
+) -> tuple[torch.Tensor, float]:
+    """The rotary frequencies of a head's head_dim rotating dimensions, and the factor cos and
+    sin are scaled by (1 but for YaRN)."""
     inv_freq = 1.0 / (rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     scaling = rope_scaling or {}
     rope_type = scaling.get("rope_type", "default")
     if rope_type == "default":
-        return inv_freq
+        return inv_freq, 1.0
     if rope_type == "linear":
-        return inv_freq / scaling["factor"]
+        return inv_freq / scaling["factor"], 1.0
     if rope_type == "llama3":
-        return _llama3_inv_freq(inv_freq, scaling)
+        return _llama3_inv_freq(inv_freq, scaling), 1.0
+    if rope_type == "yarn":
+        return _yarn_inv_freq(inv_freq, head_dim, rope_theta, scaling)
     if rope_type == "frequency_factors":  # a GGUF's rope_freqs tensor: one divisor per frequency
         factors = torch.tensor(scaling["factors"], dtype=torch.float32)
         if factors.shape != inv_freq.shape:
             raise ValueError(f"rope_freqs has {len(factors)} factors, not head_dim / 2 = {len(inv_freq)}")
-        return inv_freq / factors
-    raise ValueError(f"rope_scaling.rope_type {rope_type!r} is not supported; supported: linear, llama3, longrope")
+        return inv_freq / factors, 1.0
+    raise ValueError(
+        f"rope_scaling.rope_type {rope_type!r} is not supported; supported: linear, llama3, longrope, yarn"
+    )
 
 
 def _longrope_freqs(
@@ -236,3 +244,43 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, rope_scaling: dict[str, Any]) -> to
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
     return torch.where(is_medium, smoothed, scaled)
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature for a context `factor` times the trained one (eq. 21)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _yarn_inv_freq(
+    inv_freq: torch.Tensor, rotating: int, rope_theta: float, rope_scaling: dict[str, Any]
+) -> tuple[torch.Tensor, float]:
+    """YaRN (Qwen2.5 and Qwen3 past 32 K tokens, GGUFs with rope.scaling.type yarn), as
+    transformers and llama.cpp compute it: frequencies that turn fewer than beta_slow times
+    over the trained context are divided by `factor`, those that turn more than beta_fast
+    times are kept, and a linear ramp over the dimensions between mixes the two; cos and sin
+    are scaled by the attention factor (0.1 ln(factor) + 1 unless the config gives one)."""
+    factor = rope_scaling["factor"]
+    original = rope_scaling["original_max_position_embeddings"]
+    beta_fast = rope_scaling.get("beta_fast") or 32.0
+    beta_slow = rope_scaling.get("beta_slow") or 1.0
+
+    def dimension_turning(turns: float) -> float:
+        """The (fractional) dimension pair whose frequency turns `turns` times in `original` positions."""
+        return rotating * math.log(original / (turns * 2 * math.pi)) / (2 * math.log(rope_theta))
+
+    low, high = dimension_turning(beta_fast), dimension_turning(beta_slow)
+    if rope_scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotating - 1)
+    ramp = ((torch.arange(rotating // 2, dtype=torch.float32) - low) / max(high - low, 0.001)).clamp(0, 1)
+    kept = 1 - ramp  # 1: the frequency as trained, 0: divided by factor
+    mixed = inv_freq / factor * (1 - kept) + inv_freq * kept
+
+    attention_factor = rope_scaling.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = rope_scaling.get("mscale"), rope_scaling.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            attention_factor = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = _yarn_mscale(factor)
+    return mixed, float(attention_factor)

@@ -4,6 +4,7 @@ names what is wrong, with a non-zero exit."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from sluice.model.gguf_config import config_from_gguf
 from sluice.model.gguf_file import GGUFHeaderError, read_architecture
 from sluice.model.model_config import check_servable
 from tests.gguf_files import write_gguf
@@ -84,6 +86,32 @@ def test_serve_refuses_in_one_line_and_exits_non_zero(make, message, tmp_path):
     assert result.returncode != 0
     assert result.stderr.strip().splitlines() == [result.stderr.strip()], result.stderr
     assert message in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    "metadata, message",
+    [
+        ({"qwen3.rope.scaling.type": "dynamic"}, "qwen3.rope.scaling.type 'dynamic' is not supported"),
+        ({"qwen3.rope.scaling.type": "longrope"}, "no rope_factors_long and rope_factors_short tensors"),
+        ({"qwen3.rope.scaling.type": "yarn"}, "qwen3.rope.scaling.factor is missing"),
+        (
+            {
+                "qwen3.rope.scaling.type": "yarn",
+                "qwen3.rope.scaling.factor": 4.0,
+                "qwen3.rope.scaling.yarn_log_multiplier": 0.1,
+            },
+            "qwen3.rope.scaling.yarn_log_multiplier 0.1",
+        ),
+    ],
+    ids=["unknown-type", "longrope-without-factors", "yarn-without-factor", "yarn-log-multiplier"],
+)
+def test_rope_scaling_a_gguf_gives_but_sluice_cannot_apply_is_refused_naming_the_key(metadata, message, tmp_path):
+    """Nothing in a file's RoPE metadata is passed over: a GGUF that asks for scaling sluice
+    does not do is refused, not served with plain RoPE."""
+    hf_model = save_random_model(qwen3_with_qk_norm, tmp_path / "hf")
+    path = write_gguf(hf_model, tmp_path / "model.gguf", "qwen3", metadata=metadata)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        config_from_gguf(path)
 
 
 def test_weights_the_config_does_not_fit_are_refused_naming_the_weight(tmp_path):

@@ -71,6 +71,40 @@ def qwen3_with_qk_norm():
     return Qwen3ForCausalLM(Qwen3Config(**SHAPE, head_dim=32, tie_word_embeddings=True))
 
 
+def qwen3_yarn():
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    # YaRN as Qwen's model cards switch it on (4 times the trained length), at a trained
+    # length of 64 so that its ramp falls within a 32-dimension head.
+    rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64}
+    return Qwen3ForCausalLM(Qwen3Config(**SHAPE, head_dim=32, tie_word_embeddings=True, rope_parameters=rope))
+
+
+def qwen2_yarn_with_its_own_attention_factor_and_betas():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    rope = {
+        "rope_type": "yarn",
+        "rope_theta": 10000.0,
+        "factor": 8.0,
+        "original_max_position_embeddings": 128,
+        "attention_factor": 1.5,
+        "beta_fast": 16.0,
+        "beta_slow": 2.0,
+    }
+    return Qwen2ForCausalLM(Qwen2Config(**SHAPE, tie_word_embeddings=False, rope_parameters=rope))
+
+
+def llama_yarn_untruncated_with_mscales():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    # DeepSeek's spelling of the attention factor (a ratio of two mscales), the ramp's ends
+    # not rounded to whole dimensions, and no trained length: max_position_embeddings's.
+    rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 1.0, "mscale_all_dim": 0.5}
+    rope["truncate"] = False
+    return LlamaForCausalLM(LlamaConfig(**SHAPE, tie_word_embeddings=True, rope_parameters=rope))
+
+
 def phi3_longrope():
     from transformers import Phi3Config, Phi3ForCausalLM
 
@@ -168,6 +202,9 @@ VARIANTS = [
     llama_linear_rope_tied,
     qwen2_with_qkv_bias,
     qwen3_with_qk_norm,
+    qwen3_yarn,
+    qwen2_yarn_with_its_own_attention_factor_and_betas,
+    llama_yarn_untruncated_with_mscales,
     phi3_longrope,
     phi4_mini_partial_rotary,
     mistral_wide_heads,
@@ -288,6 +325,8 @@ def test_the_language_model_of_a_gemma3_vision_checkpoint_serves_alone(tmp_path:
 GGUF_VARIANTS = [
     (qwen3_with_qk_norm, "qwen3"),
     (qwen2_with_qkv_bias, "qwen2"),
+    (qwen3_yarn, "qwen3"),  # YaRN as llama.cpp's converter writes it
+    (qwen2_yarn_with_its_own_attention_factor_and_betas, "qwen2"),
     (phi3_longrope, "phi3"),
     (phi4_mini_partial_rotary, "phi3"),
     (llama_llama3_rope_untied, "llama"),  # llama3 scaling as llama.cpp's rope_freqs tensor
@@ -438,6 +477,23 @@ def test_bfloat16_forward_gives_finite_float32_logits(tmp_path: Path):
         assert logits.shape == (1, 256)
         assert logits.dtype == torch.float32
         assert torch.isfinite(logits).all()
+
+
+def test_yarn_serves_factor_times_the_trained_length(tmp_path: Path):
+    """A Qwen3 config with YaRN switched on as its model card says serves 4 x 32 K tokens, as
+    vLLM does; without YaRN, max_position_embeddings."""
+    save_random_model(qwen3_with_qk_norm, tmp_path)
+    config_path = tmp_path / "config.json"
+    # Written as Qwen3's own config.json is (transformers 4's keys), YaRN added as the card says.
+    plain = {**json.loads(config_path.read_text()), "max_position_embeddings": 40960, "rope_theta": 1e6}
+    del plain["rope_parameters"]
+    config_path.write_text(json.dumps(plain))
+    assert ModelConfig.from_path(tmp_path).context_len == 40960
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+    config_path.write_text(json.dumps({**plain, "rope_scaling": yarn}))
+    config = ModelConfig.from_path(tmp_path)
+    assert config.context_len == 131072
+    assert config.rope_scaling is not None and config.rope_scaling["rope_type"] == "yarn"
 
 
 def test_config_reads_eos_from_both_files_and_sizes_kv(tmp_path: Path):
