@@ -7,6 +7,7 @@ import sys
 
 from sluice.config import ServerArgs
 from sluice.model.model_config import check_servable
+from sluice.tokenizer_files import check_folder_has_a_tokenizer
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -22,6 +23,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         server_args = ServerArgs.from_cli_args(ns)
         check_servable(server_args.resolved_model_path())
+        check_folder_has_a_tokenizer(server_args.resolved_model_path())
     except (ValueError, OSError) as e:
         sys.exit(f"sluice: {e}")
     from sluice.launch import launch_server

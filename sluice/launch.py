@@ -123,7 +123,10 @@ async def _watch_backend(tm, backend: Backend) -> None:
 
 def launch_server(server_args: ServerArgs) -> None:
     logging.basicConfig(level=server_args.log_level.upper(), format="%(asctime)s [main] %(levelname)s %(message)s")
-    _keep_torch_out_of_the_front_end(server_args.resolved_model_path())
+    try:
+        _keep_torch_out_of_the_front_end(server_args.resolved_model_path())
+    except ValueError as e:  # a GGUF tokenizer that cannot be converted: one line, before anything starts
+        sys.exit(f"sluice: {e}")
     if server_args.tokenizer_worker_num > 1 or server_args.http_server == "granian":
         _launch_worker_processes_server(server_args)
     else:

@@ -6,6 +6,7 @@ start at once, so the converted-tokenizer cache is written with an atomic rename
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.metadata
 import json
@@ -13,10 +14,12 @@ import logging
 import multiprocessing as mp
 import os
 import shutil
+import sys
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from datetime import datetime
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -50,7 +53,9 @@ def load_tokenizer(model_path: str, cache_dir: str | None = None) -> PreTrainedT
 
     path = Path(model_path)
     if path.is_dir():
-        return AutoTokenizer.from_pretrained(str(path))
+        check_folder_has_a_tokenizer(path)
+        with _unreadable_tokenizer_refused(path):
+            return AutoTokenizer.from_pretrained(str(path))
     if path.suffix != ".gguf" or not path.is_file():
         raise FileNotFoundError(f"model_path must be a .gguf file or a HF folder, got {model_path!r}")
 
@@ -67,10 +72,37 @@ def load_tokenizer(model_path: str, cache_dir: str | None = None) -> PreTrainedT
             return tokenizer
 
     started = time.perf_counter()
-    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    with _unreadable_tokenizer_refused(path):
+        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     logger.info("converted the GGUF tokenizer of %s in %.2f s", path, time.perf_counter() - started)
     _publish_cache(tokenizer, cached)
     return tokenizer
+
+
+# A folder's tokenizer is in one of these; without any, transformers builds an empty
+# tokenizer from config.json's model type, and every prompt would be no tokens.
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model")
+
+
+def check_folder_has_a_tokenizer(path: str | Path) -> None:
+    """Refuse a HF folder without tokenizer files (a GGUF file always holds its vocabulary)."""
+    path = Path(path)
+    if path.is_dir() and not any((path / name).is_file() for name in _TOKENIZER_FILES):
+        raise ValueError(f"{path}: has no tokenizer: none of {', '.join(_TOKENIZER_FILES)}")
+
+
+@contextlib.contextmanager
+def _unreadable_tokenizer_refused(path: Path) -> Iterator[None]:
+    """What transformers raises for a tokenizer it cannot build (a GGUF vocabulary without
+    the merges or scores its type needs, a folder without tokenizer files) as one ValueError
+    that names the model."""
+    try:
+        yield
+    except KeyError as e:
+        missing = f"tokenizer.ggml.{e.args[0]}" if path.suffix == ".gguf" else e.args[0]
+        raise ValueError(f"{path}: its tokenizer cannot be read: it has no {missing}") from e
+    except Exception as e:
+        raise ValueError(f"{path}: its tokenizer cannot be read: {type(e).__name__}: {e}") from e
 
 
 def tokenizer_loads_without_torch(model_path: str, cache_dir: str | None = None) -> bool:
@@ -93,11 +125,28 @@ def cache_gguf_tokenizer(model_path: str, cache_dir: str | None = None) -> None:
     needs ends with that process, and the processes that run no tensors load the cached copy."""
     if tokenizer_loads_without_torch(model_path, cache_dir):
         return
-    process = mp.get_context("spawn").Process(
-        target=load_tokenizer, args=(model_path, cache_dir), name="sluice-tokenizer-cache", daemon=True
+    context = mp.get_context("spawn")
+    why_not, report = context.Pipe(duplex=False)
+    process = context.Process(
+        target=_convert_into_cache, args=(model_path, cache_dir, report), name="sluice-tokenizer-cache", daemon=True
     )
     process.start()
+    report.close()
     process.join()
+    if process.exitcode != 0:
+        if why_not.poll():
+            raise ValueError(why_not.recv_bytes().decode())
+        raise ValueError(f"{model_path}: converting its tokenizer failed (exit code {process.exitcode})")
+
+
+def _convert_into_cache(model_path: str, cache_dir: str | None, report: Connection) -> None:
+    """The child of cache_gguf_tokenizer: a tokenizer that cannot be read is reported to the
+    parent in one line (bytes, not a pickle), not printed as a traceback."""
+    try:
+        load_tokenizer(model_path, cache_dir)
+    except ValueError as e:
+        report.send_bytes(str(e).encode())
+        sys.exit(1)
 
 
 def _cached_copy(path: Path, cache_dir: str | None) -> Path:

@@ -39,6 +39,16 @@ def write_unsupported(path: Path) -> Path:
     return path
 
 
+def write_without_tokenizer_scores(path: Path) -> Path:
+    """A Qwen3 GGUF whose gpt2 vocabulary lacks what transformers needs to build it."""
+    return write_gguf(save_random_model(qwen3_with_qk_norm, path.parent / "hf"), path, "qwen3")
+
+
+def write_folder_without_tokenizer(folder: Path) -> Path:
+    save_random_model(qwen3_with_qk_norm, folder)
+    return folder
+
+
 def serve(model_path: Path) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "sluice", "serve", "--model-path", str(model_path), "--port", "1"],
@@ -78,8 +88,10 @@ def test_a_file_that_is_not_gguf_is_refused(tmp_path):
         (lambda tmp: write_unsupported(tmp / "mamba.gguf"), "GGUF architecture 'mamba' is not supported"),
         (lambda tmp: tmp / "missing.gguf", "no such file"),
         (lambda tmp: tmp, "neither a .gguf file nor a folder with config.json"),
+        (lambda tmp: write_without_tokenizer_scores(tmp / "model.gguf"), "its tokenizer cannot be read"),
+        (lambda tmp: write_folder_without_tokenizer(tmp / "hf"), "has no tokenizer: none of tokenizer.json"),
     ],
-    ids=["unsupported-architecture", "missing-file", "empty-folder"],
+    ids=["unsupported-architecture", "missing-file", "empty-folder", "unreadable-tokenizer", "no-tokenizer"],
 )
 def test_serve_refuses_in_one_line_and_exits_non_zero(make, message, tmp_path):
     result = serve(make(tmp_path))
