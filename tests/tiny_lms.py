@@ -20,7 +20,16 @@ SHAPE = dict(
 def qwen3_config(vocab_size: int, eos_token_id: int):
     from transformers import Qwen3Config
 
-    return Qwen3Config(**SHAPE, vocab_size=vocab_size, head_dim=32, tie_word_embeddings=True, eos_token_id=eos_token_id)
+    # YaRN switched on as Qwen3's model card says (4 x the trained length), trained on 128.
+    rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128}
+    return Qwen3Config(
+        **SHAPE,
+        vocab_size=vocab_size,
+        head_dim=32,
+        tie_word_embeddings=True,
+        eos_token_id=eos_token_id,
+        rope_parameters=rope,
+    )
 
 
 def phi3_config(vocab_size: int, eos_token_id: int):

@@ -1,5 +1,5 @@
 """Architectures beyond the default model's, served for real: tiny random-weight Qwen3
-(per-head q/k norm, head_dim * heads != hidden), Phi-3 (fused qkv and gate/up, LongRoPE),
+(per-head q/k norm, head_dim * heads != hidden, YaRN), Phi-3 (fused qkv and gate/up, LongRoPE),
 Gemma 2 (sliding-window layers, soft-capping, sandwich norms, GeGLU) and Gemma 3 (local and
 global RoPE, q/k norms) with SmolLM2's tokenizer, through the HTTP server, against
 transformers on the same weights."""
