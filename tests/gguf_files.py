@@ -97,12 +97,14 @@ def write_gguf(
     quantize_matrices: str | None = None,
     raw_matrices: dict[str, tuple[np.ndarray, str]] | None = None,
     metadata: dict[str, str | float] | None = None,
+    extra_tensors: dict[str, np.ndarray] | None = None,
 ) -> Path:
     """Save `model` (a transformers causal LM) at `path` as GGUF architecture `arch`. Matrices
     are float32, or `quantize_matrices` ("Q8_0", "Q4_1", ...) blocks; norms stay float32.
     `raw_matrices` gives some matrices as (blocks in the file's row order, block type)
     instead: the model's weights must be what they dequantize to. `metadata`: further keys
-    (strings, or numbers as float32) the model's own config does not write."""
+    (strings, or numbers as float32) the model's own config does not write; `extra_tensors`:
+    further float32 tensors, by GGUF name."""
     import gguf
 
     config = model.config
@@ -176,6 +178,8 @@ def write_gguf(
             writer.add_tensor(gguf_name(hf_name, arch), gguf.quants.quantize(array, block_type), raw_dtype=block_type)
         else:
             writer.add_tensor(gguf_name(hf_name, arch), np.ascontiguousarray(array, dtype=np.float32))
+    for name, array in (extra_tensors or {}).items():
+        writer.add_tensor(name, np.ascontiguousarray(array, dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

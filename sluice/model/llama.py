@@ -264,6 +264,23 @@ class LlamaForCausalLM(nn.Module):
             # keeps: hand them back, or the whole model's worth stays resident beside its
             # packed copy until loading ends.
             release_freed_memory()
+        self._refuse_weights_left(weights)
+
+    def _refuse_weights_left(self, weights: Weights) -> None:
+        """A language-model weight that load_weights did not take (a Llama's o_proj or MLP
+        biases, say) would be left out of every forward pass, and each answer would be wrong:
+        refuse it, naming it. A tied model's saved lm_head is the one exception, as in
+        transformers. A LLaVA model's vision weights are its vision tower's to take."""
+        namespace = ("model.", "lm_head.") if self.config.vision is not None else ("",)
+        left = [name for name in weights if name.startswith(namespace)]
+        if self.lm_head is self.embed_tokens and "lm_head.weight" in left:
+            left.remove("lm_head.weight")
+        if left:
+            more = f" (and {len(left) - 1} more)" if len(left) > 1 else ""
+            raise ValueError(
+                f"weight {left[0]}{more} is in the model files but sluice's {self.config.architecture} "
+                "has no place for it: serving without it would give wrong answers"
+            )
 
     @torch.no_grad()
     def quantize(self, format_of: Callable[[str], BlockFormat | None]) -> None:

@@ -220,7 +220,14 @@ def _gguf_weights(path: Path, config: ModelConfig, dtype: torch.dtype, format_of
         name = _hf_name(tensor.name, config)
         if name is not None:
             readers[name] = lambda tensor=tensor, name=name: read(tensor, name)  # type: ignore[misc]
+        elif tensor.name not in _GGUF_TENSORS_READ_AS_CONFIG:
+            # An expert's weights, a norm sluice does not apply: serving without them would be wrong.
+            raise ValueError(f"tensor {tensor.name} of {path.name} is not one sluice reads for {config.architecture}")
     return LazyWeights(readers)
+
+
+# Read by gguf_config.py (RoPE), or by nothing in llama.cpp either (old files' rotary tables).
+_GGUF_TENSORS_READ_AS_CONFIG = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
 
 
 def gguf_tensor_types(path: str | Path, config: ModelConfig) -> dict[str, str]:

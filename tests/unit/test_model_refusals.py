@@ -11,10 +11,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from sluice.model.gguf_config import config_from_gguf
 from sluice.model.gguf_file import GGUFHeaderError, read_architecture
 from sluice.model.model_config import check_servable
+from sluice.model.model_runner import ModelRunner
 from tests.gguf_files import write_gguf
 from tests.tiny_lms import build_tiny_model
 from tests.unit.test_model_tiny import qwen3_with_qk_norm, save_random_model
@@ -124,6 +126,35 @@ def test_rope_scaling_a_gguf_gives_but_sluice_cannot_apply_is_refused_naming_the
     path = write_gguf(hf_model, tmp_path / "model.gguf", "qwen3", metadata=metadata)
     with pytest.raises(ValueError, match=re.escape(message)):
         config_from_gguf(path)
+
+
+@pytest.mark.parametrize("from_gguf", [False, True], ids=["folder", "gguf"])
+@pytest.mark.parametrize(
+    "bias, first_left",
+    [("attention_bias", "model.layers.0.self_attn.o_proj.bias"), ("mlp_bias", "model.layers.0.mlp.")],
+)
+def test_weights_the_model_has_no_place_for_are_refused_not_left_out(bias, first_left, from_gguf, tmp_path):
+    """A Llama with attention_bias has an o_proj bias, one with mlp_bias MLP biases: sluice
+    applies neither, so it refuses such a model rather than answer without them."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tests.unit.test_model_tiny import SHAPE
+
+    hf_model = save_random_model(lambda: LlamaForCausalLM(LlamaConfig(**SHAPE, **{bias: True})), tmp_path / "hf")
+    path = write_gguf(hf_model, tmp_path / "model.gguf", "llama") if from_gguf else tmp_path / "hf"
+    with pytest.raises(ValueError, match=re.escape(first_left) + r".* has no place for it"):
+        ModelRunner(str(path), torch.float32)
+
+
+def test_a_gguf_tensor_sluice_does_not_read_is_refused_naming_it(tmp_path):
+    """A tensor the GGUF loader has no name for (an MoE layer's router, say) is not dropped."""
+    hf_model = save_random_model(qwen3_with_qk_norm, tmp_path / "hf")
+    router = {"blk.0.ffn_gate_inp.weight": np.zeros((64, 4), dtype=np.float32)}
+    path = write_gguf(hf_model, tmp_path / "model.gguf", "qwen3", extra_tensors=router)
+    with pytest.raises(
+        ValueError, match=re.escape("tensor blk.0.ffn_gate_inp.weight of model.gguf is not one sluice reads")
+    ):
+        ModelRunner(str(path), torch.float32)
 
 
 def test_weights_the_config_does_not_fit_are_refused_naming_the_weight(tmp_path):
