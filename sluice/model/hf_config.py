@@ -103,7 +103,18 @@ def _text_fields(config: dict[str, Any]) -> dict[str, Any]:
     num_heads = config["num_attention_heads"]
     head_dim = config.get("head_dim") or hidden_size // num_heads
     rotary_dim = None if partial_rotary_factor is None else int(head_dim * partial_rotary_factor)
-    use_sliding_window = config.get("use_sliding_window", True) or config.get("layer_types") is not None
+    if architecture not in GEMMA_ARCHITECTURES and config.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act {config['hidden_act']!r} is not supported for {architecture}; supported: silu")
+    layer_types = config.get("layer_types")
+    if architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and layer_types is None:
+        # As transformers reads a Qwen config.json: windows only with use_sliding_window (off
+        # by default), and then only in the layers from max_window_layers on.
+        first_sliding = config.get("max_window_layers", 28) if config.get("use_sliding_window", False) else None
+        layer_types = [
+            "sliding_attention" if first_sliding is not None and layer >= first_sliding else "full_attention"
+            for layer in range(config["num_hidden_layers"])
+        ]
+    use_sliding_window = config.get("use_sliding_window", True) or layer_types is not None
     return dict(
         architecture=architecture,
         vocab_size=config["vocab_size"],
@@ -126,7 +137,7 @@ def _text_fields(config: dict[str, Any]) -> dict[str, Any]:
             config["num_hidden_layers"],
             config.get("sliding_window") if use_sliding_window else None,
             config.get("sliding_window_pattern"),
-            config.get("layer_types"),
+            layer_types,
         ),
         **_gemma_hf_fields(config, architecture, local_rope),
     )

@@ -479,6 +479,35 @@ def test_bfloat16_forward_gives_finite_float32_logits(tmp_path: Path):
         assert torch.isfinite(logits).all()
 
 
+def test_a_qwen_config_slides_only_from_max_window_layers_and_only_when_asked(tmp_path: Path):
+    """A Qwen config.json as the hub has it (no layer_types): with use_sliding_window, only
+    the layers from max_window_layers on slide, as transformers reads it; without it (the
+    default), none, though sliding_window is set."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(**SHAPE, use_sliding_window=True, sliding_window=6, max_window_layers=1)
+    hf_model = save_random_model(lambda: Qwen2ForCausalLM(config), tmp_path)
+    config_path = tmp_path / "config.json"
+    saved = json.loads(config_path.read_text())
+    del saved["layer_types"]
+    config_path.write_text(json.dumps(saved))
+    runner = ModelRunner(str(tmp_path), torch.float32, kv_cache_dtype="float32")
+    assert runner.config.layer_windows == [None, 6]
+    assert_matches_transformers(runner, hf_model)
+
+    del saved["use_sliding_window"]
+    config_path.write_text(json.dumps(saved))
+    assert ModelConfig.from_path(tmp_path).layer_windows == []
+
+
+def test_an_activation_other_than_silu_is_refused_for_a_llama(tmp_path: Path):
+    save_random_model(llama_linear_rope_tied, tmp_path)
+    config_path = tmp_path / "config.json"
+    config_path.write_text(json.dumps({**json.loads(config_path.read_text()), "hidden_act": "gelu"}))
+    with pytest.raises(ValueError, match="hidden_act 'gelu' is not supported for LlamaForCausalLM"):
+        ModelConfig.from_path(tmp_path)
+
+
 def test_yarn_serves_factor_times_the_trained_length(tmp_path: Path):
     """A Qwen3 config with YaRN switched on as its model card says serves 4 x 32 K tokens, as
     vLLM does; without YaRN, max_position_embeddings."""
