@@ -189,8 +189,8 @@ def write_gguf(
 
 def _add_gemma_fields(writer, config, arch: str) -> None:
     """What llama.cpp's converter writes for Gemma 2 / 3: the window, the soft-caps, Gemma 3's
-    global RoPE (its local base is fixed at 10,000) and, where the layers do not follow the
-    default interleaving, which layers slide."""
+    global RoPE and its sliding layers' base and, where the layers do not follow the default
+    interleaving, which layers slide."""
     import gguf
 
     writer.add_sliding_window(config.sliding_window)
@@ -199,6 +199,7 @@ def _add_gemma_fields(writer, config, arch: str) -> None:
         writer.add_final_logit_softcapping(config.final_logit_softcapping)
         return
     global_rope = config.rope_parameters["full_attention"]
+    writer.add_rope_freq_base_swa(config.rope_parameters["sliding_attention"]["rope_theta"])
     if global_rope.get("rope_type") == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(global_rope["factor"])

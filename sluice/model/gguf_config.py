@@ -61,7 +61,8 @@ def config_from_gguf(path: Path) -> ModelConfig:
         layer_windows=layer_windows(
             architecture,
             num_layers,
-            field(f"{arch_name}.attention.sliding_window") or None,
+            field(f"{arch_name}.attention.sliding_window", 4096 if architecture == "Gemma2ForCausalLM" else None)
+            or None,
             field(f"{arch_name}.attention.sliding_window_pattern"),
         ),
         **(_gemma_gguf_fields(field, arch_name, architecture, num_layers, hidden_size, num_heads)),
@@ -84,8 +85,19 @@ def _gemma_gguf_fields(
         query_pre_attn_scalar=hidden_size / num_heads if big else None,
         attn_logit_softcap=field(f"{arch_name}.attn_logit_softcapping"),
         final_logit_softcap=field(f"{arch_name}.final_logit_softcapping"),
-        local_rope_theta=10000.0 if architecture == "Gemma3ForCausalLM" else None,
+        local_rope_theta=_gemma_local_rope_theta(field, arch_name, architecture),
     )
+
+
+def _gemma_local_rope_theta(field, arch_name: str, architecture: str) -> float | None:
+    """The RoPE base of the sliding layers, as llama.cpp reads it: rope.freq_base_swa, else
+    10,000 for Gemma 3 and the global base for Gemma 2 (None: the global base)."""
+    local = field(f"{arch_name}.rope.freq_base_swa")
+    if architecture == "Gemma3ForCausalLM":
+        return float(local) if local is not None else 10000.0
+    if local is None or float(local) == float(field(f"{arch_name}.rope.freq_base", 10000.0)):
+        return None
+    return float(local)
 
 
 def _gguf_rope_scaling(field, arch_name: str, reader: GGUFFile) -> dict[str, Any] | None:

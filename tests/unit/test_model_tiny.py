@@ -180,11 +180,12 @@ def gemma2_as_llama_cpp_reads_it():
 def gemma3_local_and_global_rope():
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
-    # Per-head q/k norms; the sliding layer rotates with base 10,000, the global one with
-    # 1,000,000 and linear scaling by 8 (Gemma 3 4B's).
+    # Per-head q/k norms; the global layer rotates with base 1,000,000 and linear scaling by
+    # 8 (Gemma 3 4B's), the sliding one with a base of its own (Gemma 3's is 10,000; another
+    # here, so that a GGUF's rope.freq_base_swa must be read).
     rope = {
         "full_attention": {"rope_type": "linear", "rope_theta": 1_000_000.0, "factor": 8.0},
-        "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 20_000.0},
     }
     config = Gemma3TextConfig(
         **SHAPE,
