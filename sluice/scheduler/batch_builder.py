@@ -91,9 +91,6 @@ class StepBatch:
         logprobs = torch.log_softmax(logits[rows].float(), dim=-1)
         for k, (i, pos, _) in enumerate(self.input_logprob_rows):
             req = self.reqs[i]
-            if not req.input_logprobs and req.logprob_start_len == 0:
-                req.input_logprobs.append(None)  # the first token has nothing to condition on
-                req.input_top_logprobs.append([])
             token = req.prompt_ids[pos]
             req.input_logprobs.append(float(logprobs[k, token]))
             if req.top_logprobs_num:

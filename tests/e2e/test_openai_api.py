@@ -128,16 +128,21 @@ def test_completion_logprobs(client, model):
         assert max(top.values()) == pytest.approx(logprob, abs=1e-4)
 
 
-def test_completion_echo_with_logprobs(client, model):
-    result = client.completions.create(model=model, prompt=PROMPT, max_tokens=2, temperature=0, echo=True, logprobs=1)
+@pytest.mark.parametrize("prompt", [PROMPT, "Hi"], ids=["prompt", "one-token-prompt"])
+def test_completion_echo_with_logprobs(client, model, prompt):
+    """Every prompt token is scored and placed, the first (unscored) one too, also when it
+    is the only one."""
+    result = client.completions.create(model=model, prompt=prompt, max_tokens=2, temperature=0, echo=True, logprobs=1)
     choice = result.choices[0]
-    assert choice.text.startswith(PROMPT) and len(choice.text) > len(PROMPT)
+    assert choice.text.startswith(prompt) and len(choice.text) > len(prompt)
     logprobs = choice.logprobs
     prompt_tokens = result.usage.prompt_tokens
+    assert prompt != "Hi" or prompt_tokens == 1
     assert len(logprobs.tokens) == prompt_tokens + result.usage.completion_tokens
     assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
     assert all(lp is not None and lp <= 0 for lp in logprobs.token_logprobs[1:])
-    assert "".join(logprobs.tokens[:prompt_tokens]) == PROMPT
+    assert "".join(logprobs.tokens[:prompt_tokens]) == prompt
+    assert logprobs.text_offset == [len("".join(logprobs.tokens[:i])) for i in range(len(logprobs.tokens))]
 
 
 def test_completion_echo_scores_the_prompt_with_max_tokens_0(client, model):
