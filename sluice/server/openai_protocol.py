@@ -292,6 +292,8 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
         _check_range(self.max_tokens, "max_tokens", 0)
         _check_range(self.max_completion_tokens, "max_completion_tokens", 0)
         _check_range(self.top_logprobs, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+        if self.top_logprobs and not self.logprobs:  # as OpenAI and vLLM: not an answer without them
+            raise ClientError("top_logprobs needs logprobs set to true", "top_logprobs")
         if not self.messages:
             raise ClientError("messages must not be empty", "messages")
 

@@ -354,6 +354,12 @@ def test_chat_logprobs_with_top_logprobs(client, model):
         assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob, abs=1e-4)  # greedy
 
 
+def test_chat_top_logprobs_without_logprobs_is_refused(client, model):
+    """Not an answer without the logprobs asked for, as OpenAI and vLLM do."""
+    with pytest.raises(openai.BadRequestError, match="top_logprobs needs logprobs set to true"):
+        chat(client, model, "Name a color.", max_tokens=2, top_logprobs=3)
+
+
 def test_chat_stream_logprobs_match(client, model):
     full = chat(client, model, "Name a color.", max_tokens=6, logprobs=True, top_logprobs=2)
     chunks = list(chat(client, model, "Name a color.", max_tokens=6, logprobs=True, top_logprobs=2, stream=True))

@@ -219,6 +219,9 @@ def test_chat_ranges_and_max_tokens():
         chat().check()
     with refused("top_logprobs", "top_logprobs must be in [0, 20], got 21"):
         chat(ChatMessage(role="user", content="Hi"), top_logprobs=21).check()
+    with refused("top_logprobs", "top_logprobs needs logprobs set to true"):
+        chat(ChatMessage(role="user", content="Hi"), top_logprobs=2).check()
+    chat(ChatMessage(role="user", content="Hi"), top_logprobs=0).check()  # asks for nothing
     with refused("max_completion_tokens", "max_completion_tokens must be >= 0, got -2"):
         chat(ChatMessage(role="user", content="Hi"), max_completion_tokens=-2).check()
     assert chat(max_tokens=5).requested_max_tokens == 5
