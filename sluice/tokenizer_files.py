@@ -94,7 +94,7 @@ def check_folder_has_a_tokenizer(path: str | Path) -> None:
 @contextlib.contextmanager
 def _unreadable_tokenizer_refused(path: Path) -> Iterator[None]:
     """What transformers raises for a tokenizer it cannot build (a GGUF vocabulary without
-    the merges or scores its type needs, a folder without tokenizer files) as one ValueError
+    the merges or scores its type needs, a folder's broken tokenizer files) as one ValueError
     that names the model."""
     try:
         yield

@@ -221,12 +221,12 @@ def _gguf_weights(path: Path, config: ModelConfig, dtype: torch.dtype, format_of
         if name is not None:
             readers[name] = lambda tensor=tensor, name=name: read(tensor, name)  # type: ignore[misc]
         elif tensor.name not in _GGUF_TENSORS_READ_AS_CONFIG:
-            # An expert's weights, a norm sluice does not apply: serving without them would be wrong.
+            # An MoE router or expert, a norm sluice does not apply: serving without it would be wrong.
             raise ValueError(f"tensor {tensor.name} of {path.name} is not one sluice reads for {config.architecture}")
     return LazyWeights(readers)
 
 
-# Read by gguf_config.py (RoPE), or by nothing in llama.cpp either (old files' rotary tables).
+# Tensors that are settings, not weights: gguf_config.py reads them as the model's RoPE scaling.
 _GGUF_TENSORS_READ_AS_CONFIG = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
 
 
