@@ -99,6 +99,16 @@ class ServerArgs:
         default=False,
         metadata={"help": "Pin each Scheduler replica to its own cores (replica i: cores i*t .. i*t+t-1)."},
     )
+    context_length: int = field(
+        default=0,
+        metadata={
+            "help": (
+                "Most tokens (prompt and output) one request may hold (0: the model's own: max_position_embeddings, "
+                "or original x factor with YaRN). More than the model's own is refused: its positions past that "
+                "were never trained."
+            )
+        },
+    )
     max_total_tokens: int = field(
         default=0, metadata={"help": "KV cache size in tokens (0: from --kv-cache-memory-gb)."}
     )
@@ -280,6 +290,7 @@ class ServerArgs:
             ),
             (0 < self.port < 65536, "port must be in 1..65535"),
             (self.num_threads >= 0, "num_threads must be >= 0"),
+            (self.context_length >= 0, "context_length must be >= 0"),
             (self.max_total_tokens >= 0, "max_total_tokens must be >= 0"),
             (1 <= self.dp_size <= 64, "dp_size must be in 1..64"),
             (

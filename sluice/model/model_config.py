@@ -3,7 +3,7 @@ folder (hf_config.py), and what both readers share."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from dataclasses import field as dataclass_field
 from pathlib import Path
 from typing import Any
@@ -153,6 +153,17 @@ class ModelConfig:
     def num_image_tokens(self) -> int:
         """Prompt positions one image fills; 0 for a text-only model."""
         return 0 if self.vision is None else self.vision.num_image_tokens
+
+    def with_context_length(self, context_length: int) -> ModelConfig:
+        """This config serving at most `context_length` tokens a request (0: the model's own)."""
+        if not context_length:
+            return self
+        if context_length > self.context_len:
+            raise ValueError(
+                f"--context-length {context_length} is more than the model's context length {self.context_len}: "
+                "its positions past that were never trained"
+            )
+        return replace(self, context_len=context_length)
 
     def replacement_mismatch(self, new: ModelConfig) -> str | None:
         """Why weights of shape `new` cannot replace this model's in a running server (None:

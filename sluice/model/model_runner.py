@@ -25,10 +25,12 @@ class ModelRunner:
         dtype: str | torch.dtype = "auto",
         quantization: str = "none",
         kv_cache_dtype: str = "auto",
+        context_length: int = 0,
     ) -> None:
         """dtype / kv_cache_dtype: as --dtype / --kv-cache-dtype ("auto" picks for this CPU,
-        see execution.py); a torch dtype is taken as the explicit choice."""
-        self.config = ModelConfig.from_path(model_path)
+        see execution.py); a torch dtype is taken as the explicit choice. context_length: as
+        --context-length (0: the model's own)."""
+        self.config = ModelConfig.from_path(model_path).with_context_length(context_length)
         if self.config.text_of is not None:
             logger.warning(
                 "serving the language model of this %s checkpoint: its vision tower is not loaded, "
@@ -36,7 +38,7 @@ class ModelRunner:
                 self.config.text_of,
             )
         # As asked: weights loaded in place of these later run the same way.
-        self.load_options = (dtype, quantization, kv_cache_dtype)
+        self.load_options = (dtype, quantization, kv_cache_dtype, context_length)
         self.execution = choose_execution(dtype, kv_cache_dtype)
         self.dtype = self.execution.dtype
         self.kv_dtype = self.execution.kv_dtype

@@ -76,7 +76,9 @@ def build_scheduler(args: ServerArgs) -> Scheduler:
     from sluice.model.model_runner import ModelRunner
     from sluice.scheduler.scheduler import Scheduler
 
-    runner = ModelRunner(args.resolved_model_path(), args.dtype, args.quantization, args.kv_cache_dtype)
+    runner = ModelRunner(
+        args.resolved_model_path(), args.dtype, args.quantization, args.kv_cache_dtype, args.context_length
+    )
     keep_freed_memory_for_reuse()
     max_total_tokens = default_max_total_tokens(
         args,

@@ -199,7 +199,7 @@ class Scheduler:
         plan = (
             Refusal(None, "another weight update is in progress")
             if self.pending_update is not None
-            else plan_update(msg, self.config, self.weight_version)
+            else plan_update(msg, self.config, self.weight_version, self.args.context_length)
         )
         if isinstance(plan, Refusal):
             return update_reply(msg, plan, self.weight_version, self.weights_path)

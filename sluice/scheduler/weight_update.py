@@ -34,12 +34,15 @@ class Refusal:
     message: str
 
 
-def plan_update(request: UpdateWeightsFromDiskReq, served: ModelConfig, version: str) -> PendingUpdate | Refusal:
-    """The update to carry out once nothing runs, or why it is refused."""
+def plan_update(
+    request: UpdateWeightsFromDiskReq, served: ModelConfig, version: str, context_length: int = 0
+) -> PendingUpdate | Refusal:
+    """The update to carry out once nothing runs, or why it is refused. context_length: the
+    server's --context-length, which the new weights are served at too."""
     path = os.path.abspath(request.model_path)
     try:
         check_servable(path)
-        offered = ModelConfig.from_path(path)
+        offered = ModelConfig.from_path(path).with_context_length(context_length)
     except (OSError, ValueError) as e:
         return Refusal("model_path", f"cannot load {path}: {e}")
     if (mismatch := served.replacement_mismatch(offered)) is not None:

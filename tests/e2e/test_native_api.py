@@ -8,6 +8,7 @@ import httpx
 import pytest
 
 from tests.helpers import (
+    RunningServer,
     finished_count,
     generate,
     greedy,
@@ -166,6 +167,23 @@ def test_too_long_input_names_both_numbers(base_url):
     assert r.status_code == 400 and str(limit + 1) in r.text and str(limit) in r.text
     r = generate(base_url, input_ids=[100] * 100, sampling_params={"max_new_tokens": context})
     assert r.status_code == 400 and "100" in r.text and str(context) in r.text
+
+
+@pytest.fixture(scope="module")
+def capped():
+    """A server whose requests may hold 64 tokens (the model's own: 8192)."""
+    server = RunningServer("--context-length", "64", "--skip-warmup")
+    yield server
+    server.stop()
+
+
+def test_context_length_caps_what_a_request_may_hold(capped):
+    info = httpx.get(capped.base_url + "/get_model_info").json()
+    assert info["context_len"] == 64 and info["max_req_input_len"] == 63
+    r = generate(capped.base_url, input_ids=[100] * 40, sampling_params={"max_new_tokens": 30})
+    assert r.status_code == 400 and "64" in r.json()["error"]["message"], r.text
+    r = generate(capped.base_url, input_ids=[100] * 40, sampling_params=greedy(24, ignore_eos=True))
+    assert r.status_code == 200 and r.json()["meta_info"]["completion_tokens"] == 24, r.text
 
 
 def test_malformed_bodies(base_url):

@@ -509,6 +509,14 @@ def test_an_activation_other_than_silu_is_refused_for_a_llama(tmp_path: Path):
         ModelConfig.from_path(tmp_path)
 
 
+def test_context_length_caps_the_model_s_own_and_cannot_pass_it(tmp_path: Path):
+    save_random_model(qwen3_with_qk_norm, tmp_path)
+    runner = ModelRunner(str(tmp_path), torch.float32, context_length=100)
+    assert runner.config.context_len == 100 and ModelConfig.from_path(tmp_path).context_len == 512
+    with pytest.raises(ValueError, match="--context-length 513 is more than the model's context length 512"):
+        ModelConfig.from_path(tmp_path).with_context_length(513)
+
+
 def test_yarn_serves_factor_times_the_trained_length(tmp_path: Path):
     """A Qwen3 config with YaRN switched on as its model card says serves 4 x 32 K tokens, as
     vLLM does; without YaRN, max_position_embeddings."""

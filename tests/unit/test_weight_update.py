@@ -32,7 +32,8 @@ def folders(tmp_path_factory):
 def new_scheduler(folder, max_total_tokens: int = 2048, **overrides) -> Scheduler:
     torch.set_num_threads(2)
     args = ServerArgs(model_path=str(folder), dtype="float32", debug_checks=True, **overrides)
-    return Scheduler(args, ModelRunner(str(folder), torch.float32), max_total_tokens)
+    runner = ModelRunner(str(folder), torch.float32, context_length=args.context_length)
+    return Scheduler(args, runner, max_total_tokens)
 
 
 def add(scheduler: Scheduler, rid: str, ids: list[int] = PROMPT, new_tokens: int = NEW_TOKENS) -> None:
@@ -82,6 +83,19 @@ def test_running_requests_finish_on_the_old_weights_and_new_ones_start_on_the_ne
     assert tokens["before"] == on_old and versions["before"] == {"0"}
     assert tokens["after"] == on_new and versions["after"] == {"1"}
     assert scheduler.weight_version == "1"
+
+
+def test_new_weights_are_served_at_the_servers_context_length(folders):
+    """With --context-length below the model's, weights of the same model fit (they are served
+    at that length too); the served limit stays."""
+    scheduler = new_scheduler(folders["old"], context_length=64)
+    assert scheduler.config.context_len == 64
+    replies: list = []
+    assert scheduler.request_weight_update(UpdateWeightsFromDiskReq(model_path=str(folders["new"]))) is None
+    drive(scheduler, {}, {}, replies)
+    [reply] = replies
+    assert reply.success, reply.message
+    assert scheduler.config.context_len == 64 and scheduler.weight_version == "1"
 
 
 def test_a_request_retracted_while_the_update_waits_finishes_on_the_old_weights(folders):
