@@ -34,7 +34,11 @@ from sluice.tokenizer.result import native_json
 from sluice.tokenizer.router import run_router_process
 from sluice.tokenizer.shared_args import remove_shared_args, write_shared_args
 from sluice.tokenizer.startup import WARMUP_TIMEOUT_S, load_multimodal_processor, load_tokenizer_side, warm_up
-from sluice.tokenizer_files import cache_gguf_tokenizer, keep_torch_out_where_the_tokenizer_allows
+from sluice.tokenizer_files import (
+    TokenizerUnreadable,
+    cache_gguf_tokenizer,
+    keep_torch_out_where_the_tokenizer_allows,
+)
 
 logger = logging.getLogger(__name__)
 ENGINE_STOP_TIMEOUT_S = 5.0
@@ -152,8 +156,9 @@ def _launch_single_worker_server(server_args: ServerArgs) -> None:
     async def lifespan(app):
         try:
             tm = await start_tokenizer_manager(server_args, backend)
-        except BackendError as e:
-            # The back end said why it could not start: that line, not a traceback, and exit 1.
+        except (BackendError, TokenizerUnreadable) as e:
+            # The back end said why it could not start, or the model's tokenizer files are
+            # broken: that line, not a traceback, and exit 1.
             backend.shutdown()
             logger.error("%s", e)
             os._exit(1)

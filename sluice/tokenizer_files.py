@@ -79,6 +79,10 @@ def load_tokenizer(model_path: str, cache_dir: str | None = None) -> PreTrainedT
     return tokenizer
 
 
+class TokenizerUnreadable(ValueError):
+    """The model's tokenizer cannot be built; the message names the model and why."""
+
+
 # A folder's tokenizer is in one of these; without any, transformers builds an empty
 # tokenizer from config.json's model type, and every prompt would be no tokens.
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model")
@@ -88,21 +92,21 @@ def check_folder_has_a_tokenizer(path: str | Path) -> None:
     """Refuse a HF folder without tokenizer files (a GGUF file always holds its vocabulary)."""
     path = Path(path)
     if path.is_dir() and not any((path / name).is_file() for name in _TOKENIZER_FILES):
-        raise ValueError(f"{path}: has no tokenizer: none of {', '.join(_TOKENIZER_FILES)}")
+        raise TokenizerUnreadable(f"{path}: has no tokenizer: none of {', '.join(_TOKENIZER_FILES)}")
 
 
 @contextlib.contextmanager
 def _unreadable_tokenizer_refused(path: Path) -> Iterator[None]:
     """What transformers raises for a tokenizer it cannot build (a GGUF vocabulary without
     the merges or scores its type needs, a folder's broken tokenizer files) as one ValueError
-    that names the model."""
+    that names the model: TokenizerUnreadable."""
     try:
         yield
     except KeyError as e:
         missing = f"tokenizer.ggml.{e.args[0]}" if path.suffix == ".gguf" else e.args[0]
-        raise ValueError(f"{path}: its tokenizer cannot be read: it has no {missing}") from e
+        raise TokenizerUnreadable(f"{path}: its tokenizer cannot be read: it has no {missing}") from e
     except Exception as e:
-        raise ValueError(f"{path}: its tokenizer cannot be read: {type(e).__name__}: {e}") from e
+        raise TokenizerUnreadable(f"{path}: its tokenizer cannot be read: {type(e).__name__}: {e}") from e
 
 
 def tokenizer_loads_without_torch(model_path: str, cache_dir: str | None = None) -> bool:
@@ -135,8 +139,8 @@ def cache_gguf_tokenizer(model_path: str, cache_dir: str | None = None) -> None:
     process.join()
     if process.exitcode != 0:
         if why_not.poll():
-            raise ValueError(why_not.recv_bytes().decode())
-        raise ValueError(f"{model_path}: converting its tokenizer failed (exit code {process.exitcode})")
+            raise TokenizerUnreadable(why_not.recv_bytes().decode())
+        raise TokenizerUnreadable(f"{model_path}: converting its tokenizer failed (exit code {process.exitcode})")
 
 
 def _convert_into_cache(model_path: str, cache_dir: str | None, report: Connection) -> None:

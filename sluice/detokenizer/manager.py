@@ -9,6 +9,7 @@ it heard of the stop are dropped, up to and including its own final one.
 from __future__ import annotations
 
 import logging
+import sys
 import traceback
 from typing import TYPE_CHECKING
 
@@ -30,7 +31,7 @@ from sluice.messages import (
     TokenIDOutput,
 )
 from sluice.procutil import become_child_process
-from sluice.tokenizer_files import keep_torch_out_where_the_tokenizer_allows, load_tokenizer
+from sluice.tokenizer_files import TokenizerUnreadable, keep_torch_out_where_the_tokenizer_allows, load_tokenizer
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -113,6 +114,11 @@ def run_detokenizer_process(server_args_data: bytes, port_args_data: bytes) -> N
                 to_scheduler.send(AbortReq(rid=rid, finished_by_stop_string=True))
             # An empty batch is the scheduler's heartbeat: pass it on for the watchdog.
             to_tokenizer.send(BatchStrOutput(outputs=outputs))
+    except TokenizerUnreadable as e:
+        # The front end finds and says the same, in one line: no traceback here either.
+        to_tokenizer.send(ProcessFailed(process="detokenizer", error=str(e)))
+        to_tokenizer.close(linger_ms=LAST_WORDS_MS)
+        sys.exit(1)
     except Exception:
         error = traceback.format_exc()
         logger.error("detokenizer failed:\n%s", error)

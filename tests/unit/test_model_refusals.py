@@ -157,6 +157,16 @@ def test_a_gguf_tensor_sluice_does_not_read_is_refused_naming_it(tmp_path):
         ModelRunner(str(path), torch.float32)
 
 
+def test_broken_tokenizer_files_are_refused_in_a_line_not_a_traceback(tmp_path):
+    """Found where the HTTP front end loads the tokenizer, while the back end starts: the
+    back end stops too, and the server exits 1 saying why."""
+    folder = write_folder_without_tokenizer(tmp_path / "hf")
+    (folder / "tokenizer.json").write_text("{}")
+    result = serve(folder)
+    assert result.returncode == 1
+    assert "its tokenizer cannot be read" in result.stderr and "Traceback" not in result.stderr, result.stderr
+
+
 def test_weights_the_config_does_not_fit_are_refused_naming_the_weight(tmp_path):
     """The check happens where the weights load (the Scheduler); the server still exits
     promptly with status 1 and says which weight, in a line, not a traceback."""
