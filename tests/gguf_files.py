@@ -96,14 +96,14 @@ def write_gguf(
     arch: str,
     quantize_matrices: str | None = None,
     raw_matrices: dict[str, tuple[np.ndarray, str]] | None = None,
-    metadata: dict[str, str | float] | None = None,
+    metadata: dict[str, str | float | list[int]] | None = None,
     extra_tensors: dict[str, np.ndarray] | None = None,
 ) -> Path:
     """Save `model` (a transformers causal LM) at `path` as GGUF architecture `arch`. Matrices
     are float32, or `quantize_matrices` ("Q8_0", "Q4_1", ...) blocks; norms stay float32.
     `raw_matrices` gives some matrices as (blocks in the file's row order, block type)
     instead: the model's weights must be what they dequantize to. `metadata`: further keys
-    (strings, or numbers as float32) the model's own config does not write; `extra_tensors`:
+    (strings, numbers as float32, or arrays) the model's own config does not write; `extra_tensors`:
     further float32 tensors, by GGUF name."""
     import gguf
 
@@ -156,7 +156,12 @@ def write_gguf(
     if arch in GEMMA_ARCHES:
         _add_gemma_fields(writer, config, arch)
     for key, value in (metadata or {}).items():
-        writer.add_string(key, value) if isinstance(value, str) else writer.add_float32(key, value)
+        if isinstance(value, str):
+            writer.add_string(key, value)
+        elif isinstance(value, list):
+            writer.add_array(key, value)
+        else:
+            writer.add_float32(key, value)
     writer.add_tokenizer_model("gpt2")
     writer.add_token_list([f"<t{i}>" for i in range(config.vocab_size)])
     block_type = None if quantize_matrices is None else gguf.GGMLQuantizationType[quantize_matrices]

@@ -116,12 +116,21 @@ def test_serve_refuses_in_one_line_and_exits_non_zero(make, message, tmp_path):
             },
             "qwen3.rope.scaling.yarn_log_multiplier 0.1",
         ),
+        ({"qwen3.attention.value_length": 16.0}, "attention.value_length differs from key_length 32"),
+        ({"qwen3.attention.value_length": [32, 16]}, "qwen3.attention.value_length differs between layers ([32, 16])"),
     ],
-    ids=["unknown-type", "longrope-without-factors", "yarn-without-factor", "yarn-log-multiplier"],
+    ids=[
+        "unknown-type",
+        "longrope-without-factors",
+        "yarn-without-factor",
+        "yarn-log-multiplier",
+        "value-length",
+        "per-layer-values",
+    ],
 )
-def test_rope_scaling_a_gguf_gives_but_sluice_cannot_apply_is_refused_naming_the_key(metadata, message, tmp_path):
-    """Nothing in a file's RoPE metadata is passed over: a GGUF that asks for scaling sluice
-    does not do is refused, not served with plain RoPE."""
+def test_gguf_settings_sluice_cannot_apply_are_refused_naming_the_key(metadata, message, tmp_path):
+    """Nothing in a file's metadata is passed over: a GGUF that asks for RoPE scaling sluice
+    does not do, or for shapes it does not take, is refused, not served as something else."""
     hf_model = save_random_model(qwen3_with_qk_norm, tmp_path / "hf")
     path = write_gguf(hf_model, tmp_path / "model.gguf", "qwen3", metadata=metadata)
     with pytest.raises(ValueError, match=re.escape(message)):
