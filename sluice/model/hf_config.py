@@ -32,7 +32,22 @@ _GEMMA_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu_tanh")
 
 
 def config_from_hf_folder(folder: Path) -> ModelConfig:
-    config = json.loads((folder / "config.json").read_text())
+    """ValueError naming config.json and the key for a file that is not JSON or lacks a field
+    the model's shape needs."""
+    path = folder / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not JSON: {e}") from e
+    if not isinstance(config, dict):
+        raise ValueError(f"{path} is not a JSON object")
+    try:
+        return _config_of(folder, config)
+    except KeyError as e:
+        raise ValueError(f"{path} has no {e.args[0]}, which the model's shape needs") from e
+
+
+def _config_of(folder: Path, config: dict[str, Any]) -> ModelConfig:
     architectures = config.get("architectures") or [_ARCHITECTURE_BY_MODEL_TYPE.get(config.get("model_type", ""), "")]
     if architectures[0] in SUPPORTED_VLM_ARCHITECTURES:
         return _llava_config(folder, config)

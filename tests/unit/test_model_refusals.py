@@ -51,6 +51,18 @@ def write_folder_without_tokenizer(folder: Path) -> Path:
     return folder
 
 
+def write_folder_with_config(folder: Path, edit) -> Path:
+    """A tiny Qwen3 folder (SmolLM2's tokenizer) whose config.json text is edit(text)."""
+    build_tiny_model(folder, "qwen3")
+    config_path = folder / "config.json"
+    config_path.write_text(edit(config_path.read_text()))
+    return folder
+
+
+def without_hidden_size(text: str) -> str:
+    return json.dumps({key: value for key, value in json.loads(text).items() if key != "hidden_size"})
+
+
 def serve(model_path: Path) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "sluice", "serve", "--model-path", str(model_path), "--port", "1"],
@@ -92,8 +104,18 @@ def test_a_file_that_is_not_gguf_is_refused(tmp_path):
         (lambda tmp: tmp, "neither a .gguf file nor a folder with config.json"),
         (lambda tmp: write_without_tokenizer_scores(tmp / "model.gguf"), "its tokenizer cannot be read"),
         (lambda tmp: write_folder_without_tokenizer(tmp / "hf"), "has no tokenizer: none of tokenizer.json"),
+        (lambda tmp: write_folder_with_config(tmp / "hf", without_hidden_size), "config.json has no hidden_size"),
+        (lambda tmp: write_folder_with_config(tmp / "hf", lambda text: text[:-5]), "config.json is not JSON"),
     ],
-    ids=["unsupported-architecture", "missing-file", "empty-folder", "unreadable-tokenizer", "no-tokenizer"],
+    ids=[
+        "unsupported-architecture",
+        "missing-file",
+        "empty-folder",
+        "unreadable-tokenizer",
+        "no-tokenizer",
+        "config-without-a-shape-field",
+        "config-not-json",
+    ],
 )
 def test_serve_refuses_in_one_line_and_exits_non_zero(make, message, tmp_path):
     result = serve(make(tmp_path))
