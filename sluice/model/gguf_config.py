@@ -21,7 +21,7 @@ def config_from_gguf(path: Path) -> ModelConfig:
     def field(key: str, default: Any = None) -> Any:
         return reader.fields.get(key, default)
 
-    def number(key: str, default: float | None = None) -> float:
+    def count(key: str, default: int | None = None) -> int:
         """A shape field: there, or its default; one value for every layer (a per-layer array
         of equal values, which llama.cpp also takes, counts as one)."""
         value = field(key, default)
@@ -31,7 +31,7 @@ def config_from_gguf(path: Path) -> ModelConfig:
             if len(set(value)) != 1:
                 raise ValueError(f"{path.name}: {key} differs between layers ({value}); sluice takes one for all")
             value = value[0]
-        return value
+        return int(value)
 
     arch_name = field("general.architecture")
     architecture = ARCHITECTURE_BY_GGUF_NAME.get(arch_name)
@@ -41,16 +41,16 @@ def config_from_gguf(path: Path) -> ModelConfig:
         )
 
     tensor_names = {tensor.name for tensor in reader.tensors}
-    hidden_size = int(number(f"{arch_name}.embedding_length"))
-    num_heads = int(number(f"{arch_name}.attention.head_count"))
-    head_dim = int(number(f"{arch_name}.attention.key_length", hidden_size // num_heads))
-    if int(number(f"{arch_name}.attention.value_length", head_dim)) != head_dim:
+    hidden_size = count(f"{arch_name}.embedding_length")
+    num_heads = count(f"{arch_name}.attention.head_count")
+    head_dim = count(f"{arch_name}.attention.key_length", hidden_size // num_heads)
+    if count(f"{arch_name}.attention.value_length", head_dim) != head_dim:
         raise ValueError(
             f"{path.name}: attention.value_length differs from key_length {head_dim}; sluice takes them equal"
         )
     rotary_dims = field(f"{arch_name}.rope.dimension_count")
     rotary_dim = checked_rotary_dim(None if rotary_dims is None else int(rotary_dims), head_dim)
-    num_layers = int(number(f"{arch_name}.block_count"))
+    num_layers = count(f"{arch_name}.block_count")
     eos_token_ids = [
         int(token_id)
         for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
@@ -60,10 +60,10 @@ def config_from_gguf(path: Path) -> ModelConfig:
         architecture=architecture,
         vocab_size=len(reader.fields["tokenizer.ggml.tokens"]),
         hidden_size=hidden_size,
-        intermediate_size=int(number(f"{arch_name}.feed_forward_length")),
+        intermediate_size=count(f"{arch_name}.feed_forward_length"),
         num_layers=num_layers,
         num_heads=num_heads,
-        num_kv_heads=int(number(f"{arch_name}.attention.head_count_kv", num_heads)),
+        num_kv_heads=count(f"{arch_name}.attention.head_count_kv", num_heads),
         head_dim=head_dim,
         rope_theta=float(field(f"{arch_name}.rope.freq_base", 10000.0)),
         rope_scaling=_gguf_rope_scaling(field, arch_name, reader),
