@@ -89,11 +89,15 @@ class StepBatch:
             return
         rows = torch.tensor([row for _, _, row in self.input_logprob_rows])
         logprobs = torch.log_softmax(logits[rows].float(), dim=-1)
+        vocab_size = logprobs.shape[-1]
         for k, (i, pos, _) in enumerate(self.input_logprob_rows):
             req = self.reqs[i]
             token = req.prompt_ids[pos]
-            req.input_logprobs.append(float(logprobs[k, token]))
-            if req.top_logprobs_num:
+            # An image position holds a pad value above the vocabulary, no token to score.
+            req.input_logprobs.append(float(logprobs[k, token]) if token < vocab_size else None)
+            if req.top_logprobs_num and token >= vocab_size:
+                req.input_top_logprobs.append([])
+            elif req.top_logprobs_num:
                 values, ids = logprobs[k].topk(req.top_logprobs_num)
                 req.input_top_logprobs.append(
                     [TokenLogprob(int(t), float(v)) for t, v in zip(ids, values, strict=True)]

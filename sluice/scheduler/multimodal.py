@@ -42,6 +42,7 @@ def expand_image_tokens(req: Req, image_token_id: int, num_image_tokens: int, vo
     req.prompt_ids = expanded
     req.image_offsets = offsets
     req.num_image_tokens = num_image_tokens
+    req.image_token_id = image_token_id
     return None
 
 

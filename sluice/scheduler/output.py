@@ -33,7 +33,7 @@ def make_output(req: Req, weight_version: str) -> SchedulerOutput:
         output.output_top_logprobs = req.output_top_logprobs[start:]
         # Prompt logprobs go out once, with the first output after the prompt's prefill.
         if req.wants_input_logprobs and (req.output_ids or req.finished):
-            output.input_token_ids = req.prompt_ids[req.logprob_start_len :]
+            output.input_token_ids = req.prompt_ids_as_sent(req.logprob_start_len)
             output.input_logprobs = req.input_logprobs
             output.input_top_logprobs = req.input_top_logprobs
             if req.logprob_start_len == 0:  # the first token has nothing to condition on (and may be the only one)

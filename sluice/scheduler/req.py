@@ -45,6 +45,7 @@ class Req:
     # once computed (kept until the request ends, so a retraction does not recompute it).
     image_offsets: list[int] = field(default_factory=list)
     num_image_tokens: int = 0
+    image_token_id: int = -1  # the token each image stood for in the prompt as sent
     image_embeds: dict[int, torch.Tensor] = field(default_factory=dict)
 
     output_ids: list[int] = field(default_factory=list)
@@ -133,6 +134,15 @@ class Req:
     @property
     def image_tokens(self) -> int:
         return len(self.image_offsets) * self.num_image_tokens
+
+    def prompt_ids_as_sent(self, start: int) -> list[int]:
+        """prompt_ids from `start` with each image position shown as the image token, not
+        the pad value above the vocabulary the Scheduler keys the cache on."""
+        ids = self.prompt_ids[start:]
+        for offset in self.image_offsets:
+            for position in range(max(offset, start), offset + self.num_image_tokens):
+                ids[position - start] = self.image_token_id
+        return ids
 
     def fill_slice(self, start: int, end: int) -> list[int]:
         """Tokens [start, end) of the sequence, prompt then output, without building the

@@ -13,9 +13,10 @@ import httpx
 import numpy as np
 import pytest
 from PIL import Image
+from transformers import AutoTokenizer
 
 from tests.helpers import RunningServer, generate, greedy
-from tests.tiny_vlm import build_tiny_llava
+from tests.tiny_vlm import IMAGE_TOKEN, build_tiny_llava
 
 MAX_TOTAL_TOKENS = 400
 
@@ -51,6 +52,7 @@ def vlm(tmp_path_factory, media_dir):
         "--max-images-per-request",
         "3",
     )
+    server.folder = folder
     yield server
     server.stop()
 
@@ -221,3 +223,28 @@ def test_text_only_model_refuses_images_naming_it(base_url):
     r = generate(base_url, text="Hi", image_data=b64(1), sampling_params=greedy(2))
     assert r.status_code == 400
     assert "does not accept images" in r.json()["error"]["message"] and "SmolLM2" in r.json()["error"]["message"]
+
+
+def test_prompt_logprobs_of_a_prompt_with_an_image(vlm):
+    """Image positions hold no text token: their logprob is null and they show the image token
+    the prompt was sent with; the text after the image is scored, and the server lives on."""
+    r = generate(
+        vlm.base_url,
+        text="Describe the picture.",
+        image_data=b64(4),
+        sampling_params=greedy(2),
+        return_logprob=True,
+        logprob_start_len=0,
+        top_logprobs_num=2,
+    )
+    assert r.status_code == 200, r.text
+    meta = r.json()["meta_info"]
+    entries, tops = meta["input_token_logprobs"], meta["input_top_logprobs"]
+    assert len(entries) == len(tops) == meta["prompt_tokens"]
+    unscored = [i for i, (logprob, _, _) in enumerate(entries) if logprob is None]
+    image_token = AutoTokenizer.from_pretrained(vlm.folder).convert_tokens_to_ids(IMAGE_TOKEN)
+    image = [i for i, (_, token, _) in enumerate(entries) if token == image_token]
+    assert len(image) == meta["image_tokens"]
+    assert set(unscored) == {0, *image}
+    assert all(entries[i][0] <= 0 and len(tops[i]) == 2 for i in range(len(entries)) if i not in unscored)
+    assert generate(vlm.base_url, text="Hi", image_data=b64(5), sampling_params=greedy(2)).status_code == 200
