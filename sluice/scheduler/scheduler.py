@@ -322,6 +322,9 @@ class Scheduler:
         logger.info("%s: retracting %s (%d tokens) to the waiting queue", why, req.rid, req.seq_len)
         self.running.remove(req)
         self.kv.release(req, keep_in_cache=True)
+        if not req.input_logprobs_sent:  # its prefill computes them again
+            req.input_logprobs.clear()
+            req.input_top_logprobs.clear()
         req.times_retracted += 1
         self.num_retractions += 1
         self.waiting.insert(0, req)

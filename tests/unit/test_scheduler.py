@@ -174,6 +174,31 @@ def test_a_retracted_request_keeps_its_grammar_state(runner, prompts):
         assert re.fullmatch(r"\[(-?[0-9]+(,-?[0-9]+)*(,-?[0-9]*)?|-?[0-9]*)", tok.decode(ids)), tok.decode(ids)
 
 
+def test_a_retracted_request_sends_its_prompt_logprobs_once(runner, prompts):
+    """A request retracted before its first output prefills its prompt again: the prompt's
+    logprobs, computed again, replace the first ones instead of following them."""
+    scheduler = make_scheduler(runner, max_total_tokens=sum(len(p) for p in prompts[:6]) + 40)
+    for i, ids in enumerate(prompts[:6]):
+        params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+        request = TokenizedGenerateReqInput(
+            rid=f"r{i}",
+            input_ids=ids,
+            sampling_params=params,
+            return_logprob=True,
+            top_logprobs_num=2,
+            logprob_start_len=0,
+        )
+        scheduler.add_request(request)
+    outputs = {}
+    while not scheduler.is_idle:
+        outputs.update((out.output.rid, out.output) for out in scheduler.step() if out.output.input_logprobs)
+    assert scheduler.num_retractions > 0
+    for i, ids in enumerate(prompts[:6]):
+        output = outputs[f"r{i}"]
+        assert output.input_token_ids == ids
+        assert len(output.input_logprobs) == len(output.input_top_logprobs) == len(ids)
+
+
 def test_abort_frees_waiting_and_running(runner, prompts):
     scheduler = make_scheduler(runner, max_running_requests=2)
     for i, ids in enumerate(prompts[:4]):
