@@ -291,6 +291,7 @@ class ChatView(OpenAIView):
         self.top_count = body.top_logprobs or 0
         self.forced = bool(body.forced_functions)
         self.known_tools = {tool.function.name for tool in body.tools_offered}
+        self.one_call = body.parallel_tool_calls is False  # calls after the first are dropped, as vLLM does
         self.parser = tool_call_parser
         self.reasoning_parser = reasoning_parser
         self.text: dict[int, str] = {}  # each choice's text so far
@@ -307,13 +308,14 @@ class ChatView(OpenAIView):
         reasoning, text, _ = split_reasoning(text, self.reasoning_parser)
         reason = finish_reason(chunk)
         if self.forced:
-            if reason == "stop":
-                return reasoning, None, forced_calls(text), "tool_calls"
-            return reasoning, text, [], reason  # cut short (length): no complete call to give
+            calls = forced_calls(text) if reason == "stop" else None
+            if calls is not None:
+                return reasoning, None, calls, "tool_calls"
+            return reasoning, text, [], reason  # cut short (length, a stop string): no complete call to give
         if self.known_tools:
             content, calls = parse_tool_calls(text, self.parser, self.known_tools)
             if calls:
-                return reasoning, content or None, calls, "tool_calls"
+                return reasoning, content or None, calls[:1] if self.one_call else calls, "tool_calls"
         return reasoning, text, [], reason
 
     def final_choice(self, index: int, chunk: GenerateChunk) -> dict[str, Any]:

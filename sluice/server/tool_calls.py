@@ -75,9 +75,13 @@ def forced_schema(functions: dict[str, dict[str, Any] | None], names: list[str],
     return json.dumps(schema)
 
 
-def forced_calls(text: str) -> list[ToolCall]:
-    """The calls of an answer made under forced_schema (a complete JSON array)."""
-    calls = json.loads(text)
+def forced_calls(text: str) -> list[ToolCall] | None:
+    """The calls of an answer made under forced_schema, or None where a stop string or
+    stop token ended it before its JSON array was whole."""
+    try:
+        calls = json.loads(text)
+    except ValueError:
+        return None
     return [ToolCall(call["name"], json.dumps(call["arguments"])) for call in calls]
 
 

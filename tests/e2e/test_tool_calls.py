@@ -119,6 +119,26 @@ def test_streamed_call_deltas_reassemble(client, model_name):
     jsonschema.validate(json.loads(calls[0]["arguments"]), PARAMETERS[calls[0]["name"]])
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_forced_call_cut_by_a_stop_string_is_text(client, model_name, stream):
+    """A stop string that ends the answer inside the call leaves no call to give: the text
+    so far comes back as content with finish_reason "stop", as a call cut by max_tokens does."""
+    common = {"model": model_name, "messages": ASK, "tools": TOOLS, "tool_choice": "required", "max_tokens": 60}
+    if not stream:
+        choice = client.chat.completions.create(**common, stop=["}"], temperature=0).choices[0]
+        assert choice.finish_reason == "stop" and not choice.message.tool_calls
+        assert choice.message.content.startswith("[") and "}" not in choice.message.content
+        return
+    content, finish, calls = "", None, []
+    for chunk in client.chat.completions.create(**common, stop=["}"], temperature=0, stream=True):
+        for choice in chunk.choices:
+            finish = choice.finish_reason or finish
+            content += choice.delta.content or ""
+            calls += choice.delta.tool_calls or []
+    assert finish == "stop" and not calls
+    assert content.startswith("[") and "}" not in content
+
+
 def test_a_tool_result_turn_is_accepted(client, model_name):
     messages = [
         *ASK,

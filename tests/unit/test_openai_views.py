@@ -7,7 +7,13 @@ import pytest
 
 from sluice.messages import FinishReason, TokenLogprob
 from sluice.server.chat_messages import ChatMessage
-from sluice.server.openai_protocol import ChatCompletionRequest, CompletionRequest, StreamOptions
+from sluice.server.openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    FunctionDefinition,
+    StreamOptions,
+    ToolDefinition,
+)
 from sluice.server.openai_views import ChatView, CompletionView, TokenTexts, finish_reason
 from sluice.tokenizer.control import BackendError
 from sluice.tokenizer.result import GenerateChunk
@@ -210,3 +216,16 @@ def test_a_chat_stream_opens_each_choice_with_its_role_then_sends_deltas():
     assert end["choices"] == [{"index": 1, "delta": {}, "logprobs": None, "finish_reason": "length"}]
     assert view.error_message(chunk(0, [], "abort")) == "choice 0: the request failed"
     assert chat_view().error_message(chunk(None, [], "abort")) == "the request failed"
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call_of_a_free_answer():
+    tool = ToolDefinition("function", FunctionDefinition("f", parameters={"type": "object"}))
+    text = "".join(f'<tool_call>{{"name": "f", "arguments": {{"a": {a}}}}}</tool_call>' for a in (1, 2))
+    for parallel, arguments in (
+        (None, ['{"a": 1}', '{"a": 2}']),
+        (True, ['{"a": 1}', '{"a": 2}']),
+        (False, ['{"a": 1}']),
+    ):
+        view = chat_view(tools=[tool], tool_choice="auto", parallel_tool_calls=parallel)
+        _, content, calls, reason = view.answer(text, chunk(None, [], "stop"))
+        assert [call.arguments for call in calls] == arguments and content is None and reason == "tool_calls"
