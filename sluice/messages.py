@@ -197,6 +197,7 @@ class TokenIDOutput(msgspec.Struct, kw_only=True):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     stop: list[str] = []
+    min_new_tokens: int = 0  # a stop string matches only in text of the tokens after these
     no_stop_trim: bool = False
     stream: bool = False
 

@@ -92,10 +92,11 @@ class _StopStringFilter:
         self._longest_prefix_len = max(map(len, self._proper_prefixes), default=0)
         self.held = ""  # the longest suffix of the text so far that may start a stop string
 
-    def push(self, chunk: str) -> tuple[str, str | None]:
-        """Returns the text now safe to show and the stop string that matched, if any."""
+    def push(self, chunk: str, may_stop: bool = True) -> tuple[str, str | None]:
+        """Returns the text now safe to show and the stop string that matched, if any (none
+        unless `may_stop`: the held text may still start one that a later chunk ends)."""
         text = self.held + chunk
-        match = self._first_match(text, len(self.held))
+        match = self._first_match(text, len(self.held)) if may_stop else None
         if match is not None:
             start, stop_string = match
             self.held = ""
@@ -134,7 +135,9 @@ class IncrementalDetokenizer:
 
     Each step decodes only a window of recent tokens, so its cost does not grow with the
     length of the output. After the request has finished (a stop string matched, or
-    `finished=True` was passed) further steps return no text and stop_matched=None.
+    `finished=True` was passed) further steps return no text and stop_matched=None. A stop
+    string ends the output only once it is `min_new_tokens` tokens long, as EOS and stop
+    tokens do: the match must end in the text of a later token (as in vLLM).
     """
 
     def __init__(
@@ -144,9 +147,11 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool = True,
         spaces_between_special_tokens: bool = True,
         stop: Sequence[str] = (),
+        min_new_tokens: int = 0,
         no_stop_trim: bool = False,
         stream: bool = True,
     ):
+        self._min_new_tokens = min_new_tokens
         self._decoder = _TokenDecoder(tokenizer, skip_special_tokens, spaces_between_special_tokens)
         self._stop_filter = _StopStringFilter(stop, keep_stop=no_stop_trim)
         self._stream = stream
@@ -225,7 +230,8 @@ class IncrementalDetokenizer:
     def _accept(self, new_text: str) -> str | None:
         if not new_text:
             return None
-        safe_text, stop_matched = self._stop_filter.push(new_text)
+        may_stop = self._output_tokens > self._min_new_tokens
+        safe_text, stop_matched = self._stop_filter.push(new_text, may_stop)
         self._unreturned.append(safe_text)
         return stop_matched
 

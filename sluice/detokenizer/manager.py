@@ -72,6 +72,7 @@ class DetokenizerManager:
                 skip_special_tokens=out.skip_special_tokens,
                 spaces_between_special_tokens=out.spaces_between_special_tokens,
                 stop=out.stop,
+                min_new_tokens=out.min_new_tokens,
                 no_stop_trim=out.no_stop_trim,
                 stream=out.stream,
             )

@@ -46,6 +46,7 @@ def make_output(req: Req, weight_version: str) -> SchedulerOutput:
         skip_special_tokens=params.skip_special_tokens,
         spaces_between_special_tokens=params.spaces_between_special_tokens,
         stop=params.stop,
+        min_new_tokens=params.min_new_tokens,
         no_stop_trim=params.no_stop_trim,
         stream=req.stream,
     )

@@ -115,6 +115,20 @@ def test_stop_string_trimmed_and_kept(base_url):
     assert kept["text"].endswith(" 7")
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_stop_string_waits_for_min_new_tokens(base_url, stream):
+    """Like EOS, a stop string cannot end the output within its first min_new_tokens tokens."""
+    body = {"text": "Count: 1, 2, 3,", "sampling_params": greedy(40, stop=[","], min_new_tokens=5), "stream": stream}
+    if stream:
+        with httpx.stream("POST", base_url + "/generate", json=body, timeout=120) as r:
+            final = sse_events(r)[-2]
+    else:
+        final = generate(base_url, **body).json()
+    assert final["text"].startswith(" 4, 5") and not final["text"].endswith(",")
+    assert final["meta_info"]["finish_reason"] == {"type": "stop", "matched": ","}
+    assert final["meta_info"]["completion_tokens"] > 5
+
+
 def test_stream_never_shows_partial_stop_string(base_url):
     body = {"text": "Count: 1, 2, 3,", "sampling_params": greedy(40, stop=[" 7, 8"]), "stream": True}
     with httpx.stream("POST", base_url + "/generate", json=body, timeout=120) as r:

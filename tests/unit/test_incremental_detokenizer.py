@@ -95,6 +95,18 @@ def test_stop_string_spanning_tokens_is_trimmed(tokenizer):
     assert stop_step.num_tokens == _tokens_until(tokenizer, ids, "The answer is")
 
 
+@pytest.mark.parametrize("chunk_size", [1, 3, 100])
+def test_a_stop_string_ends_the_output_only_past_min_new_tokens(tokenizer, chunk_size):
+    """As EOS: the first stop string whose last character comes from a token after the first
+    min_new_tokens ends the output; one begun within them and ended after them counts."""
+    ids = tokenizer.encode("a. b. c. d. e. f.")
+    assert [tokenizer.decode([i]) for i in ids[:4]] == ["a", ".", " b", "."]  # every 2nd token a "."
+    cases = [(0, "a"), (2, "a. b"), (3, "a. b"), (4, "a. b. c"), (len(ids), "a. b. c. d. e. f."), (3, "a. ", "b. c")]
+    for min_new_tokens, expected, *stop in cases:
+        detokenizer = IncrementalDetokenizer(tokenizer, stop=stop or ["."], min_new_tokens=min_new_tokens)
+        assert joined(feed(detokenizer, ids, chunk_size)) == expected, (min_new_tokens, stop)
+
+
 def test_no_stop_trim_keeps_the_stop_string(tokenizer):
     ids = tokenizer.encode("The answer is 42. More text")
     steps = feed(IncrementalDetokenizer(tokenizer, stop=["answer is"], no_stop_trim=True), ids)
