@@ -77,7 +77,7 @@ class DetokenizerManager:
                 stream=out.stream,
             )
             self.decoders[output.rid] = decoder
-        step = decoder.step(output.new_token_ids, output.finish_reason is not None)
+        step = decoder.step(_answer_ids(out), output.finish_reason is not None)
         if step.stop_matched is not None:
             # The text ends at the stop string: the request is finished, with the tokens it covers.
             output = msgspec.structs.replace(
@@ -88,6 +88,22 @@ class DetokenizerManager:
         if output.finish_reason is not None:
             del self.decoders[output.rid]
         return StrOutput(output=output, text=step.text)
+
+
+def _answer_ids(out: TokenIDOutput) -> list[int]:
+    """The new ids whose text is the answer's: a stop token (EOS or one of stop_token_ids)
+    that ended it is not, unless no_stop_trim, as SGLang and vLLM trim it. It stays in
+    output_ids and counts in completion_tokens."""
+    ids, reason = out.output.new_token_ids, out.output.finish_reason
+    if (
+        reason is None
+        or out.no_stop_trim
+        or not isinstance(reason.matched, int)
+        or not ids
+        or ids[-1] != reason.matched
+    ):
+        return ids
+    return ids[:-1]
 
 
 def run_detokenizer_process(server_args_data: bytes, port_args_data: bytes) -> None:

@@ -138,14 +138,22 @@ def test_stream_never_shows_partial_stop_string(base_url):
     assert all(" 7" not in t for t in texts)
 
 
-def test_skip_special_tokens(base_url):
+def test_skip_special_tokens_and_the_stop_token_trimmed(base_url):
     # A chat turn the model closes with <|im_end|> (id 2) by a wide margin (2.8 nats over the
     # runner-up at its last step), so the test does not hang on one greedy near-tie.
     text = "<|im_start|>user\nSay OK.<|im_end|>\n<|im_start|>assistant\n"
-    shown = generate(base_url, text=text, sampling_params=greedy(60, skip_special_tokens=False)).json()
-    hidden = generate(base_url, text=text, sampling_params=greedy(60)).json()
-    assert shown["output_ids"][-1] == 2
-    assert "<|im_end|>" in shown["text"] and "<|im_end|>" not in hidden["text"]
+    shown = generate(base_url, text=text, sampling_params=greedy(60, skip_special_tokens=False, no_stop_trim=True))
+    hidden = generate(base_url, text=text, sampling_params=greedy(60, no_stop_trim=True)).json()
+    shown = shown.json()
+    assert shown["output_ids"][-1] == 2 and shown["meta_info"]["finish_reason"] == {"type": "stop", "matched": 2}
+    assert shown["text"].endswith("<|im_end|>") and "<|im_end|>" not in hidden["text"]
+    # The stop token that ended the answer is not its text (as SGLang and vLLM trim it), but
+    # stays in output_ids; the same for a stop token that is not special.
+    trimmed = generate(base_url, text=text, sampling_params=greedy(60, skip_special_tokens=False)).json()
+    assert trimmed["output_ids"] == shown["output_ids"] and trimmed["text"] == hidden["text"]
+    period = generate(base_url, text="Count: 1, 2, 3,", sampling_params=greedy(40, stop_token_ids=[28])).json()
+    assert period["output_ids"][-1] == 28 and not period["text"].endswith(",")
+    assert period["meta_info"]["completion_tokens"] == len(period["output_ids"])
 
 
 @pytest.mark.parametrize(
