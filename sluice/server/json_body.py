@@ -12,7 +12,7 @@ depth (about 0.1 s for the largest body --max-request-body-bytes allows).
 from __future__ import annotations
 
 import re
-from typing import Final, TypeVar
+from typing import Any, Final, TypeVar
 
 import msgspec
 import numpy as np
@@ -28,6 +28,8 @@ _DEPTH_CHANGE[list(b"[{")] = 1
 _DEPTH_CHANGE[list(b"]}")] = -1
 
 _PATH_IN_ERROR = re.compile(r"at `\$\.?([^`]*)`")
+_NULL_AT = re.compile(r"^Expected `[^`]*`, got `null` - at `\$([^`]*)`$")
+_PATH_STEP = re.compile(r"\.([^.\[]+)|\[(\d+)\]")
 _UNKNOWN_FIELD = re.compile(r"unknown field `([^`]*)`")
 _MISSING_FIELD = re.compile(r"missing required field `([^`]*)`")
 
@@ -74,7 +76,7 @@ def decode_json(body: bytes, kind: type[T]) -> T:
             f"the body nests arrays and objects more than {MAX_JSON_DEPTH} levels deep (the limit is {MAX_JSON_DEPTH})"
         )
     try:
-        return msgspec.json.decode(body, type=kind)
+        return _decode_with_null_as_default(body, kind)
     except msgspec.ValidationError as e:
         match = _PATH_IN_ERROR.search(str(e))
         where = match.group(1) if match else ""
@@ -87,3 +89,39 @@ def decode_json(body: bytes, kind: type[T]) -> T:
         raise ClientError(f"invalid request: {e}", where or None) from None
     except msgspec.DecodeError as e:
         raise ClientError(f"the body is not valid JSON: {e}") from None
+
+
+def _decode_with_null_as_default(body: bytes, kind: type[T]) -> T:
+    """Decode `body`; a field sent as null that cannot be null takes its default, as OpenAI's
+    nullable parameters and vLLM's Optional ones do (`"stream": null` is no stream). Only a
+    body that has such a null pays for the second decode."""
+    try:
+        return msgspec.json.decode(body, type=kind)
+    except msgspec.ValidationError as e:
+        match = _NULL_AT.match(str(e))
+        if match is None:
+            raise
+        error = e
+    document = msgspec.json.decode(body)
+    while match is not None and _drop_null(document, match.group(1)):
+        try:
+            return msgspec.json.decode(msgspec.json.encode(document), type=kind)
+        except msgspec.ValidationError as e:
+            match, error = _NULL_AT.match(str(e)), e
+    raise error
+
+
+def _drop_null(document: object, path: str) -> bool:
+    """Remove the null at `path` (msgspec's `.name` / `[index]` steps) from the object that
+    holds it; False where no object field holds a null there (a null array item stays)."""
+    steps = [(name, int(index) if index else None) for name, index in _PATH_STEP.findall(path)]
+    if not steps or steps[-1][0] == "":
+        return False
+    parent: Any = document
+    for name, index in steps[:-1]:
+        parent = parent[name] if name else parent[index]
+    last = steps[-1][0]
+    if not isinstance(parent, dict) or parent.get(last, 0) is not None:
+        return False
+    del parent[last]
+    return True

@@ -97,6 +97,19 @@ def test_completion_stop_string_ends_the_text(client, model):
     assert full.startswith(choice.text)
 
 
+def test_nulls_in_nullable_parameters_are_their_defaults(http):
+    """OpenAI's parameters are nullable: clients send `null` for "not set"."""
+    nulls = {"stream": None, "logprobs": None, "stream_options": None, "max_tokens": 4, "temperature": None}
+    chat = http.post(
+        "/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi", "name": None}], **nulls}
+    )
+    assert chat.status_code == 200, chat.text
+    assert chat.json()["choices"][0]["logprobs"] is None
+    completion = http.post("/v1/completions", json={"prompt": "Hi", "echo": None, **nulls})
+    assert completion.status_code == 200, completion.text
+    assert not completion.json()["choices"][0]["text"].startswith("Hi")
+
+
 def test_completion_seed_reproduces_sampling(client, model):
     def sample(seed: int) -> str:
         return (

@@ -12,6 +12,7 @@ import pytest
 
 from sluice.sampling import ClientError
 from sluice.server.json_body import MAX_JSON_DEPTH, decode_json, nests_deeper_than
+from sluice.server.openai_protocol import ChatCompletionRequest, CompletionRequest
 
 
 def reference_depth(text: bytes) -> int:
@@ -88,3 +89,24 @@ def test_the_limit_itself_and_brackets_in_strings_are_fine():
     assert reference_depth(at_limit) == MAX_JSON_DEPTH
     assert decode_json(at_limit, Any) is not None
     assert decode_json(json.dumps({"text": "[" * 10_000}).encode(), Any) == {"text": "[" * 10_000}
+
+
+def test_a_null_where_the_field_takes_none_is_its_default():
+    """As OpenAI's nullable parameters: `"stream": null` is no stream, at any depth; a null
+    where a value is required stays an error naming the field."""
+    body = {
+        "messages": [{"role": "user", "content": "hi", "name": None}],
+        "stream": None,
+        "logprobs": None,
+        "stream_options": {"include_usage": None},
+        "top_logprobs": None,
+    }
+    request = decode_json(json.dumps(body).encode(), ChatCompletionRequest)
+    assert request.stream is False and request.logprobs is False and request.stream_options.include_usage is False
+    assert decode_json(b'{"prompt": "hi", "echo": null}', CompletionRequest).echo is False
+    for bad, field in [(b'{"prompt": null}', "prompt"), (b'{"prompt": "hi", "echo": 3}', "echo")]:
+        with pytest.raises(ClientError) as refused:
+            decode_json(bad, CompletionRequest)
+        assert refused.value.param == field
+    with pytest.raises(ClientError, match=r"got `null` - at `\$.messages\[0\]`"):
+        decode_json(b'{"messages": [null]}', ChatCompletionRequest)
