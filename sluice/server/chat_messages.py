@@ -53,8 +53,9 @@ CHAT_ROLES: Final = {
 def template_messages(
     messages: list[ChatMessage], image_token: str | None, model_name: str
 ) -> tuple[list[dict[str, Any]], list[str]]:
-    """The messages as the chat template takes them (a role and one string of content,
-    each image part replaced by the model's image token), and the image URLs in order."""
+    """The messages as the chat template takes them (a role, one string of content with
+    each image part replaced by the model's image token, and the message's name, tool calls
+    and tool_call_id where it has them), and the image URLs in order."""
     image_urls: list[str] = []
     rendered = [
         _template_message(message, index, image_token, model_name, image_urls) for index, message in enumerate(messages)
@@ -86,6 +87,8 @@ def _template_message(
             for i, part in enumerate(content)
         )
     rendered: dict[str, Any] = {"role": role, "content": content}
+    if message.name is not None:
+        rendered["name"] = message.name  # for the template to use, as vLLM passes it
     if message.tool_calls:
         # Templates take arguments as an object (most write them with tojson).
         rendered["tool_calls"] = [

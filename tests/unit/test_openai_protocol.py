@@ -233,14 +233,14 @@ def test_messages_become_template_messages_with_openais_roles():
     body = chat(
         ChatMessage(role="developer", content="Be brief."),
         ChatMessage(role="system", content="You are kind."),
-        ChatMessage(role="user", content="Hi"),
+        ChatMessage(role="user", content="Hi", name="alice"),
         ChatMessage(role="assistant", content=None),
     )
     messages, images = body.template_messages(None, "m")
     assert messages == [
         {"role": "system", "content": "Be brief."},
         {"role": "system", "content": "You are kind."},
-        {"role": "user", "content": "Hi"},
+        {"role": "user", "content": "Hi", "name": "alice"},
         {"role": "assistant", "content": ""},
     ]
     assert images == []
