@@ -266,7 +266,7 @@ class ChatTemplate:
         }
         return cls(source, special_tokens)
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> str:
+    def render(self, messages: list[dict], /, add_generation_prompt: bool = True, **kwargs: Any) -> str:
         # Keys set to None are dropped as transformers does: an OpenAI client sends
         # content=None with tool calls, and templates test for a missing key.
         if not all(isinstance(message, Mapping) for message in messages):

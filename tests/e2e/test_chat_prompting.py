@@ -34,6 +34,8 @@ def test_continue_final_message_goes_on_with_the_last_assistant_message(http):
 
 def test_chat_template_kwargs_reach_the_template(http):
     assert chat(http, messages=COUNT[:1], chat_template_kwargs={"enable_thinking": False}).status_code == 200
+    # Names of the renderer's own parameters are template variables like any other (was a 500).
+    assert chat(http, messages=COUNT[:1], chat_template_kwargs={"self": 1}).status_code == 200
 
 
 @pytest.mark.parametrize(
