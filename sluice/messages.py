@@ -238,6 +238,7 @@ class SchedulerReady(Message):
     context_len: int
     max_total_tokens: int
     eos_token_ids: list[int]
+    vocab_size: int  # the model's logits: a token id a request names must be below it
     # Set for a vision-language model: the token that stands for one image, and how many
     # positions one image takes once the Scheduler expands it.
     image_token_id: int | None = None

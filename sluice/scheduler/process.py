@@ -234,6 +234,7 @@ def run_scheduler_process(server_args_data: bytes, port_args_data: bytes, dp_ran
                 context_len=scheduler.config.context_len,
                 max_total_tokens=scheduler.kv.total,
                 eos_token_ids=sorted(scheduler.eos_token_ids),
+                vocab_size=scheduler.config.vocab_size,
                 image_token_id=scheduler.config.image_token_id if scheduler.config.vision else None,
                 num_image_tokens=scheduler.config.num_image_tokens if scheduler.config.vision else 0,
                 execution=scheduler.runner.execution_info,

@@ -89,6 +89,12 @@ class RequestTokenizer:
             raise ClientError(f"the model {self.server_args.model_name()} does not accept images", "image_data")
         return self.mm_processor
 
+    def _token_id_bound(self) -> int:
+        """Token ids a request may name (prompt, stop_token_ids, logit_bias) lie below this:
+        both the tokenizer and the model must have them (a tokenizer may list added tokens
+        past the model's logits)."""
+        return min(len(self.tokenizer), self._limits().vocab_size)
+
     def _limits(self) -> SchedulerReady:
         if self.scheduler_info is None:
             raise RuntimeError("the back end has not reported the model's limits yet")
@@ -104,7 +110,7 @@ class RequestTokenizer:
             self._images().check_tokens(input_ids, len(images))
         params = parse_sampling_params(obj.single_sampling_params)
         self._check_lengths(input_ids, params)
-        validate_sampling_params(params, len(self.tokenizer))
+        validate_sampling_params(params, self._token_id_bound())
         if grammar_field(params) is not None and self._grammar_tokenizer is not None:
             check_grammar(params, self._grammar_tokenizer.result(), self.server_args.reasoning_parser)
         if obj.return_logprob and obj.logprob_start_len >= len(input_ids):
@@ -163,7 +169,7 @@ class RequestTokenizer:
         num_input = len(input_ids)
         if num_input == 0:
             raise ClientError("the prompt is empty", "text")
-        vocab = len(self.tokenizer)
+        vocab = self._token_id_bound()
         if any(not isinstance(t, int) or not 0 <= t < vocab for t in input_ids):
             raise ClientError(f"input_ids must be token ids in [0, {vocab})", "input_ids")
         max_input = self._limits().max_req_input_len

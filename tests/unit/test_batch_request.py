@@ -109,7 +109,7 @@ class Channel:
         self.aborted = aborted
         self.inputs = RequestTokenizer(ServerArgs(), tokenizer)
         self.inputs.scheduler_info = SchedulerReady(
-            max_req_input_len=100, context_len=200, max_total_tokens=1000, eos_token_ids=[0]
+            max_req_input_len=100, context_len=200, max_total_tokens=1000, eos_token_ids=[0], vocab_size=100
         )
         self.rid_to_state: dict[str, ReqState] = {}
         self.sent: list[Message] = []
@@ -186,6 +186,23 @@ async def test_a_bad_item_fails_the_request_before_anything_is_sent():
     with pytest.raises(ClientError, match=r"item 1: .*temperature"):
         await results(channel, obj)
     assert channel.sent == [] and channel.rid_to_state == {}
+
+
+@pytest.mark.parametrize(
+    "fields, param",
+    [
+        ({"input_ids": [1, 8]}, "input_ids"),
+        ({"text": "a", "sampling_params": {"logit_bias": {"8": 1.0}}}, "logit_bias"),
+        ({"text": "a", "sampling_params": {"stop_token_ids": [8]}}, "stop_token_ids"),
+    ],
+)
+async def test_token_ids_the_tokenizer_has_but_the_model_lacks_are_refused(fields, param):
+    """The tokenizer lists 9 tokens, the model's logits only 8: id 8 would index past them."""
+    channel = Channel(WordTokenizer())
+    channel.inputs.scheduler_info.vocab_size = 8
+    with pytest.raises(ClientError, match=r"\[0, 8\)") as refused:
+        await results(channel, GenerateReqInput(rid="x", **fields))
+    assert refused.value.param == param and channel.sent == []
 
 
 async def test_samples_of_a_prompt_whose_warm_up_was_aborted_are_never_sent():

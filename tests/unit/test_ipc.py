@@ -111,6 +111,7 @@ EXAMPLES = [
         context_len=128,
         max_total_tokens=4000,
         eos_token_ids=[2, 7],
+        vocab_size=49152,
         image_token_id=99,
         num_image_tokens=16,
         execution={"backend": "kernels"},
