@@ -136,7 +136,8 @@ class MultiTokenizerRouter:
             )
             for req in reqs
         ]
-        self._distribute_result_to_workers(BatchStrOutput(outputs=outputs))
+        # Sent as results, but the rid stays live: it is the running request's.
+        self._send_by_worker(BatchStrOutput(outputs=outputs))
 
     def broadcast(self, message: Message) -> None:
         # The worker that sent it hears last: its copy coming back means that every other
@@ -154,11 +155,16 @@ class MultiTokenizerRouter:
 
     def _distribute_result_to_workers(self, message: Message) -> None:
         if isinstance(message, PER_REQUEST_OUTPUTS):
+            for out in message.outputs:
+                if out.output.finish_reason is not None:
+                    self.live_rids.discard(out.output.rid)
+        self._send_by_worker(message)
+
+    def _send_by_worker(self, message: Message) -> None:
+        if isinstance(message, PER_REQUEST_OUTPUTS):
             by_worker: dict[str | None, list[Any]] = defaultdict(list)
             for out in message.outputs:
                 by_worker[out.output.http_worker_ipc].append(out)
-                if out.output.finish_reason is not None:
-                    self.live_rids.discard(out.output.rid)
             if not message.outputs:  # the scheduler's heartbeat: every worker's watchdog wants it
                 by_worker = {ipc: [] for ipc in self.workers}
             for ipc, outputs in by_worker.items():

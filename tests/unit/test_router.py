@@ -131,6 +131,10 @@ def test_a_rid_live_on_one_worker_is_refused_on_another_until_it_finishes(hub):
         assert reason.message == "a request with rid 'same' is already running"
     assert hub.nothing_for(hub.scheduler, hub.workers["a"])
     assert "fresh" not in hub.router.live_rids
+    # The refusal did not free the running request's rid: a second try is refused too.
+    hub.router.dispatch(request("same", b))
+    assert hub.received(hub.workers["b"]).outputs[0].output.finish_reason.status_code == 400
+    assert hub.nothing_for(hub.scheduler) and "same" in hub.router.live_rids
 
     # Once its final result went back, the rid is free again.
     hub.router.dispatch(BatchStrOutput(outputs=[result("same", a, "done", finished=True)]))
