@@ -56,6 +56,8 @@ def grammar_of(params: SamplingParams, reasoning_parser: str = "none") -> str | 
             schema: Any = json.loads(text)
         except json.JSONDecodeError as e:
             raise ClientError(f"json_schema is not valid JSON: {e}", "json_schema") from None
+        except RecursionError:
+            raise ClientError("json_schema nests arrays and objects too deep to read", "json_schema") from None
         if not isinstance(schema, dict):
             raise ClientError("json_schema must be a JSON Schema (an object)", "json_schema")
         try:

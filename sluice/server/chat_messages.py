@@ -107,7 +107,7 @@ def _template_message(
 def _json_or_text(arguments: str) -> Any:
     try:
         return json.loads(arguments)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):  # not JSON, or nested past Python's stack
         return arguments
 
 

@@ -109,7 +109,7 @@ def parse_tool_calls(text: str, parser: str, known: set[str]) -> tuple[str, list
 def _call_of(body: str, arguments_key: str, known: set[str]) -> ToolCall | None:
     try:
         call = json.loads(body)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):  # not JSON, or nested past Python's stack
         return None
     if not isinstance(call, dict) or call.get("name") not in known:
         return None

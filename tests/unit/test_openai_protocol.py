@@ -10,7 +10,7 @@ import msgspec
 import pytest
 
 from sluice.sampling import ClientError
-from sluice.server.chat_messages import ChatMessage, ContentPart, ImageURL
+from sluice.server.chat_messages import ChatMessage, ContentPart, FunctionCall, ImageURL, MessageToolCall
 from sluice.server.json_body import decode_json
 from sluice.server.openai_protocol import DEFAULT_COMPLETION_MAX_TOKENS, ChatCompletionRequest, CompletionRequest
 
@@ -244,6 +244,17 @@ def test_messages_become_template_messages_with_openais_roles():
         {"role": "assistant", "content": ""},
     ]
     assert images == []
+
+
+def test_earlier_call_arguments_go_to_the_template_as_objects_or_else_as_text():
+    def arguments_of(text: str):
+        call = MessageToolCall(id="c", function=FunctionCall(name="f", arguments=text))
+        messages, _ = chat(ChatMessage(role="assistant", tool_calls=[call])).template_messages(None, "m")
+        return messages[0]["tool_calls"][0]["function"]["arguments"]
+
+    assert arguments_of('{"city": "Oslo"}') == {"city": "Oslo"}
+    for text in ["{not json", "[" * 5000]:  # the second nested past Python's stack (was a 500)
+        assert arguments_of(text) == text
 
 
 def test_content_parts_join_with_one_image_token_per_image_in_order():

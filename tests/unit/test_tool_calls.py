@@ -38,6 +38,7 @@ def test_hermes_blocks_become_calls_and_the_rest_stays_content():
         '<tool_call>{"name": "get_time", "arguments": </tool_call>',  # not JSON
         "<tool_call> unfinished",
         "plain text",
+        "<tool_call>" + "[" * 5000 + "</tool_call>",  # nested past Python's stack (was a 500)
     ],
 )
 def test_what_is_not_a_call_of_an_offered_function_stays_text(text):
