@@ -11,6 +11,10 @@ from typing import Any
 
 import msgspec
 
+# A request's parallel samples and their prompt warm-up are requests of their own, named
+# rid::0, rid::1, ... and rid::prefix; an abort of rid ends them all.
+RID_SEPARATOR = "::"
+
 
 class Message(msgspec.Struct, tag=True, kw_only=True):
     """Base of every message; the tag is the class name."""

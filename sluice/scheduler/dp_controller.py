@@ -31,6 +31,7 @@ import zmq
 from sluice.config import PortArgs, ServerArgs
 from sluice.ipc import Receiver, Sender, dispatch_forever
 from sluice.messages import (
+    RID_SEPARATOR,
     AbortReq,
     BatchTokenIDOutput,
     BatchTokenizedEmbeddingReqInput,
@@ -174,7 +175,7 @@ class DataParallelController:
         live = [r for r in range(self.size) if self.alive[r]]
         if not live:
             return None
-        parent = req.rid.partition("::")[0] if "::" in req.rid else None
+        parent = req.rid.partition(RID_SEPARATOR)[0] if RID_SEPARATOR in req.rid else None
         if parent is not None and parent in self.parents and self.alive[self.parents[parent]]:
             self.parents.move_to_end(parent)
             return self.parents[parent]

@@ -18,6 +18,7 @@ import torch
 
 from sluice.config import ServerArgs
 from sluice.messages import (
+    RID_SEPARATOR,
     AbortReq,
     FinishReason,
     InternalState,
@@ -167,7 +168,7 @@ class Scheduler:
         """Remove a waiting request or free a running one's slots, before the next step."""
 
         def targeted(req: Req) -> bool:
-            return msg.abort_all or req.rid == msg.rid or req.rid.startswith(msg.rid + "::")
+            return msg.abort_all or req.rid == msg.rid or req.rid.startswith(msg.rid + RID_SEPARATOR)
 
         # A request a stop string ended is finished, not aborted: the detokenizer drops this
         # last output and has sent the client the final one already.

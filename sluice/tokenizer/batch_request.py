@@ -20,7 +20,13 @@ from typing import Protocol
 
 import msgspec
 
-from sluice.messages import BatchTokenizedGenerateReqInput, Message, TokenizedGenerateReqInput, TokenizedRequest
+from sluice.messages import (
+    RID_SEPARATOR,
+    BatchTokenizedGenerateReqInput,
+    Message,
+    TokenizedGenerateReqInput,
+    TokenizedRequest,
+)
 from sluice.tokenizer.io_struct import GenerateReqInput
 from sluice.tokenizer.req_state import ClientConnection, ReqState
 from sluice.tokenizer.request_tokenizer import RequestTokenizer
@@ -90,7 +96,7 @@ async def _warm_prefixes(
         params = msgspec.structs.replace(t.sampling_params, max_new_tokens=0, min_new_tokens=0)
         warm = msgspec.structs.replace(
             t,
-            rid=f"{t.rid}::prefix",
+            rid=f"{t.rid}{RID_SEPARATOR}prefix",
             sampling_params=params,
             stream=False,
             return_logprob=False,
@@ -114,7 +120,7 @@ def _expand_samples(tokenized: list[TokenizedGenerateReqInput], n: int) -> list[
             seed = t.sampling_params.seed
             # Distinct seeds, or every sample of a seeded request would be the same.
             params = msgspec.structs.replace(t.sampling_params, seed=None if seed is None else seed + sample_index)
-            child = msgspec.structs.replace(t, rid=f"{t.rid}::{sample_index}", sampling_params=params)
+            child = msgspec.structs.replace(t, rid=f"{t.rid}{RID_SEPARATOR}{sample_index}", sampling_params=params)
             children.append((prompt_index * n + sample_index, child))
     return children
 

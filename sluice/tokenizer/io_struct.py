@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import uuid
-from typing import Any
+from typing import Any, Final
 
 import msgspec
 
-from sluice.messages import SamplingParams
+from sluice.messages import RID_SEPARATOR, SamplingParams
 from sluice.sampling import MAX_TOP_LOGPROBS, ClientError
 
 
@@ -87,13 +87,13 @@ class GenerateReqInput(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     def sample_count(self) -> int:
         """`n` of the request: one value for every item, or a ClientError."""
         params = self.sampling_params if isinstance(self.sampling_params, list) else [self.sampling_params or {}]
-        counts = {p.get("n", 1) if isinstance(p, dict) else 1 for p in params}
-        if len(counts) > 1:
-            raise ClientError(f"every item must have the same n, got {sorted(counts, key=str)}", "n")
-        n = counts.pop() if counts else 1
-        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-            raise ClientError(f"n must be an integer >= 1, got {n!r}", "n")
-        return n
+        counts = [p.get("n", 1) if isinstance(p, dict) else 1 for p in params]
+        for n in counts:
+            if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+                raise ClientError(f"n must be an integer >= 1, got {n!r}", "n")
+        if len(set(counts)) > 1:
+            raise ClientError(f"every item must have the same n, got {sorted(set(counts))}", "n")
+        return counts[0] if counts else 1
 
     def image_refs(self) -> list[str]:
         """The images of a single request, as a list."""
@@ -124,6 +124,7 @@ class GenerateReqInput(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
                 raise ClientError(f"'rid' has {len(self.rid)} entries for {size} prompts", "rid")
             if len(set(self.rid)) != size or not all(self.rid):
                 raise ClientError("the rids of a batch must be distinct and non-empty", "rid")
+            check_client_rids(self.rid)
         elif self.rid is not None:
             raise ClientError("'rid' must be a list with one rid per prompt", "rid")
         else:
@@ -176,6 +177,7 @@ class GenerateReqInput(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
                 self.rid = uuid.uuid4().hex
             elif not self.rid:
                 raise ClientError("'rid' must not be empty", "rid")
+            check_client_rids([self.rid])
         if self.top_logprobs_num < 0:
             raise ClientError(f"top_logprobs_num must be >= 0, got {self.top_logprobs_num}", "top_logprobs_num")
         if self.top_logprobs_num > MAX_TOP_LOGPROBS:
@@ -243,15 +245,26 @@ class EmbeddingReqInput(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
             not isinstance(self.rid, list) or len(self.rid) != count or len(set(self.rid)) != count or not all(self.rid)
         ):
             raise ClientError(f"'rid' must be a list of {count} distinct non-empty rids, one per prompt", "rid")
+        check_client_rids(self.rids)
 
     @property
     def rids(self) -> list[str]:
         return [self.rid] if isinstance(self.rid, str) else list(self.rid or [])
 
 
+def check_client_rids(rids: list[str]) -> None:
+    """A client's rid may not hold "::": the server names a request's samples and prompt
+    warm-up rid::i and rid::prefix, and an abort of rid ends them all."""
+    if any(RID_SEPARATOR in rid for rid in rids):
+        raise ClientError(f"'rid' may not contain {RID_SEPARATOR!r}: the server names a request's samples so", "rid")
+
+
+MAX_PRIORITY: Final = 2**63 - 1  # what the messages to the Scheduler carry (a signed 64-bit integer)
+
+
 def check_priority(priority: int | None) -> None:
-    if priority is not None and priority < 0:
-        raise ClientError(f"priority must be an integer >= 0 (higher runs sooner), got {priority}", "priority")
+    if priority is not None and not 0 <= priority <= MAX_PRIORITY:
+        raise ClientError(f"priority must be an integer in [0, 2**63) (higher runs sooner), got {priority}", "priority")
 
 
 def parse_sampling_params(raw: dict[str, Any] | None) -> SamplingParams:

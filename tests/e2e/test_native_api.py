@@ -174,6 +174,11 @@ def test_skip_special_tokens_and_the_stop_token_trimmed(base_url):
         ({"text": "hi", "sampling_params": {"logit_bias": {"1": 101}}}, "logit_bias"),
         ({"text": "hi", "sampling_params": {"logit_bias": {"99999999": 1}}}, "logit_bias"),
         ({"text": "hi", "lora_path": "adapter"}, "lora_path"),
+        # The server's own names for a request's samples (rid::i) are not a client's to take.
+        ({"text": "hi", "rid": "job::0"}, "rid"),
+        ({"text": ["hi", "ho"], "rid": ["a", "b::prefix"]}, "rid"),
+        ({"text": "hi", "sampling_params": {"n": [2]}}, "n"),
+        ({"text": "hi", "sampling_params": {"json_schema": "[" * 5000}}, "json_schema"),
     ],
 )
 def test_bad_input_is_400(base_url, body, field):
