@@ -231,7 +231,7 @@ def run_scheduler_process(server_args_data: bytes, port_args_data: bytes, dp_ran
         to_tokenizer.send(
             SchedulerReady(
                 max_req_input_len=scheduler.max_req_input_len,
-                context_len=scheduler.config.context_len,
+                context_len=scheduler.context_len,
                 max_total_tokens=scheduler.kv.total,
                 eos_token_ids=sorted(scheduler.eos_token_ids),
                 vocab_size=scheduler.config.vocab_size,

@@ -75,7 +75,19 @@ class Scheduler:
             max_total_tokens + 1, None if window_slots is None else window_slots + 1
         )
         self.eos_token_ids = frozenset(self.config.eos_token_ids)
-        self.max_req_input_len = min(self.config.context_len, max_total_tokens) - 1
+        # A request can hold no more tokens than the cache has slots, or, grown past them, it
+        # would wait for room forever: the context served is the smaller of the two (SGLang
+        # caps a request's length the same way).
+        self.context_len = min(self.config.context_len, max_total_tokens)
+        if self.context_len < self.config.context_len:
+            logger.warning(
+                "the KV cache holds %d tokens, fewer than the model's context length %d: a request may "
+                "hold %d (more with --kv-cache-memory-gb or --max-total-tokens)",
+                max_total_tokens,
+                self.config.context_len,
+                self.context_len,
+            )
+        self.max_req_input_len = self.context_len - 1
 
         self.waiting: list[Req] = []
         self.running: list[Req] = []  # admitted: decoding, or prefilling in chunks
@@ -444,7 +456,7 @@ class Scheduler:
         if not req.finished and req.grammar is not None and req.grammar.is_stopped():
             # The grammar is complete and allows nothing more (not even more whitespace).
             req.finish_reason = FinishReason(type="stop", matched=None)
-        if not req.finished and req.seq_len >= self.config.context_len:
+        if not req.finished and req.seq_len >= self.context_len:
             req.finish_reason = FinishReason(type="length", matched=None)
 
     def _advance_grammar(self, req: Req, token: int) -> None:

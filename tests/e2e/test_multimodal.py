@@ -67,6 +67,19 @@ def test_image_request_reports_image_tokens(vlm):
     assert info["max_req_input_len"] == MAX_TOTAL_TOKENS - 1
 
 
+def test_a_request_may_hold_no_more_than_the_kv_cache(vlm):
+    """The cache holds 400 tokens, the model's context is 2,048: 400 is what a request may
+    hold, so none can outgrow the cache and then wait for room forever."""
+    assert httpx.get(vlm.base_url + "/get_model_info").json()["context_len"] == MAX_TOTAL_TOKENS
+    refused = generate(vlm.base_url, text="Hi", sampling_params=greedy(MAX_TOTAL_TOKENS))
+    assert refused.status_code == 400 and str(MAX_TOTAL_TOKENS) in refused.json()["error"]["message"]
+    prompt_tokens = generate(vlm.base_url, text="Hi", sampling_params=greedy(1)).json()["meta_info"]["prompt_tokens"]
+    whole = generate(vlm.base_url, text="Hi", sampling_params=greedy(MAX_TOTAL_TOKENS - prompt_tokens, ignore_eos=True))
+    assert (
+        whole.status_code == 200 and whole.json()["meta_info"]["completion_tokens"] == MAX_TOTAL_TOKENS - prompt_tokens
+    )
+
+
 def test_same_image_reuses_the_cache_and_different_images_do_not(vlm):
     first = generate(vlm.base_url, text="What is this?", image_data=b64(2), sampling_params=greedy(2)).json()
     again = generate(vlm.base_url, text="What is this?", image_data=b64(2), sampling_params=greedy(2)).json()
