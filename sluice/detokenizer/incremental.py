@@ -24,6 +24,11 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 _REPLACEMENT_CHAR = "\ufffd"
+# Text ending in a broken character waits for the tokens that complete it. A UTF-8 character
+# spans at most 4 bytes, so ids that still end broken after this many are invalid bytes, as
+# the whole decode shows them (U+FFFD): shown, or each step would decode a window growing
+# with the output (a model made to repeat a lone byte token, say).
+MAX_TOKENS_HELD_FOR_A_CHARACTER = 16
 
 
 class DetokStep(NamedTuple):
@@ -197,7 +202,8 @@ class IncrementalDetokenizer:
         """The text token_id completes; "" while it ends inside a character."""
         self._window_ids.append(token_id)
         window_text = self._decode_window(len(self._window_ids))
-        if window_text.endswith(_REPLACEMENT_CHAR):
+        held = len(self._window_ids) - self._read_offset
+        if window_text.endswith(_REPLACEMENT_CHAR) and held < MAX_TOKENS_HELD_FOR_A_CHARACTER:
             return ""
         self._checkpoint(len(window_text) - len(self._prefix_text))
         if len(window_text) <= len(self._prefix_text):

@@ -210,6 +210,12 @@ def test_each_step_decodes_only_a_short_window(tokenizer):
     steps = feed(IncrementalDetokenizer(RecordingTokenizer(), stop=["never appears"]), ids)
     assert joined(steps) == tokenizer.decode(ids)
     assert len(ids) > 1000 and RecordingTokenizer.longest_decode <= 8
+    # Bytes that never make a character (token 111 is a lone 0xA1) are shown as the whole
+    # decode shows them, without the window growing with the output.
+    RecordingTokenizer.longest_decode = 0
+    broken = [111] * 1000 + tokenizer.encode(" then text")
+    steps = feed(IncrementalDetokenizer(RecordingTokenizer()), broken)
+    assert joined(steps) == tokenizer.decode(broken) and RecordingTokenizer.longest_decode <= 40
 
 
 def test_empty_stop_string_is_rejected(tokenizer):
