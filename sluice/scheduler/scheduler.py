@@ -452,7 +452,8 @@ class Scheduler:
             req.output_logprobs.append(next_tokens.logprobs[k])
             if req.top_logprobs_num:
                 req.output_top_logprobs.append([TokenLogprob(*top) for top in next_tokens.top_logprobs[k]])
-        req.check_finished(self.eos_token_ids)
+        if not req.finished:  # a grammar's dead end stays the answer's end
+            req.check_finished(self.eos_token_ids)
         if not req.finished and req.grammar is not None and req.grammar.is_stopped():
             # The grammar is complete and allows nothing more (not even more whitespace).
             req.finish_reason = FinishReason(type="stop", matched=None)
@@ -460,9 +461,11 @@ class Scheduler:
             req.finish_reason = FinishReason(type="length", matched=None)
 
     def _advance_grammar(self, req: Req, token: int) -> None:
-        if req.grammar.is_stopped():
+        # A matcher in error (one that could not compute a mask, say) reports itself stopped
+        # too, and lets only EOS through: that is no complete answer.
+        if req.grammar.is_stopped() and not req.grammar.is_error():
             return  # an EOS after the end (ignore_eos): nothing left to match
-        if not req.grammar.consume_token(token) or req.grammar.is_error():
+        if req.grammar.is_error() or not req.grammar.consume_token(token) or req.grammar.is_error():
             # Sampling kept to the mask, so this is a dead end in the grammar itself.
             message = f"the grammar reached a dead end: {req.grammar.get_error() or 'no token fits'}"
             req.finish_reason = FinishReason(type="abort", message=message, status_code=400)

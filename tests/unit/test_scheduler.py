@@ -199,6 +199,25 @@ def test_a_retracted_request_sends_its_prompt_logprobs_once(runner, prompts):
         assert len(output.input_logprobs) == len(output.input_top_logprobs) == len(ids)
 
 
+def test_a_grammar_in_error_ends_its_request_with_a_400_not_a_stop(runner, prompts):
+    """llguidance reports a matcher in error as stopped, allowing only EOS: the request must
+    not end as a complete answer."""
+    scheduler = make_scheduler(runner)
+    params = SamplingParams(max_new_tokens=8, temperature=0, regex="[0-9]+")
+    scheduler.add_request(TokenizedGenerateReqInput(rid="r", input_ids=prompts[0], sampling_params=params))
+    while not scheduler.running:
+        assert not scheduler.step()
+    [req] = scheduler.running
+    req.grammar.consume_token(28)  # "," puts it in error, as a failed mask computation would
+    outputs = []
+    while not scheduler.is_idle:
+        outputs += scheduler.step()
+    [final] = outputs
+    assert final.output.finish_reason.type == "abort" and final.output.finish_reason.status_code == 400
+    assert "dead end" in final.output.finish_reason.message
+    scheduler.check_integrity()
+
+
 def test_abort_frees_waiting_and_running(runner, prompts):
     scheduler = make_scheduler(runner, max_running_requests=2)
     for i, ids in enumerate(prompts[:4]):
