@@ -92,6 +92,8 @@ class SamplingFields(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         # The remaining ranges, and n's upper limit, are checked with the native path's
         # names, which match OpenAI's.
         _check_range(self.n, "n", 1)
+        if self.stream_options is not None and not self.stream:
+            raise ClientError("stream_options is only allowed when stream is true (as OpenAI says)", "stream_options")
 
     def _json_schema(self) -> str | None:
         """The JSON Schema (as text) that response_format or the json_schema extra asks for."""

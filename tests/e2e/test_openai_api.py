@@ -538,6 +538,7 @@ def test_wrong_types_are_400_naming_the_field(http, path, body, param):
         ("/v1/completions", {"prompt": "Hi", "logprobs": 6}, "logprobs"),
         ("/v1/completions", {"prompt": "Hi", "n": 17}, "n"),
         ("/v1/completions", {"prompt": "Hi", "n": 0}, "n"),
+        ("/v1/completions", {"prompt": "Hi", "stream_options": {"include_usage": True}}, "stream_options"),
         ("/v1/completions", {"prompt": ["Hi"] * 20, "n": 16}, "n"),
         ("/v1/completions", {"prompt": ["Hi"] * 257}, "prompt"),
         ("/v1/completions", {"prompt": ["Hi", [1, 2]]}, "prompt"),
