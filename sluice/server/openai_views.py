@@ -234,7 +234,9 @@ class CompletionView(OpenAIView):
         self.prompts = prompts
         self.prompt_texts: dict[int, str] = {}
         self.echo_pending = set(range(self.choice_count)) if body.echo else set()
-        self.text_sent = [0] * self.choice_count  # characters of each choice's text streamed so far
+        # Where each choice's next token starts, as text_offset counts it (the texts of the
+        # tokens before it): text held back from the stream (a possible stop string) counts too.
+        self.offset_sent = [0] * self.choice_count
 
     def prompt_text(self, index: int) -> str:
         prompt_index = index // self.n
@@ -258,13 +260,14 @@ class CompletionView(OpenAIView):
 
     def stream_choice(self, index: int, chunk: GenerateChunk) -> dict[str, Any] | None:
         echo = index in self.echo_pending
-        offset = 0 if echo else self.text_sent[index] + (len(self.prompt_text(index)) if self.echo else 0)
         entries = logprob_entries(chunk, "output")
         if not (chunk.text or entries or echo or chunk.finished):
             return None
         self.echo_pending.discard(index)
-        self.text_sent[index] += len(chunk.text)
-        return self.choice(index, chunk.text, entries, chunk, echo, offset)
+        choice = self.choice(index, chunk.text, entries, chunk, echo, self.offset_sent[index])
+        if choice["logprobs"] is not None:
+            self.offset_sent[index] += sum(map(len, choice["logprobs"]["tokens"]))
+        return choice
 
 
 class ChatView(OpenAIView):
@@ -290,6 +293,8 @@ class ChatView(OpenAIView):
         self.wants_logprobs = body.logprobs
         self.top_count = body.top_logprobs or 0
         self.forced = bool(body.forced_functions)
+        # OpenAI ends a call of a named function with "stop", one that "required" forced with "tool_calls".
+        self.forced_finish = "tool_calls" if body.tool_choice == "required" else "stop"
         self.known_tools = {tool.function.name for tool in body.tools_offered}
         self.one_call = body.parallel_tool_calls is False  # calls after the first are dropped, as vLLM does
         self.parser = tool_call_parser
@@ -310,7 +315,7 @@ class ChatView(OpenAIView):
         if self.forced:
             calls = forced_calls(text) if reason == "stop" else None
             if calls is not None:
-                return reasoning, None, calls, "tool_calls"
+                return reasoning, None, calls, self.forced_finish
             return reasoning, text, [], reason  # cut short (length, a stop string): no complete call to give
         if self.known_tools:
             content, calls = parse_tool_calls(text, self.parser, self.known_tools)
@@ -380,9 +385,13 @@ class ChatView(OpenAIView):
                 return []
             return [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": None}]
         _, final_content, calls, reason = self.answer(text, chunk)
-        final_content = final_content or ""
-        if final_content.startswith(content[:sent]) and len(final_content) > sent:
-            delta["content"] = final_content[sent:]
+        # What was sent is the start of the content, or of it before leading whitespace was
+        # stripped (the whole answer's content around calls is): the rest goes out now.
+        final_content, already = final_content or "", content[:sent]
+        if not final_content.startswith(already):
+            already = already.lstrip()
+        if final_content.startswith(already) and len(final_content) > len(already):
+            delta["content"] = final_content[len(already) :]
         choices = [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": None}]
         for position, call in enumerate(calls):
             whole = call.as_dict(position)

@@ -89,6 +89,7 @@ def test_a_named_function_is_the_one_called(client, model_name):
     )
     calls = result.choices[0].message.tool_calls
     assert [call.function.name for call in calls] == ["get_time"]
+    assert result.choices[0].finish_reason == "stop"  # as OpenAI ends a named call ("tool_calls" for required)
     assert_valid_call(calls[0])
 
 

@@ -229,3 +229,36 @@ def test_parallel_tool_calls_false_keeps_the_first_call_of_a_free_answer():
         view = chat_view(tools=[tool], tool_choice="auto", parallel_tool_calls=parallel)
         _, content, calls, reason = view.answer(text, chunk(None, [], "stop"))
         assert [call.arguments for call in calls] == arguments and content is None and reason == "tool_calls"
+
+
+def test_streamed_text_offsets_are_those_of_the_whole_response():
+    """Text the stream holds back (a possible stop string) still counts in the offsets of the
+    tokens after it, as in the response that is not streamed."""
+    request = CompletionRequest(prompt="Hi", logprobs=0, stream=True)
+    entries = {"return_logprob": True, "output_logprobs": [-0.5] * 4, "output_top_logprobs": [[]] * 4}
+    view = CompletionView("model-x", "abc", texts(), request, ["Hi"])
+    held = chunk(0, [1, 2], **{**entries, "output_logprobs": [-0.5] * 2, "output_top_logprobs": [[]] * 2})
+    held.text = "The"  # " cat" waits: it may start a stop string
+    rest = chunk(0, [3, 4], "length", **{**entries, "output_logprobs": [-0.5] * 2, "output_top_logprobs": [[]] * 2})
+    rest.text = " cat sat on"
+    streamed = [view.stream_choice(0, c)["logprobs"]["text_offset"] for c in (held, rest)]
+    whole_view = CompletionView("model-x", "abc", texts(), request, ["Hi"])
+    whole = whole_view.final_choice(0, chunk(0, [1, 2, 3, 4], **entries))
+    assert streamed[0] + streamed[1] == whole["logprobs"]["text_offset"] == [0, 3, 7, 11]
+
+
+def test_a_stream_sends_the_content_after_a_call_when_the_content_began_with_whitespace():
+    """The whole answer's content around calls is stripped; what the stream sent before the
+    call began with whitespace. The text after the call still goes out."""
+    tool = ToolDefinition("function", FunctionDefinition("f", parameters={"type": "object"}))
+    view = chat_view(tools=[tool], tool_choice="auto", stream=True)
+    first = chunk(0, [])
+    first.text = "\n\nSure. "
+    last = chunk(0, [], "stop")
+    last.text = '<tool_call>{"name": "f", "arguments": {}}</tool_call>\nBye.'
+    content, calls = "", []
+    for c in (first, last):
+        for choice in view.stream_choices(0, c):
+            content += choice["delta"].get("content") or ""
+            calls += choice["delta"].get("tool_calls") or []
+    assert content == "\n\nSure. \nBye." and len(calls) == 2  # the call's head, then its arguments
