@@ -16,6 +16,7 @@ from sluice.messages import TokenLogprob
 from sluice.server.errors import failure_message
 from sluice.server.openai_protocol import ChatCompletionRequest, CompletionRequest
 from sluice.server.reasoning import split_reasoning
+from sluice.server.token_bytes import TokenBytes
 from sluice.server.tool_calls import ToolCall, forced_calls, may_start_call, parse_tool_calls
 from sluice.tokenizer.control import BackendError
 from sluice.tokenizer.result import GenerateChunk
@@ -32,21 +33,37 @@ def choice_index(chunk: GenerateChunk) -> int:
 
 
 class TokenTexts:
-    """The text of single tokens, cached: logprobs name every token and its top alternatives."""
+    """The text and bytes of single tokens, cached: logprobs name every token and its top
+    alternatives. A token's text is its bytes where they are whole characters (" cat", with
+    the space a SentencePiece token spells), else the token decoded alone ("�" for a piece
+    of a character, whose bytes are then the token's own)."""
 
     def __init__(self) -> None:
         self._tokenizer: PreTrainedTokenizerBase | None = None
-        self._texts: dict[int, str] = {}
+        self._token_bytes: TokenBytes | None = None
+        self._texts: dict[int, tuple[str, bytes]] = {}
 
     def bind(self, tokenizer: PreTrainedTokenizerBase) -> None:
         if tokenizer is not self._tokenizer:
-            self._tokenizer, self._texts = tokenizer, {}
+            self._tokenizer, self._token_bytes, self._texts = tokenizer, TokenBytes(tokenizer), {}
 
     def __call__(self, token_id: int) -> str:
-        text = self._texts.get(token_id)
-        if text is None:
-            text = self._texts[token_id] = self.decode([token_id])
-        return text
+        return self._text_and_bytes(token_id)[0]
+
+    def bytes_of(self, token_id: int) -> bytes:
+        return self._text_and_bytes(token_id)[1]
+
+    def _text_and_bytes(self, token_id: int) -> tuple[str, bytes]:
+        known = self._texts.get(token_id)
+        if known is None:
+            own = self._token_bytes(token_id) if self._token_bytes is not None else None
+            try:
+                text = own.decode("utf-8") if own is not None else None
+            except UnicodeDecodeError:
+                text = None
+            text = self.decode([token_id]) if text is None else text
+            known = self._texts[token_id] = (text, text.encode("utf-8") if own is None else own)
+        return known
 
     def decode(self, token_ids: list[int]) -> str:
         if self._tokenizer is None:
@@ -110,8 +127,7 @@ def completion_logprobs(entries: list[LogprobEntry], texts: TokenTexts, first_of
 
 def chat_logprobs(entries: list[LogprobEntry], texts: TokenTexts, top_count: int) -> list[dict[str, Any]]:
     def token_info(token_id: int, logprob: float | None) -> dict[str, Any]:
-        text = texts(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        return {"token": texts(token_id), "logprob": logprob, "bytes": list(texts.bytes_of(token_id))}
 
     return [
         {**token_info(e.token_id, e.logprob), "top_logprobs": [token_info(t, lp) for t, lp in e.top[:top_count]]}
