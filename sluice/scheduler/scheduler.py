@@ -58,23 +58,6 @@ class Scheduler:
         self.args = args
         self.runner = runner
         self.config = runner.config
-        window = self.config.widest_window
-        window_slots = None
-        if window is not None:
-            window_slots = min(args.window_slots_needed(window), max_total_tokens)
-        self.kv = KVManager(
-            max_total_tokens,
-            args.max_running_requests,
-            self.config.context_len,
-            args.disable_radix_cache,
-            window=window,
-            window_cache_tokens=args.swa_cache_tokens,
-            window_slots=window_slots,
-        )
-        self.k_buffers, self.v_buffers = runner.new_kv_buffers(
-            max_total_tokens + 1, None if window_slots is None else window_slots + 1
-        )
-        self.eos_token_ids = frozenset(self.config.eos_token_ids)
         # A request can hold no more tokens than the cache has slots, or, grown past them, it
         # would wait for room forever: the context served is the smaller of the two (SGLang
         # caps a request's length the same way).
@@ -88,6 +71,23 @@ class Scheduler:
                 self.context_len,
             )
         self.max_req_input_len = self.context_len - 1
+        window = self.config.widest_window
+        window_slots = None
+        if window is not None:
+            window_slots = min(args.window_slots_needed(window), max_total_tokens)
+        self.kv = KVManager(
+            max_total_tokens,
+            args.max_running_requests,
+            self.context_len,
+            args.disable_radix_cache,
+            window=window,
+            window_cache_tokens=args.swa_cache_tokens,
+            window_slots=window_slots,
+        )
+        self.k_buffers, self.v_buffers = runner.new_kv_buffers(
+            max_total_tokens + 1, None if window_slots is None else window_slots + 1
+        )
+        self.eos_token_ids = frozenset(self.config.eos_token_ids)
 
         self.waiting: list[Req] = []
         self.running: list[Req] = []  # admitted: decoding, or prefilling in chunks
