@@ -30,6 +30,7 @@ from sluice.server.api_types import (
 from sluice.server.embeddings import embedding_chunks, openai_response
 from sluice.server.errors import NotFoundError, error_response, failure_response, failure_status
 from sluice.server.json_body import decode_json
+from sluice.server.logprobs import TokenTexts
 from sluice.server.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -37,7 +38,7 @@ from sluice.server.openai_protocol import (
     EmbeddingRequest,
     TokenizeRequest,
 )
-from sluice.server.openai_views import ChatView, CompletionView, OpenAIView, TokenTexts, choice_index
+from sluice.server.openai_views import ChatView, CompletionView, OpenAIView, choice_index
 from sluice.server.openapi import ApiDocs
 from sluice.server.sse import stream_response
 from sluice.server.state import ServerState

@@ -7,6 +7,7 @@ import pytest
 
 from sluice.messages import FinishReason, TokenLogprob
 from sluice.server.chat_messages import ChatMessage
+from sluice.server.logprobs import TokenTexts
 from sluice.server.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -14,7 +15,7 @@ from sluice.server.openai_protocol import (
     StreamOptions,
     ToolDefinition,
 )
-from sluice.server.openai_views import ChatView, CompletionView, TokenTexts, finish_reason
+from sluice.server.openai_views import ChatView, CompletionView, finish_reason
 from sluice.tokenizer.control import BackendError
 from sluice.tokenizer.result import GenerateChunk
 

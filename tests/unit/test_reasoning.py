@@ -6,8 +6,9 @@ import pytest
 
 from sluice.messages import FinishReason
 from sluice.server.chat_messages import ChatMessage
+from sluice.server.logprobs import TokenTexts
 from sluice.server.openai_protocol import ChatCompletionRequest
-from sluice.server.openai_views import ChatView, TokenTexts
+from sluice.server.openai_views import ChatView
 from sluice.server.reasoning import split_reasoning
 from sluice.tokenizer.result import GenerateChunk
 

@@ -14,8 +14,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from sluice.messages import FinishReason
 from sluice.sampling import ClientError
 from sluice.server.app import NativeStreamFormat
+from sluice.server.logprobs import TokenTexts
 from sluice.server.openai_protocol import CompletionRequest
-from sluice.server.openai_views import CompletionView, TokenTexts
+from sluice.server.openai_views import CompletionView
 from sluice.server.sse import stream_response
 from sluice.tokenizer.control import BackendError
 from sluice.tokenizer.result import GenerateChunk

@@ -8,7 +8,7 @@ from tokenizers import Tokenizer, decoders, models, normalizers
 from transformers import PreTrainedTokenizerFast
 
 from sluice.model_files import default_model_path
-from sluice.server.openai_views import LogprobEntry, TokenTexts, chat_logprobs
+from sluice.server.logprobs import LogprobEntry, TokenTexts, chat_logprobs
 from sluice.server.token_bytes import byte_level_alphabet
 from sluice.tokenizer_files import load_tokenizer
 

@@ -1,0 +1,118 @@
+"""Logprobs in OpenAI's formats: the text and bytes of single tokens (cached), the entries of
+a native chunk, and the completions and chat shapes built from them."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from sluice.messages import TokenLogprob
+from sluice.server.token_bytes import TokenBytes
+from sluice.tokenizer.result import GenerateChunk
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+
+class TokenTexts:
+    """The text and bytes of single tokens, cached: logprobs name every token and its top
+    alternatives. A token's text is its bytes where they are whole characters (" cat", with
+    the space a SentencePiece token spells), else the token decoded alone ("�" for a piece
+    of a character, whose bytes are then the token's own)."""
+
+    def __init__(self) -> None:
+        self._tokenizer: PreTrainedTokenizerBase | None = None
+        self._token_bytes: TokenBytes | None = None
+        self._texts: dict[int, tuple[str, bytes]] = {}
+
+    def bind(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        if tokenizer is not self._tokenizer:
+            self._tokenizer, self._token_bytes, self._texts = tokenizer, TokenBytes(tokenizer), {}
+
+    def __call__(self, token_id: int) -> str:
+        return self._text_and_bytes(token_id)[0]
+
+    def bytes_of(self, token_id: int) -> bytes:
+        return self._text_and_bytes(token_id)[1]
+
+    def _text_and_bytes(self, token_id: int) -> tuple[str, bytes]:
+        known = self._texts.get(token_id)
+        if known is None:
+            own = self._token_bytes(token_id) if self._token_bytes is not None else None
+            try:
+                text = own.decode("utf-8") if own is not None else None
+            except UnicodeDecodeError:
+                text = None
+            text = self.decode([token_id]) if text is None else text
+            known = self._texts[token_id] = (text, text.encode("utf-8") if own is None else own)
+        return known
+
+    def decode(self, token_ids: list[int]) -> str:
+        if self._tokenizer is None:
+            raise RuntimeError("TokenTexts.bind() names the tokenizer before any text is asked for")
+        text = self._tokenizer.decode(token_ids)
+        if not isinstance(text, str):  # a list of lists would decode to several texts
+            raise TypeError(f"decoding one sequence gave {type(text).__name__}")
+        return text
+
+
+@dataclass(slots=True)
+class LogprobEntry:
+    token_id: int
+    logprob: float | None
+    top: list[tuple[int, float]]
+
+
+def logprob_entries(chunk: GenerateChunk, kind: str) -> list[LogprobEntry]:
+    """kind "output" or "input": the chunk's token logprobs with their top alternatives."""
+    logprobs: Sequence[float | None]
+    if kind == "output":
+        logprobs, token_ids, tops = chunk.output_logprobs, chunk.output_ids, chunk.output_top_logprobs
+    else:
+        logprobs, token_ids, tops = chunk.input_logprobs, chunk.input_token_ids, chunk.input_top_logprobs
+    # Without logprobs asked for, the chunk carries none: no entries.
+    return [
+        LogprobEntry(token_id, logprob, _alternatives(tops, i))
+        for i, (logprob, token_id) in enumerate(zip(logprobs, token_ids, strict=False))
+    ]
+
+
+def _alternatives(tops: list[list[TokenLogprob]], position: int) -> list[tuple[int, float]]:
+    return [(t.token_id, t.logprob) for t in tops[position]] if position < len(tops) else []
+
+
+def completion_logprobs(entries: list[LogprobEntry], texts: TokenTexts, first_offset: int) -> dict[str, Any]:
+    """OpenAI's completions format; text_offset indexes the choice's text."""
+    tokens: list[str] = []
+    offsets: list[int] = []
+    top_logprobs: list[dict[str, float] | None] = []
+    offset = first_offset
+    for entry in entries:
+        text = texts(entry.token_id)
+        tokens.append(text)
+        offsets.append(offset)
+        offset += len(text)
+        if entry.logprob is None:
+            top_logprobs.append(None)  # the first prompt token: nothing to condition on
+            continue
+        # Like OpenAI, the chosen token is always among its alternatives.
+        top = {texts(token_id): logprob for token_id, logprob in entry.top}
+        top.setdefault(text, entry.logprob)
+        top_logprobs.append(top)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": top_logprobs,
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs(entries: list[LogprobEntry], texts: TokenTexts, top_count: int) -> list[dict[str, Any]]:
+    def token_info(token_id: int, logprob: float | None) -> dict[str, Any]:
+        return {"token": texts(token_id), "logprob": logprob, "bytes": list(texts.bytes_of(token_id))}
+
+    return [
+        {**token_info(e.token_id, e.logprob), "top_logprobs": [token_info(t, lp) for t, lp in e.top[:top_count]]}
+        for e in entries
+    ]
