@@ -1,5 +1,5 @@
-"""Structured output: a request's `json_schema`, `regex` or `ebnf` (SGLang's names) as an
-llguidance grammar.
+"""Structured output: a request's `json_schema`, `regex`, `ebnf` or `structural_tag` (SGLang's
+names) as an llguidance grammar.
 
 llguidance (guidance-ai's grammar engine, as vLLM and SGLang use it) is a Rust wheel with no
 dependencies: it pulls in no torch and no CUDA. It works on the tokenizer's own tokens: from
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     import llguidance
     from llguidance._lib import JsonCompileOptions
 
-GRAMMAR_FIELDS: Final = ("json_schema", "regex", "ebnf")
+GRAMMAR_FIELDS: Final = ("json_schema", "regex", "ebnf", "structural_tag")
 _JSON_DEFAULTS: Final[JsonCompileOptions] = {"whitespace_flexible": False}
 
 
@@ -35,7 +35,9 @@ def grammar_field(params: SamplingParams) -> str | None:
     """The one grammar field the request sets, or None; two at once are a ClientError."""
     given = [name for name in GRAMMAR_FIELDS if getattr(params, name) is not None]
     if len(given) > 1:
-        raise ClientError(f"give at most one of json_schema, regex and ebnf, not {' and '.join(given)}", given[1])
+        raise ClientError(
+            f"give at most one of json_schema, regex, ebnf and structural_tag, not {' and '.join(given)}", given[1]
+        )
     return given[0] if given else None
 
 
@@ -62,11 +64,12 @@ def grammar_of(params: SamplingParams, reasoning_parser: str = "none") -> str | 
             raise ClientError("json_schema must be a JSON Schema (an object)", "json_schema")
         try:
             if thinks:
-                compact = {**schema, "x-guidance": {**schema.get("x-guidance", {}), **_JSON_DEFAULTS}}
-                return _after_thinking(f"{_ANSWER}: %json {json.dumps(compact)}\n", reasoning_parser)
+                return _after_thinking(f"{_ANSWER}: %json {json.dumps(_compact(schema))}\n", reasoning_parser)
             return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_DEFAULTS)
         except (ValueError, TypeError) as e:
             raise ClientError(f"json_schema is not a usable JSON Schema: {e}", "json_schema") from None
+    if field == "structural_tag":  # free text already, thinking included (see structural_tag_lark)
+        return llguidance.LLMatcher.grammar_from_lark(structural_tag_lark(text))
     if field == "regex":
         if thinks:
             return _after_thinking(f"{_ANSWER}: /{llguidance.regex_to_lark(text)}/\n", reasoning_parser)
@@ -81,6 +84,50 @@ def grammar_of(params: SamplingParams, reasoning_parser: str = "none") -> str | 
 
 
 _ANSWER: Final = "sluice_answer"
+_STRUCTURAL_TAG_SHAPE: Final = (
+    'structural_tag must be {"structures": [{"begin": ..., "schema": {...}, "end": ...}, ...], '
+    '"triggers": [...]}, each begin starting with one of the triggers'
+)
+
+
+def _compact(schema: dict[str, Any]) -> dict[str, Any]:
+    """The schema with llguidance told to generate it compact (_JSON_DEFAULTS), for grammars
+    that embed it in Lark (`%json`), where the defaults argument does not reach."""
+    return {**schema, "x-guidance": {**schema.get("x-guidance", {}), **_JSON_DEFAULTS}}
+
+
+def structural_tag_lark(text: str) -> str:
+    """The Lark grammar of a structural tag (SGLang's form, as JSON text): the answer is free
+    text until one of the `triggers` appears; from there it must go on as one of the
+    structures whose `begin` starts with that trigger (its begin, JSON valid against its
+    `schema`, its end), then free text again. Triggers are matched as text (a trigger that
+    is a special token of the tokenizer never appears in free text). With a reasoning parser
+    the tag covers the thinking too: llguidance's lexer ends a lazy trigger as soon as it
+    matches, so a thinking rule around the free text cannot hold a trigger back."""
+    from llguidance import StructTag
+
+    try:
+        tag: Any = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ClientError(f"structural_tag is not valid JSON: {e}", "structural_tag") from None
+    except RecursionError:
+        raise ClientError("structural_tag nests arrays and objects too deep to read", "structural_tag") from None
+    if not isinstance(tag, dict) or set(tag) - {"type", "structures", "triggers"}:
+        raise ClientError(_STRUCTURAL_TAG_SHAPE, "structural_tag")
+    structures, triggers = tag.get("structures"), tag.get("triggers")
+    if tag.get("type", "structural_tag") != "structural_tag" or not isinstance(structures, list) or not structures:
+        raise ClientError(_STRUCTURAL_TAG_SHAPE, "structural_tag")
+    if not isinstance(triggers, list) or not triggers or not all(isinstance(t, str) and t for t in triggers):
+        raise ClientError("structural_tag.triggers must be a list of non-empty strings", "structural_tag")
+    tags = []
+    for i, given in enumerate(structures):
+        structure = given if isinstance(given, dict) and not set(given) - {"begin", "schema", "end"} else {}
+        begin, end, schema = structure.get("begin"), structure.get("end"), structure.get("schema") or {}
+        trigger = next((t for t in triggers if begin.startswith(t)), None) if isinstance(begin, str) else None
+        if trigger is None or not isinstance(begin, str) or not isinstance(end, str) or not isinstance(schema, dict):
+            raise ClientError(f"structural_tag.structures[{i}]: {_STRUCTURAL_TAG_SHAPE}", "structural_tag")
+        tags.append(StructTag(trigger=trigger, begin=begin, grammar=_compact(schema), end=end))
+    return StructTag.to_grammar(tags, assume_special=False)
 
 
 def _after_thinking(answer_rules: str, reasoning_parser: str) -> str:

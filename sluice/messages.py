@@ -45,10 +45,12 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     # token id -> added to its logit before sampling (OpenAI's: -100 bans, +100 forces)
     logit_bias: dict[int, float] = {}
     # Structured output, at most one (sluice/grammar.py): a JSON Schema as a string, a
-    # regular expression, or a GBNF grammar.
+    # regular expression, a GBNF grammar, or a structural tag (SGLang's JSON text
+    # {"structures": [{"begin", "schema", "end"}], "triggers": [...]}).
     json_schema: str | None = None
     regex: str | None = None
     ebnf: str | None = None
+    structural_tag: str | None = None
 
 
 class ImageInput(msgspec.Struct, kw_only=True):

@@ -16,6 +16,7 @@ import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from sluice.grammar import GRAMMAR_FIELDS
 from sluice.sampling import ClientError
 from sluice.server.api_types import (
     ChatCompletionChunk,
@@ -42,7 +43,13 @@ from sluice.server.openai_views import ChatView, CompletionView, OpenAIView, cho
 from sluice.server.openapi import ApiDocs
 from sluice.server.sse import stream_response
 from sluice.server.state import ServerState
-from sluice.server.tool_calls import default_parser, forced_schema, template_knows_tools, with_tools_in_text
+from sluice.server.tool_calls import (
+    default_parser,
+    forced_schema,
+    strict_calls_tag,
+    template_knows_tools,
+    with_tools_in_text,
+)
 from sluice.tokenizer.control import BackendError
 from sluice.tokenizer.io_struct import GenerateReqInput
 from sluice.tokenizer.manager import TokenizerManager
@@ -122,12 +129,20 @@ def install_openai_routes(app: FastAPI, state: ServerState, docs: ApiDocs) -> No
         if max_new_tokens is None:
             max_new_tokens = max(tm.context_len - len(input_ids), 0)
         sampling_params = body.sampling_params(max_new_tokens)
+        parameters = {tool.function.name: tool.function.parameters for tool in body.tools_offered}
+        strict = {tool.function.name for tool in body.tools_offered if tool.function.strict}
+        constrained = any(field in sampling_params for field in GRAMMAR_FIELDS)
         if forced := body.forced_functions:
-            if sampling_params.get("json_schema") or body.regex is not None or body.ebnf is not None:
+            if constrained:
                 raise ClientError("tool_choice forces a tool call: leave out response_format", "tool_choice")
-            parameters = {tool.function.name: tool.function.parameters for tool in body.tools or []}
             parallel = body.parallel_tool_calls is not False and body.tool_choice == "required"
             sampling_params["json_schema"] = forced_schema(parameters, forced, parallel)
+        elif strict:
+            if constrained:
+                raise ClientError("tools marked strict hold the calls to a grammar: leave out response_format", "tools")
+            parser = tool_call_parser(tm)
+            newlines = template_knows_tools(tm.chat_template.source if tm.chat_template is not None else None)
+            sampling_params["structural_tag"] = strict_calls_tag(parameters, strict, parser, newlines)
         obj = GenerateReqInput(
             input_ids=[*input_ids],
             sampling_params=sampling_params,

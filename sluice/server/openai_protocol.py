@@ -69,6 +69,7 @@ class SamplingFields(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     no_stop_trim: bool | None = None
     logit_bias: dict[str, float] | None = None
     # {"type": "text" | "json_object" | "json_schema", "json_schema": {"name", "schema", "strict"}}
+    # or {"type": "structural_tag", "structures": [{"begin", "schema", "end"}], "triggers": [...]}
     response_format: Any = None
     # SGLang's / vLLM's constraints, as extras (vLLM's guided_* names are not taken).
     json_schema: str | None = None
@@ -95,27 +96,32 @@ class SamplingFields(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         if self.stream_options is not None and not self.stream:
             raise ClientError("stream_options is only allowed when stream is true (as OpenAI says)", "stream_options")
 
-    def _json_schema(self) -> str | None:
-        """The JSON Schema (as text) that response_format or the json_schema extra asks for."""
+    def _constraint(self) -> dict[str, str]:
+        """The native grammar field (json_schema or structural_tag) that response_format or
+        the json_schema extra asks for, or none."""
         response_format = self.response_format
         if response_format is None or response_format == {"type": "text"}:
-            return self.json_schema
+            return {} if self.json_schema is None else {"json_schema": self.json_schema}
         kind = response_format.get("type") if isinstance(response_format, dict) else None
         if kind == "json_object":
-            schema: Any = {"type": "object"}
+            constraint = {"json_schema": json.dumps({"type": "object"})}
         elif kind == "json_schema" and isinstance(response_format.get("json_schema"), dict):
             schema = response_format["json_schema"].get("schema", {})
             if not isinstance(schema, dict):
                 raise ClientError("response_format.json_schema.schema must be a JSON Schema object", "response_format")
+            constraint = {"json_schema": json.dumps(schema)}
+        elif kind == "structural_tag":  # SGLang's and vLLM's: checked by the grammar (sluice/grammar.py)
+            constraint = {"structural_tag": json.dumps(response_format)}
         else:
             raise ClientError(
-                "response_format must be {'type': 'text'}, {'type': 'json_object'} or "
-                "{'type': 'json_schema', 'json_schema': {'name': ..., 'schema': {...}}}",
+                "response_format must be {'type': 'text'}, {'type': 'json_object'}, "
+                "{'type': 'json_schema', 'json_schema': {'name': ..., 'schema': {...}}} or "
+                "{'type': 'structural_tag', 'structures': [...], 'triggers': [...]}",
                 "response_format",
             )
         if self.json_schema is not None or self.regex is not None or self.ebnf is not None:
             raise ClientError("give response_format or one of json_schema, regex, ebnf, not both", "response_format")
-        return json.dumps(schema)
+        return constraint
 
     @property
     def sample_count(self) -> int:
@@ -142,9 +148,9 @@ class SamplingFields(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             "spaces_between_special_tokens": self.spaces_between_special_tokens,
             "no_stop_trim": self.no_stop_trim,
             "logit_bias": self.logit_bias or None,
-            "json_schema": self._json_schema(),
             "regex": self.regex,
             "ebnf": self.ebnf,
+            **self._constraint(),
         }
         return {key: value for key, value in params.items() if value is not None}
 

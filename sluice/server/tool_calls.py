@@ -5,7 +5,8 @@ OpenAI's `message.tool_calls`.
 output), so it holds even for a tiny model: the answer is a JSON array of `{"name",
 "arguments"}` objects (one for a named function, or with `parallel_tool_calls: false`), each
 `arguments` valid against its function's `parameters`. "auto" leaves the model free and
-reads its own format out of the text (`--tool-call-parser`):
+reads its own format out of the text (`--tool-call-parser`); where a function is marked
+`strict`, a structural tag holds every call the model begins to that format (strict_calls_tag):
 
     hermes  `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks (Hermes, Qwen)
     llama3  the whole answer one JSON object `{"name": ..., "parameters": {...}}` (Llama 3.x),
@@ -73,6 +74,26 @@ def forced_schema(functions: dict[str, dict[str, Any] | None], names: list[str],
     if not parallel:
         schema["maxItems"] = 1
     return json.dumps(schema)
+
+
+def strict_calls_tag(functions: dict[str, dict[str, Any] | None], strict: set[str], parser: str, newlines: bool) -> str:
+    """For tool_choice "auto" with functions marked `strict`: a structural tag (SGLang's form,
+    sluice/grammar.py) that leaves the answer free until a call begins, then holds the call
+    to --tool-call-parser's format and, for the strict functions, their `parameters` (the
+    others' arguments are any JSON object). hermes calls are written as the tools prompt asks
+    (`newlines`: on lines of their own inside the tags, as the chat templates with a tools
+    section show them)."""
+    structures = []
+    for name, parameters in functions.items():
+        schema = (parameters or {"type": "object"}) if name in strict else {"type": "object"}
+        if parser == "llama3":
+            begin, end = f'{{"name": {json.dumps(name)}, "parameters": ', "}"
+        else:
+            gap = "\n" if newlines else ""
+            begin, end = f'{HERMES_START}{gap}{{"name": {json.dumps(name)}, "arguments": ', f"}}{gap}</tool_call>"
+        structures.append({"begin": begin, "schema": schema, "end": end})
+    trigger = '{"name": ' if parser == "llama3" else HERMES_START
+    return json.dumps({"structures": structures, "triggers": [trigger]})
 
 
 def forced_calls(text: str) -> list[ToolCall] | None:

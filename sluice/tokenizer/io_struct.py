@@ -268,8 +268,7 @@ def check_priority(priority: int | None) -> None:
 
 
 def parse_sampling_params(raw: dict[str, Any] | None) -> SamplingParams:
-    """Build SamplingParams from a client's dict; wrong types and unknown keys (SGLang's
-    json_schema, regex, ebnf, logit_bias, ... included: none is honoured yet, and none may be
+    """Build SamplingParams from a client's dict; wrong types and unknown keys (none may be
     silently ignored) are a ClientError."""
     raw = dict(raw or {})
     raw.pop("n", None)  # expanded by the TokenizerManager, never sent on

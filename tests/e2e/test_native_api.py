@@ -169,7 +169,9 @@ def test_skip_special_tokens_and_the_stop_token_trimmed(base_url):
         ({"text": ""}, "prompt"),
         ({"text": 5}, "text"),
         # Never silently ignored: unknown fields.
-        ({"text": "hi", "sampling_params": {"structural_tag": "{}"}}, "sampling_params.structural_tag"),
+        ({"text": "hi", "sampling_params": {"sampling_seed": 3}}, "sampling_params.sampling_seed"),
+        ({"text": "hi", "sampling_params": {"structural_tag": "{}"}}, "structural_tag must be"),
+        ({"input_ids": [1, 2, 3], "return_logprob": True, "logprob_start_len": 4}, "logprob_start_len"),
         ({"text": "hi", "sampling_params": {"logit_bias": {"x": 5}}}, "logit_bias"),
         ({"text": "hi", "sampling_params": {"logit_bias": {"1": 101}}}, "logit_bias"),
         ({"text": "hi", "sampling_params": {"logit_bias": {"99999999": 1}}}, "logit_bias"),

@@ -123,6 +123,29 @@ def test_json_object_and_streamed_json_schema(client, model_name):
     jsonschema.validate(json.loads(text), PERSON)
 
 
+ANSWER_TAG = {
+    "type": "structural_tag",
+    "structures": [{"begin": "The answer is ", "schema": {"type": "integer", "minimum": 0, "maximum": 99}, "end": "."}],
+    "triggers": ["The"],
+}
+THE = 504  # SmolLM2's token "The": a bias of +100 makes the model say it wherever it may
+
+
+@pytest.mark.parametrize("route", ["/generate", "/v1/completions"])
+def test_a_structural_tag_holds_what_follows_its_trigger(http, route):
+    """Forced to say "The" again and again, the model must go on as the tag's structure each
+    time (without the tag the text is "TheTheThe...")."""
+    if route == "/generate":
+        params = {"structural_tag": json.dumps(ANSWER_TAG), "logit_bias": {str(THE): 100}, "max_new_tokens": 24}
+        text = generate(http, sampling_params={**params, "temperature": 0})["text"]
+    else:
+        body = {"prompt": PROMPT, "response_format": ANSWER_TAG, "logit_bias": {str(THE): 100}, "max_tokens": 24}
+        result = http.post(route, json={**body, "temperature": 0})
+        assert result.status_code == 200, result.text
+        text = result.json()["choices"][0]["text"]
+    assert re.match(r"(The answer is [0-9]{1,2}\.){2}", text), text
+
+
 @pytest.fixture(scope="module")
 def model_name(client) -> str:
     return client.models.list().data[0].id
@@ -138,6 +161,15 @@ def model_name(client) -> str:
         ({"ebnf": "root ::= ("}, "ebnf"),
         ({"ebnf": "root ::= undefined_rule"}, "ebnf"),
         ({"regex": "a", "json_schema": "{}"}, "regex"),
+        ({"structural_tag": '{"structures": [{"begin": "a", "end": "b"}], "triggers": ["x"]}'}, "structural_tag"),
+        (
+            {
+                "structural_tag": json.dumps(
+                    {"structures": [{"begin": "a", "end": "b", "schema": {"type": 1}}], "triggers": ["a"]}
+                )
+            },
+            "structural_tag",
+        ),
     ],
 )
 def test_bad_grammars_are_400_naming_the_field(http, base_url, params, field):

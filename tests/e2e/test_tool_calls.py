@@ -140,6 +140,23 @@ def test_a_forced_call_cut_by_a_stop_string_is_text(client, model_name, stream):
     assert content.startswith("[") and "}" not in content
 
 
+STRICT_TOOLS = [{**tool, "function": {**tool["function"], "strict": True}} for tool in TOOLS]
+# SmolLM2's tokens of "<tool_call>": biased so, the model begins call after call.
+SAYS_TOOL_CALL = {str(token): 100 for token in (44, 19324, 79, 4350, 46)}
+
+
+def test_strict_tools_hold_every_call_the_model_begins_in_auto(client, model_name):
+    """Without the structural tag the biased model says "<tool_call><tool_call>..." and no
+    call parses; with it, each call it begins goes on as a valid call."""
+    result = client.chat.completions.create(
+        model=model_name, messages=ASK, tools=STRICT_TOOLS, max_tokens=60, temperature=0, logit_bias=SAYS_TOOL_CALL
+    )
+    calls = result.choices[0].message.tool_calls
+    assert calls, result
+    for call in calls:
+        assert_valid_call(call)
+
+
 def test_a_tool_result_turn_is_accepted(client, model_name):
     messages = [
         *ASK,
@@ -186,6 +203,7 @@ def http(base_url):
             "tool_choice",
         ),
         ({"messages": [{"role": "tool", "content": "21"}]}, "messages[0].tool_call_id"),
+        ({"tools": STRICT_TOOLS, "response_format": {"type": "json_object"}}, "tools"),
     ],
 )
 def test_bad_tool_requests_are_400_naming_the_field(http, base_url, fields, param):

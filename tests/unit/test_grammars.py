@@ -13,6 +13,7 @@ import torch
 from sluice.messages import SamplingParams
 from sluice.model_files import default_model_path
 from sluice.scheduler.grammar import Grammars
+from sluice.server.tool_calls import strict_calls_tag
 from sluice.tokenizer_files import load_tokenizer
 
 SCHEMA = json.dumps({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]})
@@ -52,6 +53,7 @@ import sys
 from sluice.messages import SamplingParams
 from sluice.model_files import default_model_path
 from sluice.scheduler.grammar import Grammars
+from sluice.server.tool_calls import strict_calls_tag
 grammars = Grammars(default_model_path(), 49152)
 before = "transformers" in sys.modules
 grammars.matcher(grammars.compile(SamplingParams(json_schema={SCHEMA!r})))
@@ -106,3 +108,43 @@ def test_regex_and_ebnf_also_hold_after_the_thinking(fields, answer, wrong):
     assert compiled is not None
     assert takes(grammars, compiled, f"<think>so\n</think>\n{answer}") and takes(grammars, compiled, answer)
     assert not takes(grammars, compiled, f"<think>so</think>{wrong}")
+
+
+ANSWER_TAG = {
+    "type": "structural_tag",
+    "structures": [{"begin": "The answer is ", "schema": {"type": "integer"}, "end": "."}],
+    "triggers": ["The"],
+}
+
+
+@pytest.mark.parametrize("parser", ["none", "qwen3"])
+def test_a_structural_tag_holds_only_what_follows_a_trigger(parser):
+    grammars = Grammars(default_model_path(), 49152, reasoning_parser=parser)
+    compiled = grammars.compile(SamplingParams(structural_tag=json.dumps(ANSWER_TAG)))
+    assert compiled is not None
+    for free in ["Hi. The answer is 42. Bye", "no trigger at all", "The answer is 7.The answer is 8."]:
+        assert takes(grammars, compiled, free), free
+    for held in ["The answer is four.", "Then", "Hi. The answer is 42"]:  # not an integer; a trigger; no end
+        assert not takes(grammars, compiled, held), held
+
+
+def test_strict_tools_hold_each_call_of_a_strict_function_to_its_parameters():
+    zone = {"type": "object", "properties": {"zone": {"enum": ["UTC"]}}, "required": ["zone"]}
+    grammars = Grammars(default_model_path(), 49152)
+    for parser, gap, call in [
+        ("hermes", "", '<tool_call>{{"name": "{name}", "arguments": {arguments}}}</tool_call>'),
+        ("hermes", "\n", '<tool_call>\n{{"name": "{name}", "arguments": {arguments}}}\n</tool_call>'),
+        ("llama3", "", '{{"name": "{name}", "parameters": {arguments}}}'),
+    ]:
+        tag = strict_calls_tag({"get_time": zone, "free": None}, {"get_time"}, parser, newlines=gap == "\n")
+        compiled = grammars.compile(SamplingParams(structural_tag=tag))
+        assert compiled is not None
+
+        def said(name: str, arguments: str, call: str = call) -> str:
+            return "Let me see. " + call.format(name=name, arguments=arguments)
+
+        assert takes(grammars, compiled, said("get_time", '{"zone":"UTC"}'))
+        assert takes(grammars, compiled, said("free", '{"anything":[1]}'))  # not strict: any object
+        assert takes(grammars, compiled, "No call needed.")
+        for wrong in [said("get_time", '{"zone":"CET"}'), said("unknown", "{}")]:
+            assert not takes(grammars, compiled, wrong), (parser, wrong)

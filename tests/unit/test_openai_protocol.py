@@ -3,6 +3,7 @@ sampling_params they become, and chat messages as the chat template takes them."
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -209,6 +210,18 @@ def test_only_the_fields_the_client_gave_become_sampling_params():
         "no_stop_trim": True,
     }
     assert completion(stop=["a", "b"]).sampling_params(1)["stop"] == ["a", "b"]
+
+
+def test_response_format_becomes_one_grammar_field():
+    tag = {"type": "structural_tag", "structures": [{"begin": "<a>", "end": "</a>"}], "triggers": ["<a>"]}
+    assert json.loads(completion(response_format=tag).sampling_params(1)["structural_tag"]) == tag
+    assert completion(response_format={"type": "json_object"}).sampling_params(1)["json_schema"] == '{"type": "object"}'
+    assert completion(json_schema="{}").sampling_params(1)["json_schema"] == "{}"
+    for refused in [{"type": "grammar"}, {"type": "json_schema", "json_schema": {"schema": []}}]:
+        with pytest.raises(ClientError, match="response_format"):
+            completion(response_format=refused).sampling_params(1)
+    with pytest.raises(ClientError, match="not both"):
+        completion(response_format=tag, regex="a").sampling_params(1)
 
 
 # ------------------------------------------------------------------ chat
