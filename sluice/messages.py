@@ -16,6 +16,11 @@ import msgspec
 RID_SEPARATOR = "::"
 
 
+def rid_family(rid: str) -> str:
+    """The client's rid of a request the server named `rid::...`; a client's rid is its own."""
+    return rid.partition(RID_SEPARATOR)[0]
+
+
 class Message(msgspec.Struct, tag=True, kw_only=True):
     """Base of every message; the tag is the class name."""
 

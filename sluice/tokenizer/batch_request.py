@@ -28,7 +28,7 @@ from sluice.messages import (
     TokenizedRequest,
 )
 from sluice.tokenizer.io_struct import GenerateReqInput
-from sluice.tokenizer.req_state import ClientConnection, ReqState
+from sluice.tokenizer.req_state import ClientConnection, LiveRids, ReqState
 from sluice.tokenizer.request_tokenizer import RequestTokenizer
 from sluice.tokenizer.result import GenerateChunk
 
@@ -38,6 +38,7 @@ class RequestChannel(Protocol):
 
     inputs: RequestTokenizer
     rid_to_state: dict[str, ReqState]
+    live_rids: LiveRids
 
     def add_req_state(self, req: TokenizedRequest, path: str, index: int | None = None) -> ReqState: ...
 
@@ -55,26 +56,49 @@ async def handle_batch_request(
     each with what is new; else one per item, with everything."""
     items = [obj.item(i) for i in range(obj.batch_size)] if not obj.is_single else [obj]
     n = obj.sample_count()
-    tokenized = await tm.inputs.tokenize(items, tm.rid_to_state, label_items=True, received_at=received_at)
+    tokenized = await tm.inputs.tokenize(items, tm.live_rids, label_items=True, received_at=received_at)
     if n == 1:
         path = "batch" if tm.inputs.can_send_as_one_batch(items) else "batch_sequential"
-        children = list(enumerate(tokenized))
-    else:
-        ends = await _warm_prefixes(tm, tokenized, request)
-        if ends is None:
-            return  # the client left during the warm-up, which was aborted
-        path = "parallel_sample"
-        children = []
-        for index, child in _expand_samples(tokenized, n):
-            end = ends[index // n]
-            if end.finish_reason is not None and end.finish_reason.type == "abort":
-                # The prompt's prefill was aborted (its parent rid) or refused: so are its
-                # samples, which are never sent.
-                yield msgspec.structs.replace(end, rid=child.rid, path=path, index=index)
-            else:
-                children.append((index, child))
-        if not children:
-            return
+        async for chunk in _send_and_wait(tm, list(enumerate(tokenized)), path, request):
+            yield chunk
+        return
+    # The client's rids stay taken while their samples run (no await since they were checked).
+    parents = {t.rid for t in tokenized}
+    tm.live_rids.sampled |= parents
+    try:
+        async for chunk in _sample(tm, tokenized, n, request):
+            yield chunk
+    finally:
+        tm.live_rids.sampled -= parents
+
+
+async def _sample(
+    tm: RequestChannel, tokenized: list[TokenizedGenerateReqInput], n: int, request: ClientConnection | None
+) -> AsyncIterator[GenerateChunk]:
+    ends = await _warm_prefixes(tm, tokenized, request)
+    if ends is None:
+        return  # the client left during the warm-up, which was aborted
+    path = "parallel_sample"
+    children = []
+    for index, child in _expand_samples(tokenized, n):
+        end = ends[index // n]
+        if end.finish_reason is not None and end.finish_reason.type == "abort":
+            # The prompt's prefill was aborted (its parent rid) or refused: so are its
+            # samples, which are never sent.
+            yield msgspec.structs.replace(end, rid=child.rid, path=path, index=index)
+        else:
+            children.append((index, child))
+    if children:
+        async for chunk in _send_and_wait(tm, children, path, request):
+            yield chunk
+
+
+async def _send_and_wait(
+    tm: RequestChannel,
+    children: list[tuple[int, TokenizedGenerateReqInput]],
+    path: str,
+    request: ClientConnection | None,
+) -> AsyncIterator[GenerateChunk]:
     states = [tm.add_req_state(t, path, index) for index, t in children]
     if path == "batch_sequential":
         for _, t in children:

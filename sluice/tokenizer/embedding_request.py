@@ -18,7 +18,7 @@ async def handle_embedding_request(
     tm: RequestChannel, obj: EmbeddingReqInput, request: ClientConnection | None, received_at: float
 ) -> AsyncIterator[GenerateChunk]:
     """One chunk per prompt, as each ends; a list's chunks carry their `index`."""
-    tokenized = await tm.inputs.tokenize_embeddings(obj, tm.rid_to_state, received_at)
+    tokenized = await tm.inputs.tokenize_embeddings(obj, tm.live_rids, received_at)
     single = obj.is_single
     states = [tm.add_req_state(t, "embedding", None if single else i) for i, t in enumerate(tokenized)]
     tm.send(tokenized[0] if single else BatchTokenizedEmbeddingReqInput(reqs=tokenized))

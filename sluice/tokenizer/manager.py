@@ -52,7 +52,7 @@ from sluice.tokenizer.embedding_request import handle_embedding_request
 from sluice.tokenizer.io_struct import EmbeddingReqInput, GenerateReqInput
 from sluice.tokenizer.metrics import RequestMetrics
 from sluice.tokenizer.multimodal.request_images import RequestImages
-from sluice.tokenizer.req_state import ClientConnection, ReqState
+from sluice.tokenizer.req_state import ClientConnection, LiveRids, ReqState
 from sluice.tokenizer.request_tokenizer import RequestTokenizer
 from sluice.tokenizer.result import GenerateChunk
 from sluice.tokenizer.rwlock import RWLock
@@ -122,6 +122,7 @@ class TokenizerManager:
             self.send_to_scheduler = Sender(self.sync_context, port_args.tokenizer_input)
 
         self.rid_to_state: dict[str, ReqState] = {}
+        self.live_rids = LiveRids(self.rid_to_state)
         # The weights served: set when the back end reports ready, changed by weight updates.
         self.weight_version = server_args.weight_version
         self.weights_path = server_args.resolved_model_path()
@@ -213,7 +214,7 @@ class TokenizerManager:
         await self._wait_while_paused()
         async with self.model_update_lock.reader_lock():
             if obj.is_single and n == 1:
-                [tokenized] = await self.inputs.tokenize([obj], self.rid_to_state, received_at=received_at)
+                [tokenized] = await self.inputs.tokenize([obj], self.live_rids, received_at=received_at)
                 state = self.add_req_state(tokenized, "single")
                 self.send(tokenized)
                 async for response in self.wait_response(state, request):

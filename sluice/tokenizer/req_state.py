@@ -22,6 +22,20 @@ class ClientConnection(Protocol):
     async def is_disconnected(self) -> bool: ...
 
 
+class LiveRids:
+    """The rids a new request may not take: each rid with a state, and the client's rid of
+    each n > 1 request in flight, whose states are named `rid::prefix` and `rid::i` (a
+    request reusing that rid would be aborted with its samples, which the Scheduler aborts
+    by prefix, and would share their streams)."""
+
+    def __init__(self, rid_to_state: dict[str, ReqState]) -> None:
+        self.rid_to_state = rid_to_state
+        self.sampled: set[str] = set()
+
+    def __contains__(self, rid: object) -> bool:
+        return rid in self.rid_to_state or rid in self.sampled
+
+
 @dataclass(slots=True, eq=False)
 class ReqState:
     rid: str

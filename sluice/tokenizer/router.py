@@ -44,6 +44,7 @@ from sluice.messages import (
     UpdateWeightsFromDiskReqOutput,
     WorkerDied,
     WorkerStatsReq,
+    rid_family,
 )
 from sluice.procutil import become_child_process, is_alive, keep_torch_out
 from sluice.tokenizer.shared_args import remove_shared_args
@@ -80,8 +81,11 @@ class MultiTokenizerRouter:
         self.last_weight_update: UpdateWeightsFromDiskReqOutput | None = None
         self.replica_deaths: list[ReplicaDied] = []
         # Live rids over all workers: a worker only knows its own, so a rid that is live
-        # on another worker is refused here.
+        # on another worker is refused here. So is a rid whose family (the rid before `::`:
+        # a request and its n > 1 samples `rid::i`, which the Scheduler aborts together)
+        # lives on another worker: family -> (its worker, how many of its rids are live).
         self.live_rids: set[str] = set()
+        self.live_families: dict[str, tuple[str | None, int]] = {}
 
     def handle_loop(self) -> None:
         dispatch_forever(self.inbox, self.dispatch, LIVENESS_CHECK_S, self.check_workers_alive)
@@ -116,12 +120,30 @@ class MultiTokenizerRouter:
             reqs = list(message.reqs)
         elif isinstance(message, TokenizedGenerateReqInput | TokenizedEmbeddingReqInput):
             reqs = [message]
-        duplicates = {req.rid for req in reqs if req.rid in self.live_rids}
+        duplicates = {rid_family(req.rid) for req in reqs if req.rid in self.live_rids or self._family_elsewhere(req)}
         if duplicates:
             self._refuse_duplicates(reqs, duplicates)
             return
-        self.live_rids.update(req.rid for req in reqs)
+        for req in reqs:
+            self.live_rids.add(req.rid)
+            family = rid_family(req.rid)
+            self.live_families[family] = (req.http_worker_ipc, self.live_families.get(family, (None, 0))[1] + 1)
         self.to_scheduler.send(message)
+
+    def _family_elsewhere(self, req: TokenizedRequest) -> bool:
+        owner = self.live_families.get(rid_family(req.rid))
+        return owner is not None and owner[0] != req.http_worker_ipc
+
+    def _forget(self, rid: str) -> None:
+        if rid not in self.live_rids:
+            return
+        self.live_rids.discard(rid)
+        family = rid_family(rid)
+        worker, live = self.live_families[family]
+        if live > 1:
+            self.live_families[family] = (worker, live - 1)
+        else:
+            del self.live_families[family]
 
     def _refuse_duplicates(self, reqs: list[TokenizedRequest], duplicates: set[str]) -> None:
         """End every item of the refused message at once, with a 400 naming the rid."""
@@ -157,7 +179,7 @@ class MultiTokenizerRouter:
         if isinstance(message, PER_REQUEST_OUTPUTS):
             for out in message.outputs:
                 if out.output.finish_reason is not None:
-                    self.live_rids.discard(out.output.rid)
+                    self._forget(out.output.rid)
         self._send_by_worker(message)
 
     def _send_by_worker(self, message: Message) -> None:

@@ -223,17 +223,23 @@ def test_malformed_bodies(base_url):
     assert httpx.post(base_url + "/generate", content=big, timeout=60).status_code == 413
 
 
-def test_duplicate_live_rid_is_400(base_url):
+@pytest.mark.parametrize("first_n", [1, 2])
+def test_duplicate_live_rid_is_400(base_url, first_n):
+    """Also while the rid's n > 1 samples (`dup-rid::i`) run: a request reusing it would be
+    aborted with them and share their streams."""
     body = {"text": "Tell me a long story.", "rid": "dup-rid", "sampling_params": greedy(4000, ignore_eos=True)}
     first = {}
-    thread = threading.Thread(target=lambda: first.update(r=generate(base_url, **body)))
+    first_body = {**body, "sampling_params": {**body["sampling_params"], "n": first_n}}
+    thread = threading.Thread(target=lambda: first.update(r=generate(base_url, **first_body)))
     thread.start()
     wait_until_running(base_url)
-    second = generate(base_url, **body)
+    seconds = [generate(base_url, **body), generate(base_url, **first_body)]
     httpx.post(base_url + "/abort_request", json={"rid": "dup-rid"})
     thread.join(60)
     assert first["r"].status_code == 200
-    assert second.status_code == 400 and "dup-rid" in second.json()["error"]["message"]
+    for second in seconds:
+        assert second.status_code == 400 and "dup-rid" in second.json()["error"]["message"]
+    wait_until_drained(base_url)
 
 
 def test_health_and_info_routes(base_url):

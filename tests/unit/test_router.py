@@ -143,6 +143,27 @@ def test_a_rid_live_on_one_worker_is_refused_on_another_until_it_finishes(hub):
     assert hub.received(hub.scheduler).http_worker_ipc == b
 
 
+def test_a_rid_whose_samples_run_on_one_worker_is_refused_on_another(hub):
+    """n > 1 samples are `rid::i` (and `rid::prefix`): the Scheduler aborts them with `rid`,
+    so neither `rid` nor another sampling of it may start on another worker meanwhile."""
+    a, b = hub.addresses["a"], hub.addresses["b"]
+    hub.router.dispatch(BatchTokenizedGenerateReqInput(reqs=[request("fam::0", a), request("fam::1", a)]))
+    assert [req.rid for req in hub.received(hub.scheduler).reqs] == ["fam::0", "fam::1"]
+    for rid in ["fam", "fam::prefix"]:
+        hub.router.dispatch(request(rid, b))
+        reason = hub.received(hub.workers["b"]).outputs[0].output.finish_reason
+        assert reason.status_code == 400 and reason.message == "a request with rid 'fam' is already running"
+    assert hub.nothing_for(hub.scheduler)
+    hub.router.dispatch(BatchStrOutput(outputs=[result("fam::0", a, "x", finished=True)]))
+    hub.received(hub.workers["a"])
+    hub.router.dispatch(request("fam", b))  # fam::1 still runs
+    assert hub.received(hub.workers["b"]).outputs[0].output.finish_reason.status_code == 400
+    hub.router.dispatch(BatchStrOutput(outputs=[result("fam::1", a, "y", finished=True)]))
+    hub.received(hub.workers["a"])
+    hub.router.dispatch(request("fam", b))
+    assert hub.received(hub.scheduler).rid == "fam" and hub.router.live_families == {"fam": (b, 1)}
+
+
 def internal_state(worker: str) -> InternalState:
     return InternalState(
         num_running_reqs=0,
