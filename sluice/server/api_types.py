@@ -25,6 +25,13 @@ class AbortRequestInput(msgspec.Struct, kw_only=True):
     abort_all: bool = False
 
 
+class PauseGenerationReqInput(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """SGLang's body of /pause_generation. No mode (or no body): new requests wait while the
+    running ones go on; "abort": the running ones are aborted too (SGLang's default)."""
+
+    mode: str | None = None
+
+
 class UpdateWeightsFromDiskReqInput(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Serve the weights at `model_path` (a GGUF file or a HF folder of the same model:
     architecture, sizes and vocabulary) once the running requests finish; new requests wait

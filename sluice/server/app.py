@@ -22,6 +22,7 @@ from sluice.server.api_types import (
     GenerateResult,
     Loads,
     ModelInfo,
+    PauseGenerationReqInput,
     ServerInfo,
     Success,
     UpdateWeightsFromDiskReqInput,
@@ -201,9 +202,20 @@ def create_app(state: ServerState, lifespan=None) -> FastAPI:
         state.tm.abort_request(body.rid, abort_all=body.abort_all)
         return {"success": True}
 
-    @app.post("/pause_generation", openapi_extra=docs.operation(response=Success, errors=_ANY_ROUTE))
-    async def pause_generation():
-        await state.tm.pause_generation()
+    @app.post(
+        "/pause_generation",
+        openapi_extra=docs.operation(body=PauseGenerationReqInput, response=Success, errors=_BODY_ROUTE),
+    )
+    async def pause_generation(request: Request):
+        raw = await request.body()
+        body = decode_json(raw, PauseGenerationReqInput) if raw.strip() else PauseGenerationReqInput()
+        if body.mode not in (None, "abort"):
+            raise ClientError(
+                f"mode {body.mode!r} is not supported: leave it out (running requests go on) or give 'abort'", "mode"
+            )
+        await state.tm.pause_generation()  # first, so that nothing starts between the abort and the pause
+        if body.mode == "abort":
+            state.tm.abort_request(abort_all=True)
         return {"success": True}
 
     @app.post("/continue_generation", openapi_extra=docs.operation(response=Success, errors=_ANY_ROUTE))

@@ -394,8 +394,9 @@ class TokenizerManager:
         return self.metrics.render(await self.get_internal_state())
 
     async def flush_cache(self) -> FlushCacheReqOutput:
-        async with self.model_update_lock.writer_lock():
-            return await self.control.call(FlushCacheReq(), FlushCacheReqOutput)
+        # No writer lock, as in SGLang: the Scheduler refuses the flush while requests run,
+        # and waiting for this worker's streams would hold every new request back meanwhile.
+        return await self.control.call(FlushCacheReq(), FlushCacheReqOutput)
 
     async def update_weights_from_disk(
         self, model_path: str, weight_version: str | None = None, abort_all_requests: bool = False

@@ -262,6 +262,18 @@ def test_flush_cache(base_url):
     generate(base_url, text="Remember this prefix please", sampling_params=greedy(2))
     assert httpx.post(base_url + "/flush_cache", timeout=60).json() == {"success": True}
     assert internal_states(base_url)["kv_tokens_cached"] == 0
+    # While a request runs the flush is refused at once: it does not wait for the stream,
+    # which would hold every new request back meanwhile.
+    body = {"text": "Tell me a long story.", "rid": "flush-me", "sampling_params": greedy(4000, ignore_eos=True)}
+    thread = threading.Thread(target=generate, args=(base_url,), kwargs=body)
+    thread.start()
+    wait_until_running(base_url)
+    refused = httpx.post(base_url + "/flush_cache", timeout=10)
+    assert generate(base_url, text="Hi", sampling_params=greedy(2)).status_code == 200
+    httpx.post(base_url + "/abort_request", json={"rid": "flush-me"})
+    thread.join(60)
+    assert refused.status_code == 400 and "requests are running" in refused.json()["error"]["message"]
+    wait_until_drained(base_url)
 
 
 def test_abort_request_by_rid(base_url):
@@ -290,6 +302,26 @@ def test_pause_holds_new_requests(base_url):
     thread.join(60)
     assert result["r"].status_code == 200 and result["r"].json()["meta_info"]["completion_tokens"] == 2
     assert internal_states(base_url)["num_paused_reqs"] == 0
+
+
+def test_pause_in_abort_mode_aborts_the_running_requests(base_url):
+    """SGLang's {"mode": "abort"}: the running requests end as aborted, new ones wait; a
+    mode sluice does not have is a 400 naming it, not a pause of another kind."""
+    refused = httpx.post(base_url + "/pause_generation", json={"mode": "in_place"})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "mode"
+    body = {"text": "Write a very long essay.", "sampling_params": greedy(4000, ignore_eos=True)}
+    result = {}
+    thread = threading.Thread(target=lambda: result.update(r=generate(base_url, **body)))
+    thread.start()
+    wait_until_running(base_url)
+    try:
+        assert httpx.post(base_url + "/pause_generation", json={"mode": "abort"}).status_code == 200
+        thread.join(60)
+        meta = result["r"].json()["meta_info"]
+        assert meta["finish_reason"]["type"] == "abort" and meta["completion_tokens"] < 4000
+    finally:
+        assert httpx.post(base_url + "/continue_generation").status_code == 200
+    wait_until_drained(base_url)
 
 
 def test_disconnected_clients_are_aborted(base_url):
