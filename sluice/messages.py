@@ -153,6 +153,7 @@ class UpdateWeightsFromDiskReq(Message):
 class FinishReason(msgspec.Struct, kw_only=True):
     type: str  # "stop" | "length" | "abort"
     matched: int | str | None = None
+    length: int | None = None  # "length": the output's length limit it reached (SGLang's key)
     message: str | None = None
     status_code: int | None = None
     # Set when the server refused the request for its load (a 503 with Retry-After): why,
@@ -161,6 +162,8 @@ class FinishReason(msgspec.Struct, kw_only=True):
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"type": self.type, "matched": self.matched}
+        if self.length is not None:
+            out["length"] = self.length
         if self.message is not None:
             out["message"] = self.message
         if self.status_code is not None:

@@ -196,4 +196,4 @@ class Req:
                 self.finish_reason = FinishReason(type="stop", matched=last)
                 return
         if len(self.output_ids) >= params.max_new_tokens:
-            self.finish_reason = FinishReason(type="length", matched=None)
+            self.finish_reason = FinishReason(type="length", length=params.max_new_tokens)

@@ -429,7 +429,7 @@ class Scheduler:
                 self._append_token(req, next_tokens, sample_pos[i])
             elif req.kv_len == req.seq_len and req.sampling_params.max_new_tokens == 0:
                 # A prefill-only request (parallel sampling's prefix warm-up).
-                req.finish_reason = FinishReason(type="length", matched=None)
+                req.finish_reason = FinishReason(type="length", length=0)
             if req.finished:
                 self.running.remove(req)
                 self.kv.release(req, keep_in_cache=True)
@@ -458,7 +458,7 @@ class Scheduler:
             # The grammar is complete and allows nothing more (not even more whitespace).
             req.finish_reason = FinishReason(type="stop", matched=None)
         if not req.finished and req.seq_len >= self.context_len:
-            req.finish_reason = FinishReason(type="length", matched=None)
+            req.finish_reason = FinishReason(type="length", length=len(req.output_ids))
 
     def _advance_grammar(self, req: Req, token: int) -> None:
         # A matcher in error (one that could not compute a mask, say) reports itself stopped

@@ -113,8 +113,13 @@ class RequestTokenizer:
         validate_sampling_params(params, self._token_id_bound())
         if grammar_field(params) is not None and self._grammar_tokenizer is not None:
             check_grammar(params, self._grammar_tokenizer.result(), self.server_args.reasoning_parser)
-        if obj.return_logprob and obj.logprob_start_len >= len(input_ids):
-            obj.logprob_start_len = -1
+        if obj.return_logprob and obj.logprob_start_len > len(input_ids):
+            raise ClientError(
+                f"logprob_start_len {obj.logprob_start_len} is past the prompt's {len(input_ids)} tokens",
+                "logprob_start_len",
+            )
+        if obj.return_logprob and obj.logprob_start_len == len(input_ids):
+            obj.logprob_start_len = -1  # from the prompt's end: none of it
         return TokenizedGenerateReqInput(
             rid=obj.single_rid,
             input_ids=input_ids,
