@@ -307,7 +307,7 @@ class Scheduler:
         plan = self._plan_prefill(new_decode_slots, admit_new=self.num_retractions == retractions)
         reqs = decoding + plan.reqs
         if not reqs:
-            return None
+            return self._schedule() if self._retract_a_stuck_prefill() else None
         extend_lens = [1] * len(decoding) + plan.extend_lens
         return StepBatch.allocate(reqs, extend_lens, self.kv)
 
@@ -317,6 +317,18 @@ class Scheduler:
             victim = decoding.pop()
             self._retract(victim)
         return decoding
+
+    def _retract_a_stuck_prefill(self) -> bool:
+        """Prompts prefilled in chunks side by side (--chunked-prefill-size below
+        --max-prefill-tokens) may fill the cache between them, none with room for its next
+        chunk and none decoding to retract: the latest goes back to the waiting queue, the
+        chunks it computed into the cache, where the others may evict them. A lone prompt
+        always fits (the context is capped at the cache's size)."""
+        prefilling = [req for req in self.running if not req.is_decoding]
+        if len(prefilling) < 2:
+            return False
+        self._retract(prefilling[-1], "KV cache full between chunked prefills")
+        return True
 
     def _preempt_for_priority(self) -> None:
         """With every running slot taken, a waiting request of higher priority sends the

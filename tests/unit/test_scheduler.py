@@ -157,6 +157,24 @@ def test_retracted_request_resumes_unchanged(runner, prompts, alone):
     assert [tokens[f"r{i}"] for i in range(6)] == alone[:6]
 
 
+@pytest.mark.parametrize("disable_radix_cache", [False, True])
+def test_prompts_prefilled_in_chunks_side_by_side_never_fill_the_cache_for_good(runner, disable_radix_cache):
+    """Two 300-token prompts admitted together, 32 tokens a chunk each, fill a 400-token
+    cache before either is whole: the later one goes back to wait, and both finish."""
+    long_prompts = [[100 + (7 * i + k) % 900 for i in range(300)] for k in range(2)]
+    scheduler = make_scheduler(
+        runner,
+        max_total_tokens=400,
+        chunked_prefill_size=32,
+        max_prefill_tokens=256,
+        disable_radix_cache=disable_radix_cache,
+    )
+    tokens = run(scheduler, long_prompts, max_new_tokens=8)
+    assert scheduler.num_retractions > 0
+    for k, ids in enumerate(long_prompts):
+        assert tokens[f"r{k}"] == run(make_scheduler(runner, disable_radix_cache=True), [ids], max_new_tokens=8)["r0"]
+
+
 def test_a_retracted_request_keeps_its_grammar_state(runner, prompts):
     """Constrained requests retracted mid-answer resume where their grammar was: each gets the
     tokens it gets alone, and they still follow the schema."""
