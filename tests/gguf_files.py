@@ -199,9 +199,11 @@ def _add_gemma_fields(writer, config, arch: str) -> None:
     import gguf
 
     writer.add_sliding_window(config.sliding_window)
-    if arch == "gemma2":
-        writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
-        writer.add_final_logit_softcapping(config.final_logit_softcapping)
+    if arch == "gemma2":  # (files written before llama.cpp stored the caps have none)
+        if config.attn_logit_softcapping is not None:
+            writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
+        if config.final_logit_softcapping is not None:
+            writer.add_final_logit_softcapping(config.final_logit_softcapping)
         return
     global_rope = config.rope_parameters["full_attention"]
     writer.add_rope_freq_base_swa(config.rope_parameters["sliding_attention"]["rope_theta"])

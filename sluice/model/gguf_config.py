@@ -94,13 +94,15 @@ def _gemma_gguf_fields(
     if architecture not in GEMMA_ARCHITECTURES:
         return {}
     big = (architecture, num_layers) in (("Gemma2ForCausalLM", 46), ("Gemma3ForCausalLM", 62))
+    gemma2 = architecture == "Gemma2ForCausalLM"
     return dict(
         mlp_activation="gelu_tanh",
         sandwich_norms=True,
         embedding_multiplier=hidden_size**0.5,
         query_pre_attn_scalar=hidden_size / num_heads if big else None,
-        attn_logit_softcap=field(f"{arch_name}.attn_logit_softcapping"),
-        final_logit_softcap=field(f"{arch_name}.final_logit_softcapping"),
+        # Gemma 2 files written before llama.cpp stored the caps lack them: its defaults.
+        attn_logit_softcap=field(f"{arch_name}.attn_logit_softcapping", 50.0 if gemma2 else None),
+        final_logit_softcap=field(f"{arch_name}.final_logit_softcapping", 30.0 if gemma2 else None),
         local_rope_theta=_gemma_local_rope_theta(field, arch_name, architecture),
     )
 

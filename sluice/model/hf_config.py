@@ -129,7 +129,10 @@ def _text_fields(config: dict[str, Any]) -> dict[str, Any]:
             "sliding_attention" if first_sliding is not None and layer >= first_sliding else "full_attention"
             for layer in range(config["num_hidden_layers"])
         ]
-    use_sliding_window = config.get("use_sliding_window", True) or layer_types is not None
+    # transformers' Llama has no sliding window, whatever its config.json says.
+    use_sliding_window = architecture != "LlamaForCausalLM" and (
+        config.get("use_sliding_window", True) or layer_types is not None
+    )
     return dict(
         architecture=architecture,
         vocab_size=config["vocab_size"],
@@ -143,7 +146,8 @@ def _text_fields(config: dict[str, Any]) -> dict[str, Any]:
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
         rms_norm_eps=config.get("rms_norm_eps", 1e-6),
-        tie_word_embeddings=config.get("tie_word_embeddings", False),
+        # transformers' defaults: Gemma ties its output to the embeddings, the others do not.
+        tie_word_embeddings=config.get("tie_word_embeddings", architecture in GEMMA_ARCHITECTURES),
         attention_bias=config.get("attention_bias", architecture == "Qwen2ForCausalLM"),
         qk_norm=architecture in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
         context_len=context_len,

@@ -44,7 +44,9 @@ def load_llama_weights(model: LlamaForCausalLM, weights: Weights) -> None:
         # A quantized table: tokens are looked up in its blocks.
         model.embedding_blocks = embedding
     _copy_in(model.norm.weight, weights, "model.norm.weight")
-    if model.config.tie_word_embeddings or "lm_head.weight" not in weights:
+    if not model.config.tie_word_embeddings and "lm_head.weight" not in weights:
+        raise ValueError("weight lm_head.weight is missing, and the config's tie_word_embeddings is false")
+    if model.config.tie_word_embeddings:
         model.lm_head = model.embed_tokens
         model.lm_head_quantized = embedding
     else:

@@ -208,3 +208,36 @@ def test_weights_the_config_does_not_fit_are_refused_naming_the_weight(tmp_path)
     assert result.returncode == 1
     assert "model.layers.0.mlp.gate_proj.weight [128, 64]" in result.stderr
     assert "the config implies [192, 64]" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_config_fields_are_read_as_transformers_reads_them(tmp_path):
+    """Where a file leaves a field out, or names one its architecture does not use, the
+    model served is the one transformers (or llama.cpp, for a GGUF) would run."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig
+
+    from sluice.model.model_config import ModelConfig
+    from tests.unit.test_model_tiny import SHAPE
+
+    # transformers' Llama has no sliding window; Mistral's slides in every layer.
+    LlamaConfig(**SHAPE, sliding_window=16).save_pretrained(tmp_path / "llama")
+    assert ModelConfig.from_path(tmp_path / "llama").layer_windows == []
+    MistralConfig(**SHAPE, sliding_window=16).save_pretrained(tmp_path / "mistral")
+    assert ModelConfig.from_path(tmp_path / "mistral").layer_windows == [16, 16]
+    # Gemma ties its output to its embeddings unless its config.json says otherwise.
+    config_path = tmp_path / "gemma2" / "config.json"
+    Gemma2Config(**SHAPE, head_dim=16).save_pretrained(config_path.parent)
+    config_path.write_text(
+        json.dumps({k: v for k, v in json.loads(config_path.read_text()).items() if k != "tie_word_embeddings"})
+    )
+    assert ModelConfig.from_path(config_path.parent).tie_word_embeddings
+    # A Gemma 2 GGUF written before llama.cpp stored the soft-caps: llama.cpp's 50 and 30.
+    uncapped = Gemma2Config(**SHAPE, head_dim=16, attn_logit_softcapping=None, final_logit_softcapping=None)
+    hf_model = save_random_model(lambda: Gemma2ForCausalLM(uncapped), tmp_path / "gemma2-hf")
+    config = config_from_gguf(write_gguf(hf_model, tmp_path / "gemma2.gguf", "gemma2"))
+    assert (config.attn_logit_softcap, config.final_logit_softcap) == (50.0, 30.0)
+    # An untied output whose weight is missing is refused, not tied behind the config's back.
+    save_random_model(lambda: LlamaForCausalLM(LlamaConfig(**SHAPE, tie_word_embeddings=True)), tmp_path / "untied")
+    config_path = tmp_path / "untied" / "config.json"
+    config_path.write_text(json.dumps({**json.loads(config_path.read_text()), "tie_word_embeddings": False}))
+    with pytest.raises(ValueError, match=re.escape("weight lm_head.weight is missing")):
+        ModelRunner(str(tmp_path / "untied"), torch.float32)
