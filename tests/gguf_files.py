@@ -104,7 +104,7 @@ def write_gguf(
     `raw_matrices` gives some matrices as (blocks in the file's row order, block type)
     instead: the model's weights must be what they dequantize to. `metadata`: further keys
     (strings, numbers as float32, or arrays) the model's own config does not write; `extra_tensors`:
-    further float32 tensors, by GGUF name."""
+    further tensors, by GGUF name (float ones as float32, integer ones as they are)."""
     import gguf
 
     config = model.config
@@ -184,7 +184,7 @@ def write_gguf(
         else:
             writer.add_tensor(gguf_name(hf_name, arch), np.ascontiguousarray(array, dtype=np.float32))
     for name, array in (extra_tensors or {}).items():
-        writer.add_tensor(name, np.ascontiguousarray(array, dtype=np.float32))
+        writer.add_tensor(name, np.ascontiguousarray(array, dtype=np.float32 if array.dtype.kind == "f" else None))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

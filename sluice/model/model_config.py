@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from sluice.model.gguf_file import read_architecture
+from sluice.model.safetensors_files import check_safetensors
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -193,8 +194,8 @@ class ModelConfig:
 
 def check_servable(path: str | Path) -> None:
     """Refuse a model this server cannot load, with one line naming what is wrong (a missing
-    path, an unsupported architecture), before any process starts. Cheap: a GGUF's first
-    metadata or a folder's config.json."""
+    path, an unsupported architecture, a broken weights file), before any process starts.
+    Cheap: a GGUF's first metadata, or a folder's config.json and safetensors headers."""
     path = Path(path)
     if path.suffix == ".gguf":
         if not path.is_file():
@@ -205,6 +206,7 @@ def check_servable(path: str | Path) -> None:
             raise ValueError(f"{path}: GGUF architecture {arch_name!r} is not supported; supported: {supported}")
         return
     ModelConfig.from_path(path)
+    check_safetensors(path)
 
 
 def is_gguf(path: str | Path) -> bool:

@@ -9,24 +9,25 @@ rest as float tensors. A GGUF's tensors are read from the file as the model take
 from __future__ import annotations
 
 import functools
-import json
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from sluice.model.block_rows import BlockFormat, BlockRows
 from sluice.model.gguf_blocks import block_rows
 from sluice.model.gguf_file import GGUFTensor, read_gguf
 from sluice.model.lazy_weights import LazyWeights
 from sluice.model.model_config import ModelConfig, is_gguf
+from sluice.model.safetensors_files import safetensors_shards
 from sluice.procutil import drop_mapped_pages, release_freed_memory
 
 Weight = torch.Tensor | BlockRows
 Weights = LazyWeights[Weight]
 FormatPlan = Callable[[str], BlockFormat | None]  # HF weight name -> its block format, or None: dense
-FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
+FLOAT_TYPES = ("F32", "F16", "BF16")
 
 # GGUF tensor name (after "blk.{i}.") -> HF parameter name (after "model.layers.{i}.").
 _GGUF_LAYER_NAMES = {
@@ -175,11 +176,27 @@ def _llava_name(name: str) -> str:
     return name.replace("vision_tower.vision_model.", "vision_tower.", 1)
 
 
+@functools.cache
+def _readable(tensor_type: GGMLQuantizationType) -> bool:
+    """Whether gguf can dequantize the type (it knows some it cannot: Q8_K, F64, I32, ...)."""
+    import gguf
+
+    try:
+        gguf.quants.dequantize(np.zeros((1, GGML_QUANT_SIZES[tensor_type][1]), dtype=np.uint8), tensor_type)
+    except NotImplementedError:
+        return False
+    return True
+
+
 def _gguf_weights(path: Path, config: ModelConfig, dtype: torch.dtype, format_of: FormatPlan | None) -> Weights:
     import gguf
 
     gguf_file = read_gguf(path)
     tensors, mapped = gguf_file.tensors, gguf_file.data
+    for tensor in tensors:
+        if not _readable(tensor.tensor_type):
+            kind = tensor.tensor_type.name
+            raise ValueError(f"tensor {tensor.name} of {path.name} is {kind}, a type sluice cannot read")
     # llama.cpp's converter permutes Q/K rows of llama models for its rotary layout; Qwen2,
     # Qwen3, Phi-3 and Gemma use the NeoX layout there and are stored unpermuted.
     unpermute_qk = config.architecture in ("LlamaForCausalLM", "MistralForCausalLM")
@@ -274,16 +291,8 @@ def _undo_rotary_permutation(weight: Weight, num_heads: int, head_dim: int) -> W
 def _load_safetensors_folder(folder: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
-    index_path = folder / "model.safetensors.index.json"
-    if index_path.is_file():
-        shard_names = sorted(set(json.loads(index_path.read_text())["weight_map"].values()))
-    else:
-        shard_names = sorted(file.name for file in folder.glob("*.safetensors"))
-    if not shard_names:
-        raise FileNotFoundError(f"no .safetensors files in {str(folder)!r}")
-
     weights: dict[str, torch.Tensor] = {}
-    for shard_name in shard_names:
+    for shard_name in safetensors_shards(folder):
         for name, tensor in load_file(str(folder / shard_name)).items():
             if "rotary_emb" not in name:  # precomputed inv_freq buffers of old checkpoints
                 weights[name] = tensor.to(dtype)

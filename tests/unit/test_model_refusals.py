@@ -188,6 +188,47 @@ def test_a_gguf_tensor_sluice_does_not_read_is_refused_naming_it(tmp_path):
         ModelRunner(str(path), torch.float32)
 
 
+def test_a_gguf_tensor_of_a_type_sluice_cannot_read_is_refused_naming_it(tmp_path):
+    """gguf knows types it cannot dequantize (I32, F64, Q8_K, ...): refused before loading."""
+    hf_model = save_random_model(qwen3_with_qk_norm, tmp_path / "hf")
+    counts = {"blk.0.ffn_gate_inp.weight": np.zeros((4, 8), dtype=np.int32)}
+    path = write_gguf(hf_model, tmp_path / "model.gguf", "qwen3", extra_tensors=counts)
+    with pytest.raises(
+        ValueError, match=re.escape("tensor blk.0.ffn_gate_inp.weight of model.gguf is I32, a type sluice cannot")
+    ):
+        ModelRunner(str(path), torch.float32)
+
+
+def write_folder_with_broken_weights(folder: Path, how: str) -> Path:
+    """A tiny Qwen3 folder whose safetensors are cut short, named by an index but absent,
+    or only a pytorch_model.bin."""
+    build_tiny_model(folder, "qwen3")
+    weights = folder / "model.safetensors"
+    if how == "truncated":
+        weights.write_bytes(weights.read_bytes()[:-100])
+    elif how == "index-names-a-missing-shard":
+        index = {"weight_map": {"lm_head.weight": "model-00002-of-00002.safetensors"}}
+        (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    else:
+        weights.rename(folder / "pytorch_model.bin")
+    return folder
+
+
+@pytest.mark.parametrize(
+    "how, message",
+    [
+        ("truncated", "model.safetensors cannot be read as safetensors"),
+        ("index-names-a-missing-shard", "model-00002-of-00002.safetensors, named in model.safetensors.index.json"),
+        ("bin-only", "no .safetensors files in"),
+    ],
+)
+def test_broken_safetensors_are_refused_in_a_line_before_anything_starts(how, message, tmp_path):
+    result = serve(write_folder_with_broken_weights(tmp_path / "hf", how))
+    assert result.returncode != 0
+    assert result.stderr.strip().splitlines() == [result.stderr.strip()], result.stderr
+    assert message in result.stderr and "Traceback" not in result.stderr
+
+
 def test_broken_tokenizer_files_are_refused_in_a_line_not_a_traceback(tmp_path):
     """Found where the HTTP front end loads the tokenizer, while the back end starts: the
     back end stops too, and the server exits 1 saying why."""

@@ -1,0 +1,39 @@
+"""A HF folder's safetensors files: which they are, and whether each can be opened. Free of
+torch, so the CLI checks a folder before any process starts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def safetensors_shards(folder: Path) -> list[str]:
+    """The folder's safetensors files, as its index names them (else every one there);
+    ValueError naming what is missing or broken."""
+    index_path = folder / "model.safetensors.index.json"
+    if index_path.is_file():
+        try:
+            weight_map = json.loads(index_path.read_text())["weight_map"]
+            shard_names = sorted(set(weight_map.values()))
+        except (ValueError, KeyError, TypeError, AttributeError):
+            raise ValueError(f"{index_path.name} has no readable weight_map") from None
+    else:
+        shard_names = sorted(file.name for file in folder.glob("*.safetensors"))
+    if not shard_names:
+        raise ValueError(f"no .safetensors files in {str(folder)!r} (other weight formats are not read)")
+    return shard_names
+
+
+def check_safetensors(folder: Path) -> None:
+    """Open every shard's header (cheap: the tensors stay on disk): ValueError naming a shard
+    that is missing, not safetensors, or cut short."""
+    from safetensors import safe_open
+
+    for shard_name in safetensors_shards(folder):
+        if not (folder / shard_name).is_file():
+            raise ValueError(f"{shard_name}, named in model.safetensors.index.json, is missing")
+        try:
+            with safe_open(str(folder / shard_name), framework="numpy"):
+                pass
+        except Exception as e:  # noqa: BLE001 -- safetensors raises its own SafetensorError (an Exception)
+            raise ValueError(f"{shard_name} cannot be read as safetensors: {e}") from None
