@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import tempfile
 from dataclasses import dataclass, field
@@ -13,6 +14,9 @@ import msgspec
 
 # The fields of ServerArgs that must never be shown (server info, logs).
 SECRET_FIELDS = frozenset({"api_key", "admin_api_key"})
+# The fewest tokens a request may hold (--context-length, --max-total-tokens): the warm-up
+# generation needs about 10, and a server that takes less serves nothing.
+MIN_CONTEXT_TOKENS = 32
 
 
 @dataclass(slots=True)
@@ -290,14 +294,20 @@ class ServerArgs:
             ),
             (0 < self.port < 65536, "port must be in 1..65535"),
             (self.num_threads >= 0, "num_threads must be >= 0"),
-            (self.context_length >= 0, "context_length must be >= 0"),
-            (self.max_total_tokens >= 0, "max_total_tokens must be >= 0"),
+            (
+                self.context_length == 0 or self.context_length >= MIN_CONTEXT_TOKENS,
+                f"context_length must be 0 (the model's own) or at least {MIN_CONTEXT_TOKENS}",
+            ),
+            (
+                self.max_total_tokens == 0 or self.max_total_tokens >= MIN_CONTEXT_TOKENS,
+                f"max_total_tokens must be 0 (from kv_cache_memory_gb) or at least {MIN_CONTEXT_TOKENS}",
+            ),
             (1 <= self.dp_size <= 64, "dp_size must be in 1..64"),
             (
                 self.load_balance_method in ("round_robin", "shortest_queue", "cache_aware"),
                 "load_balance_method must be round_robin, shortest_queue or cache_aware",
             ),
-            (self.kv_cache_memory_gb > 0, "kv_cache_memory_gb must be > 0"),
+            (0 < self.kv_cache_memory_gb < math.inf, "kv_cache_memory_gb must be a number > 0"),
             (self.max_running_requests >= 1, "max_running_requests must be >= 1"),
             (self.chunked_prefill_size >= 1, "chunked_prefill_size must be >= 1"),
             (self.max_prefill_tokens >= 1, "max_prefill_tokens must be >= 1"),

@@ -103,6 +103,13 @@ class AsyncReceiver:
     async def recv(self) -> Message:
         return decode(await self.sock.recv())
 
+    async def recv_within(self, timeout_s: float) -> Message | None:
+        """The next message, or None when none comes in `timeout_s` (no message is lost: it
+        polls, then receives, rather than cancel a receive)."""
+        if not await self.sock.poll(int(timeout_s * 1000)):  # POLLIN
+            return None
+        return decode(await self.sock.recv())
+
     def close(self) -> None:
         self.sock.close()
 

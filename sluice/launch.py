@@ -105,7 +105,7 @@ async def start_tokenizer_manager(server_args: ServerArgs, backend: Backend):
     """Build the TokenizerManager, wait for the back end, start handle_loop, warm up."""
     tokenizer, chat_template = await asyncio.to_thread(load_tokenizer_side, server_args)
     tm = TokenizerManager(server_args, backend.port_args, tokenizer, chat_template)
-    scheduler_info = await tm.wait_for_backend()
+    scheduler_info = await tm.wait_for_backend(dead_process=backend.dead_process)
     tm.mm_processor = await asyncio.to_thread(load_multimodal_processor, server_args, scheduler_info, tokenizer)
     tm.start_handle_loop()
     asyncio.get_running_loop().create_task(_watch_backend(tm, backend))
@@ -187,8 +187,16 @@ def _launch_worker_processes_server(server_args: ServerArgs) -> None:
     backend = Backend(server_args, port_args)
     try:
         try:
-            scheduler_info = asyncio.run(_wait_for_backend_ready(port_args))
+            scheduler_info = asyncio.run(_wait_for_backend_ready(port_args, backend))
         except BackendError as e:
+            logger.error("%s", e)
+            sys.exit(1)
+        try:
+            # Each worker builds these again; a file that fails here would fail every worker,
+            # and the process manager would start them again and again.
+            tokenizer, _ = load_tokenizer_side(server_args)
+            load_multimodal_processor(server_args, scheduler_info, tokenizer)
+        except TokenizerUnreadable as e:
             logger.error("%s", e)
             sys.exit(1)
         if server_args.tokenizer_worker_num > 1:
@@ -228,12 +236,12 @@ def _report_dead_backend(backend: Backend) -> None:
         time.sleep(1.0)
 
 
-async def _wait_for_backend_ready(port_args: PortArgs) -> SchedulerReady:
+async def _wait_for_backend_ready(port_args: PortArgs, backend: Backend) -> SchedulerReady:
     """Receive the back end's ready messages on the tokenizer inbox, then give it up."""
     context = zmq.asyncio.Context(1)
     inbox = AsyncReceiver(context, port_args.tokenizer_input)
     try:
-        return await wait_for_backend(inbox)
+        return await wait_for_backend(inbox, dead_process=backend.dead_process)
     finally:
         inbox.close()
         context.term()

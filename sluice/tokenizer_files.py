@@ -80,7 +80,8 @@ def load_tokenizer(model_path: str, cache_dir: str | None = None) -> PreTrainedT
 
 
 class TokenizerUnreadable(ValueError):
-    """The model's tokenizer cannot be built; the message names the model and why."""
+    """What the tokenizer side needs of the model's files (its tokenizer, chat template or
+    image processor config) cannot be built; the message names the model and why."""
 
 
 # A folder's tokenizer is in one of these; without any, transformers builds an empty
@@ -264,7 +265,10 @@ class ChatTemplate:
         special_tokens = {
             name: str(value) for name, value in tokenizer.special_tokens_map.items() if isinstance(value, str)
         }
-        return cls(source, special_tokens)
+        try:
+            return cls(source, special_tokens)
+        except ValueError as e:
+            raise TokenizerUnreadable(f"{model_path}: {e}") from None
 
     def render(self, messages: list[dict], /, add_generation_prompt: bool = True, **kwargs: Any) -> str:
         # Keys set to None are dropped as transformers does: an OpenAI client sends

@@ -87,9 +87,28 @@ def build_scheduler(args: ServerArgs) -> Scheduler:
         runner.config.widest_window,
         runner.kv_bytes_per_token(sliding_layers_only=True),
     )
+    check_fits_in_memory(args, max_total_tokens, runner.kv_bytes_per_token(), runner.config.context_len)
     scheduler = Scheduler(args, runner, max_total_tokens)
     freeze_live_objects()
     return scheduler
+
+
+def check_fits_in_memory(args: ServerArgs, max_total_tokens: int, kv_bytes_per_token: int, context_len: int) -> None:
+    """ValueError naming the flag whose tables could never be allocated on this machine (the
+    allocation would fail with a traceback, or the kernel would kill the process)."""
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    kv_bytes = max_total_tokens * kv_bytes_per_token
+    if kv_bytes > memory:
+        raise ValueError(
+            f"--max-total-tokens {max_total_tokens} needs a KV cache of {kv_bytes / 2**30:.1f} GiB, "
+            f"more than this machine's {memory / 2**30:.1f} GiB"
+        )
+    table_bytes = args.max_running_requests * min(context_len, max_total_tokens) * 8  # req_to_token, int64
+    if table_bytes > memory // 4:
+        raise ValueError(
+            f"--max-running-requests {args.max_running_requests} needs a token table of {table_bytes / 2**30:.1f} GiB "
+            f"({min(context_len, max_total_tokens)} positions each), more than a quarter of this machine's memory"
+        )
 
 
 def watch_forward_threads() -> ForwardThreads | None:

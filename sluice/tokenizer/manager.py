@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import TYPE_CHECKING
 
 import zmq
@@ -75,16 +75,27 @@ class ServerBusy(RuntimeError):
     """The server refuses a request for its load (503 with Retry-After)."""
 
 
-async def wait_for_backend(inbox: AsyncReceiver, timeout_s: float = 600.0) -> SchedulerReady:
-    """Wait on the tokenizer inbox until the Scheduler and DetokenizerManager report ready."""
+BACKEND_POLL_S = 1.0  # how often a start-up wait looks whether a back-end process died
+
+
+async def wait_for_backend(
+    inbox: AsyncReceiver, timeout_s: float = 600.0, dead_process: Callable[[], str | None] = lambda: None
+) -> SchedulerReady:
+    """Wait on the tokenizer inbox until the Scheduler and DetokenizerManager report ready;
+    BackendError when one reports it failed, `dead_process()` names one that died without a
+    word (killed for memory while loading, say), or the time runs out."""
     info: SchedulerReady | None = None
     detokenizer_ready = False
     deadline = time.monotonic() + timeout_s
     while info is None or not detokenizer_ready:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            raise BackendError("the back end did not become ready in time")
-        message = await asyncio.wait_for(inbox.recv(), remaining)
+            raise BackendError(f"the back end did not become ready in {timeout_s:.0f} s")
+        message = await inbox.recv_within(min(remaining, BACKEND_POLL_S))
+        if message is None:
+            if (dead := dead_process()) is not None:
+                raise BackendError(f"the {dead} process died while starting (out of memory?)")
+            continue
         if isinstance(message, SchedulerReady):
             info = message
         elif isinstance(message, DetokenizerReady):
@@ -143,9 +154,11 @@ class TokenizerManager:
 
     # ------------------------------------------------------------ start-up
 
-    async def wait_for_backend(self, timeout_s: float = 600.0) -> SchedulerReady:
+    async def wait_for_backend(
+        self, timeout_s: float = 600.0, dead_process: Callable[[], str | None] = lambda: None
+    ) -> SchedulerReady:
         """Wait until the Scheduler and DetokenizerManager report ready; keep the model's limits."""
-        self.scheduler_info = info = await wait_for_backend(self.recv_from_detokenizer, timeout_s)
+        self.scheduler_info = info = await wait_for_backend(self.recv_from_detokenizer, timeout_s, dead_process)
         return info
 
     def close(self) -> None:

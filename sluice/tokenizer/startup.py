@@ -14,7 +14,7 @@ from sluice.tokenizer.manager import TokenizerManager
 from sluice.tokenizer.multimodal.media import MediaLimits
 from sluice.tokenizer.multimodal.processor import ImageProcessor, MultimodalProcessor
 from sluice.tokenizer.multimodal.request_images import RequestImages
-from sluice.tokenizer_files import ChatTemplate, load_tokenizer
+from sluice.tokenizer_files import ChatTemplate, TokenizerUnreadable, load_tokenizer
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -41,7 +41,10 @@ def load_multimodal_processor(
         return None
     image_processor = ImageProcessor.from_model(server_args.resolved_model_path())
     if image_processor is None:
-        raise ValueError("the vision-language model has no image processor config (preprocessor_config.json)")
+        raise TokenizerUnreadable(
+            f"{server_args.resolved_model_path()}: the vision-language model has no image processor config "
+            "(preprocessor_config.json)"
+        )
     limits = MediaLimits(
         max_images_per_request=server_args.max_images_per_request,
         max_image_bytes=server_args.max_image_bytes,

@@ -230,3 +230,22 @@ def test_a_burst_is_taken_whole_and_ends_at_its_gap_or_its_limit(tmp_path):
         sender.close()
         inbox.close()
         context.term()
+
+
+async def test_a_back_end_process_that_dies_while_starting_ends_the_wait_at_once(tmp_path):
+    """Killed while loading (for memory, say), a process says nothing: the start-up wait looks
+    at the processes between polls instead of waiting out its 10 minutes."""
+    import zmq.asyncio
+
+    from sluice.ipc import AsyncReceiver
+    from sluice.tokenizer.control import BackendError
+    from sluice.tokenizer.manager import wait_for_backend
+
+    context = zmq.asyncio.Context(1)
+    inbox = AsyncReceiver(context, f"ipc://{tmp_path}/inbox")
+    try:
+        with pytest.raises(BackendError, match="the scheduler process died while starting"):
+            await wait_for_backend(inbox, timeout_s=600, dead_process=lambda: "scheduler")
+    finally:
+        inbox.close()
+        context.term()

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from sluice.config import ServerArgs
 from sluice.model.gguf_config import config_from_gguf
 from sluice.model.gguf_file import GGUFHeaderError, read_architecture
 from sluice.model.model_config import check_servable
@@ -63,9 +64,9 @@ def without_hidden_size(text: str) -> str:
     return json.dumps({key: value for key, value in json.loads(text).items() if key != "hidden_size"})
 
 
-def serve(model_path: Path) -> subprocess.CompletedProcess:
+def serve(model_path: Path, *flags: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "sluice", "serve", "--model-path", str(model_path), "--port", "1"],
+        [sys.executable, "-m", "sluice", "serve", "--model-path", str(model_path), "--port", "1", *flags],
         capture_output=True,
         text=True,
         timeout=120,
@@ -282,3 +283,29 @@ def test_config_fields_are_read_as_transformers_reads_them(tmp_path):
     config_path.write_text(json.dumps({**json.loads(config_path.read_text()), "tie_word_embeddings": False}))
     with pytest.raises(ValueError, match=re.escape("weight lm_head.weight is missing")):
         ModelRunner(str(tmp_path / "untied"), torch.float32)
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_a_chat_template_that_does_not_compile_is_refused_in_a_line(workers, tmp_path):
+    """Found where the tokenizer side starts: in the one HTTP process, or, before the HTTP
+    workers start, in the main process (else each worker would fail and be started again)."""
+    folder = write_folder_with_config(tmp_path / "hf", lambda text: text)
+    (folder / "chat_template.jinja").write_text("{% if %}")
+    result = serve(folder, "--tokenizer-worker-num", workers, "--skip-warmup")
+    assert result.returncode == 1
+    assert "the chat template does not compile" in result.stderr and "Traceback" not in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--context-length", "8"], "context_length must be 0 (the model's own) or at least 32"),
+        (["--kv-cache-memory-gb", "inf"], "kv_cache_memory_gb must be a number > 0"),
+        (["--max-total-tokens", str(10**12)], f"--max-total-tokens {10**12} needs a KV cache of"),
+        (["--max-running-requests", str(10**8)], f"--max-running-requests {10**8} needs a token table of"),
+    ],
+)
+def test_sizes_the_server_cannot_serve_or_allocate_are_refused_in_a_line(flags, message, tmp_path):
+    result = serve(Path(ServerArgs().resolved_model_path()), *flags)
+    assert result.returncode != 0
+    assert message in result.stderr and "Traceback" not in result.stderr, result.stderr
