@@ -31,6 +31,8 @@ def config_from_gguf(path: Path) -> ModelConfig:
             if len(set(value)) != 1:
                 raise ValueError(f"{path.name}: {key} differs between layers ({value}); sluice takes one for all")
             value = value[0]
+        if isinstance(value, bool) or not isinstance(value, int | float) or value != int(value) or value <= 0:
+            raise ValueError(f"{path.name}: {key} must be a positive whole number, got {value!r}")
         return int(value)
 
     arch_name = field("general.architecture")

@@ -71,16 +71,39 @@ def _text_of_vlm_config(folder: Path, config: dict[str, Any], architecture: str)
     )
 
 
+_SHAPE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+_OPTIONAL_SHAPE_KEYS = ("num_key_value_heads", "head_dim", "max_position_embeddings")
+# The RoPE parameters each scaling needs (layers.py reads them); yarn's have defaults.
+_ROPE_KEYS = {
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "longrope": ("long_factor", "short_factor"),
+}
+
+
+def _check_shape_fields(config: dict[str, Any]) -> None:
+    """ValueError naming a shape field that is not a positive integer (a KeyError, for the
+    caller to name, when a required one is missing)."""
+    for key in (*_SHAPE_KEYS, *_OPTIONAL_SHAPE_KEYS):
+        value = config[key] if key in _SHAPE_KEYS else config.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+            raise ValueError(f"config.json: {key} must be a positive integer, got {value!r}")
+
+
 def _text_fields(config: dict[str, Any]) -> dict[str, Any]:
     """The ModelConfig fields of a causal LM's `config.json` (or a VLM's `text_config`)."""
     architectures = config.get("architectures") or [_ARCHITECTURE_BY_MODEL_TYPE.get(config.get("model_type", ""), "")]
     architecture = architectures[0]
     if architecture not in SUPPORTED_ARCHITECTURES:
         raise ValueError(f"architecture {architecture!r} is not supported; supported: {list(SUPPORTED_ARCHITECTURES)}")
+    _check_shape_fields(config)
 
     # transformers 5 writes `rope_parameters` (theta included); older versions write
     # `rope_theta` and `rope_scaling` separately. Gemma 3's has one set per kind of layer.
-    rope_parameters = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+    given_rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if not isinstance(given_rope, dict):
+        raise ValueError(f"config.json: rope_scaling must be an object, got {given_rope!r}")
+    rope_parameters = dict(given_rope)
     local_rope = rope_parameters.pop("sliding_attention", None)
     rope_parameters = dict(rope_parameters.pop("full_attention", None) or rope_parameters)
     rope_theta = float(config.get("rope_theta") or rope_parameters.pop("rope_theta", None) or 10000.0)
@@ -112,6 +135,9 @@ def _text_fields(config: dict[str, Any]) -> dict[str, Any]:
         # As vLLM: YaRN is switched on to serve factor times the trained length.
         context_len = max(context_len, int(original * rope_parameters["factor"]))
     partial_rotary_factor = rope_parameters.pop("partial_rotary_factor", None) or config.get("partial_rotary_factor")
+    missing = [key for key in _ROPE_KEYS.get(rope_parameters.get("rope_type", ""), ()) if key not in rope_parameters]
+    if missing:
+        raise ValueError(f"config.json: rope_scaling of rope_type {rope_parameters['rope_type']!r} has no {missing[0]}")
     rope_scaling = rope_parameters if rope_parameters.get("rope_type", "default") != "default" else None
 
     hidden_size = config["hidden_size"]
@@ -276,9 +302,15 @@ def _hf_eos_token_ids(folder: Path, configs: list[dict[str, Any]]) -> list[int]:
     sources = list(configs)
     generation_config_path = folder / "generation_config.json"
     if generation_config_path.is_file():
-        sources.append(json.loads(generation_config_path.read_text()))
+        try:
+            sources.append(json.loads(generation_config_path.read_text()))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{generation_config_path} is not JSON: {e}") from None
     eos_token_ids: list[int] = []
     for source in sources:
-        eos = source.get("eos_token_id")
-        eos_token_ids.extend([eos] if isinstance(eos, int) else eos or [])
+        eos = source.get("eos_token_id") if isinstance(source, dict) else None
+        given = [eos] if eos is not None and not isinstance(eos, list) else eos or []
+        if not all(isinstance(token, int) and not isinstance(token, bool) for token in given):
+            raise ValueError(f"eos_token_id must be a token id or a list of them, got {eos!r}")
+        eos_token_ids.extend(given)
     return list(dict.fromkeys(eos_token_ids))

@@ -309,3 +309,37 @@ def test_sizes_the_server_cannot_serve_or_allocate_are_refused_in_a_line(flags, 
     result = serve(Path(ServerArgs().resolved_model_path()), *flags)
     assert result.returncode != 0
     assert message in result.stderr and "Traceback" not in result.stderr, result.stderr
+
+
+def edited(**changes):
+    return lambda text: json.dumps({**json.loads(text), **changes})
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (edited(num_attention_heads=0), "num_attention_heads must be a positive integer, got 0"),
+        (edited(hidden_size="64"), "hidden_size must be a positive integer, got '64'"),
+        (edited(num_hidden_layers=2.5), "num_hidden_layers must be a positive integer, got 2.5"),
+        (edited(rope_scaling=[1, 2], rope_parameters=None), "rope_scaling must be an object"),
+        (
+            edited(rope_parameters={"rope_type": "llama3", "factor": 8.0, "rope_theta": 10000.0}),
+            "rope_scaling of rope_type 'llama3' has no low_freq_factor",
+        ),
+        (edited(rope_parameters={"rope_type": "linear", "rope_theta": 10000.0}), "rope_type 'linear' has no factor"),
+        (edited(eos_token_id="2"), "eos_token_id must be a token id or a list of them, got '2'"),
+    ],
+)
+def test_config_values_of_the_wrong_kind_are_refused_naming_the_key(edit, message, tmp_path):
+    from sluice.model.model_config import ModelConfig
+
+    folder = write_folder_with_config(tmp_path / "hf", edit)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        ModelConfig.from_path(folder)
+
+
+def test_a_gguf_head_count_of_zero_is_refused_naming_the_key(tmp_path):
+    hf_model = save_random_model(qwen3_with_qk_norm, tmp_path / "hf")
+    path = write_gguf(hf_model, tmp_path / "model.gguf", "qwen3", metadata={"qwen3.attention.head_count": 0.0})
+    with pytest.raises(ValueError, match=re.escape("qwen3.attention.head_count must be a positive whole number")):
+        config_from_gguf(path)
