@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from datetime import UTC, datetime
 from pathlib import Path
@@ -45,15 +46,15 @@ from sluice.server.openai_api import install_openai_routes
 from sluice.server.openapi import ApiDocs
 from sluice.server.sse import stream_response
 from sluice.server.state import ServerState
-from sluice.tokenizer.control import BackendError
 from sluice.tokenizer.io_struct import EmbeddingReqInput, GenerateReqInput
-from sluice.tokenizer.manager import TokenizerManager
+from sluice.tokenizer.manager import ServerBusy, TokenizerManager
 from sluice.tokenizer.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from sluice.tokenizer.result import GenerateChunk, NativeStream, native_json
 
 logger = logging.getLogger(__name__)
 
 HEALTH_GENERATE_TIMEOUT_S = 20.0
+HEALTH_POLL_S = 0.5
 # The model the SGLang Model Gateway names in a /generate whose client named none.
 GATEWAY_UNNAMED_MODEL = "unknown"
 
@@ -89,17 +90,15 @@ def create_app(state: ServerState, lifespan=None) -> FastAPI:
     async def health_generate():
         if reason := state.unavailable():
             return error_response(503, reason)
-        # Its own rid, so the probe's state never mixes with a client's request.
+        # Its own rid, so the probe's state never mixes with a client's request; left out of
+        # /metrics, where it would count as traffic.
         obj = GenerateReqInput(
             input_ids=[0],
             sampling_params={"max_new_tokens": 1, "temperature": 0},
             rid=f"HEALTH_CHECK_{uuid.uuid4().hex}",
+            log_metrics=False,
         )
-        try:
-            await asyncio.wait_for(_last(state.tm.generate_request(obj)), HEALTH_GENERATE_TIMEOUT_S)
-        except (TimeoutError, BackendError) as e:
-            return error_response(503, f"generation failed: {e or 'timed out'}")
-        return Response(status_code=200)
+        return await _probe_generation(state.tm, obj)
 
     @app.post(
         "/generate",
@@ -321,6 +320,26 @@ class NativeStreamFormat:
 
     def error_message(self, chunk: GenerateChunk) -> str:
         return native_error_message(chunk)
+
+
+async def _probe_generation(tm: TokenizerManager, obj: GenerateReqInput) -> Response:
+    """200 once the probe's token comes, or, as SGLang has it, once any output reaches this
+    process after the probe began (a busy server queues the probe behind real work, and a
+    full queue refuses it: both are alive); 503 when the back end fails or nothing comes."""
+    started = time.time()
+    probe = asyncio.ensure_future(_last(tm.generate_request(obj)))
+    try:
+        while time.time() - started < HEALTH_GENERATE_TIMEOUT_S:
+            await asyncio.wait({probe}, timeout=HEALTH_POLL_S)
+            if probe.done() and not isinstance(probe.exception(), ServerBusy):
+                if (error := probe.exception()) is not None:
+                    return error_response(503, f"generation failed: {error}")
+                return Response(status_code=200)
+            if tm.last_receive_tstamp > started:
+                return Response(status_code=200)
+        return error_response(503, "generation failed: timed out")
+    finally:
+        probe.cancel()  # aborts it, if it still runs
 
 
 async def _last(generator):

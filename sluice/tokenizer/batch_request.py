@@ -40,7 +40,9 @@ class RequestChannel(Protocol):
     rid_to_state: dict[str, ReqState]
     live_rids: LiveRids
 
-    def add_req_state(self, req: TokenizedRequest, path: str, index: int | None = None) -> ReqState: ...
+    def add_req_state(
+        self, req: TokenizedRequest, path: str, index: int | None = None, log_metrics: bool = True
+    ) -> ReqState: ...
 
     def send(self, message: Message) -> None: ...
 
@@ -59,21 +61,25 @@ async def handle_batch_request(
     tokenized = await tm.inputs.tokenize(items, tm.live_rids, label_items=True, received_at=received_at)
     if n == 1:
         path = "batch" if tm.inputs.can_send_as_one_batch(items) else "batch_sequential"
-        async for chunk in _send_and_wait(tm, list(enumerate(tokenized)), path, request):
+        async for chunk in _send_and_wait(tm, list(enumerate(tokenized)), path, request, obj.log_metrics):
             yield chunk
         return
     # The client's rids stay taken while their samples run (no await since they were checked).
     parents = {t.rid for t in tokenized}
     tm.live_rids.sampled |= parents
     try:
-        async for chunk in _sample(tm, tokenized, n, request):
+        async for chunk in _sample(tm, tokenized, n, request, obj.log_metrics):
             yield chunk
     finally:
         tm.live_rids.sampled -= parents
 
 
 async def _sample(
-    tm: RequestChannel, tokenized: list[TokenizedGenerateReqInput], n: int, request: ClientConnection | None
+    tm: RequestChannel,
+    tokenized: list[TokenizedGenerateReqInput],
+    n: int,
+    request: ClientConnection | None,
+    log_metrics: bool,
 ) -> AsyncIterator[GenerateChunk]:
     ends = await _warm_prefixes(tm, tokenized, request)
     if ends is None:
@@ -89,7 +95,7 @@ async def _sample(
         else:
             children.append((index, child))
     if children:
-        async for chunk in _send_and_wait(tm, children, path, request):
+        async for chunk in _send_and_wait(tm, children, path, request, log_metrics):
             yield chunk
 
 
@@ -98,8 +104,9 @@ async def _send_and_wait(
     children: list[tuple[int, TokenizedGenerateReqInput]],
     path: str,
     request: ClientConnection | None,
+    log_metrics: bool = True,
 ) -> AsyncIterator[GenerateChunk]:
-    states = [tm.add_req_state(t, path, index) for index, t in children]
+    states = [tm.add_req_state(t, path, index, log_metrics) for index, t in children]
     if path == "batch_sequential":
         for _, t in children:
             tm.send(t)

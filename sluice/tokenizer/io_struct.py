@@ -32,8 +32,8 @@ class GenerateReqInput(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     return_timings: bool = False
     # Fields the SGLang Model Gateway adds to every /generate it forwards. `model` names the
     # served model ("unknown" when the gateway's client named none; the route checks it);
-    # log_metrics and no_logs change nothing here (metrics are always kept, prompts never
-    # logged); the others are SGLang outputs sluice does not produce: true is refused.
+    # log_metrics false leaves the request out of /metrics; no_logs changes nothing (prompts
+    # are never logged); the others are SGLang outputs sluice does not produce: true is refused.
     model: str | None = None
     log_metrics: bool = True
     no_logs: bool = False

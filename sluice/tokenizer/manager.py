@@ -223,12 +223,12 @@ class TokenizerManager:
             return
         obj.normalize()
         n = self._check_request_size(obj)
-        self._check_queue_room()
+        self._check_queue_room(obj.log_metrics)
         await self._wait_while_paused()
         async with self.model_update_lock.reader_lock():
             if obj.is_single and n == 1:
                 [tokenized] = await self.inputs.tokenize([obj], self.live_rids, received_at=received_at)
-                state = self.add_req_state(tokenized, "single")
+                state = self.add_req_state(tokenized, "single", log_metrics=obj.log_metrics)
                 self.send(tokenized)
                 async for response in self.wait_response(state, request):
                     yield response
@@ -236,7 +236,7 @@ class TokenizerManager:
                 async for response in handle_batch_request(self, obj, request, received_at):
                     yield response
 
-    def _check_queue_room(self) -> None:
+    def _check_queue_room(self, log_metrics: bool = True) -> None:
         """Refuse a request before tokenizing it when this process alone already has more
         requests in flight than can run plus --max-queued-requests. The Scheduler checks the
         exact queue (over every HTTP worker) when the request arrives."""
@@ -245,7 +245,8 @@ class TokenizerManager:
             return
         queued = len(self.rid_to_state) - self.server_args.max_running_requests * self.server_args.dp_size
         if queued >= limit:
-            self.metrics.on_rejected("queue_full")
+            if log_metrics:
+                self.metrics.on_rejected("queue_full")
             raise ServerBusy(
                 f"the server is busy: at least {queued} requests are queued (--max-queued-requests {limit}); "
                 "retry later"
@@ -268,11 +269,20 @@ class TokenizerManager:
 
     # ------------------------------------------------------------ what every path uses
 
-    def add_req_state(self, req: TokenizedRequest, path: str, index: int | None = None) -> ReqState:
+    def add_req_state(
+        self, req: TokenizedRequest, path: str, index: int | None = None, log_metrics: bool = True
+    ) -> ReqState:
         """Register a request about to be sent; its results go to the returned state."""
         if not self.rid_to_state:
             self.soft_watchdog.feed()  # a busy period starts: idle time never counts
-        state = ReqState(rid=req.rid, stream=False, path=path, index=index, received_at=req.received_at or time.time())
+        state = ReqState(
+            rid=req.rid,
+            stream=False,
+            path=path,
+            index=index,
+            received_at=req.received_at or time.time(),
+            log_metrics=log_metrics,
+        )
         if isinstance(req, TokenizedGenerateReqInput):
             state.stream = req.stream
             state.return_logprob = req.return_logprob

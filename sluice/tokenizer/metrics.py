@@ -64,10 +64,12 @@ class RequestMetrics:
 
     def on_output(self, state: ReqState, output: ReqOutput, previous_token_at: float, now: float) -> None:
         """A streamed output that brought tokens after the first."""
-        if state.stream and previous_token_at and output.new_token_ids:
+        if state.log_metrics and state.stream and previous_token_at and output.new_token_ids:
             self.itl.observe((now - previous_token_at) / len(output.new_token_ids))
 
     def on_finish(self, state: ReqState, output: ReqOutput, now: float) -> None:
+        if not state.log_metrics:
+            return
         reason = output.finish_reason
         if reason is not None and reason.rejected is not None:
             self.rejected.labels(reason.rejected).inc()

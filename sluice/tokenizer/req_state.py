@@ -44,6 +44,7 @@ class ReqState:
     index: int | None = None
     return_logprob: bool = False
     return_timings: bool = False
+    log_metrics: bool = True  # false: left out of /metrics (health probes, a gateway's choice)
     # Wall-clock times (time.time(), comparable with the Scheduler's): the request came in,
     # was tokenized (and sent), was first put in a batch, had its first token.
     received_at: float = field(default_factory=time.time)

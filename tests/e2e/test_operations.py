@@ -48,6 +48,10 @@ def test_metrics_count_exactly_what_was_served(base_url):
             pool.map(lambda p: generate(base_url, text=p, sampling_params=greedy(8, ignore_eos=True)), prompts)
         )
     assert all(r.status_code == 200 for r in results)
+    # Neither a health probe nor a request a gateway sends with log_metrics: false is traffic.
+    assert httpx.get(base_url + "/health_generate", timeout=60).status_code == 200
+    unlogged = generate(base_url, text="Hi", sampling_params=greedy(8, ignore_eos=True), log_metrics=False)
+    assert unlogged.status_code == 200
     prompt_tokens = sum(r.json()["meta_info"]["prompt_tokens"] for r in results)
     cached_tokens = sum(r.json()["meta_info"]["cached_tokens"] for r in results)
     wait_until_drained(base_url)
@@ -152,6 +156,8 @@ def test_a_streamed_request_to_a_full_queue_gets_503_before_the_stream(small_que
         )
         assert response.status_code == 503 and response.headers["retry-after"] == "1"
         assert response.json()["error"]["type"] == "ServiceUnavailableError"
+        # Busy, not dead: the probe finds the queue full, and outputs flowing.
+        assert httpx.get(base_url + "/health_generate", timeout=60).status_code == 200
         assert httpx.post(base_url + "/abort_request", json={"abort_all": True}, timeout=30).status_code == 200
         finish_reasons = [f.result().json()["meta_info"]["finish_reason"]["type"] for f in held]
         assert finish_reasons == ["abort"] * 6
