@@ -42,16 +42,24 @@ Q4_K_AS_Q4_1_ISAS = ("avx512_vnni", "amx_int8", "amx_bf16")
 def quantization_plan(model_path: str | Path, config: ModelConfig, mode: str, backend: Backend) -> FormatPlan | None:
     """Maps a HF weight name to its block format; None when nothing is quantized.
 
-    "auto" stays dense on the torch backend; an explicit "q8_0" there raises ValueError.
+    "auto" stays dense on the torch backend and for a vision-language model; an explicit
+    "q8_0" or "gguf" where it cannot apply (there, or "gguf" for a HF folder) raises ValueError.
     """
     if mode not in QUANTIZATION_MODES:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_MODES)}, not {mode!r}")
-    if mode == "none" or config.vision is not None:
+    # An explicit mode that cannot apply is refused: the model would run dense without a word.
+    if mode == "gguf" and not is_gguf(model_path):
+        raise ValueError("--quantization gguf keeps a GGUF file's blocks, and this model is a HF folder")
+    if config.vision is not None:
+        if mode in ("q8_0", "gguf"):
+            raise ValueError(f"--quantization {mode}: a vision-language model runs dense (leave it at auto or none)")
+        return None
+    if mode == "none":
         return None
     if not isinstance(backend, KernelBackend):
-        if mode == "q8_0":
+        if mode in ("q8_0", "gguf"):
             raise ValueError(
-                "--quantization q8_0 needs the C kernels and float32 activations "
+                f"--quantization {mode} needs the C kernels and float32 activations "
                 f"(this model runs on the {backend.name} backend)"
             )
         return None

@@ -343,3 +343,9 @@ def test_a_gguf_head_count_of_zero_is_refused_naming_the_key(tmp_path):
     path = write_gguf(hf_model, tmp_path / "model.gguf", "qwen3", metadata={"qwen3.attention.head_count": 0.0})
     with pytest.raises(ValueError, match=re.escape("qwen3.attention.head_count must be a positive whole number")):
         config_from_gguf(path)
+
+
+def test_an_explicit_quantization_that_cannot_apply_is_refused_not_run_dense(tmp_path):
+    save_random_model(qwen3_with_qk_norm, tmp_path / "hf")
+    with pytest.raises(ValueError, match=re.escape("--quantization gguf keeps a GGUF file's blocks")):
+        ModelRunner(str(tmp_path / "hf"), torch.float32, "gguf")
