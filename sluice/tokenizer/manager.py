@@ -216,7 +216,7 @@ class TokenizerManager:
             raise BackendError(self.backend_error)
         if isinstance(obj, EmbeddingReqInput):
             self._check_queue_room()
-            await self._wait_while_paused()
+            await self._wait_while_paused(request)
             async with self.model_update_lock.reader_lock():
                 async for response in handle_embedding_request(self, obj, request, received_at):
                     yield response
@@ -224,7 +224,7 @@ class TokenizerManager:
         obj.normalize()
         n = self._check_request_size(obj)
         self._check_queue_room(obj.log_metrics)
-        await self._wait_while_paused()
+        await self._wait_while_paused(request)
         async with self.model_update_lock.reader_lock():
             if obj.is_single and n == 1:
                 [tokenized] = await self.inputs.tokenize([obj], self.live_rids, received_at=received_at)
@@ -243,7 +243,8 @@ class TokenizerManager:
         limit = self.server_args.max_queued_requests
         if not limit:
             return
-        queued = len(self.rid_to_state) - self.server_args.max_running_requests * self.server_args.dp_size
+        in_flight = len(self.rid_to_state) + self.num_paused_reqs
+        queued = in_flight - self.server_args.max_running_requests * self.server_args.dp_size
         if queued >= limit:
             if log_metrics:
                 self.metrics.on_rejected("queue_full")
@@ -479,13 +480,20 @@ class TokenizerManager:
             http_worker_ipc=self.http_worker_ipc,
         )
 
-    async def _wait_while_paused(self) -> None:
+    async def _wait_while_paused(self, request: ClientConnection | None) -> None:
+        """Hold a new request while paused; one whose client leaves meanwhile ends here (a
+        ClientError no one reads), before it takes any room."""
         async with self.is_pause_cond:
             if not self.is_pause:
                 return
             self.num_paused_reqs += 1
             try:
-                await self.is_pause_cond.wait_for(lambda: not self.is_pause)
+                while self.is_pause:
+                    try:
+                        await asyncio.wait_for(self.is_pause_cond.wait(), DISCONNECT_POLL_S)
+                    except TimeoutError:
+                        if request is not None and await request.is_disconnected():
+                            raise ClientError("the client left while the server was paused", "request") from None
             finally:
                 self.num_paused_reqs -= 1
 

@@ -304,6 +304,27 @@ def test_pause_holds_new_requests(base_url):
     assert internal_states(base_url)["num_paused_reqs"] == 0
 
 
+def test_a_request_whose_client_leaves_during_a_pause_is_dropped(base_url):
+    """It neither waits for the pause to end nor runs after it."""
+    before = internal_states(base_url)
+
+    def give_up_early():
+        with pytest.raises(httpx.TimeoutException):
+            generate(base_url, timeout_s=2, text="Hi", sampling_params=greedy(2))
+
+    assert httpx.post(base_url + "/pause_generation").status_code == 200
+    try:
+        thread = threading.Thread(target=give_up_early)
+        thread.start()
+        wait_for_states(base_url, lambda s: s["num_paused_reqs"] == 1, "the request held by the pause")
+        thread.join(30)
+        wait_for_states(base_url, lambda s: s["num_paused_reqs"] == 0, "the held request dropped")
+    finally:
+        assert httpx.post(base_url + "/continue_generation").status_code == 200
+    states = wait_until_drained(base_url)
+    assert sum(states["finished_reqs"].values()) == sum(before["finished_reqs"].values())  # it never ran
+
+
 def test_pause_in_abort_mode_aborts_the_running_requests(base_url):
     """SGLang's {"mode": "abort"}: the running requests end as aborted, new ones wait; a
     mode sluice does not have is a 400 naming it, not a pause of another kind."""
