@@ -59,6 +59,13 @@ class Grammars:
             self._compiled.popitem(last=False)
         return compiled
 
+    def cancel(self, compiled: Future[llguidance.LLMatcher]) -> None:
+        """Drop a compilation no request waits for, if it has not started (aborted requests
+        would otherwise leave a queue of them in front of the next grammar)."""
+        if compiled.cancel():
+            for grammar in [text for text, future in self._compiled.items() if future is compiled]:
+                del self._compiled[grammar]
+
     @staticmethod
     def matcher(compiled: Future[llguidance.LLMatcher]) -> llguidance.LLMatcher:
         """A request's own matcher from its compiled grammar (which stays untouched);

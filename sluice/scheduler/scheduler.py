@@ -188,11 +188,15 @@ class Scheduler:
             FinishReason(type="stop") if msg.finished_by_stop_string else FinishReason(type="abort", message="aborted")
         )
         outputs = []
+        abandoned = [r.compiling_grammar for r in self.compiling if targeted(r) and r.compiling_grammar is not None]
         for queue in (self.waiting, self.compiling):
             for req in [r for r in queue if targeted(r)]:
                 queue.remove(req)
                 req.finish_reason = reason
                 outputs.append(self._final_output(req))
+        for compiled in abandoned:  # a compilation no request waits for any more need not run
+            if not any(r.compiling_grammar is compiled for r in self.compiling):
+                self.grammars.cancel(compiled)
         for req in [r for r in self.running if targeted(r)]:
             self.running.remove(req)
             self.kv.release(req, keep_in_cache=True)

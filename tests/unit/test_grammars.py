@@ -148,3 +148,16 @@ def test_strict_tools_hold_each_call_of_a_strict_function_to_its_parameters():
         assert takes(grammars, compiled, "No call needed.")
         for wrong in [said("get_time", '{"zone":"CET"}'), said("unknown", "{}")]:
             assert not takes(grammars, compiled, wrong), (parser, wrong)
+
+
+def test_a_compilation_no_request_waits_for_is_dropped_before_it_runs():
+    """Aborted constrained requests leave no queue of compilations in front of the next one."""
+    grammars = Grammars(default_model_path(), 49152)  # fresh: the first compile waits for the tokenizer
+    first = grammars.compile(SamplingParams(json_schema=SCHEMA))
+    queued = [grammars.compile(SamplingParams(regex=f"a{i}[0-9]+")) for i in range(5)]
+    for compiled in queued:
+        grammars.cancel(compiled)
+    assert all(compiled.cancelled() for compiled in queued)
+    again = grammars.compile(SamplingParams(regex="a4[0-9]+"))  # compiled anew, not the cancelled one
+    assert again is not queued[-1] and takes(grammars, again, "a4123")
+    assert takes(grammars, first, '{"a":1}')

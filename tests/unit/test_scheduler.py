@@ -236,6 +236,17 @@ def test_a_grammar_in_error_ends_its_request_with_a_400_not_a_stop(runner, promp
     scheduler.check_integrity()
 
 
+def test_aborted_requests_whose_grammar_waits_to_compile_cancel_the_compilation(runner, prompts):
+    scheduler = make_scheduler(runner)
+    for i in range(4):  # distinct grammars: the first occupies the compiler, the rest queue
+        params = SamplingParams(max_new_tokens=8, temperature=0, regex=f"x{i}[0-9]+")
+        scheduler.add_request(TokenizedGenerateReqInput(rid=f"g{i}", input_ids=prompts[0], sampling_params=params))
+    compilations = [req.compiling_grammar for req in scheduler.compiling]
+    outputs = scheduler.abort(AbortReq(rid="", abort_all=True))
+    assert len(outputs) == 4 and scheduler.is_idle
+    assert all(compiled.cancelled() for compiled in compilations[1:])
+
+
 def test_abort_frees_waiting_and_running(runner, prompts):
     scheduler = make_scheduler(runner, max_running_requests=2)
     for i, ids in enumerate(prompts[:4]):
