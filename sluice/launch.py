@@ -25,9 +25,9 @@ from sluice.sampling import ClientError
 from sluice.server.app import ServerState, create_app
 from sluice.server.errors import failure_status
 from sluice.server.http import serve_http
-from sluice.tokenizer.control import BackendError
+from sluice.tokenizer.control import BackendError, wait_for_backend
 from sluice.tokenizer.io_struct import GenerateReqInput
-from sluice.tokenizer.manager import TokenizerManager, wait_for_backend
+from sluice.tokenizer.manager import TokenizerManager
 from sluice.tokenizer.metrics import MULTIPROC_DIR_ENV
 from sluice.tokenizer.multimodal.processor import has_image_processor
 from sluice.tokenizer.result import native_json
@@ -82,10 +82,16 @@ class Backend:
         return process
 
     def dead_process(self) -> str | None:
+        """A process whose death ends the server (a replica's ends only its own requests)."""
         for process in self.processes:
             if process not in self.replicas and not process.is_alive():
                 return process.name
         return None
+
+    def dead_while_starting(self) -> str | None:
+        """Any process that died before the back end reported ready: a replica too, which
+        the start-up would otherwise wait for until its time runs out."""
+        return next((process.name for process in self.processes if not process.is_alive()), None)
 
     def shutdown(self) -> None:
         self.stopping = True
@@ -105,7 +111,7 @@ async def start_tokenizer_manager(server_args: ServerArgs, backend: Backend):
     """Build the TokenizerManager, wait for the back end, start handle_loop, warm up."""
     tokenizer, chat_template = await asyncio.to_thread(load_tokenizer_side, server_args)
     tm = TokenizerManager(server_args, backend.port_args, tokenizer, chat_template)
-    scheduler_info = await tm.wait_for_backend(dead_process=backend.dead_process)
+    scheduler_info = await tm.wait_for_backend(dead_process=backend.dead_while_starting)
     tm.mm_processor = await asyncio.to_thread(load_multimodal_processor, server_args, scheduler_info, tokenizer)
     tm.start_handle_loop()
     asyncio.get_running_loop().create_task(_watch_backend(tm, backend))
@@ -192,10 +198,7 @@ def _launch_worker_processes_server(server_args: ServerArgs) -> None:
             logger.error("%s", e)
             sys.exit(1)
         try:
-            # Each worker builds these again; a file that fails here would fail every worker,
-            # and the process manager would start them again and again.
-            tokenizer, _ = load_tokenizer_side(server_args)
-            load_multimodal_processor(server_args, scheduler_info, tokenizer)
+            _check_tokenizer_side(server_args, scheduler_info)
         except TokenizerUnreadable as e:
             logger.error("%s", e)
             sys.exit(1)
@@ -236,12 +239,20 @@ def _report_dead_backend(backend: Backend) -> None:
         time.sleep(1.0)
 
 
+def _check_tokenizer_side(server_args: ServerArgs, scheduler_info: SchedulerReady) -> None:
+    """Build what each HTTP worker builds (tokenizer, chat template, image processor) once
+    here, and drop it: a file that fails would fail every worker, and the process manager
+    would start them again and again."""
+    tokenizer, _ = load_tokenizer_side(server_args)
+    load_multimodal_processor(server_args, scheduler_info, tokenizer)
+
+
 async def _wait_for_backend_ready(port_args: PortArgs, backend: Backend) -> SchedulerReady:
     """Receive the back end's ready messages on the tokenizer inbox, then give it up."""
     context = zmq.asyncio.Context(1)
     inbox = AsyncReceiver(context, port_args.tokenizer_input)
     try:
-        return await wait_for_backend(inbox, dead_process=backend.dead_process)
+        return await wait_for_backend(inbox, dead_process=backend.dead_while_starting)
     finally:
         inbox.close()
         context.term()

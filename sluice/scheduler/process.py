@@ -87,27 +87,50 @@ def build_scheduler(args: ServerArgs) -> Scheduler:
         runner.config.widest_window,
         runner.kv_bytes_per_token(sliding_layers_only=True),
     )
-    check_fits_in_memory(args, max_total_tokens, runner.kv_bytes_per_token(), runner.config.context_len)
+    check_fits_in_memory(
+        args,
+        max_total_tokens,
+        runner.kv_bytes_per_token(),
+        runner.config.context_len,
+        runner.config.widest_window,
+        runner.kv_bytes_per_token(sliding_layers_only=True),
+    )
     scheduler = Scheduler(args, runner, max_total_tokens)
     freeze_live_objects()
     return scheduler
 
 
-def check_fits_in_memory(args: ServerArgs, max_total_tokens: int, kv_bytes_per_token: int, context_len: int) -> None:
+def check_fits_in_memory(
+    args: ServerArgs,
+    max_total_tokens: int,
+    kv_bytes_per_token: int,
+    context_len: int,
+    window: int | None = None,
+    window_bytes: int = 0,
+) -> None:
     """ValueError naming the flag whose tables could never be allocated on this machine (the
-    allocation would fail with a traceback, or the kernel would kill the process)."""
+    allocation would fail with a traceback, or the kernel would kill the process). The KV
+    cache is counted as it is allocated: sliding-window layers' slots apart (see
+    default_max_total_tokens)."""
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    kv_bytes = max_total_tokens * kv_bytes_per_token
+    window_slots = min(args.window_slots_needed(window), max_total_tokens) if window is not None else 0
+    kv_bytes = max_total_tokens * (kv_bytes_per_token - window_bytes) + window_slots * window_bytes
     if kv_bytes > memory:
+        flag = (
+            f"--max-total-tokens {args.max_total_tokens}"
+            if args.max_total_tokens
+            else f"--kv-cache-memory-gb {args.kv_cache_memory_gb}"
+        )
         raise ValueError(
-            f"--max-total-tokens {max_total_tokens} needs a KV cache of {kv_bytes / 2**30:.1f} GiB, "
+            f"{flag} makes a KV cache of {max_total_tokens} tokens, {kv_bytes / 2**30:.1f} GiB: "
             f"more than this machine's {memory / 2**30:.1f} GiB"
         )
-    table_bytes = args.max_running_requests * min(context_len, max_total_tokens) * 8  # req_to_token, int64
+    positions = min(context_len, max_total_tokens)
+    table_bytes = args.max_running_requests * positions * 8  # req_to_token, int64
     if table_bytes > memory // 4:
         raise ValueError(
             f"--max-running-requests {args.max_running_requests} needs a token table of {table_bytes / 2**30:.1f} GiB "
-            f"({min(context_len, max_total_tokens)} positions each), more than a quarter of this machine's memory"
+            f"({positions} positions each), more than a quarter of this machine's memory"
         )
 
 

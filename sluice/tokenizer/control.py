@@ -1,18 +1,21 @@
-"""Control calls of a TokenizerManager: send a request to the Scheduler (through the router,
-if any) and wait for its reply. A request with a `control_id` field gets a fresh id that its
-reply repeats, so a reply finds its own call even after an earlier call timed out; other
-replies (a worker's stats, a pause echoed back) go to the oldest waiter of their type."""
+"""The back end as a TokenizerManager talks to it: wait for it to start, and control calls
+(send a request to the Scheduler, through the router if any, and wait for its reply). A
+request with a `control_id` field gets a fresh id that its reply repeats, so a reply finds
+its own call even after an earlier call timed out; other replies (a worker's stats, a pause
+echoed back) go to the oldest waiter of their type."""
 
 from __future__ import annotations
 
 import asyncio
 import itertools
 import logging
+import time
 from collections import deque
 from collections.abc import Callable
 from typing import TypeVar
 
-from sluice.messages import Message
+from sluice.ipc import AsyncReceiver
+from sluice.messages import DetokenizerReady, Message, ProcessFailed, SchedulerReady
 
 logger = logging.getLogger(__name__)
 
@@ -21,6 +24,37 @@ Reply = TypeVar("Reply", bound=Message)
 
 class BackendError(RuntimeError):
     """The Scheduler or DetokenizerManager is gone or not answering."""
+
+
+BACKEND_POLL_S = 1.0  # how often a start-up wait looks whether a back-end process died
+
+
+async def wait_for_backend(
+    inbox: AsyncReceiver, timeout_s: float = 600.0, dead_process: Callable[[], str | None] = lambda: None
+) -> SchedulerReady:
+    """Wait on the tokenizer inbox until the Scheduler and DetokenizerManager report ready;
+    BackendError when one reports it failed, `dead_process()` names one that died without a
+    word (killed for memory while loading, say), or the time runs out."""
+    info: SchedulerReady | None = None
+    detokenizer_ready = False
+    deadline = time.monotonic() + timeout_s
+    while info is None or not detokenizer_ready:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise BackendError(f"the back end did not become ready in {timeout_s:.0f} s")
+        message = await inbox.recv_within(min(remaining, BACKEND_POLL_S))
+        if message is None:
+            if (dead := dead_process()) is not None:
+                raise BackendError(f"the {dead} process died while starting (out of memory?)")
+            continue
+        if isinstance(message, SchedulerReady):
+            info = message
+        elif isinstance(message, DetokenizerReady):
+            detokenizer_ready = True
+        elif isinstance(message, ProcessFailed):
+            separator = "\n" if "\n" in message.error else " "  # a traceback, or one line saying why
+            raise BackendError(f"the {message.process} failed to start:{separator}{message.error}")
+    return info
 
 
 class ControlChannel:

@@ -25,7 +25,6 @@ from sluice.messages import (
     BatchStrOutput,
     BatchTokenizedEmbeddingReqInput,
     BatchTokenizedGenerateReqInput,
-    DetokenizerReady,
     FlushCacheReq,
     FlushCacheReqOutput,
     GetInternalStateReq,
@@ -47,7 +46,7 @@ from sluice.messages import (
 )
 from sluice.sampling import ClientError
 from sluice.tokenizer.batch_request import handle_batch_request
-from sluice.tokenizer.control import BackendError, ControlChannel
+from sluice.tokenizer.control import BackendError, ControlChannel, wait_for_backend
 from sluice.tokenizer.embedding_request import handle_embedding_request
 from sluice.tokenizer.io_struct import EmbeddingReqInput, GenerateReqInput
 from sluice.tokenizer.metrics import RequestMetrics
@@ -73,37 +72,6 @@ WEIGHT_UPDATE_TIMEOUT_S = 3600.0
 
 class ServerBusy(RuntimeError):
     """The server refuses a request for its load (503 with Retry-After)."""
-
-
-BACKEND_POLL_S = 1.0  # how often a start-up wait looks whether a back-end process died
-
-
-async def wait_for_backend(
-    inbox: AsyncReceiver, timeout_s: float = 600.0, dead_process: Callable[[], str | None] = lambda: None
-) -> SchedulerReady:
-    """Wait on the tokenizer inbox until the Scheduler and DetokenizerManager report ready;
-    BackendError when one reports it failed, `dead_process()` names one that died without a
-    word (killed for memory while loading, say), or the time runs out."""
-    info: SchedulerReady | None = None
-    detokenizer_ready = False
-    deadline = time.monotonic() + timeout_s
-    while info is None or not detokenizer_ready:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise BackendError(f"the back end did not become ready in {timeout_s:.0f} s")
-        message = await inbox.recv_within(min(remaining, BACKEND_POLL_S))
-        if message is None:
-            if (dead := dead_process()) is not None:
-                raise BackendError(f"the {dead} process died while starting (out of memory?)")
-            continue
-        if isinstance(message, SchedulerReady):
-            info = message
-        elif isinstance(message, DetokenizerReady):
-            detokenizer_ready = True
-        elif isinstance(message, ProcessFailed):
-            separator = "\n" if "\n" in message.error else " "  # a traceback, or one line saying why
-            raise BackendError(f"the {message.process} failed to start:{separator}{message.error}")
-    return info
 
 
 class TokenizerManager:

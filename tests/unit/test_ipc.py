@@ -238,8 +238,7 @@ async def test_a_back_end_process_that_dies_while_starting_ends_the_wait_at_once
     import zmq.asyncio
 
     from sluice.ipc import AsyncReceiver
-    from sluice.tokenizer.control import BackendError
-    from sluice.tokenizer.manager import wait_for_backend
+    from sluice.tokenizer.control import BackendError, wait_for_backend
 
     context = zmq.asyncio.Context(1)
     inbox = AsyncReceiver(context, f"ipc://{tmp_path}/inbox")

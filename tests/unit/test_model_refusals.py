@@ -301,7 +301,11 @@ def test_a_chat_template_that_does_not_compile_is_refused_in_a_line(workers, tmp
     [
         (["--context-length", "8"], "context_length must be 0 (the model's own) or at least 32"),
         (["--kv-cache-memory-gb", "inf"], "kv_cache_memory_gb must be a number > 0"),
-        (["--max-total-tokens", str(10**12)], f"--max-total-tokens {10**12} needs a KV cache of"),
+        (["--max-total-tokens", str(10**12)], f"--max-total-tokens {10**12} makes a KV cache of"),
+        (
+            ["--kv-cache-memory-gb", "100000", "--max-running-requests", "100000"],
+            "--kv-cache-memory-gb 100000.0 makes a KV cache of",
+        ),
         (["--max-running-requests", str(10**8)], f"--max-running-requests {10**8} needs a token table of"),
     ],
 )
