@@ -256,7 +256,9 @@ class TokenizerManager:
             state.stream = req.stream
             state.return_logprob = req.return_logprob
             state.return_timings = req.return_timings
-        self.rid_to_state[req.rid] = state
+        if req.rid in self.rid_to_state:  # the rid checks in front of here make this a bug
+            raise RuntimeError(f"a state for {req.rid} exists already")
+        self.live_rids.add(state)
         return state
 
     def send(self, message: Message) -> None:
@@ -355,7 +357,7 @@ class TokenizerManager:
                 continue  # a non-streaming request: its one chunk comes at the end
             state.pending.append(chunk)
             if state.finished:
-                del self.rid_to_state[out.output.rid]
+                self.live_rids.remove(out.output.rid)
             state.event.set()
 
     def fail_all(self, reason: str) -> None:
@@ -369,7 +371,7 @@ class TokenizerManager:
             self.metrics.on_finish(state, lost, time.time())
             state.pending.append(chunk)
             state.finished = True
-            del self.rid_to_state[rid]
+            self.live_rids.remove(rid)
             state.event.set()
 
     # ------------------------------------------------------------ control

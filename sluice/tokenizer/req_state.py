@@ -9,10 +9,19 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from sluice.messages import EmbeddingOutput, FinishReason, ReqOutput, StrOutput, TokenLogprob
+from sluice.messages import (
+    RID_SEPARATOR,
+    EmbeddingOutput,
+    FinishReason,
+    ReqOutput,
+    StrOutput,
+    TokenLogprob,
+    rid_family,
+)
 from sluice.tokenizer.result import GenerateChunk
 
 
@@ -26,14 +35,30 @@ class LiveRids:
     """The rids a new request may not take: each rid with a state, and the client's rid of
     each n > 1 request in flight, whose states are named `rid::prefix` and `rid::i` (a
     request reusing that rid would be aborted with its samples, which the Scheduler aborts
-    by prefix, and would share their streams)."""
+    by prefix, and would share their streams). States come and go through add and remove,
+    which count each family's server-named states; `sampled` holds a family's rid between
+    them (its warm-up ended, its samples not yet added)."""
 
     def __init__(self, rid_to_state: dict[str, ReqState]) -> None:
         self.rid_to_state = rid_to_state
         self.sampled: set[str] = set()
+        self._families: Counter[str] = Counter()
+
+    def add(self, state: ReqState) -> None:
+        self.rid_to_state[state.rid] = state
+        if RID_SEPARATOR in state.rid:
+            self._families[rid_family(state.rid)] += 1
+
+    def remove(self, rid: str) -> None:
+        del self.rid_to_state[rid]
+        if RID_SEPARATOR in rid:
+            family = rid_family(rid)
+            self._families[family] -= 1
+            if not self._families[family]:
+                del self._families[family]
 
     def __contains__(self, rid: object) -> bool:
-        return rid in self.rid_to_state or rid in self.sampled
+        return rid in self.rid_to_state or rid in self.sampled or rid in self._families
 
 
 @dataclass(slots=True, eq=False)

@@ -15,7 +15,7 @@ from sluice.messages import TokenizedGenerateReqInput as Tokenized
 from sluice.sampling import ClientError
 from sluice.tokenizer.batch_request import handle_batch_request, merge_streams
 from sluice.tokenizer.io_struct import GenerateReqInput
-from sluice.tokenizer.req_state import ClientConnection, ReqState
+from sluice.tokenizer.req_state import ClientConnection, LiveRids, ReqState
 from sluice.tokenizer.request_tokenizer import RequestTokenizer
 from sluice.tokenizer.result import GenerateChunk
 
@@ -112,11 +112,12 @@ class Channel:
             max_req_input_len=100, context_len=200, max_total_tokens=1000, eos_token_ids=[0], vocab_size=100
         )
         self.rid_to_state: dict[str, ReqState] = {}
+        self.live_rids = LiveRids(self.rid_to_state)
         self.sent: list[Message] = []
 
-    def add_req_state(self, req: Tokenized, path: str, index: int | None = None) -> ReqState:
-        state = ReqState(rid=req.rid, stream=req.stream, path=path, index=index)
-        self.rid_to_state[req.rid] = state
+    def add_req_state(self, req: Tokenized, path: str, index: int | None = None, log_metrics: bool = True) -> ReqState:
+        state = ReqState(rid=req.rid, stream=req.stream, path=path, index=index, log_metrics=log_metrics)
+        self.live_rids.add(state)
         return state
 
     def send(self, message: Message) -> None:
@@ -125,7 +126,7 @@ class Channel:
     async def wait_response(
         self, state: ReqState, request: ClientConnection | None = None
     ) -> AsyncIterator[GenerateChunk]:
-        del self.rid_to_state[state.rid]
+        self.live_rids.remove(state.rid)
         end = chunk(state.rid, state.rid, state.index, finished=True, path=state.path)
         if state.rid in self.aborted:
             end.finish_reason = FinishReason(type="abort", message="aborted")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 
 from sluice.messages import FinishReason, ReqOutput, StrOutput, TokenLogprob
-from sluice.tokenizer.req_state import ReqState
+from sluice.tokenizer.req_state import LiveRids, ReqState
 from sluice.tokenizer.result import NativeStream, native_json
 
 LENGTH = FinishReason(type="length")
@@ -103,3 +103,18 @@ def test_abort_chunk_ends_with_what_was_not_sent():
     assert chunk.finish_reason.status_code == 503 and chunk.finished
     result = native_json(chunk)
     assert result["index"] == 3 and result["meta_info"]["path"] == "batch" and result["meta_info"]["index"] == 3
+
+
+def test_a_rid_stays_taken_while_any_state_of_its_family_lives():
+    """A client that left during an n > 1 warm-up: its `rid::prefix` state lives until the
+    abort comes back, and a retry with the same rid would take it over."""
+    live = LiveRids({})
+    live.add(ReqState(rid="x::prefix", stream=False))
+    assert "x" in live and "x::prefix" in live and "y" not in live
+    live.add(ReqState(rid="x::0", stream=False))
+    live.remove("x::prefix")
+    assert "x" in live
+    live.remove("x::0")
+    assert "x" not in live and not live.rid_to_state
+    live.sampled.add("x")  # its warm-up ended, its samples not yet added
+    assert "x" in live
