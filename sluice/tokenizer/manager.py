@@ -452,20 +452,25 @@ class TokenizerManager:
 
     async def _wait_while_paused(self, request: ClientConnection | None) -> None:
         """Hold a new request while paused; one whose client leaves meanwhile ends here (a
-        ClientError no one reads), before it takes any room."""
-        async with self.is_pause_cond:
-            if not self.is_pause:
-                return
-            self.num_paused_reqs += 1
-            try:
-                while self.is_pause:
+        ClientError no one reads), before it takes any room. The pause's lock is held only
+        while waiting on it, never while asking the connection."""
+        if not self.is_pause:
+            return
+        self.num_paused_reqs += 1
+        try:
+            while True:
+                async with self.is_pause_cond:
                     try:
-                        await asyncio.wait_for(self.is_pause_cond.wait(), DISCONNECT_POLL_S)
+                        await asyncio.wait_for(
+                            self.is_pause_cond.wait_for(lambda: not self.is_pause), DISCONNECT_POLL_S
+                        )
+                        return
                     except TimeoutError:
-                        if request is not None and await request.is_disconnected():
-                            raise ClientError("the client left while the server was paused", "request") from None
-            finally:
-                self.num_paused_reqs -= 1
+                        pass
+                if request is not None and await request.is_disconnected():
+                    raise ClientError("the client left while the server was paused")
+        finally:
+            self.num_paused_reqs -= 1
 
     def _describe_state(self) -> str:
         # Runs on the watchdog's thread: copy before reading, the loop may change the dict.
