@@ -330,16 +330,35 @@ async def _probe_generation(tm: TokenizerManager, obj: GenerateReqInput) -> Resp
     probe = asyncio.ensure_future(_last(tm.generate_request(obj)))
     try:
         while time.time() - started < HEALTH_GENERATE_TIMEOUT_S:
-            await asyncio.wait({probe}, timeout=HEALTH_POLL_S)
-            if probe.done() and not isinstance(probe.exception(), ServerBusy):
-                if (error := probe.exception()) is not None:
-                    return error_response(503, f"generation failed: {error}")
-                return Response(status_code=200)
+            if probe.done():  # refused for the server's load: watch for outputs instead
+                await asyncio.sleep(HEALTH_POLL_S)
+            else:
+                await asyncio.wait({probe}, timeout=HEALTH_POLL_S)
+            if tm.backend_error:
+                return error_response(503, f"generation failed: {tm.backend_error}")
+            if probe.done() and (answer := _probe_answer(probe)) is not None:
+                return answer
             if tm.last_receive_tstamp > started:
                 return Response(status_code=200)
         return error_response(503, "generation failed: timed out")
     finally:
         probe.cancel()  # aborts it, if it still runs
+
+
+def _probe_answer(probe: asyncio.Future[GenerateChunk]) -> Response | None:
+    """What the finished probe says: 200, 503, or None when it was refused for the server's
+    load (which says nothing about whether the back end lives)."""
+    error = probe.exception()
+    if isinstance(error, ServerBusy):
+        return None
+    if error is not None:
+        return error_response(503, f"generation failed: {error}")
+    chunk = probe.result()
+    if chunk.finish_reason is not None and chunk.finish_reason.rejected is not None:
+        return None
+    if failure_status(chunk) is not None:
+        return error_response(503, f"generation failed: {failure_message(chunk)}")
+    return Response(status_code=200)
 
 
 async def _last(generator):
