@@ -309,9 +309,11 @@ class Scheduler:
         # Right after a retraction the cache is full: admitting now would only thrash.
         new_decode_slots = self.kv.decode_slots_needed(decoding)
         plan = self._plan_prefill(new_decode_slots, admit_new=self.num_retractions == retractions)
+        while not decoding and not plan.reqs and self._retract_a_stuck_prefill():
+            plan = self._plan_prefill(new_decode_slots, admit_new=False)
         reqs = decoding + plan.reqs
         if not reqs:
-            return self._schedule() if self._retract_a_stuck_prefill() else None
+            return None
         extend_lens = [1] * len(decoding) + plan.extend_lens
         return StepBatch.allocate(reqs, extend_lens, self.kv)
 
