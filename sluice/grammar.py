@@ -44,7 +44,8 @@ def grammar_field(params: SamplingParams) -> str | None:
 def grammar_of(params: SamplingParams, reasoning_parser: str = "none") -> str | None:
     """The llguidance grammar of the request's constraint, or None when it has none; a
     ClientError naming the field when the text is not valid JSON or EBNF. With a reasoning
-    parser, the constraint applies to the answer after the thinking (see _after_thinking)."""
+    parser, the constraint applies to the answer after the thinking (see _after_thinking),
+    except a structural tag's, which is free text already (see structural_tag_lark)."""
     import llguidance
     from llguidance.gbnf_to_lark import gbnf_to_lark
 
@@ -122,7 +123,8 @@ def structural_tag_lark(text: str) -> str:
     tags = []
     for i, given in enumerate(structures):
         structure = given if isinstance(given, dict) and not set(given) - {"begin", "schema", "end"} else {}
-        begin, end, schema = structure.get("begin"), structure.get("end"), structure.get("schema") or {}
+        begin, end, schema = structure.get("begin"), structure.get("end"), structure.get("schema")
+        schema = {} if schema is None else schema  # any JSON, as SGLang's optional schema
         trigger = next((t for t in triggers if begin.startswith(t)), None) if isinstance(begin, str) else None
         if trigger is None or not isinstance(begin, str) or not isinstance(end, str) or not isinstance(schema, dict):
             raise ClientError(f"structural_tag.structures[{i}]: {_STRUCTURAL_TAG_SHAPE}", "structural_tag")
