@@ -35,6 +35,7 @@ def test_every_route_publishes_its_body_and_responses(base_url):
     assert bodies == {
         "/generate": "#/components/schemas/GenerateReqInput",
         "/abort_request": "#/components/schemas/AbortRequestInput",
+        "/pause_generation": "#/components/schemas/PauseGenerationReqInput",
         "/v1/completions": "#/components/schemas/CompletionRequest",
         "/v1/chat/completions": "#/components/schemas/ChatCompletionRequest",
         "/tokenize": "#/components/schemas/TokenizeRequest",

@@ -145,11 +145,21 @@ def test_weights_that_do_not_fit_are_refused_at_once_and_the_old_keep_serving(fo
 
 
 def test_weights_that_fail_to_load_leave_the_old_serving(folders, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    cut = tmp_path / "cut"
+    shutil.copytree(folders["new"], cut)
+    for weights in cut.glob("*.safetensors"):
+        weights.write_bytes(weights.read_bytes()[:1000])  # the tensors are cut off: refused at once
+    scheduler = new_scheduler(folders["old"])
+    refused = scheduler.request_weight_update(UpdateWeightsFromDiskReq(model_path=str(cut)))
+    assert refused is not None and "cannot be read as safetensors" in refused.message
     broken = tmp_path / "broken"
     shutil.copytree(folders["new"], broken)
-    for weights in broken.glob("*.safetensors"):
-        weights.write_bytes(weights.read_bytes()[:1000])  # the config fits, the tensors are cut off
-    scheduler = new_scheduler(folders["old"])
+    for weights in broken.glob("*.safetensors"):  # whole files and the config fits; one weight does not
+        tensors = load_file(str(weights))
+        tensors["model.layers.0.mlp.gate_proj.weight"] = torch.zeros(3, 3)
+        save_file(tensors, str(weights))
     assert scheduler.request_weight_update(UpdateWeightsFromDiskReq(model_path=str(broken))) is None
     reply = scheduler.apply_pending_update()
     assert reply is not None and not reply.success and "old weights keep serving" in reply.message
