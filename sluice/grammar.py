@@ -55,12 +55,7 @@ def grammar_of(params: SamplingParams, reasoning_parser: str = "none") -> str | 
     text: str = getattr(params, field)
     thinks = reasoning_parser != "none"
     if field == "json_schema":
-        try:
-            schema: Any = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ClientError(f"json_schema is not valid JSON: {e}", "json_schema") from None
-        except RecursionError:
-            raise ClientError("json_schema nests arrays and objects too deep to read", "json_schema") from None
+        schema = _json_of(text, "json_schema")
         if not isinstance(schema, dict):
             raise ClientError("json_schema must be a JSON Schema (an object)", "json_schema")
         try:
@@ -85,6 +80,19 @@ def grammar_of(params: SamplingParams, reasoning_parser: str = "none") -> str | 
 
 
 _ANSWER: Final = "sluice_answer"
+
+
+def _json_of(text: str, field: str) -> Any:
+    """A grammar field's JSON; ClientError naming the field when it is not JSON, or nests
+    deeper than Python's stack (the body's depth check does not look inside strings)."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ClientError(f"{field} is not valid JSON: {e}", field) from None
+    except RecursionError:
+        raise ClientError(f"{field} nests arrays and objects too deep to read", field) from None
+
+
 _STRUCTURAL_TAG_SHAPE: Final = (
     'structural_tag must be {"structures": [{"begin": ..., "schema": {...}, "end": ...}, ...], '
     '"triggers": [...]}, each begin starting with one of the triggers'
@@ -107,12 +115,7 @@ def structural_tag_lark(text: str) -> str:
     matches, so a thinking rule around the free text cannot hold a trigger back."""
     from llguidance import StructTag
 
-    try:
-        tag: Any = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ClientError(f"structural_tag is not valid JSON: {e}", "structural_tag") from None
-    except RecursionError:
-        raise ClientError("structural_tag nests arrays and objects too deep to read", "structural_tag") from None
+    tag = _json_of(text, "structural_tag")
     if not isinstance(tag, dict) or set(tag) - {"type", "structures", "triggers"}:
         raise ClientError(_STRUCTURAL_TAG_SHAPE, "structural_tag")
     structures, triggers = tag.get("structures"), tag.get("triggers")

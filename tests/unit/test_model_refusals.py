@@ -178,25 +178,20 @@ def test_weights_the_model_has_no_place_for_are_refused_not_left_out(bias, first
         ModelRunner(str(path), torch.float32)
 
 
-def test_a_gguf_tensor_sluice_does_not_read_is_refused_naming_it(tmp_path):
-    """A tensor the GGUF loader has no name for (an MoE layer's router, say) is not dropped."""
+@pytest.mark.parametrize(
+    "array, message",
+    [
+        # A tensor the GGUF loader has no name for (an MoE layer's router, say) is not dropped.
+        (np.zeros((64, 4), dtype=np.float32), "is not one sluice reads"),
+        # gguf knows types it cannot dequantize (I32, F64, Q8_K, ...): refused before loading.
+        (np.zeros((4, 8), dtype=np.int32), "is I32, a type sluice cannot read"),
+    ],
+    ids=["unknown-name", "unreadable-type"],
+)
+def test_a_gguf_tensor_sluice_cannot_take_is_refused_naming_it(array, message, tmp_path):
     hf_model = save_random_model(qwen3_with_qk_norm, tmp_path / "hf")
-    router = {"blk.0.ffn_gate_inp.weight": np.zeros((64, 4), dtype=np.float32)}
-    path = write_gguf(hf_model, tmp_path / "model.gguf", "qwen3", extra_tensors=router)
-    with pytest.raises(
-        ValueError, match=re.escape("tensor blk.0.ffn_gate_inp.weight of model.gguf is not one sluice reads")
-    ):
-        ModelRunner(str(path), torch.float32)
-
-
-def test_a_gguf_tensor_of_a_type_sluice_cannot_read_is_refused_naming_it(tmp_path):
-    """gguf knows types it cannot dequantize (I32, F64, Q8_K, ...): refused before loading."""
-    hf_model = save_random_model(qwen3_with_qk_norm, tmp_path / "hf")
-    counts = {"blk.0.ffn_gate_inp.weight": np.zeros((4, 8), dtype=np.int32)}
-    path = write_gguf(hf_model, tmp_path / "model.gguf", "qwen3", extra_tensors=counts)
-    with pytest.raises(
-        ValueError, match=re.escape("tensor blk.0.ffn_gate_inp.weight of model.gguf is I32, a type sluice cannot")
-    ):
+    path = write_gguf(hf_model, tmp_path / "model.gguf", "qwen3", extra_tensors={"blk.0.ffn_gate_inp.weight": array})
+    with pytest.raises(ValueError, match=re.escape(f"tensor blk.0.ffn_gate_inp.weight of model.gguf {message}")):
         ModelRunner(str(path), torch.float32)
 
 
