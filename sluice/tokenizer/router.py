@@ -209,6 +209,9 @@ class MultiTokenizerRouter:
             logger.error("HTTP worker %d died; the server reports unhealthy", pid)
             self.workers.pop(ipc).close()
             self.broadcast(WorkerDied(pid=pid))
+            # Its requests have no one to answer: they would run to their end for nothing.
+            for family in [family for family, (worker, _) in self.live_families.items() if worker == ipc]:
+                self.to_scheduler.send(AbortReq(rid=family))
 
 
 def run_router_process(server_args_data: bytes, port_args_data: bytes) -> None:

@@ -203,10 +203,16 @@ def test_a_dead_worker_is_reported_to_the_others_and_to_late_comers(hub, tmp_pat
     exited.wait()  # reaped: its pid names no process now
     c = f"ipc://{tmp_path}/c"
     hub.router.dispatch(RegisterWorker(http_worker_ipc=c, pid=exited.pid))
+    # Its requests (a single one and n > 1 samples) are aborted: no one would read them.
+    hub.router.dispatch(BatchTokenizedGenerateReqInput(reqs=[request("lone", c), request("fam::0", c)]))
+    hub.router.dispatch(request("kept", hub.addresses["a"]))
+    assert hub.received(hub.scheduler).reqs and hub.received(hub.scheduler).rid == "kept"
     hub.router.check_workers_alive()
     for inbox in hub.workers.values():
         assert hub.received(inbox) == WorkerDied(pid=exited.pid)
     assert c not in hub.router.workers
+    assert {hub.received(hub.scheduler).rid for _ in range(2)} == {"lone", "fam"}
+    assert hub.nothing_for(hub.scheduler)
     # A worker that registers later hears of the loss too.
     late = Receiver(hub.context, f"ipc://{tmp_path}/d")
     try:
