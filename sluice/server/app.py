@@ -46,8 +46,9 @@ from sluice.server.openai_api import install_openai_routes
 from sluice.server.openapi import ApiDocs
 from sluice.server.sse import stream_response
 from sluice.server.state import ServerState
+from sluice.tokenizer.admission import ServerBusy
 from sluice.tokenizer.io_struct import EmbeddingReqInput, GenerateReqInput
-from sluice.tokenizer.manager import ServerBusy, TokenizerManager
+from sluice.tokenizer.manager import TokenizerManager
 from sluice.tokenizer.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from sluice.tokenizer.result import GenerateChunk, NativeStream, native_json
 

@@ -12,8 +12,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from sluice.sampling import ClientError
 from sluice.server.api_types import ErrorDetail, ErrorResponse
+from sluice.tokenizer.admission import ServerBusy
 from sluice.tokenizer.control import BackendError
-from sluice.tokenizer.manager import ServerBusy
 from sluice.tokenizer.result import GenerateChunk
 
 logger = logging.getLogger(__name__)

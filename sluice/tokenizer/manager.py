@@ -44,14 +44,15 @@ from sluice.messages import (
     WorkerStats,
     WorkerStatsReq,
 )
-from sluice.sampling import ClientError
+from sluice.tokenizer.admission import check_queue_room, check_request_size
 from sluice.tokenizer.batch_request import handle_batch_request
 from sluice.tokenizer.control import BackendError, ControlChannel, wait_for_backend
 from sluice.tokenizer.embedding_request import handle_embedding_request
 from sluice.tokenizer.io_struct import EmbeddingReqInput, GenerateReqInput
 from sluice.tokenizer.metrics import RequestMetrics
 from sluice.tokenizer.multimodal.request_images import RequestImages
-from sluice.tokenizer.req_state import ClientConnection, LiveRids, ReqState
+from sluice.tokenizer.pause import PauseGate
+from sluice.tokenizer.req_state import DISCONNECT_POLL_S, ClientConnection, LiveRids, ReqState
 from sluice.tokenizer.request_tokenizer import RequestTokenizer
 from sluice.tokenizer.result import GenerateChunk
 from sluice.tokenizer.rwlock import RWLock
@@ -64,14 +65,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# How often a non-streaming request checks whether its client is still there.
-DISCONNECT_POLL_S = 1.0
 # A weight update waits for the running requests to finish, then loads: it may take long.
 WEIGHT_UPDATE_TIMEOUT_S = 3600.0
-
-
-class ServerBusy(RuntimeError):
-    """The server refuses a request for its load (503 with Retry-After)."""
 
 
 class TokenizerManager:
@@ -107,14 +102,12 @@ class TokenizerManager:
         self.weights_path = server_args.resolved_model_path()
         self.metrics = RequestMetrics()
         self.model_update_lock = RWLock()
-        self.is_pause = False
-        self.is_pause_cond = asyncio.Condition()
-        self.num_paused_reqs = 0  # requests waiting for generation to continue
         self.backend_error: str | None = None  # the back end is gone: requests fail
         self.health_error: str | None = None  # something else is wrong: /health says so
         self.dead_replicas: set[int] = set()  # --dp-size: Scheduler replicas that died
         self.last_receive_tstamp = time.time()
         self.control = ControlChannel(self.send)
+        self.pause = PauseGate(None if http_worker_ipc is None else self.control)
         self._handle_loop_task: asyncio.Task[None] | None = None
         self.soft_watchdog = SoftWatchdog(
             server_args.soft_watchdog_timeout, lambda: len(self.rid_to_state), self._describe_state
@@ -184,15 +177,15 @@ class TokenizerManager:
             raise BackendError(self.backend_error)
         if isinstance(obj, EmbeddingReqInput):
             self._check_queue_room()
-            await self._wait_while_paused(request)
+            await self.pause.wait_while_paused(request)
             async with self.model_update_lock.reader_lock():
                 async for response in handle_embedding_request(self, obj, request, received_at):
                     yield response
             return
         obj.normalize()
-        n = self._check_request_size(obj)
+        n = check_request_size(obj, self.server_args)
         self._check_queue_room(obj.log_metrics)
-        await self._wait_while_paused(request)
+        await self.pause.wait_while_paused(request)
         async with self.model_update_lock.reader_lock():
             if obj.is_single and n == 1:
                 [tokenized] = await self.inputs.tokenize([obj], self.live_rids, received_at=received_at)
@@ -205,36 +198,8 @@ class TokenizerManager:
                     yield response
 
     def _check_queue_room(self, log_metrics: bool = True) -> None:
-        """Refuse a request before tokenizing it when this process alone already has more
-        requests in flight than can run plus --max-queued-requests. The Scheduler checks the
-        exact queue (over every HTTP worker) when the request arrives."""
-        limit = self.server_args.max_queued_requests
-        if not limit:
-            return
-        in_flight = len(self.rid_to_state) + self.num_paused_reqs
-        queued = in_flight - self.server_args.max_running_requests * self.server_args.dp_size
-        if queued >= limit:
-            if log_metrics:
-                self.metrics.on_rejected("queue_full")
-            raise ServerBusy(
-                f"the server is busy: at least {queued} requests are queued (--max-queued-requests {limit}); "
-                "retry later"
-            )
-
-    def _check_request_size(self, obj: GenerateReqInput) -> int:
-        """Refuse an oversized batch or n before any per-item work; returns n."""
-        if not obj.is_single:
-            obj.normalize_batch(self.server_args.max_batch_items)
-        n = obj.sample_count()
-        if n > self.server_args.max_n:
-            raise ClientError(f"n is {n}, more than max_n={self.server_args.max_n}", "n")
-        if obj.batch_size * n > self.server_args.max_batch_items:
-            raise ClientError(
-                f"{obj.batch_size} prompts x n={n} is {obj.batch_size * n} items, "
-                f"more than max_batch_items={self.server_args.max_batch_items}",
-                "n",
-            )
-        return n
+        in_flight = len(self.rid_to_state) + self.pause.num_held
+        check_queue_room(self.server_args, in_flight, self.metrics, log_metrics)
 
     # ------------------------------------------------------------ what every path uses
 
@@ -329,7 +294,7 @@ class TokenizerManager:
                 # Requests of the other workers are unharmed; the server reports unhealthy.
                 self.health_error = f"HTTP worker {recv_obj.pid} died"
             case SetPause():
-                asyncio.get_running_loop().create_task(self._set_pause(recv_obj.paused))
+                asyncio.get_running_loop().create_task(self.pause.set(recv_obj.paused))
                 if recv_obj.http_worker_ipc == self.http_worker_ipc:
                     self.control.deliver(recv_obj)  # this worker's own, back from the router
             case UpdateWeightsFromDiskReqOutput():
@@ -406,24 +371,10 @@ class TokenizerManager:
             return await self.control.call(request, UpdateWeightsFromDiskReqOutput, WEIGHT_UPDATE_TIMEOUT_S)
 
     async def pause_generation(self) -> None:
-        await self._set_pause(True)
-        await self._tell_every_worker(SetPause(paused=True))
+        await self.pause.set_everywhere(True)
 
     async def continue_generation(self) -> None:
-        await self._set_pause(False)
-        await self._tell_every_worker(SetPause(paused=False))
-
-    async def _tell_every_worker(self, message: SetPause) -> None:
-        """Through the router; returns once the router sent it to every other worker (it
-        sends this worker's copy last), so a request that any worker takes after the
-        route answered sees the change."""
-        if self.http_worker_ipc is not None:
-            await self.control.call(message, SetPause)
-
-    async def _set_pause(self, paused: bool) -> None:
-        async with self.is_pause_cond:
-            self.is_pause = paused
-            self.is_pause_cond.notify_all()
+        await self.pause.set_everywhere(False)
 
     def degraded(self) -> dict[str, object] | None:
         """What /health says while some Scheduler replicas died and others serve."""
@@ -434,7 +385,7 @@ class TokenizerManager:
 
     def _worker_stats(self, asked_by: str) -> WorkerStats:
         return WorkerStats(
-            rid_to_state_size=len(self.rid_to_state), num_paused_reqs=self.num_paused_reqs, http_worker_ipc=asked_by
+            rid_to_state_size=len(self.rid_to_state), num_paused_reqs=self.pause.num_held, http_worker_ipc=asked_by
         )
 
     async def worker_stats_total(self) -> WorkerStats:
@@ -449,28 +400,6 @@ class TokenizerManager:
             num_paused_reqs=sum(stats.num_paused_reqs for stats in answers),
             http_worker_ipc=self.http_worker_ipc,
         )
-
-    async def _wait_while_paused(self, request: ClientConnection | None) -> None:
-        """Hold a new request while paused; one whose client leaves meanwhile ends here (a
-        ClientError no one reads), before it takes any room. The pause's lock is held only
-        while waiting on it, never while asking the connection."""
-        if not self.is_pause:
-            return
-        self.num_paused_reqs += 1
-        try:
-            while True:
-                async with self.is_pause_cond:
-                    try:
-                        await asyncio.wait_for(
-                            self.is_pause_cond.wait_for(lambda: not self.is_pause), DISCONNECT_POLL_S
-                        )
-                        return
-                    except TimeoutError:
-                        pass
-                if request is not None and await request.is_disconnected():
-                    raise ClientError("the client left while the server was paused")
-        finally:
-            self.num_paused_reqs -= 1
 
     def _describe_state(self) -> str:
         # Runs on the watchdog's thread: copy before reading, the loop may change the dict.

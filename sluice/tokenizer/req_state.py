@@ -24,6 +24,10 @@ from sluice.messages import (
 )
 from sluice.tokenizer.result import GenerateChunk
 
+# How often a request waiting for its results (or for a pause to end) checks whether its
+# client is still there.
+DISCONNECT_POLL_S = 1.0
+
 
 class ClientConnection(Protocol):
     """What the request path asks of the client's HTTP request: whether it went away."""

@@ -7,8 +7,8 @@ import time
 
 from sluice.messages import FinishReason
 from sluice.server.app import _probe_generation
+from sluice.tokenizer.admission import ServerBusy
 from sluice.tokenizer.io_struct import GenerateReqInput
-from sluice.tokenizer.manager import ServerBusy
 from sluice.tokenizer.result import GenerateChunk
 
 
