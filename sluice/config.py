@@ -350,11 +350,12 @@ class ServerArgs:
         """--num-threads, or the machine's cores split over the replicas."""
         return self.num_threads or max((os.cpu_count() or 1) // self.dp_size, 1)
 
-    def window_slots_needed(self, window: int) -> int:
+    def window_slots_needed(self, window: int, max_total_tokens: int | None = None) -> int:
         """Sliding-window layers' slots a Scheduler can hold at once: every running request's
         window and --swa-cache-tokens (after a step's trim), and what one step adds (its
-        prefill budget, a token a decoding request)."""
-        return self.max_running_requests * (window + 1) + self.max_prefill_tokens + self.swa_cache_tokens
+        prefill budget, a token a decoding request); never more than the cache's slots."""
+        needed = self.max_running_requests * (window + 1) + self.max_prefill_tokens + self.swa_cache_tokens
+        return needed if max_total_tokens is None else min(needed, max_total_tokens)
 
     def resolved_model_path(self) -> str:
         if self.model_path:

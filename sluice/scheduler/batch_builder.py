@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -9,6 +10,8 @@ import torch
 
 from sluice.messages import TokenLogprob
 from sluice.model.forward_batch import ForwardBatch
+from sluice.model.sampler import SampleOutput, SamplingBatch, sample
+from sluice.scheduler.grammar import Grammars
 from sluice.scheduler.kv_manager import KVManager
 from sluice.scheduler.multimodal import image_rows
 from sluice.scheduler.req import Req
@@ -75,6 +78,46 @@ class StepBatch:
             input_logprob_rows=input_rows,
             hidden_indices=torch.tensor(hidden_rows, dtype=torch.int64) if pool_spans else None,
             pool_spans=pool_spans,
+        )
+
+    @property
+    def sampling_rows(self) -> list[int]:
+        """The requests that draw a token this step, by their index in `reqs`."""
+        return [i for i, samples in enumerate(self.samples) if samples]
+
+    def sample(
+        self,
+        logits: torch.Tensor,
+        grammars: Grammars,
+        eos_token_ids: frozenset[int],
+        vocab_size: int,
+        argmax_rows: Callable[[torch.Tensor], torch.Tensor],
+    ) -> SampleOutput | None:
+        """The next token of each of `sampling_rows` (in that order) under its request's
+        sampling parameters and grammar; None where no request samples."""
+        reqs = [self.reqs[i] for i in self.sampling_rows]
+        if not reqs:
+            return None
+        sampling_batch = SamplingBatch.build(
+            [r.sampling_params for r in reqs],
+            [r.output_ids for r in reqs],
+            [r.prompt_ids for r in reqs],
+            list(eos_token_ids),
+            vocab_size,
+        )
+        constrained = [k for k, r in enumerate(reqs) if r.grammar is not None]
+        if constrained:
+            allowed = grammars.allowed([reqs[k].grammar for k in constrained])
+            sampling_batch.allowed = (torch.tensor(constrained, dtype=torch.long), allowed)
+        # Rows are gathered only when some logits rows are not sampled (prompt logprobs): a
+        # decode step samples every row, and a copy of its [batch, vocab] logits costs ~1 ms.
+        rows = self.sample_logit_rows
+        return sample(
+            logits if len(rows) == len(logits) else logits[rows],
+            sampling_batch,
+            [r.top_logprobs_num if r.return_logprob else 0 for r in reqs],
+            with_logprobs=any(r.return_logprob for r in reqs),
+            argmax_rows=argmax_rows,
         )
 
     def pool_hidden_states(self, hidden_states: torch.Tensor | None) -> None:

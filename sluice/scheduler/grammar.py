@@ -106,6 +106,18 @@ class Grammars:
         return self._tokenizer.result()
 
 
+def take_token(matcher: llguidance.LLMatcher, token: int) -> str | None:
+    """Advance a request's matcher by its sampled token; what went wrong where the grammar
+    reached a dead end (sampling kept to the mask, so that is the grammar's own)."""
+    # A matcher in error (one that could not compute a mask, say) reports itself stopped
+    # too, and lets only EOS through: that is no complete answer.
+    if matcher.is_stopped() and not matcher.is_error():
+        return None  # an EOS after the end (ignore_eos): nothing left to match
+    if matcher.is_error() or not matcher.consume_token(token) or matcher.is_error():
+        return f"the grammar reached a dead end: {matcher.get_error() or 'no token fits'}"
+    return None
+
+
 def _build_tokenizer(tokenizer_path: str, vocab_size: int) -> llguidance.LLTokenizer:
     from sluice.tokenizer_files import load_tokenizer
 

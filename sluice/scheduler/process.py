@@ -113,7 +113,7 @@ def check_fits_in_memory(
     cache is counted as it is allocated: sliding-window layers' slots apart (see
     default_max_total_tokens)."""
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    window_slots = min(args.window_slots_needed(window), max_total_tokens) if window is not None else 0
+    window_slots = args.window_slots_needed(window, max_total_tokens) if window is not None else 0
     kv_bytes = max_total_tokens * (kv_bytes_per_token - window_bytes) + window_slots * window_bytes
     if kv_bytes > memory:
         flag = (

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,6 +16,7 @@ from sluice.messages import (
     TokenizedGenerateReqInput,
     TokenLogprob,
 )
+from sluice.scheduler.grammar import take_token
 
 # An embedding request runs its prompt and samples nothing.
 _NO_SAMPLING = SamplingParams(max_new_tokens=0)
@@ -183,6 +185,32 @@ class Req:
 
     def kv_slots(self, req_to_token: torch.Tensor) -> torch.Tensor:
         return req_to_token[self.req_pool_idx, : self.kv_len]
+
+    def append_token(
+        self,
+        token: int,
+        logprob: float,
+        top_logprobs: list[tuple[int, float]],
+        eos_token_ids: frozenset[int],
+        context_len: int,
+    ) -> None:
+        """Take a sampled token (its logprobs are kept if the request asked for them), advance
+        the grammar, and set finish_reason if the request ends with it."""
+        self.output_ids.append(token)
+        self.first_token_at = self.first_token_at or time.time()
+        if self.grammar is not None and (dead_end := take_token(self.grammar, token)) is not None:
+            self.finish_reason = FinishReason(type="abort", message=dead_end, status_code=400)
+        if self.return_logprob:
+            self.output_logprobs.append(logprob)
+            if self.top_logprobs_num:
+                self.output_top_logprobs.append([TokenLogprob(*top) for top in top_logprobs])
+        if not self.finished:  # a grammar's dead end stays the answer's end
+            self.check_finished(eos_token_ids)
+        if not self.finished and self.grammar is not None and self.grammar.is_stopped():
+            # The grammar is complete and allows nothing more (not even more whitespace).
+            self.finish_reason = FinishReason(type="stop", matched=None)
+        if not self.finished and self.seq_len >= context_len:
+            self.finish_reason = FinishReason(type="length", length=len(self.output_ids))
 
     def check_finished(self, eos_token_ids: frozenset[int]) -> None:
         """Set finish_reason after a new token was appended."""

@@ -24,12 +24,10 @@ from sluice.messages import (
     InternalState,
     TokenizedEmbeddingReqInput,
     TokenizedGenerateReqInput,
-    TokenLogprob,
     UpdateWeightsFromDiskReq,
     UpdateWeightsFromDiskReqOutput,
 )
 from sluice.model.model_runner import ModelRunner
-from sluice.model.sampler import SampleOutput, SamplingBatch, sample
 from sluice.procutil import freeze_live_objects, release_freed_memory
 from sluice.scheduler.batch_builder import StepBatch, build_forward_batch
 from sluice.scheduler.grammar import Grammars
@@ -72,9 +70,7 @@ class Scheduler:
             )
         self.max_req_input_len = self.context_len - 1
         window = self.config.widest_window
-        window_slots = None
-        if window is not None:
-            window_slots = min(args.window_slots_needed(window), max_total_tokens)
+        window_slots = None if window is None else args.window_slots_needed(window, max_total_tokens)
         self.kv = KVManager(
             max_total_tokens,
             args.max_running_requests,
@@ -412,39 +408,17 @@ class Scheduler:
     # ------------------------------------------------------------ results
 
     def _process_results(self, batch: StepBatch, logits: torch.Tensor) -> list[SchedulerOutput]:
-        sampling_rows = [i for i, r in enumerate(batch.reqs) if batch.samples[i]]
         batch.record_input_logprobs(logits)
-        next_tokens = None
-        if sampling_rows:
-            reqs = [batch.reqs[i] for i in sampling_rows]
-            sampling_batch = SamplingBatch.build(
-                [r.sampling_params for r in reqs],
-                [r.output_ids for r in reqs],
-                [r.prompt_ids for r in reqs],
-                list(self.eos_token_ids),
-                self.config.vocab_size,
-            )
-            constrained = [k for k, r in enumerate(reqs) if r.grammar is not None]
-            if constrained:
-                allowed = self.grammars.allowed([reqs[k].grammar for k in constrained])
-                sampling_batch.allowed = (torch.tensor(constrained, dtype=torch.long), allowed)
-            # Rows are gathered only when some logits rows are not sampled (prompt logprobs): a
-            # decode step samples every row, and a copy of its [batch, vocab] logits costs ~1 ms.
-            sample_rows = batch.sample_logit_rows
-            next_tokens = sample(
-                logits if len(sample_rows) == len(logits) else logits[sample_rows],
-                sampling_batch,
-                [r.top_logprobs_num if r.return_logprob else 0 for r in reqs],
-                with_logprobs=any(r.return_logprob for r in reqs),
-                argmax_rows=self.runner.execution.backend.argmax_rows,
-            )
-
+        argmax_rows = self.runner.execution.backend.argmax_rows
+        next_tokens = batch.sample(logits, self.grammars, self.eos_token_ids, self.config.vocab_size, argmax_rows)
         outputs: list[SchedulerOutput] = []
-        sample_pos = {row: k for k, row in enumerate(sampling_rows)}
+        sample_pos = {row: k for k, row in enumerate(batch.sampling_rows)}
         for i, req in enumerate(batch.reqs):
             req.kv_len += batch.extend_lens[i]
-            if next_tokens is not None and i in sample_pos:
-                self._append_token(req, next_tokens, sample_pos[i])
+            if next_tokens is not None and (k := sample_pos.get(i)) is not None:
+                logprob = next_tokens.logprobs[k] if next_tokens.logprobs else 0.0
+                top = next_tokens.top_logprobs[k] if next_tokens.top_logprobs else []
+                req.append_token(next_tokens.next_token_ids[k], logprob, top, self.eos_token_ids, self.context_len)
             elif req.kv_len == req.seq_len and req.sampling_params.max_new_tokens == 0:
                 # A prefill-only request (parallel sampling's prefix warm-up).
                 req.finish_reason = FinishReason(type="length", length=0)
@@ -459,34 +433,6 @@ class Scheduler:
             if self._should_stream(req):
                 outputs.append(make_output(req, self.weight_version))
         return outputs
-
-    def _append_token(self, req: Req, next_tokens: SampleOutput, k: int) -> None:
-        token = next_tokens.next_token_ids[k]
-        req.output_ids.append(token)
-        req.first_token_at = req.first_token_at or time.time()
-        if req.grammar is not None:
-            self._advance_grammar(req, token)
-        if req.return_logprob:
-            req.output_logprobs.append(next_tokens.logprobs[k])
-            if req.top_logprobs_num:
-                req.output_top_logprobs.append([TokenLogprob(*top) for top in next_tokens.top_logprobs[k]])
-        if not req.finished:  # a grammar's dead end stays the answer's end
-            req.check_finished(self.eos_token_ids)
-        if not req.finished and req.grammar is not None and req.grammar.is_stopped():
-            # The grammar is complete and allows nothing more (not even more whitespace).
-            req.finish_reason = FinishReason(type="stop", matched=None)
-        if not req.finished and req.seq_len >= self.context_len:
-            req.finish_reason = FinishReason(type="length", length=len(req.output_ids))
-
-    def _advance_grammar(self, req: Req, token: int) -> None:
-        # A matcher in error (one that could not compute a mask, say) reports itself stopped
-        # too, and lets only EOS through: that is no complete answer.
-        if req.grammar.is_stopped() and not req.grammar.is_error():
-            return  # an EOS after the end (ignore_eos): nothing left to match
-        if req.grammar.is_error() or not req.grammar.consume_token(token) or req.grammar.is_error():
-            # Sampling kept to the mask, so this is a dead end in the grammar itself.
-            message = f"the grammar reached a dead end: {req.grammar.get_error() or 'no token fits'}"
-            req.finish_reason = FinishReason(type="abort", message=message, status_code=400)
 
     def _should_stream(self, req: Req) -> bool:
         if not (req.stream or req.sampling_params.stop):
