@@ -5,12 +5,16 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
+from functools import cache
+from pathlib import Path
 
 import httpx
 
@@ -25,11 +29,35 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@cache
+def session_log_dir() -> Path:
+    """This test session's folder for the logs of the processes its tests start; the folders
+    of sessions that have ended are removed when it is made."""
+    root = Path(tempfile.gettempdir()) / "sluice-test-logs"
+    root.mkdir(exist_ok=True)
+    for folder in root.iterdir():
+        if folder.name.isdigit() and not _alive(int(folder.name)):
+            shutil.rmtree(folder, ignore_errors=True)
+    mine = root / str(os.getpid())
+    mine.mkdir(exist_ok=True)
+    return mine
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 class RunningServer:
     def __init__(self, *flags: str):
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
-        self.log_path = f"/tmp/sluice-test-server-{self.port}.log"
+        self.log_path = str(session_log_dir() / f"server-{self.port}.log")
         self.log = open(self.log_path, "w")  # noqa: SIM115 (the server writes to it until stop() closes it)
         cmd = [sys.executable, "-m", "sluice", "serve", "--port", str(self.port), *flags]
         self.process = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)

@@ -16,7 +16,16 @@ import httpx
 import openai
 import pytest
 
-from tests.helpers import RunningServer, free_port, generate, greedy, internal_states, read_log, stop_process_group
+from tests.helpers import (
+    RunningServer,
+    free_port,
+    generate,
+    greedy,
+    internal_states,
+    read_log,
+    session_log_dir,
+    stop_process_group,
+)
 
 GATEWAY_START_TIMEOUT_S = 120
 # About 700 tokens that the placement test's requests share.
@@ -30,7 +39,7 @@ class Gateway:
     def __init__(self, worker_urls: list[str]):
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
-        self.log_path = f"/tmp/sluice-test-gateway-{self.port}.log"
+        self.log_path = str(session_log_dir() / f"gateway-{self.port}.log")
         self.log = open(self.log_path, "w")  # noqa: SIM115 (closed by stop())
         command = [sys.executable, "-m", "smg", "launch", "--host", "127.0.0.1", "--port", str(self.port)]
         command += ["--policy", "cache_aware", "--health-check-interval-secs", "1", "--worker-urls", *worker_urls]
