@@ -308,6 +308,7 @@ class InternalState(Message):
     # keep some of the Scheduler's cores busy (scheduler/forward_threads.py).
     forward_threads: int = 0
     num_retractions: int = 0  # requests sent back to the waiting queue for KV, since start
+    num_failed_steps: int = 0  # steps that raised (a bug): their requests ended with a 500
     prefill_steps: int = 0  # steps that prefilled prompt tokens, since start
     # Messages the scheduler received, by type name (a batch counts once).
     messages_received: dict[str, int] = {}

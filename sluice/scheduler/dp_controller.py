@@ -330,6 +330,7 @@ def merge_states(states: list[InternalState], ipc: str | None, control_id: int =
         last_step_ms=max((state.last_step_ms for state in states), default=0.0),
         forward_threads=total("forward_threads"),
         num_retractions=total("num_retractions"),
+        num_failed_steps=total("num_failed_steps"),
         prefill_steps=total("prefill_steps"),
         messages_received=summed("messages_received"),
         finished_reqs=summed("finished_reqs"),

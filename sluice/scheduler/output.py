@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
-from sluice.messages import EmbeddingOutput, ReqOutput, TokenIDOutput
+from sluice.messages import (
+    EmbeddingOutput,
+    FinishReason,
+    ReqOutput,
+    TokenIDOutput,
+    TokenizedEmbeddingReqInput,
+    TokenizedGenerateReqInput,
+)
 from sluice.scheduler.req import Req
 
 SchedulerOutput = TokenIDOutput | EmbeddingOutput
@@ -68,3 +75,20 @@ def make_embedding_output(req: Req, weight_version: str) -> EmbeddingOutput:
         return EmbeddingOutput(output=output)
     vector = req.embedding().float().numpy().astype("<f4", copy=False)
     return EmbeddingOutput(output=output, embedding=vector.tobytes())
+
+
+def refused_output(
+    msg: TokenizedGenerateReqInput | TokenizedEmbeddingReqInput, reason: FinishReason, weight_version: str
+) -> SchedulerOutput:
+    """The one output of a request that never became a Req."""
+    output = ReqOutput(
+        rid=msg.rid,
+        new_token_ids=[],
+        finish_reason=reason,
+        prompt_tokens=len(msg.input_ids),
+        weight_version=weight_version,
+        http_worker_ipc=msg.http_worker_ipc,
+    )
+    if isinstance(msg, TokenizedEmbeddingReqInput):
+        return EmbeddingOutput(output=output)
+    return TokenIDOutput(output=output, stream=msg.stream)

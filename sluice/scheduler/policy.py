@@ -1,5 +1,5 @@
 """Which waiting requests prefill next, under the step's token and memory budgets, and
-which new requests the queue limits refuse."""
+which new requests their prompt or the queue limits refuse."""
 
 from __future__ import annotations
 
@@ -7,7 +7,9 @@ from dataclasses import dataclass, field
 
 from sluice.config import ServerArgs
 from sluice.messages import FinishReason
+from sluice.model.model_config import ModelConfig
 from sluice.scheduler.kv_manager import KVManager
+from sluice.scheduler.multimodal import expand_image_tokens
 from sluice.scheduler.req import Req
 
 # Above this many waiting requests, lpm falls back to fcfs: matching every one against
@@ -62,6 +64,26 @@ class PrefillPlan:
         self.reqs.append(req)
         self.extend_lens.append(extend_len)
         self.tokens += extend_len
+
+
+def prompt_refusal(req: Req, config: ModelConfig, max_req_input_len: int) -> str | None:
+    """Why `req`'s prompt cannot run (a 400), or None; expands its image tokens."""
+    if not req.prompt_ids:
+        return "the prompt is empty"
+    if len(req.prompt_ids) > max_req_input_len:
+        return f"the input has {len(req.prompt_ids)} tokens, more than max_req_input_len={max_req_input_len}"
+    if any(not 0 <= t < config.vocab_size for t in req.prompt_ids):
+        return f"input_ids must be in [0, {config.vocab_size})"
+    if not req.images:
+        return None
+    if config.vision is None or config.image_token_id is None:
+        return "this model does not accept images"
+    error = expand_image_tokens(req, config.image_token_id, config.num_image_tokens, config.vocab_size)
+    if error is None and len(req.prompt_ids) >= max_req_input_len:
+        error = (
+            f"Multimodal prompt is too long after expanding image tokens: {len(req.prompt_ids)} >= {max_req_input_len}"
+        )
+    return error
 
 
 def queue_refusal(req: Req, queue: list[Req], num_running: int, args: ServerArgs) -> FinishReason | None:

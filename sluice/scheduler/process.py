@@ -178,7 +178,7 @@ class SchedulerLoop:
                 outputs.extend(self.handle(message))
             if (update_done := self.scheduler.apply_pending_update()) is not None:
                 self.send_reply(update_done)
-            outputs.extend(self.scheduler.step())
+            outputs.extend(self.step())
             now = time.monotonic()
             embeddings = [out for out in outputs if isinstance(out, EmbeddingOutput)]
             if embeddings:
@@ -193,6 +193,15 @@ class SchedulerLoop:
             if self.forward_threads is not None:
                 self.forward_threads.after_turn()
 
+    def step(self) -> list[SchedulerOutput]:
+        """One step; one that raises (a bug no request should be able to reach) ends the
+        requests in flight with a 500 instead of the process and every later request."""
+        try:
+            return self.scheduler.step()
+        except Exception as e:
+            logger.exception("a scheduler step failed: ending every request in flight")
+            return self.scheduler.fail_everything(f"{type(e).__name__}: {e}")
+
     def report_finished(self, outputs: list[SchedulerOutput]) -> None:
         finished = [out.output.rid for out in outputs if out.output.finish_reason is not None]
         if finished:
@@ -202,16 +211,11 @@ class SchedulerLoop:
         s = self.scheduler
         s.received_by_type[type(message).__name__] += 1
         match message:
-            case TokenizedGenerateReqInput():
-                out = s.add_request(message)
+            case TokenizedGenerateReqInput() | TokenizedEmbeddingReqInput():
+                out = self.add(message)
                 return [out] if out else []
-            case BatchTokenizedGenerateReqInput():
-                return [out for req in message.reqs if (out := s.add_request(req))]
-            case TokenizedEmbeddingReqInput():
-                out = s.add_embedding_request(message)
-                return [out] if out else []
-            case BatchTokenizedEmbeddingReqInput():
-                return [out for req in message.reqs if (out := s.add_embedding_request(req))]
+            case BatchTokenizedGenerateReqInput() | BatchTokenizedEmbeddingReqInput():
+                return [out for req in message.reqs if (out := self.add(req))]
             case AbortReq():
                 return s.abort(message)
             case FlushCacheReq():
@@ -236,6 +240,16 @@ class SchedulerLoop:
             case _:
                 logger.warning("scheduler ignored an unexpected %s", type(message).__name__)
         return []
+
+    def add(self, req: TokenizedGenerateReqInput | TokenizedEmbeddingReqInput) -> SchedulerOutput | None:
+        """Queue a request; one the Scheduler fails to take (a bug) ends with a 500, alone."""
+        try:
+            if isinstance(req, TokenizedEmbeddingReqInput):
+                return self.scheduler.add_embedding_request(req)
+            return self.scheduler.add_request(req)
+        except Exception as e:
+            logger.exception("the scheduler failed to take %s", req.rid)
+            return self.scheduler.refuse(req, f"internal error: {type(e).__name__}: {e}", status_code=500)
 
     def send_reply(self, reply: FlushCacheReqOutput | InternalState | UpdateWeightsFromDiskReqOutput) -> None:
         reply.dp_rank = self.dp_rank or 0

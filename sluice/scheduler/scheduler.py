@@ -32,14 +32,14 @@ from sluice.procutil import freeze_live_objects, release_freed_memory
 from sluice.scheduler.batch_builder import StepBatch, build_forward_batch
 from sluice.scheduler.grammar import Grammars
 from sluice.scheduler.kv_manager import KVManager
-from sluice.scheduler.multimodal import expand_image_tokens
-from sluice.scheduler.output import SchedulerOutput, make_output
+from sluice.scheduler.output import SchedulerOutput, make_output, refused_output
 from sluice.scheduler.policy import (
     PrefillPlan,
     decode_reserve,
     duplicates_a_prefill,
     order_waiting,
     priority_order,
+    prompt_refusal,
     queue_refusal,
 )
 from sluice.scheduler.req import Req
@@ -69,17 +69,9 @@ class Scheduler:
                 self.context_len,
             )
         self.max_req_input_len = self.context_len - 1
-        window = self.config.widest_window
-        window_slots = None if window is None else args.window_slots_needed(window, max_total_tokens)
-        self.kv = KVManager(
-            max_total_tokens,
-            args.max_running_requests,
-            self.context_len,
-            args.disable_radix_cache,
-            window=window,
-            window_cache_tokens=args.swa_cache_tokens,
-            window_slots=window_slots,
-        )
+        self.max_total_tokens = max_total_tokens
+        self.kv = self._new_kv_manager()
+        window_slots = self._window_slots()
         self.k_buffers, self.v_buffers = runner.new_kv_buffers(
             max_total_tokens + 1, None if window_slots is None else window_slots + 1
         )
@@ -92,12 +84,31 @@ class Scheduler:
         self.finished_by_reason: Counter[str] = Counter()
         self.last_step_ms = 0.0
         self.num_retractions = 0
+        self.num_failed_steps = 0
         self.prefill_steps = 0  # steps that prefilled prompt tokens
         self.num_arrived = 0
         self.grammars = Grammars(args.resolved_model_path(), self.config.vocab_size, args.reasoning_parser)
         self.weight_version = args.weight_version
         self.weights_path = args.resolved_model_path()
         self.pending_update: PendingUpdate | None = None
+
+    def _new_kv_manager(self) -> KVManager:
+        """Slot bookkeeping for the KV buffers: which slots each request and the prefix cache
+        hold (the buffers' contents are only ever read through it)."""
+        args = self.args
+        return KVManager(
+            self.max_total_tokens,
+            args.max_running_requests,
+            self.context_len,
+            args.disable_radix_cache,
+            window=self.config.widest_window,
+            window_cache_tokens=args.swa_cache_tokens,
+            window_slots=self._window_slots(),
+        )
+
+    def _window_slots(self) -> int | None:
+        window = self.config.widest_window
+        return None if window is None else self.args.window_slots_needed(window, self.max_total_tokens)
 
     # ------------------------------------------------------------ inputs
 
@@ -114,7 +125,7 @@ class Scheduler:
     def _add(self, req: Req) -> SchedulerOutput | None:
         req.arrival = self.num_arrived
         self.num_arrived += 1
-        error = self._check_request(req) or self._expand_images(req)
+        error = prompt_refusal(req, self.config, self.max_req_input_len)
         if error is not None:
             req.finish_reason = FinishReason(type="abort", message=error, status_code=400)
             return self._final_output(req)
@@ -148,30 +159,6 @@ class Scheduler:
             self.waiting.append(req)
         return outputs
 
-    def _check_request(self, req: Req) -> str | None:
-        if not req.prompt_ids:
-            return "the prompt is empty"
-        if len(req.prompt_ids) > self.max_req_input_len:
-            return f"the input has {len(req.prompt_ids)} tokens, more than max_req_input_len={self.max_req_input_len}"
-        vocab = self.config.vocab_size
-        if any(not 0 <= t < vocab for t in req.prompt_ids):
-            return f"input_ids must be in [0, {vocab})"
-        return None
-
-    def _expand_images(self, req: Req) -> str | None:
-        if not req.images:
-            return None
-        image_token_id = self.config.image_token_id
-        if self.config.vision is None or image_token_id is None:
-            return "this model does not accept images"
-        error = expand_image_tokens(req, image_token_id, self.config.num_image_tokens, self.config.vocab_size)
-        if error is None and len(req.prompt_ids) >= self.max_req_input_len:
-            error = (
-                f"Multimodal prompt is too long after expanding image tokens: "
-                f"{len(req.prompt_ids)} >= {self.max_req_input_len}"
-            )
-        return error
-
     def abort(self, msg: AbortReq) -> list[SchedulerOutput]:
         """Remove a waiting request or free a running one's slots, before the next step."""
 
@@ -199,6 +186,32 @@ class Scheduler:
             req.finish_reason = reason
             outputs.append(self._final_output(req))
         return outputs
+
+    def fail_everything(self, error: str) -> list[SchedulerOutput]:
+        """After a step failed halfway (a bug): end every request with a 500 and start the KV
+        bookkeeping and the prefix cache afresh, so that nothing the failed step may have
+        left half-done reaches a later request. The model's weights are never written by a
+        step; they keep serving."""
+        self.num_failed_steps += 1
+        reason = FinishReason(type="abort", message=f"internal error: {error}", status_code=500)
+        for req in self.compiling:
+            if req.compiling_grammar is not None:
+                self.grammars.cancel(req.compiling_grammar)
+        outputs = []
+        for req in self.running + self.waiting + self.compiling:
+            req.finish_reason = reason
+            outputs.append(self._final_output(req))
+        self.running, self.waiting, self.compiling = [], [], []
+        self.kv = self._new_kv_manager()
+        return outputs
+
+    def refuse(
+        self, msg: TokenizedGenerateReqInput | TokenizedEmbeddingReqInput, message: str, status_code: int
+    ) -> SchedulerOutput:
+        """The final output of a request the Scheduler could not take."""
+        reason = FinishReason(type="abort", message=message, status_code=status_code)
+        self.finished_by_reason[reason.type] += 1
+        return refused_output(msg, reason, self.weight_version)
 
     def _final_output(self, req: Req) -> SchedulerOutput:
         """The last output of a request that has ended, counted by how it ended."""
@@ -260,6 +273,7 @@ class Scheduler:
             last_step_ms=self.last_step_ms,
             forward_threads=torch.get_num_threads(),
             num_retractions=self.num_retractions,
+            num_failed_steps=self.num_failed_steps,
             prefill_steps=self.prefill_steps,
             messages_received=dict(self.received_by_type),
             finished_reqs=dict(self.finished_by_reason),

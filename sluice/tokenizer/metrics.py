@@ -119,6 +119,11 @@ class _SchedulerGauges:
             "Requests sent back to the waiting queue since start (KV full, preemption).",
             s.num_retractions,
         )
+        yield _gauge(
+            "num_failed_steps",
+            "Scheduler steps that failed since start; each ended its requests with a 500.",
+            s.num_failed_steps,
+        )
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

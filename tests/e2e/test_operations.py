@@ -66,6 +66,7 @@ def test_metrics_count_exactly_what_was_served(base_url):
     assert after["sluice:num_requests_running"] == 0 and after["sluice:num_requests_waiting"] == 0
     assert after["sluice:kv_cache_usage_ratio"] == 0
     assert "sluice:num_retractions" in after
+    assert after["sluice:num_failed_steps"] == 0
 
 
 def test_the_gauges_show_a_running_request(base_url):
