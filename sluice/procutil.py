@@ -94,6 +94,44 @@ def is_alive(pid: int) -> bool:
         return False
 
 
+def usable_memory_bytes(cgroup_root: str = "/sys/fs/cgroup", self_cgroup: str = "/proc/self/cgroup") -> int:
+    """The machine's memory, or less where this process's memory cgroup (a container's, say)
+    is limited to less."""
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    limits = cgroup_memory_limits(cgroup_root, self_cgroup)
+    return min([memory, *limits])
+
+
+def cgroup_memory_limits(cgroup_root: str, self_cgroup: str) -> list[int]:
+    """The memory limits set on this process's cgroup and its ancestors that the cgroup
+    filesystem shows (v2 memory.max, v1 memory.limit_in_bytes); none where it shows none."""
+    try:
+        with open(self_cgroup) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return []
+    limits = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":
+            base, name = cgroup_root, "memory.max"
+        elif "memory" in controllers.split(","):
+            base, name = os.path.join(cgroup_root, "memory"), "memory.limit_in_bytes"
+        else:
+            continue
+        parts = [part for part in path.split("/") if part]
+        # The cgroup's own folder and each ancestor's (in a container, often only the root).
+        for depth in range(len(parts), -1, -1):
+            try:
+                with open(os.path.join(base, *parts[:depth], name)) as f:
+                    text = f.read().strip()
+            except OSError:
+                continue
+            if text.isdigit():
+                limits.append(int(text))
+    return limits
+
+
 def release_freed_memory() -> None:
     """Hand the heap freed so far back to the OS (glibc's malloc_trim; a no-op elsewhere).
     Loading a model frees the float copies its blocks were made from, gigabytes at 1 B

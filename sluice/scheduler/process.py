@@ -34,7 +34,7 @@ from sluice.messages import (
     UpdateWeightsFromDiskReq,
     UpdateWeightsFromDiskReqOutput,
 )
-from sluice.procutil import become_child_process, freeze_live_objects, keep_freed_memory_for_reuse
+from sluice.procutil import become_child_process, freeze_live_objects, keep_freed_memory_for_reuse, usable_memory_bytes
 from sluice.scheduler.forward_threads import PROC_STAT, ForwardThreads
 
 if TYPE_CHECKING:
@@ -108,11 +108,12 @@ def check_fits_in_memory(
     window: int | None = None,
     window_bytes: int = 0,
 ) -> None:
-    """ValueError naming the flag whose tables could never be allocated on this machine (the
-    allocation would fail with a traceback, or the kernel would kill the process). The KV
+    """ValueError naming the flag whose tables could never be allocated in this machine's
+    memory, or its container's (the allocation would fail with a traceback, or the kernel
+    would kill the process). The KV
     cache is counted as it is allocated: sliding-window layers' slots apart (see
     default_max_total_tokens)."""
-    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    memory = usable_memory_bytes()
     window_slots = args.window_slots_needed(window, max_total_tokens) if window is not None else 0
     kv_bytes = max_total_tokens * (kv_bytes_per_token - window_bytes) + window_slots * window_bytes
     if kv_bytes > memory:
@@ -123,14 +124,15 @@ def check_fits_in_memory(
         )
         raise ValueError(
             f"{flag} makes a KV cache of {max_total_tokens} tokens, {kv_bytes / 2**30:.1f} GiB: "
-            f"more than this machine's {memory / 2**30:.1f} GiB"
+            f"more than the {memory / 2**30:.1f} GiB of memory this process may use"
         )
     positions = min(context_len, max_total_tokens)
     table_bytes = args.max_running_requests * positions * 8  # req_to_token, int64
     if table_bytes > memory // 4:
         raise ValueError(
             f"--max-running-requests {args.max_running_requests} needs a token table of {table_bytes / 2**30:.1f} GiB "
-            f"({positions} positions each), more than a quarter of this machine's memory"
+            f"({positions} positions each), more than a quarter of the {memory / 2**30:.1f} GiB of memory "
+            "this process may use"
         )
 
 

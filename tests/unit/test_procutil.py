@@ -1,15 +1,16 @@
-"""Memory a loading process hands back: the pages of a model file read through a map; and
-the freed memory a serving process keeps for its next step."""
+"""Memory a loading process hands back: the pages of a model file read through a map; the
+freed memory a serving process keeps for its next step; the memory a process may use."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 
-from sluice.procutil import drop_mapped_pages
+from sluice.procutil import cgroup_memory_limits, drop_mapped_pages, usable_memory_bytes
 
 SIZE = 64 * 2**20
 
@@ -99,3 +100,27 @@ def test_frozen_objects_skip_collections_until_the_next_freeze_thaws_them():
     run = subprocess.run([sys.executable, "-c", FROZEN_CYCLES], check=False, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
     assert run.stdout.split() == ["True", "True", "True"]
+
+
+def write(path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+def test_the_usable_memory_is_the_lowest_memory_cgroup_limit_on_the_way_up(tmp_path):
+    machine = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    root, self_cgroup = tmp_path / "cgroup", tmp_path / "self_cgroup"
+    # cgroup v2: the process's own cgroup is unlimited, its parent is limited to 1 GiB.
+    write(self_cgroup, "0::/pods/pod1/app\n")
+    write(root / "pods/pod1/app/memory.max", "max\n")
+    write(root / "pods/pod1/memory.max", f"{2**30}\n")
+    write(root / "memory.max", "max\n")
+    assert cgroup_memory_limits(str(root), str(self_cgroup)) == [2**30]
+    assert usable_memory_bytes(str(root), str(self_cgroup)) == min(machine, 2**30)
+    # cgroup v1, as a container sees it: only its own root, with a limit.
+    write(self_cgroup, "12:cpu,cpuacct:/docker/abc\n4:memory:/docker/abc\n")
+    write(root / "memory/memory.limit_in_bytes", f"{3 * 2**30}\n")
+    assert cgroup_memory_limits(str(root), str(self_cgroup)) == [3 * 2**30]
+    # No cgroup file system, or no limit: the machine's memory.
+    assert usable_memory_bytes(str(tmp_path / "none"), str(self_cgroup)) == machine
+    assert usable_memory_bytes(str(root), str(tmp_path / "absent")) == machine
