@@ -18,6 +18,7 @@ from pathlib import Path
 
 import httpx
 
+from sluice.procutil import is_alive
 from sluice.tokenizer.shared_args import remove_shared_args
 
 SERVER_START_TIMEOUT_S = 300
@@ -36,21 +37,11 @@ def session_log_dir() -> Path:
     root = Path(tempfile.gettempdir()) / "sluice-test-logs"
     root.mkdir(exist_ok=True)
     for folder in root.iterdir():
-        if folder.name.isdigit() and not _alive(int(folder.name)):
+        if folder.name.isdigit() and not is_alive(int(folder.name)):
             shutil.rmtree(folder, ignore_errors=True)
     mine = root / str(os.getpid())
     mine.mkdir(exist_ok=True)
     return mine
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class RunningServer:
