@@ -388,6 +388,11 @@ class Scheduler:
             return plan
         reserve = decode_reserve(self.running)
         prefilling = [req for req in self.running if not req.is_decoding]
+        # Prompt tokens the admitted requests still have to prefill after this step. A new
+        # request needs room for its whole prompt beside them, not only for its first chunk:
+        # prompts admitted on a chunk's room would fill the cache between them and take turns
+        # retracting each other for ever (SGLang admits on the whole input too).
+        owed = sum(req.remaining_prefill for req in prefilling) - plan.tokens
         for req in list(order_waiting(self.waiting, self.args.schedule_policy, self.kv)):
             if budget <= 0 or len(self.running) >= self.args.max_running_requests:
                 break
@@ -396,17 +401,17 @@ class Scheduler:
             prefix = self.kv.cached_prefix_len(req)
             if not self.args.disable_radix_cache and duplicates_a_prefill(req, prefix, prefilling):
                 continue
-            extend = min(req.seq_len - prefix, self.args.chunked_prefill_size, budget)
-            needed = extend + decode_reserve([req]) + reserve
             # An idle server admits the first request whatever its estimate: retraction
             # covers an underestimate, and refusing would stall it forever.
-            if self.kv.available() - committed < needed and (self.running or plan.reqs):
+            alone = not (self.running or plan.reqs)
+            later = decode_reserve([req]) + reserve + owed
+            if self.kv.available() - committed < req.seq_len - prefix + later and not alone:
                 break
             if not self.kv.admit(req):
                 break
             extend = min(req.remaining_prefill, self.args.chunked_prefill_size, budget)
             # Admission locked the matched prefix, which may have been counted as evictable.
-            if self.kv.available() - committed < extend:
+            if self.kv.available() - committed < (extend if alone else req.remaining_prefill + later):
                 self.kv.release(req, keep_in_cache=False)
                 break
             self.waiting.remove(req)
@@ -416,6 +421,7 @@ class Scheduler:
             prefilling.append(req)
             budget -= extend
             committed += extend
+            owed += req.remaining_prefill - extend
             reserve += decode_reserve([req])
         return plan
 

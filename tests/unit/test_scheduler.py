@@ -79,7 +79,7 @@ def run(
         if before_step is not None:
             before_step(step)
         for out in scheduler.step():
-            tokens[out.output.rid].extend(out.output.new_token_ids)
+            tokens.setdefault(out.output.rid, []).extend(out.output.new_token_ids)
             cached[out.output.rid] = out.output.cached_tokens
         scheduler.check_integrity()
     assert scheduler.is_idle
@@ -157,12 +157,32 @@ def test_retracted_request_resumes_unchanged(runner, prompts, alone):
     assert [tokens[f"r{i}"] for i in range(6)] == alone[:6]
 
 
-def test_prompts_prefilled_in_chunks_side_by_side_never_fill_the_cache_for_good(runner):
-    """Two 120-token prompts admitted together, 16 tokens a chunk each, fill a 160-token
-    cache before either is whole: the later one goes back to wait, and both finish."""
-    long_prompts = [[100 + (7 * i + k) % 900 for i in range(120)] for k in range(2)]
+def test_prompts_too_long_to_prefill_side_by_side_take_turns(runner):
+    """Three 120-token prompts sent together to a 160-token cache, 16 tokens a chunk: each is
+    admitted once the cache has room for its whole prompt, so they run one after another.
+    Admitted on a chunk's room they filled the cache between them before any was whole, and
+    retracted each other in turn for ever."""
+    long_prompts = [[100 + (7 * i + k) % 900 for i in range(120)] for k in range(3)]
     scheduler = make_scheduler(runner, max_total_tokens=160, chunked_prefill_size=16, max_prefill_tokens=128)
     tokens = run(scheduler, long_prompts, max_new_tokens=8)
+    assert scheduler.num_retractions == 0
+    for k, ids in enumerate(long_prompts):
+        assert tokens[f"r{k}"] == run(make_scheduler(runner, disable_radix_cache=True), [ids], max_new_tokens=8)["r0"]
+
+
+def test_prompts_prefilled_in_chunks_side_by_side_never_fill_the_cache_for_good(runner):
+    """Two prompts prefilling in chunks side by side that fill the cache before either is
+    whole (admission leaves room for every admitted prompt, but decoding requests may take
+    more than their reserve): the later one goes back to wait, and both finish."""
+    long_prompts = [[100 + (7 * i + k) % 900 for i in range(120)] for k in range(2)]
+    scheduler = make_scheduler(runner, max_total_tokens=160, chunked_prefill_size=16, max_prefill_tokens=128)
+    for k, ids in enumerate(long_prompts):
+        params = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)
+        scheduler.add_request(TokenizedGenerateReqInput(rid=f"r{k}", input_ids=ids, sampling_params=params))
+    scheduler.running, scheduler.waiting = scheduler.waiting, []
+    for req in scheduler.running:  # both admitted at once, as if the cache had had room for both
+        assert scheduler.kv.admit(req)
+    tokens = run(scheduler, [])
     assert scheduler.num_retractions > 0
     for k, ids in enumerate(long_prompts):
         assert tokens[f"r{k}"] == run(make_scheduler(runner, disable_radix_cache=True), [ids], max_new_tokens=8)["r0"]
