@@ -91,7 +91,11 @@ async def _sample(
         if end.finish_reason is not None and end.finish_reason.type == "abort":
             # The prompt's prefill was aborted (its parent rid) or refused: so are its
             # samples, which are never sent.
-            yield msgspec.structs.replace(end, rid=child.rid, path=path, index=index)
+            # (With return_logprob, its logprob fields are there, empty, as for any request
+            # that ended before its first token.)
+            yield msgspec.structs.replace(
+                end, rid=child.rid, path=path, index=index, return_logprob=child.return_logprob
+            )
         else:
             children.append((index, child))
     if children:

@@ -218,12 +218,16 @@ async def test_samples_of_a_prompt_whose_warm_up_was_aborted_are_never_sent():
     assert not channel.rid_to_state
 
 
-async def test_nothing_is_sent_when_every_warm_up_was_aborted():
+@pytest.mark.parametrize("return_logprob", [False, True])
+async def test_nothing_is_sent_when_every_warm_up_was_aborted(return_logprob):
+    """The samples end as any request aborted before its first token: with return_logprob,
+    their (empty) logprob fields are there."""
     channel = Channel(WordTokenizer(), aborted=frozenset({"p::prefix"}))
-    chunks = await results(channel, GenerateReqInput(text="a b", rid="p", sampling_params={"n": 3}))
+    obj = GenerateReqInput(text="a b", rid="p", sampling_params={"n": 3}, return_logprob=return_logprob)
+    chunks = await results(channel, obj)
     assert len(channel.sent) == 1  # the warm-up only
-    assert [(c.index, c.finish_reason.type, c.path) for c in chunks] == [
-        (0, "abort", "parallel_sample"),
-        (1, "abort", "parallel_sample"),
-        (2, "abort", "parallel_sample"),
+    assert [(c.index, c.finish_reason.type, c.path, c.return_logprob) for c in chunks] == [
+        (0, "abort", "parallel_sample", return_logprob),
+        (1, "abort", "parallel_sample", return_logprob),
+        (2, "abort", "parallel_sample", return_logprob),
     ]
