@@ -326,7 +326,9 @@ class NativeStreamFormat:
 async def _probe_generation(tm: TokenizerManager, obj: GenerateReqInput) -> Response:
     """200 once the probe's token comes, or, as SGLang has it, once any output reaches this
     process after the probe began (a busy server queues the probe behind real work, and a
-    full queue refuses it: both are alive); 503 when the back end fails or nothing comes."""
+    full queue refuses it: both are alive); 503 when the back end fails or nothing comes.
+    A paused server holds the probe as any new request: 200 with status "paused" (the pause
+    is on purpose; a probe timing out behind it would report a healthy server dead)."""
     started = time.time()
     probe = asyncio.ensure_future(_last(tm.generate_request(obj)))
     try:
@@ -337,6 +339,8 @@ async def _probe_generation(tm: TokenizerManager, obj: GenerateReqInput) -> Resp
                 await asyncio.wait({probe}, timeout=HEALTH_POLL_S)
             if tm.backend_error:
                 return error_response(503, f"generation failed: {tm.backend_error}")
+            if tm.pause.paused and not probe.done():
+                return JSONResponse({"status": "paused"})
             if probe.done() and (answer := _probe_answer(probe)) is not None:
                 return answer
             if tm.last_receive_tstamp > started:

@@ -297,11 +297,15 @@ def test_pause_holds_new_requests(base_url):
         thread.start()
         states = wait_for_states(base_url, lambda s: s["num_paused_reqs"] == 1, "the request held by the pause")
         assert "r" not in result and states["rid_to_state_size"] == 0 and states["num_running_reqs"] == 0
+        # The health probe would wait behind the pause as the request does: the server says so.
+        probe = httpx.get(base_url + "/health_generate", timeout=60)
+        assert probe.status_code == 200 and probe.json() == {"status": "paused"}
     finally:
         assert httpx.post(base_url + "/continue_generation").status_code == 200
     thread.join(60)
     assert result["r"].status_code == 200 and result["r"].json()["meta_info"]["completion_tokens"] == 2
     assert internal_states(base_url)["num_paused_reqs"] == 0
+    assert httpx.get(base_url + "/health_generate", timeout=60).status_code == 200
 
 
 def test_a_request_whose_client_leaves_during_a_pause_is_dropped(base_url):
