@@ -19,7 +19,7 @@ from sluice.scheduler.req import Req
 from sluice.scheduler.scheduler import Scheduler
 from sluice.tokenizer_files import load_tokenizer
 
-NEW_TOKENS = 24
+NEW_TOKENS = 12
 
 
 @pytest.fixture(scope="module")
