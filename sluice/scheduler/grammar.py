@@ -66,11 +66,21 @@ class Grammars:
             for grammar in [text for text, future in self._compiled.items() if future is compiled]:
                 del self._compiled[grammar]
 
-    @staticmethod
-    def matcher(compiled: Future[llguidance.LLMatcher]) -> llguidance.LLMatcher:
+    def matcher(self, compiled: Future[llguidance.LLMatcher]) -> llguidance.LLMatcher:
         """A request's own matcher from its compiled grammar (which stays untouched);
-        ValueError when the grammar failed to compile."""
-        return compiled.result().deep_copy()
+        ValueError when the grammar failed to compile. Any other error is the compiler's
+        (the grammar tokenizer could not be built, say): it is not kept, so the next request
+        with that grammar tries again."""
+        try:
+            return compiled.result().deep_copy()
+        except ValueError:
+            raise
+        except Exception:
+            for grammar in [text for text, future in self._compiled.items() if future is compiled]:
+                del self._compiled[grammar]
+            if self._tokenizer is not None and self._tokenizer.done() and self._tokenizer.exception() is not None:
+                self._tokenizer = None
+            raise
 
     def _compile(self, grammar: str) -> llguidance.LLMatcher:
         import llguidance

@@ -177,7 +177,7 @@ class SchedulerLoop:
                 messages = self.inbox.drain()
             outputs: list[SchedulerOutput] = []
             for message in messages:
-                outputs.extend(self.handle(message))
+                outputs.extend(self.handle_safely(message))
             if (update_done := self.scheduler.apply_pending_update()) is not None:
                 self.send_reply(update_done)
             outputs.extend(self.step())
@@ -242,6 +242,15 @@ class SchedulerLoop:
             case _:
                 logger.warning("scheduler ignored an unexpected %s", type(message).__name__)
         return []
+
+    def handle_safely(self, message: Message) -> list[SchedulerOutput]:
+        """`handle`; a message whose handling raises (a bug: an abort that cannot release a
+        request's slots, say) fails the requests in flight as a failed step does."""
+        try:
+            return self.handle(message)
+        except Exception as e:
+            logger.exception("the scheduler failed on a %s: ending every request in flight", type(message).__name__)
+            return self.scheduler.fail_everything(f"{type(e).__name__}: {e}")
 
     def add(self, req: TokenizedGenerateReqInput | TokenizedEmbeddingReqInput) -> SchedulerOutput | None:
         """Queue a request; one the Scheduler fails to take (a bug) ends with a 500, alone."""

@@ -80,6 +80,11 @@ class Scheduler:
         self.waiting: list[Req] = []
         self.running: list[Req] = []  # admitted: decoding, or prefilling in chunks
         self.compiling: list[Req] = []  # waiting for their grammar to compile
+        # Every request queued and not yet ended, wherever it is (a step moves requests
+        # between the lists above): a step that fails ends each of them once.
+        self.live: dict[str, Req] = {}
+        # What the step under way has to send; kept here so that a step that fails loses none.
+        self.step_outputs: list[SchedulerOutput] = []
         self.received_by_type: Counter[str] = Counter()
         self.finished_by_reason: Counter[str] = Counter()
         self.last_step_ms = 0.0
@@ -135,6 +140,7 @@ class Scheduler:
         if req.finish_reason is not None:
             return self._final_output(req)
         (self.waiting if req.compiling_grammar is None else self.compiling).append(req)
+        self.live[req.rid] = req
         return None
 
     def _compile_grammar(self, req: Req) -> str | None:
@@ -144,20 +150,24 @@ class Scheduler:
             return str(e)
         return None
 
-    def _compiled_grammars(self) -> list[SchedulerOutput]:
-        """Requests whose grammar compiled join the waiting ones; those whose grammar failed end."""
-        outputs = []
+    def _compiled_grammars(self) -> None:
+        """Requests whose grammar compiled join the waiting ones; those whose grammar failed
+        end (a compiler that failed, not the grammar, ends only them: a 500)."""
         for req in [r for r in self.compiling if r.compiling_grammar.done()]:
             self.compiling.remove(req)
             try:
                 req.grammar = self.grammars.matcher(req.compiling_grammar)
             except ValueError as e:
                 req.finish_reason = FinishReason(type="abort", message=str(e), status_code=400)
-                outputs.append(self._final_output(req))
+            except Exception as e:
+                logger.exception("the grammar of %s failed to compile", req.rid)
+                message = f"internal error: {type(e).__name__}: {e}"
+                req.finish_reason = FinishReason(type="abort", message=message, status_code=500)
+            if req.finished:
+                self.step_outputs.append(self._final_output(req))
                 continue
             req.compiling_grammar = None
             self.waiting.append(req)
-        return outputs
 
     def abort(self, msg: AbortReq) -> list[SchedulerOutput]:
         """Remove a waiting request or free a running one's slots, before the next step."""
@@ -188,17 +198,17 @@ class Scheduler:
         return outputs
 
     def fail_everything(self, error: str) -> list[SchedulerOutput]:
-        """After a step failed halfway (a bug): end every request with a 500 and start the KV
-        bookkeeping and the prefix cache afresh, so that nothing the failed step may have
-        left half-done reaches a later request. The model's weights are never written by a
-        step; they keep serving."""
+        """After a step failed halfway (a bug): send what the step had made, end every other
+        request with a 500, and start the KV bookkeeping and the prefix cache afresh, so that
+        nothing the failed step may have left half-done reaches a later request. The model's
+        weights are never written by a step; they keep serving."""
         self.num_failed_steps += 1
         reason = FinishReason(type="abort", message=f"internal error: {error}", status_code=500)
         for req in self.compiling:
             if req.compiling_grammar is not None:
                 self.grammars.cancel(req.compiling_grammar)
-        outputs = []
-        for req in self.running + self.waiting + self.compiling:
+        outputs = self._take_step_outputs()
+        for req in list(self.live.values()):
             req.finish_reason = reason
             outputs.append(self._final_output(req))
         self.running, self.waiting, self.compiling = [], [], []
@@ -215,6 +225,7 @@ class Scheduler:
 
     def _final_output(self, req: Req) -> SchedulerOutput:
         """The last output of a request that has ended, counted by how it ended."""
+        self.live.pop(req.rid, None)
         if req.finish_reason is not None:
             self.finished_by_reason[req.finish_reason.type] += 1
         return make_output(req, self.weight_version)
@@ -285,6 +296,8 @@ class Scheduler:
         return not self.waiting and not self.running and not self.compiling
 
     def check_integrity(self) -> None:
+        queued = {id(req) for req in self.running + self.waiting + self.compiling}
+        assert queued == {id(req) for req in self.live.values()}, "the live requests are not the queued ones"
         owned = sum(r.kv_len - r.locked_prefix_len + len(r.reserved_slots) for r in self.running)
         self.kv.check_integrity(owned)
         self.kv.check_windows(self.running)
@@ -293,19 +306,24 @@ class Scheduler:
 
     def step(self) -> list[SchedulerOutput]:
         start = time.perf_counter()
-        outputs = self._compiled_grammars() if self.compiling else []
+        if self.compiling:
+            self._compiled_grammars()
         batch = self._schedule()
         if batch is None:
             if self.compiling and not self.waiting and not self.running:
                 wait([r.compiling_grammar for r in self.compiling], GRAMMAR_WAIT_S, FIRST_COMPLETED)
-            return outputs
+            return self._take_step_outputs()
         self.prefill_steps += any(batch.was_prefill)
         fb = build_forward_batch(batch, self.kv, self.k_buffers, self.v_buffers, self.runner)
         logits = self.runner.forward(fb)
         batch.pool_hidden_states(fb.hidden_states)
-        outputs += self._process_results(batch, logits)
+        self._process_results(batch, logits)
         self.kv.trim_window_slots(self.running)
         self.last_step_ms = (time.perf_counter() - start) * 1000
+        return self._take_step_outputs()
+
+    def _take_step_outputs(self) -> list[SchedulerOutput]:
+        outputs, self.step_outputs = self.step_outputs, []
         return outputs
 
     def _schedule(self) -> StepBatch | None:
@@ -427,11 +445,10 @@ class Scheduler:
 
     # ------------------------------------------------------------ results
 
-    def _process_results(self, batch: StepBatch, logits: torch.Tensor) -> list[SchedulerOutput]:
+    def _process_results(self, batch: StepBatch, logits: torch.Tensor) -> None:
         batch.record_input_logprobs(logits)
         argmax_rows = self.runner.execution.backend.argmax_rows
         next_tokens = batch.sample(logits, self.grammars, self.eos_token_ids, self.config.vocab_size, argmax_rows)
-        outputs: list[SchedulerOutput] = []
         sample_pos = {row: k for k, row in enumerate(batch.sampling_rows)}
         for i, req in enumerate(batch.reqs):
             req.kv_len += batch.extend_lens[i]
@@ -445,14 +462,13 @@ class Scheduler:
             if req.finished:
                 self.running.remove(req)
                 self.kv.release(req, keep_in_cache=True)
-                outputs.append(self._final_output(req))
+                self.step_outputs.append(self._final_output(req))
                 continue
             if batch.was_prefill[i] and req.is_decoding:
                 # The prompt (or a resumed sequence) is fully prefilled: share it.
                 self.kv.cache_prefix(req)
             if self._should_stream(req):
-                outputs.append(make_output(req, self.weight_version))
-        return outputs
+                self.step_outputs.append(make_output(req, self.weight_version))
 
     def _should_stream(self, req: Req) -> bool:
         if not (req.stream or req.sampling_params.stop):

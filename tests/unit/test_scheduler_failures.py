@@ -5,12 +5,13 @@ just started: the Scheduler's loop in-process, on a tiny random-weight model."""
 from __future__ import annotations
 
 import shutil
+from concurrent.futures import Future
 
 import pytest
 import torch
 
 from sluice.config import PortArgs, ServerArgs
-from sluice.messages import BatchTokenizedGenerateReqInput, SamplingParams, TokenizedGenerateReqInput
+from sluice.messages import AbortReq, BatchTokenizedGenerateReqInput, SamplingParams, TokenizedGenerateReqInput
 from sluice.model.model_runner import ModelRunner
 from sluice.scheduler.process import SchedulerLoop
 from sluice.scheduler.req import Req
@@ -101,3 +102,58 @@ def test_a_request_the_scheduler_fails_to_take_ends_alone_with_a_500(loop, monke
     assert refused.output.prompt_tokens == len(PROMPT)
     assert len(run_to_the_end(loop)["good"]) == 8
     assert loop.scheduler.internal_state().finished_reqs == {"abort": 1, "length": 1}
+
+
+def test_a_step_that_fails_after_a_request_ended_still_sends_its_end(loop, monkeypatch):
+    """A request that ended in the step is out of every queue when a later stage fails: its
+    final output goes out as made, and each other request ends once, with a 500."""
+    scheduler = loop.scheduler
+    assert loop.handle(request("short", new_tokens=1)) == []
+    assert loop.handle(request("long", [*PROMPT, 5], new_tokens=8)) == []
+
+    def fail(running):
+        raise RuntimeError("trim failed")
+
+    monkeypatch.setattr(scheduler.kv, "trim_window_slots", fail)
+    outputs = loop.step()  # both prefill; short samples its one token and ends
+    ends = {out.output.rid: out.output.finish_reason for out in outputs}
+    assert len(outputs) == 2 and ends["short"].type == "length"
+    assert (ends["long"].type, ends["long"].status_code) == ("abort", 500)
+    assert scheduler.is_idle and not scheduler.live
+    scheduler.check_integrity()
+
+
+def test_a_grammar_compiler_that_fails_ends_only_its_request(loop, monkeypatch):
+    scheduler = loop.scheduler
+    broken: Future = Future()
+    broken.set_exception(RuntimeError("the grammar tokenizer did not load"))
+    monkeypatch.setattr(scheduler.grammars, "compile", lambda params: broken if params.regex else None)
+    constrained = request("constrained")
+    constrained.sampling_params.regex = "a+"
+    assert loop.handle(constrained) == [] and loop.handle(request("plain")) == []
+    tokens: dict[str, list[int]] = {}
+    ends = {}
+    while not scheduler.is_idle:
+        for out in loop.step():
+            tokens.setdefault(out.output.rid, []).extend(out.output.new_token_ids)
+            ends[out.output.rid] = out.output.finish_reason
+    assert (ends["constrained"].status_code, ends["constrained"].message) == (
+        500,
+        "internal error: RuntimeError: the grammar tokenizer did not load",
+    )
+    assert ends["plain"].type == "length" and len(tokens["plain"]) == 8
+    assert scheduler.internal_state().num_failed_steps == 0
+
+
+def test_an_abort_that_fails_ends_the_requests_in_flight_not_the_process(loop, monkeypatch):
+    scheduler = loop.scheduler
+    assert loop.handle(request("a")) == []
+    loop.step()
+
+    def fail(req, keep_in_cache):
+        raise RuntimeError("release failed")
+
+    monkeypatch.setattr(scheduler.kv, "release", fail)
+    [end] = loop.handle_safely(AbortReq(rid="a"))
+    assert (end.output.rid, end.output.finish_reason.status_code) == ("a", 500)
+    assert scheduler.is_idle and not scheduler.live
