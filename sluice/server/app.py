@@ -339,10 +339,10 @@ async def _probe_generation(tm: TokenizerManager, obj: GenerateReqInput) -> Resp
                 await asyncio.wait({probe}, timeout=HEALTH_POLL_S)
             if tm.backend_error:
                 return error_response(503, f"generation failed: {tm.backend_error}")
-            if tm.pause.paused and not probe.done():
-                return JSONResponse({"status": "paused"})
             if probe.done() and (answer := _probe_answer(probe)) is not None:
                 return answer
+            if tm.pause.paused:  # the probe waits behind the pause, or a queue full of held requests refused it
+                return JSONResponse({"status": "paused"})
             if tm.last_receive_tstamp > started:
                 return Response(status_code=200)
         return error_response(503, "generation failed: timed out")

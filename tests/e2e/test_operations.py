@@ -144,6 +144,22 @@ def test_a_full_queue_answers_503_and_serves_the_rest(small_queue_server):
     assert moved(before, after, "sluice:requests_total{finish_reason=length}") == len(served)
 
 
+def test_a_paused_server_whose_held_requests_fill_the_queue_is_still_healthy(small_queue_server):
+    """The health probe, refused by a queue full of requests held by a pause, says paused."""
+    base_url = small_queue_server.base_url
+    assert httpx.post(base_url + "/pause_generation").status_code == 200
+    body = {"text": "Hi", "sampling_params": greedy(2)}
+    with ThreadPoolExecutor(6) as pool:
+        try:
+            held = [pool.submit(httpx.post, base_url + "/generate", json=body, timeout=120) for _ in range(6)]
+            wait_for_states(base_url, lambda s: s["num_paused_reqs"] == 6, "6 requests held (2 running + 4 queued)")
+            probe = httpx.get(base_url + "/health_generate", timeout=60)
+            assert probe.status_code == 200 and probe.json() == {"status": "paused"}
+        finally:
+            assert httpx.post(base_url + "/continue_generation").status_code == 200
+        assert all(f.result().status_code == 200 for f in held)
+
+
 def test_a_streamed_request_to_a_full_queue_gets_503_before_the_stream(small_queue_server):
     base_url = small_queue_server.base_url
     body = {"text": "Write a long story.", "sampling_params": greedy(2000, ignore_eos=True)}
