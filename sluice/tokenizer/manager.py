@@ -51,7 +51,7 @@ from sluice.tokenizer.embedding_request import handle_embedding_request
 from sluice.tokenizer.io_struct import EmbeddingReqInput, GenerateReqInput
 from sluice.tokenizer.metrics import RequestMetrics
 from sluice.tokenizer.multimodal.request_images import RequestImages
-from sluice.tokenizer.pause import PauseGate
+from sluice.tokenizer.pause import PauseGate, aborted_while_held, client_rids
 from sluice.tokenizer.req_state import DISCONNECT_POLL_S, ClientConnection, LiveRids, ReqState
 from sluice.tokenizer.request_tokenizer import RequestTokenizer
 from sluice.tokenizer.result import GenerateChunk
@@ -177,7 +177,10 @@ class TokenizerManager:
             raise BackendError(self.backend_error)
         if isinstance(obj, EmbeddingReqInput):
             self._check_queue_room()
-            await self.pause.wait_while_paused(request)
+            if await self.pause.wait_while_paused(request, client_rids(obj)):
+                for chunk in aborted_while_held(obj, 1, "embedding"):
+                    yield chunk
+                return
             async with self.model_update_lock.reader_lock():
                 async for response in handle_embedding_request(self, obj, request, received_at):
                     yield response
@@ -185,7 +188,11 @@ class TokenizerManager:
         obj.normalize()
         n = check_request_size(obj, self.server_args)
         self._check_queue_room(obj.log_metrics)
-        await self.pause.wait_while_paused(request)
+        if await self.pause.wait_while_paused(request, client_rids(obj)):
+            path = "single" if obj.is_single and n == 1 else "batch" if n == 1 else "parallel_sample"
+            for chunk in aborted_while_held(obj, n, path):
+                yield chunk
+            return
         async with self.model_update_lock.reader_lock():
             if obj.is_single and n == 1:
                 [tokenized] = await self.inputs.tokenize([obj], self.live_rids, received_at=received_at)
@@ -302,6 +309,8 @@ class TokenizerManager:
                     self.weight_version, self.weights_path = recv_obj.weight_version, recv_obj.model_path
                 if recv_obj.http_worker_ipc == self.http_worker_ipc:
                     self.control.deliver(recv_obj)  # the worker that asked (every worker hears it)
+            case AbortReq():  # another worker's /abort_request: this worker's held requests
+                self.pause.abort(recv_obj.rid, recv_obj.abort_all)
             case WorkerStatsReq():
                 self.send_to_scheduler.send(self._worker_stats(recv_obj.http_worker_ipc))
             case _:
@@ -343,7 +352,9 @@ class TokenizerManager:
 
     def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
         # Sent even for a rid this process does not know: it may be a parent of n > 1
-        # children, or (with several workers) belong to another worker.
+        # children, or (with several workers) belong to another worker, which the router
+        # passes it on to for the requests a pause holds there.
+        self.pause.abort(rid, abort_all)
         self.send(AbortReq(rid=rid, abort_all=abort_all))
 
     async def get_internal_state(self) -> InternalState:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import httpx
 import pytest
@@ -306,6 +307,38 @@ def test_pause_holds_new_requests(base_url):
     assert result["r"].status_code == 200 and result["r"].json()["meta_info"]["completion_tokens"] == 2
     assert internal_states(base_url)["num_paused_reqs"] == 0
     assert httpx.get(base_url + "/health_generate", timeout=60).status_code == 200
+
+
+def test_an_abort_ends_a_request_held_by_a_pause(base_url):
+    """The held request is at no Scheduler yet: /abort_request ends it at the pause, by rid or
+    all of them, and it never runs."""
+    sent = internal_states(base_url)["messages_received"].get("TokenizedGenerateReqInput", 0)
+    rids = {"by_rid": f"held-{time.time_ns()}", "all": f"held-all-{time.time_ns()}"}
+    result = {}
+
+    def send(key: str) -> None:
+        result[key] = generate(base_url, text="Hi", rid=rids[key], sampling_params=greedy(2))
+
+    assert httpx.post(base_url + "/pause_generation").status_code == 200
+    threads = [threading.Thread(target=send, args=(key,)) for key in rids]
+    try:
+        for thread in threads:
+            thread.start()
+        wait_for_states(base_url, lambda s: s["num_paused_reqs"] == 2, "both requests held")
+        assert httpx.post(base_url + "/abort_request", json={"rid": rids["by_rid"]}).status_code == 200
+        wait_for_states(base_url, lambda s: s["num_paused_reqs"] == 1, "the named request ended")
+        assert list(result) == ["by_rid"]
+        assert httpx.post(base_url + "/abort_request", json={"abort_all": True}).status_code == 200
+        for thread in threads:
+            thread.join(60)
+    finally:
+        assert httpx.post(base_url + "/continue_generation").status_code == 200
+    for response in result.values():
+        meta = response.json()["meta_info"]
+        assert response.status_code == 200 and meta["finish_reason"]["type"] == "abort"
+        assert meta["completion_tokens"] == 0
+    received = internal_states(base_url)["messages_received"].get("TokenizedGenerateReqInput", 0)
+    assert received == sent  # neither reached the Scheduler
 
 
 def test_a_request_whose_client_leaves_during_a_pause_is_dropped(base_url):

@@ -97,7 +97,16 @@ def test_requests_and_control_messages_go_on_to_the_scheduler(hub):
     for message in (request("w", a), batch, AbortReq(rid="w", http_worker_ipc=a)):
         hub.router.dispatch(message)
         assert hub.received(hub.scheduler) == message
+    hub.received(hub.workers["b"])  # the abort, for requests a pause holds there
     assert hub.router.live_rids == {"w", "x", "y"}
+
+
+def test_an_abort_also_reaches_every_other_worker_for_the_requests_a_pause_holds(hub):
+    abort = AbortReq(rid="held", http_worker_ipc=hub.addresses["a"])
+    hub.router.dispatch(abort)
+    assert hub.received(hub.scheduler) == abort
+    assert hub.received(hub.workers["b"]) == abort
+    assert hub.nothing_for(hub.workers["a"])
 
 
 def test_a_batch_result_is_split_by_worker_in_order(hub):
