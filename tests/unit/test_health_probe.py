@@ -9,6 +9,7 @@ from sluice.messages import FinishReason
 from sluice.server.app import _probe_generation
 from sluice.tokenizer.admission import ServerBusy
 from sluice.tokenizer.io_struct import GenerateReqInput
+from sluice.tokenizer.pause import PauseGate
 from sluice.tokenizer.result import GenerateChunk
 
 
@@ -16,6 +17,7 @@ class FakeManager:
     def __init__(self, answer: GenerateChunk | Exception, outputs_flow: bool = False) -> None:
         self.answer = answer
         self.backend_error: str | None = None
+        self.pause = PauseGate(None)
         self.last_receive_tstamp = time.time() + (3600 if outputs_flow else -3600)
 
     async def generate_request(self, obj):
@@ -44,3 +46,11 @@ async def test_a_probe_refused_for_the_servers_load_looks_for_outputs_instead():
     assert await status_of(FakeManager(busy, outputs_flow=True)) == 200
     queue_full = FinishReason(type="abort", message="queue full", status_code=503, rejected="queue_full")
     assert await status_of(FakeManager(probe_chunk(queue_full), outputs_flow=True)) == 200
+
+
+async def test_a_paused_server_refusing_the_probe_as_busy_says_paused():
+    """Requests held by a pause count against the queue, which then refuses the probe."""
+    tm = FakeManager(ServerBusy("the server is busy"))
+    await tm.pause.set(True)
+    answer = await _probe_generation(tm, GenerateReqInput(input_ids=[0], rid="probe"))
+    assert answer.status_code == 200 and answer.body == b'{"status":"paused"}'
