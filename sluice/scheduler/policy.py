@@ -3,6 +3,7 @@ which new requests their prompt or the queue limits refuse."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from sluice.config import ServerArgs
@@ -107,3 +108,71 @@ def queue_refusal(req: Req, queue: list[Req], num_running: int, args: ServerArgs
             )
             return FinishReason(type="abort", message=message, status_code=503, rejected="queued_tokens")
     return None
+
+
+def plan_prefill(
+    running: list[Req],
+    waiting: list[Req],
+    kv: KVManager,
+    args: ServerArgs,
+    new_decode_slots: int,
+    admit_new: bool,
+    update_pending: bool = False,
+) -> PrefillPlan:
+    """This step's prompt chunks: first those of the admitted requests still prefilling,
+    then new ones, moved from `waiting` to `running` while the budgets and the KV cache allow.
+    `new_decode_slots`: the slots the step's decodes take; `admit_new` False: admitted
+    requests only; `update_pending`: a weight update waits, so no request starts."""
+    # `committed` counts the slots the step already needs.
+    plan = PrefillPlan()
+    budget = args.max_prefill_tokens
+    committed = new_decode_slots
+    # A request already admitted and prefilling in chunks goes first.
+    for req in running:
+        if not req.is_decoding and budget > 0:
+            extend = min(req.remaining_prefill, args.chunked_prefill_size, budget)
+            if kv.available() - committed < extend:
+                continue
+            plan.add(req, extend)
+            budget -= extend
+            committed += extend
+    if not admit_new:
+        return plan
+    reserve = decode_reserve(running)
+    prefilling = [req for req in running if not req.is_decoding]
+    # Prompt tokens the admitted requests still have to prefill after this step. A new
+    # request needs room for its whole prompt beside them, not only for its first chunk:
+    # prompts admitted on a chunk's room would fill the cache between them and take turns
+    # retracting each other for ever (SGLang admits on the whole input too).
+    owed = sum(req.remaining_prefill for req in prefilling) - plan.tokens
+    for req in list(order_waiting(waiting, args.schedule_policy, kv)):
+        if budget <= 0 or len(running) >= args.max_running_requests:
+            break
+        if update_pending and not req.output_ids:
+            continue  # it starts on the new weights
+        prefix = kv.cached_prefix_len(req)
+        if not args.disable_radix_cache and duplicates_a_prefill(req, prefix, prefilling):
+            continue
+        # An idle server admits the first request whatever its estimate: retraction
+        # covers an underestimate, and refusing would stall it forever.
+        alone = not (running or plan.reqs)
+        later = decode_reserve([req]) + reserve + owed
+        if kv.available() - committed < req.seq_len - prefix + later and not alone:
+            break
+        if not kv.admit(req):
+            break
+        extend = min(req.remaining_prefill, args.chunked_prefill_size, budget)
+        # Admission locked the matched prefix, which may have been counted as evictable.
+        if kv.available() - committed < (extend if alone else req.remaining_prefill + later):
+            kv.release(req, keep_in_cache=False)
+            break
+        waiting.remove(req)
+        running.append(req)
+        req.scheduled_at = req.scheduled_at or time.time()
+        plan.add(req, extend)
+        prefilling.append(req)
+        budget -= extend
+        committed += extend
+        owed += req.remaining_prefill - extend
+        reserve += decode_reserve([req])
+    return plan

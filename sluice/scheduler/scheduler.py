@@ -35,9 +35,7 @@ from sluice.scheduler.kv_manager import KVManager
 from sluice.scheduler.output import SchedulerOutput, make_output, refused_output
 from sluice.scheduler.policy import (
     PrefillPlan,
-    decode_reserve,
-    duplicates_a_prefill,
-    order_waiting,
+    plan_prefill,
     priority_order,
     prompt_refusal,
     queue_refusal,
@@ -345,6 +343,11 @@ class Scheduler:
         extend_lens = [1] * len(decoding) + plan.extend_lens
         return StepBatch.allocate(reqs, extend_lens, self.kv)
 
+    def _plan_prefill(self, new_decode_slots: int, admit_new: bool) -> PrefillPlan:
+        return plan_prefill(
+            self.running, self.waiting, self.kv, self.args, new_decode_slots, admit_new, self.pending_update is not None
+        )
+
     def _reserve_decode_slots(self, decoding: list[Req]) -> list[Req]:
         """Make room for one new token per decoding request, retracting if the cache is full."""
         while decoding and self.kv.available() < self.kv.decode_slots_needed(decoding):
@@ -387,61 +390,6 @@ class Scheduler:
         req.times_retracted += 1
         self.num_retractions += 1
         self.waiting.insert(0, req)
-
-    def _plan_prefill(self, new_decode_slots: int, admit_new: bool) -> PrefillPlan:
-        """Prefill chunks for this step. `committed` counts the slots the step already needs."""
-        plan = PrefillPlan()
-        budget = self.args.max_prefill_tokens
-        committed = new_decode_slots
-        # A request already admitted and prefilling in chunks goes first.
-        for req in self.running:
-            if not req.is_decoding and budget > 0:
-                extend = min(req.remaining_prefill, self.args.chunked_prefill_size, budget)
-                if self.kv.available() - committed < extend:
-                    continue
-                plan.add(req, extend)
-                budget -= extend
-                committed += extend
-        if not admit_new:
-            return plan
-        reserve = decode_reserve(self.running)
-        prefilling = [req for req in self.running if not req.is_decoding]
-        # Prompt tokens the admitted requests still have to prefill after this step. A new
-        # request needs room for its whole prompt beside them, not only for its first chunk:
-        # prompts admitted on a chunk's room would fill the cache between them and take turns
-        # retracting each other for ever (SGLang admits on the whole input too).
-        owed = sum(req.remaining_prefill for req in prefilling) - plan.tokens
-        for req in list(order_waiting(self.waiting, self.args.schedule_policy, self.kv)):
-            if budget <= 0 or len(self.running) >= self.args.max_running_requests:
-                break
-            if self.pending_update is not None and not req.output_ids:
-                continue  # it starts on the new weights
-            prefix = self.kv.cached_prefix_len(req)
-            if not self.args.disable_radix_cache and duplicates_a_prefill(req, prefix, prefilling):
-                continue
-            # An idle server admits the first request whatever its estimate: retraction
-            # covers an underestimate, and refusing would stall it forever.
-            alone = not (self.running or plan.reqs)
-            later = decode_reserve([req]) + reserve + owed
-            if self.kv.available() - committed < req.seq_len - prefix + later and not alone:
-                break
-            if not self.kv.admit(req):
-                break
-            extend = min(req.remaining_prefill, self.args.chunked_prefill_size, budget)
-            # Admission locked the matched prefix, which may have been counted as evictable.
-            if self.kv.available() - committed < (extend if alone else req.remaining_prefill + later):
-                self.kv.release(req, keep_in_cache=False)
-                break
-            self.waiting.remove(req)
-            self.running.append(req)
-            req.scheduled_at = req.scheduled_at or time.time()
-            plan.add(req, extend)
-            prefilling.append(req)
-            budget -= extend
-            committed += extend
-            owed += req.remaining_prefill - extend
-            reserve += decode_reserve([req])
-        return plan
 
     # ------------------------------------------------------------ results
 
