@@ -63,8 +63,11 @@ class Grammars:
         """Drop a compilation no request waits for, if it has not started (aborted requests
         would otherwise leave a queue of them in front of the next grammar)."""
         if compiled.cancel():
-            for grammar in [text for text, future in self._compiled.items() if future is compiled]:
-                del self._compiled[grammar]
+            self._forget(compiled)
+
+    def _forget(self, compiled: Future[llguidance.LLMatcher]) -> None:
+        for grammar in [text for text, future in self._compiled.items() if future is compiled]:
+            del self._compiled[grammar]
 
     def matcher(self, compiled: Future[llguidance.LLMatcher]) -> llguidance.LLMatcher:
         """A request's own matcher from its compiled grammar (which stays untouched);
@@ -76,8 +79,7 @@ class Grammars:
         except ValueError:
             raise
         except Exception:
-            for grammar in [text for text, future in self._compiled.items() if future is compiled]:
-                del self._compiled[grammar]
+            self._forget(compiled)
             if self._tokenizer is not None and self._tokenizer.done() and self._tokenizer.exception() is not None:
                 self._tokenizer = None
             raise

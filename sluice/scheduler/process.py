@@ -7,6 +7,7 @@ import os
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import zmq
@@ -110,9 +111,8 @@ def check_fits_in_memory(
 ) -> None:
     """ValueError naming the flag whose tables could never be allocated in this machine's
     memory, or its container's (the allocation would fail with a traceback, or the kernel
-    would kill the process). The KV
-    cache is counted as it is allocated: sliding-window layers' slots apart (see
-    default_max_total_tokens)."""
+    would kill the process). The KV cache is counted as it is allocated: sliding-window
+    layers' slots apart (see default_max_total_tokens)."""
     memory = usable_memory_bytes()
     window_slots = args.window_slots_needed(window, max_total_tokens) if window is not None else 0
     kv_bytes = max_total_tokens * (kv_bytes_per_token - window_bytes) + window_slots * window_bytes
@@ -198,11 +198,7 @@ class SchedulerLoop:
     def step(self) -> list[SchedulerOutput]:
         """One step; one that raises (a bug no request should be able to reach) ends the
         requests in flight with a 500 instead of the process and every later request."""
-        try:
-            return self.scheduler.step()
-        except Exception as e:
-            logger.exception("a scheduler step failed: ending every request in flight")
-            return self.scheduler.fail_everything(f"{type(e).__name__}: {e}")
+        return self._contained(self.scheduler.step, "a step")
 
     def report_finished(self, outputs: list[SchedulerOutput]) -> None:
         finished = [out.output.rid for out in outputs if out.output.finish_reason is not None]
@@ -246,10 +242,13 @@ class SchedulerLoop:
     def handle_safely(self, message: Message) -> list[SchedulerOutput]:
         """`handle`; a message whose handling raises (a bug: an abort that cannot release a
         request's slots, say) fails the requests in flight as a failed step does."""
+        return self._contained(lambda: self.handle(message), f"a {type(message).__name__}")
+
+    def _contained(self, run: Callable[[], list[SchedulerOutput]], what: str) -> list[SchedulerOutput]:
         try:
-            return self.handle(message)
+            return run()
         except Exception as e:
-            logger.exception("the scheduler failed on a %s: ending every request in flight", type(message).__name__)
+            logger.exception("the scheduler failed on %s: ending every request in flight", what)
             return self.scheduler.fail_everything(f"{type(e).__name__}: {e}")
 
     def add(self, req: TokenizedGenerateReqInput | TokenizedEmbeddingReqInput) -> SchedulerOutput | None:
