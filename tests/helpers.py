@@ -17,6 +17,7 @@ from functools import cache
 from pathlib import Path
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from sluice.procutil import is_alive
 from sluice.tokenizer.shared_args import remove_shared_args
@@ -180,3 +181,22 @@ def wait_until_drained(base_url: str, timeout_s: float = 30) -> dict:
 def finished_count(states: dict, reason: str) -> int:
     """Requests the Scheduler has ended with this finish reason ("abort", "length", "stop")."""
     return states["finished_reqs"].get(reason, 0)
+
+
+def scrape(base_url: str, headers: dict | None = None) -> dict[str, float]:
+    """Every sample of /metrics by name and labels, e.g. 'sluice:requests_total{finish_reason=length}'."""
+    response = httpx.get(base_url + "/metrics", headers=headers, timeout=30)
+    assert response.status_code == 200, response.text
+    assert response.headers["content-type"].startswith("text/plain")
+    samples = {}
+    for family in text_string_to_metric_families(response.text):
+        for sample in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()) if k != "le")
+            if "le" in sample.labels:
+                labels = f"{labels},le={sample.labels['le']}".lstrip(",")
+            samples[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+    return samples
+
+
+def moved(before: dict[str, float], after: dict[str, float], name: str) -> float:
+    return after.get(name, 0.0) - before.get(name, 0.0)

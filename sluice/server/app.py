@@ -327,8 +327,9 @@ async def _probe_generation(tm: TokenizerManager, obj: GenerateReqInput) -> Resp
     """200 once the probe's token comes, or, as SGLang has it, once any output reaches this
     process after the probe began (a busy server queues the probe behind real work, and a
     full queue refuses it: both are alive); 503 when the back end fails or nothing comes.
-    A paused server holds the probe as any new request: 200 with status "paused" (the pause
-    is on purpose; a probe timing out behind it would report a healthy server dead)."""
+    A paused server, or a worker updating weights, holds the probe as any new request: 200
+    with status "paused" or "updating_weights" (the hold is on purpose; a probe timing out
+    behind it would report a healthy server dead)."""
     started = time.time()
     probe = asyncio.ensure_future(_last(tm.generate_request(obj)))
     try:
@@ -341,8 +342,8 @@ async def _probe_generation(tm: TokenizerManager, obj: GenerateReqInput) -> Resp
                 return error_response(503, f"generation failed: {tm.backend_error}")
             if probe.done() and (answer := _probe_answer(probe)) is not None:
                 return answer
-            if tm.pause.paused:  # the probe waits behind the pause, or a queue full of held requests refused it
-                return JSONResponse({"status": "paused"})
+            if closed_for := tm.pause.closed_for:  # the probe waits at the gate, or a queue of held ones refused it
+                return JSONResponse({"status": closed_for})
             if tm.last_receive_tstamp > started:
                 return Response(status_code=200)
         return error_response(503, "generation failed: timed out")

@@ -172,37 +172,42 @@ class TokenizerManager:
     async def generate_request(
         self, obj: GenerateReqInput | EmbeddingReqInput, request: ClientConnection | None = None
     ) -> AsyncGenerator[GenerateChunk, None]:
+        """Check the request, hold it at the gate while the server is paused or this worker
+        updates weights, then run it under the reader lock (a weight update waits for it)."""
         received_at = time.time()
         if self.backend_error:
             raise BackendError(self.backend_error)
-        if isinstance(obj, EmbeddingReqInput):
-            self._check_queue_room()
-            if await self.pause.wait_while_paused(request, client_rids(obj)):
-                for chunk in aborted_while_held(obj, 1, "embedding"):
-                    yield chunk
-                return
-            async with self.model_update_lock.reader_lock():
-                async for response in handle_embedding_request(self, obj, request, received_at):
-                    yield response
-            return
-        obj.normalize()
-        n = check_request_size(obj, self.server_args)
-        self._check_queue_room(obj.log_metrics)
-        if await self.pause.wait_while_paused(request, client_rids(obj)):
-            path = "single" if obj.is_single and n == 1 else "batch" if n == 1 else "parallel_sample"
-            for chunk in aborted_while_held(obj, n, path):
+        n, log_metrics = 1, True
+        if isinstance(obj, GenerateReqInput):
+            obj.normalize()
+            n, log_metrics = check_request_size(obj, self.server_args), obj.log_metrics
+        self._check_queue_room(log_metrics)
+        if await self.pause.wait_while_closed(request, client_rids(obj)):
+            ended = aborted_while_held(obj, n)
+            if log_metrics:
+                self.metrics.on_ended_unrun(len(ended))
+            for chunk in ended:
                 yield chunk
             return
         async with self.model_update_lock.reader_lock():
-            if obj.is_single and n == 1:
-                [tokenized] = await self.inputs.tokenize([obj], self.live_rids, received_at=received_at)
-                state = self.add_req_state(tokenized, "single", log_metrics=obj.log_metrics)
-                self.send(tokenized)
-                async for response in self.wait_response(state, request):
-                    yield response
+            responses: AsyncIterator[GenerateChunk]
+            if isinstance(obj, EmbeddingReqInput):
+                responses = handle_embedding_request(self, obj, request, received_at)
+            elif obj.is_single and n == 1:
+                responses = self._single_request(obj, request, received_at)
             else:
-                async for response in handle_batch_request(self, obj, request, received_at):
-                    yield response
+                responses = handle_batch_request(self, obj, request, received_at)
+            async for response in responses:
+                yield response
+
+    async def _single_request(
+        self, obj: GenerateReqInput, request: ClientConnection | None, received_at: float
+    ) -> AsyncIterator[GenerateChunk]:
+        [tokenized] = await self.inputs.tokenize([obj], self.live_rids, received_at=received_at)
+        state = self.add_req_state(tokenized, "single", log_metrics=obj.log_metrics)
+        self.send(tokenized)
+        async for response in self.wait_response(state, request):
+            yield response
 
     def _check_queue_room(self, log_metrics: bool = True) -> None:
         in_flight = len(self.rid_to_state) + self.pause.num_held
@@ -371,13 +376,14 @@ class TokenizerManager:
     async def update_weights_from_disk(
         self, model_path: str, weight_version: str | None = None, abort_all_requests: bool = False
     ) -> UpdateWeightsFromDiskReqOutput:
-        """Serve new weights (seed 003 §5.5). The writer lock holds new requests of this
-        worker back (they wait, they do not fail) until this worker's in-flight ones are done;
-        the Scheduler holds every worker's new requests in its queue until nothing runs,
-        loads the weights and flushes the prefix cache."""
+        """Serve new weights (seed 003 §5.5). The gate holds new requests of this worker back
+        (they wait, they do not fail; an abort reaches them) and the writer lock waits until
+        this worker's in-flight ones are done; the Scheduler holds every worker's new
+        requests in its queue until nothing runs, loads the weights and flushes the prefix
+        cache."""
         if abort_all_requests:
             self.abort_request(abort_all=True)
-        async with self.model_update_lock.writer_lock():
+        async with self.pause.closed_for_update(), self.model_update_lock.writer_lock():
             request = UpdateWeightsFromDiskReq(model_path=model_path, weight_version=weight_version)
             return await self.control.call(request, UpdateWeightsFromDiskReqOutput, WEIGHT_UPDATE_TIMEOUT_S)
 

@@ -88,6 +88,10 @@ class RequestMetrics:
             if not state.stream and output.completion_tokens > 1:
                 self.itl.observe((now - state.first_token_at) / (output.completion_tokens - 1))
 
+    def on_ended_unrun(self, count: int) -> None:
+        """Requests (items, samples) an abort ended while the gate held them."""
+        self.requests.labels("abort").inc(count)
+
     def on_rejected(self, reason: str) -> None:
         self.rejected.labels(reason).inc()
 

@@ -1,11 +1,13 @@
-"""/pause_generation's gate: while paused, a worker holds each new request before it
-takes any room, and lets them all go on /continue_generation. /abort_request reaches held
+"""The gate in front of the request path. A worker holds each new request here, before it
+takes any room, while /pause_generation pauses the server or while one of this worker's
+weight updates runs, and lets them go when both are over. /abort_request reaches held
 requests here (they are not at the Scheduler yet): each one it names ends at the gate."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Iterable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 from sluice.messages import RID_SEPARATOR, FinishReason, SetPause
@@ -28,9 +30,19 @@ class PauseGate:
 
     def __init__(self, control: ControlChannel | None) -> None:
         self.paused = False
-        self._held: list[_Held] = []  # requests waiting for generation to continue
+        self._updates = 0  # this worker's weight updates under way
+        self._held: list[_Held] = []  # requests waiting at the gate
         self._changed = asyncio.Condition()
         self._control = control
+
+    @property
+    def closed(self) -> bool:
+        return self.paused or self._updates > 0
+
+    @property
+    def closed_for(self) -> str | None:
+        """Why new requests wait here: "paused", "updating_weights", or None (open)."""
+        return "paused" if self.paused else "updating_weights" if self._updates else None
 
     async def set_everywhere(self, paused: bool) -> None:
         """Here, then through the router; returns once the router sent it to every other
@@ -62,11 +74,25 @@ class PauseGate:
             self.paused = paused
             self._changed.notify_all()
 
-    async def wait_while_paused(self, request: ClientConnection | None, rids: Iterable[str] = ()) -> bool:
-        """Hold a new request (client rids `rids`) while paused; True if an abort named it
-        meanwhile. One whose client leaves meanwhile ends here (a ClientError no one reads).
-        The lock is held only while waiting on the gate, never while asking the connection."""
-        if not self.paused:
+    @asynccontextmanager
+    async def closed_for_update(self) -> AsyncIterator[None]:
+        """Hold this worker's new requests while a weight update waits for the running ones
+        and loads: held here they can be aborted, count against the queue, and end if their
+        client leaves."""
+        self._updates += 1
+        try:
+            yield
+        finally:
+            async with self._changed:
+                self._updates -= 1
+                self._changed.notify_all()
+
+    async def wait_while_closed(self, request: ClientConnection | None, rids: Iterable[str] = ()) -> bool:
+        """Hold a new request (client rids `rids`) while the gate is closed; True if an abort
+        named it meanwhile. One whose client leaves meanwhile ends here (a ClientError no one
+        reads). The lock is held only while waiting on the gate, never while asking the
+        connection."""
+        if not self.closed:
             return False
         held = _Held(frozenset(rids))
         self._held.append(held)
@@ -75,13 +101,13 @@ class PauseGate:
                 async with self._changed:
                     try:
                         await asyncio.wait_for(
-                            self._changed.wait_for(lambda: not self.paused or held.aborted), DISCONNECT_POLL_S
+                            self._changed.wait_for(lambda: not self.closed or held.aborted), DISCONNECT_POLL_S
                         )
                         return held.aborted
                     except TimeoutError:
                         pass
                 if request is not None and await request.is_disconnected():
-                    raise ClientError("the client left while the server was paused")
+                    raise ClientError("the client left while the server held its request")
         finally:
             self._held.remove(held)
 
@@ -93,13 +119,17 @@ def client_rids(obj: GenerateReqInput | EmbeddingReqInput) -> list[str]:
     return [obj.rid] if isinstance(obj.rid, str) else list(obj.rid)
 
 
-def aborted_while_held(obj: GenerateReqInput | EmbeddingReqInput, n: int, path: str) -> list[GenerateChunk]:
-    """The final chunk of each item (each sample, n > 1) of a request an abort ended at the
-    gate, as the Scheduler ends a request aborted before it ran."""
+def aborted_while_held(obj: GenerateReqInput | EmbeddingReqInput, n: int = 1) -> list[GenerateChunk]:
+    """The final chunk of each item (each of its `n` samples) of a request an abort ended
+    at the gate, as the Scheduler ends a request aborted before it ran."""
     size = 1 if obj.is_single else len(obj.text if obj.text is not None else obj.input_ids or [])
     rids = client_rids(obj) or [""] * size
-    reason = FinishReason(type="abort", message="aborted while the server was paused")
+    reason = FinishReason(type="abort", message="aborted while the server held it (paused or updating weights)")
     return_logprob = isinstance(obj, GenerateReqInput) and obj.return_logprob
+    if isinstance(obj, EmbeddingReqInput):
+        path = "embedding"
+    else:
+        path = "parallel_sample" if n > 1 else "single" if obj.is_single else "batch"
     return [
         GenerateChunk(
             rid=rids[i] if n == 1 else f"{rids[i]}{RID_SEPARATOR}{j}",

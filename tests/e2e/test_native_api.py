@@ -14,6 +14,8 @@ from tests.helpers import (
     generate,
     greedy,
     internal_states,
+    moved,
+    scrape,
     sse_events,
     wait_for_states,
     wait_until_drained,
@@ -313,6 +315,7 @@ def test_an_abort_ends_a_request_held_by_a_pause(base_url):
     """The held request is at no Scheduler yet: /abort_request ends it at the pause, by rid or
     all of them, and it never runs."""
     sent = internal_states(base_url)["messages_received"].get("TokenizedGenerateReqInput", 0)
+    metrics = scrape(base_url)
     rids = {"by_rid": f"held-{time.time_ns()}", "all": f"held-all-{time.time_ns()}"}
     result = {}
 
@@ -339,6 +342,7 @@ def test_an_abort_ends_a_request_held_by_a_pause(base_url):
         assert meta["completion_tokens"] == 0
     received = internal_states(base_url)["messages_received"].get("TokenizedGenerateReqInput", 0)
     assert received == sent  # neither reached the Scheduler
+    assert moved(metrics, scrape(base_url), "sluice:requests_total{finish_reason=abort}") == 2
 
 
 def test_a_request_whose_client_leaves_during_a_pause_is_dropped(base_url):

@@ -8,36 +8,18 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from tests.helpers import (
     RunningServer,
     generate,
     greedy,
     internal_states,
+    moved,
+    scrape,
     wait_for_states,
     wait_until_drained,
     wait_until_running,
 )
-
-
-def scrape(base_url: str, headers: dict | None = None) -> dict[str, float]:
-    """Every sample of /metrics by name and labels, e.g. 'sluice:requests_total{finish_reason=length}'."""
-    response = httpx.get(base_url + "/metrics", headers=headers, timeout=30)
-    assert response.status_code == 200, response.text
-    assert response.headers["content-type"].startswith("text/plain")
-    samples = {}
-    for family in text_string_to_metric_families(response.text):
-        for sample in family.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()) if k != "le")
-            if "le" in sample.labels:
-                labels = f"{labels},le={sample.labels['le']}".lstrip(",")
-            samples[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
-    return samples
-
-
-def moved(before: dict[str, float], after: dict[str, float], name: str) -> float:
-    return after.get(name, 0.0) - before.get(name, 0.0)
 
 
 def test_metrics_count_exactly_what_was_served(base_url):

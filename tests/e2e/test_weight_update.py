@@ -14,6 +14,7 @@ from tests.helpers import (
     RunningServer,
     generate,
     greedy,
+    internal_states,
     sse_events,
     wait_for_states,
     wait_until_drained,
@@ -184,4 +185,32 @@ def test_abort_all_requests_ends_the_running_ones_instead_of_waiting(base_url):
         response = update(base_url, model_path=path, abort_all_requests=True)
         assert response.status_code == 200, response.text
         assert long.result().json()["meta_info"]["finish_reason"]["type"] == "abort"
+    wait_until_drained(base_url)
+
+
+def test_an_abort_ends_a_request_held_by_a_weight_update(base_url):
+    """A request that arrives while an update waits for the running ones is held (by the
+    updating worker's gate, or another worker's in the Scheduler's queue): /abort_request
+    ends it there, and it never runs."""
+    path = model_info(base_url)["model_path"]
+    stamp = time.time_ns()
+    long = {"text": "Write a long story.", "rid": f"long-{stamp}", "sampling_params": greedy(4000, ignore_eos=True)}
+    with ThreadPoolExecutor(3) as pool:
+        running = pool.submit(httpx.post, base_url + "/generate", json=long, timeout=300)
+        wait_until_running(base_url)
+        updated = pool.submit(update, base_url, model_path=path)
+        time.sleep(1.0)  # the update's route is reached: it waits for the long request
+        held = pool.submit(generate, base_url, text="Hi", rid=f"held-{stamp}", sampling_params=greedy(2))
+        wait_for_states(
+            base_url,
+            lambda s: s["num_paused_reqs"] + s["num_waiting_reqs"] == 1 and s["num_running_reqs"] == 1,
+            "the new request held",
+        )
+        assert httpx.post(base_url + "/abort_request", json={"rid": f"held-{stamp}"}).status_code == 200
+        meta = held.result(timeout=60).json()["meta_info"]
+        assert meta["finish_reason"]["type"] == "abort" and meta["completion_tokens"] == 0
+        assert not updated.done() and internal_states(base_url)["num_running_reqs"] == 1
+        assert httpx.post(base_url + "/abort_request", json={"rid": long["rid"]}).status_code == 200
+        assert running.result().json()["meta_info"]["finish_reason"]["type"] == "abort"
+        assert updated.result().status_code == 200
     wait_until_drained(base_url)

@@ -54,3 +54,10 @@ async def test_a_paused_server_refusing_the_probe_as_busy_says_paused():
     await tm.pause.set(True)
     answer = await _probe_generation(tm, GenerateReqInput(input_ids=[0], rid="probe"))
     assert answer.status_code == 200 and answer.body == b'{"status":"paused"}'
+
+
+async def test_a_probe_held_by_a_weight_update_says_so():
+    tm = FakeManager(ServerBusy("the server is busy"))
+    async with tm.pause.closed_for_update():
+        answer = await _probe_generation(tm, GenerateReqInput(input_ids=[0], rid="probe"))
+    assert answer.status_code == 200 and answer.body == b'{"status":"updating_weights"}'
