@@ -4,7 +4,9 @@ or Granian's worker.
 The main process writes the server arguments, the port arguments and the Scheduler's
 start-up info to a shared-memory block named after its pid (`tokenizer/shared_args.py`).
 Each worker process reads the block, makes its own inbox (`tokenizer_ipc_name`), builds
-its TokenizerWorker and chat template, and registers with the MultiTokenizerRouter.
+its TokenizerWorker and chat template, and registers with the MultiTokenizerRouter
+(which answers with the pause state: a replacement for a dead worker holds requests as the
+others do).
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ import time
 import uuid
 from contextlib import asynccontextmanager
 
-from sluice.messages import RegisterWorker
 from sluice.procutil import die_with_parent
 from sluice.server.app import ServerState, create_app
 from sluice.tokenizer.manager import TokenizerManager
@@ -39,7 +40,6 @@ def init_multi_tokenizer():
     else:
         tokenizer_ipc_name = f"ipc://{port_args.ipc_dir}/tokenizer-worker-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         tm = TokenizerManager(server_args, port_args, tokenizer, chat_template, http_worker_ipc=tokenizer_ipc_name)
-        tm.send_to_scheduler.send(RegisterWorker(http_worker_ipc=tokenizer_ipc_name, pid=os.getpid()))
     tm.scheduler_info = scheduler_info
     tm.mm_processor = load_multimodal_processor(server_args, scheduler_info, tokenizer)
     return tm, server_args
@@ -58,6 +58,8 @@ def create_worker_app():
     async def lifespan(app):
         started = time.perf_counter()
         tm.start_handle_loop()
+        if tm.http_worker_ipc is not None:
+            await tm.register_with_router()
         if not server_args.skip_warmup:
             await asyncio.wait_for(warm_up(tm, rid=f"WARMUP-{os.getpid()}"), WARMUP_TIMEOUT_S)
         state.serve_with(tm)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import TYPE_CHECKING
@@ -31,6 +32,7 @@ from sluice.messages import (
     InternalState,
     Message,
     ProcessFailed,
+    RegisterWorker,
     ReplicaDied,
     ReqOutput,
     SchedulerReady,
@@ -122,6 +124,14 @@ class TokenizerManager:
         self.scheduler_info = info = await wait_for_backend(self.recv_from_detokenizer, timeout_s, dead_process)
         return info
 
+    async def register_with_router(self) -> None:
+        """As one of several HTTP workers, announce this worker's inbox to the router, which
+        answers with the pause state: a worker that replaces a dead one holds new requests
+        while the others do."""
+        assert self.http_worker_ipc is not None
+        reply = await self.control.call(RegisterWorker(http_worker_ipc=self.http_worker_ipc, pid=os.getpid()), SetPause)
+        await self.pause.set(reply.paused)
+
     def close(self) -> None:
         self.soft_watchdog.stop()
         self.recv_from_detokenizer.close()
@@ -170,10 +180,14 @@ class TokenizerManager:
     # ------------------------------------------------------------ the request path
 
     async def generate_request(
-        self, obj: GenerateReqInput | EmbeddingReqInput, request: ClientConnection | None = None
+        self,
+        obj: GenerateReqInput | EmbeddingReqInput,
+        request: ClientConnection | None = None,
+        hold_at_gate: bool = True,
     ) -> AsyncGenerator[GenerateChunk, None]:
         """Check the request, hold it at the gate while the server is paused or this worker
-        updates weights, then run it under the reader lock (a weight update waits for it)."""
+        updates weights (not the server's own warm-up), then run it under the reader lock (a
+        weight update waits for it)."""
         received_at = time.time()
         if self.backend_error:
             raise BackendError(self.backend_error)
@@ -182,7 +196,7 @@ class TokenizerManager:
             obj.normalize()
             n, log_metrics = check_request_size(obj, self.server_args), obj.log_metrics
         self._check_queue_room(log_metrics)
-        if await self.pause.wait_while_closed(request, client_rids(obj)):
+        if hold_at_gate and await self.pause.wait_while_closed(request, client_rids(obj)):
             ended = aborted_while_held(obj, n)
             if log_metrics:
                 self.metrics.on_ended_unrun(len(ended))

@@ -80,6 +80,7 @@ class MultiTokenizerRouter:
         # the others do: the weights served now, and the Scheduler replicas that died.
         self.last_weight_update: UpdateWeightsFromDiskReqOutput | None = None
         self.replica_deaths: list[ReplicaDied] = []
+        self.paused = False  # the last /pause_generation or /continue_generation: a new worker's answer
         # Live rids over all workers: a worker only knows its own, so a rid that is live
         # on another worker is refused here. So is a rid whose family (the rid before `::`:
         # a request and its n > 1 samples `rid::i`, which the Scheduler aborts together)
@@ -112,6 +113,7 @@ class MultiTokenizerRouter:
             sender.send(msgspec.structs.replace(self.last_weight_update, http_worker_ipc=None, control_id=0))
         for death in self.replica_deaths:
             sender.send(death)
+        sender.send(SetPause(paused=self.paused, http_worker_ipc=message.http_worker_ipc))  # the answer
 
     def router_worker_obj(self, message: Message) -> None:
         """A worker's request or control message: on to the Scheduler."""
@@ -174,6 +176,8 @@ class MultiTokenizerRouter:
             self.last_weight_update = message
         elif isinstance(message, ReplicaDied):
             self.replica_deaths.append(message)
+        elif isinstance(message, SetPause):
+            self.paused = message.paused
         origin = getattr(message, "http_worker_ipc", None)
         for ipc, sender in self.workers.items():
             if ipc != origin:

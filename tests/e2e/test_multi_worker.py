@@ -116,21 +116,37 @@ def test_kill_9_main_process_leaves_nothing_behind():
                 child.kill()
 
 
-def test_dead_worker_turns_health_503():
+def wait_for_log(server: RunningServer, text: str, count: int = 1, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while server.read_log().count(text) < count:
+        assert time.monotonic() < deadline, f"{text!r} not logged {count} times in {timeout_s} s"
+        time.sleep(0.2)
+
+
+def test_dead_worker_turns_health_503_and_its_replacement_keeps_the_pause():
     server = RunningServer("--max-total-tokens", "4000", "--tokenizer-worker-num", "2")
+    url = server.base_url
     try:
         workers = [c for c in psutil.Process(server.process.pid).children() if c.name().startswith("sluice-http")]
         assert len(workers) == 2
         # /health answers once one worker is up; the router only watches workers that registered.
-        deadline = time.monotonic() + 60
-        while "registered (2 workers)" not in server.read_log() and time.monotonic() < deadline:
-            time.sleep(0.2)
+        wait_for_log(server, "registered (2 workers)")
+        assert httpx.post(url + "/pause_generation").status_code == 200
         workers[0].kill()
         deadline = time.monotonic() + 20
-        while time.monotonic() < deadline and httpx.get(server.base_url + "/health").status_code != 503:
+        while time.monotonic() < deadline and httpx.get(url + "/health").status_code != 503:
             time.sleep(0.5)
-        assert httpx.get(server.base_url + "/health").status_code == 503
+        assert httpx.get(url + "/health").status_code == 503
         assert "died" in server.read_log()
+        # uvicorn starts a replacement; it holds new requests as the paused worker does.
+        wait_for_log(server, "registered (2 workers)", count=2, timeout_s=120)
+        with ThreadPoolExecutor(8) as pool:
+            body = {"text": "Hi", "sampling_params": greedy(2)}
+            futures = [pool.submit(httpx.post, url + "/generate", json=body, timeout=120) for _ in range(8)]
+            held = wait_for_states(url, lambda s: s["num_paused_reqs"] == 8, "8 requests held")
+            assert held["num_running_reqs"] == 0 and held["rid_to_state_size"] == 0
+            assert httpx.post(url + "/continue_generation").status_code == 200
+            assert [f.result().status_code for f in futures] == [200] * 8
     finally:
         server.stop()
 

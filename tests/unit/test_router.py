@@ -48,8 +48,10 @@ class Hub:
         self.router = MultiTokenizerRouter(ports)
         self.addresses = {name: f"ipc://{folder}/{name}" for name in ("a", "b")}
         self.workers = {name: Receiver(self.context, address) for name, address in self.addresses.items()}
-        for pid, address in enumerate(self.addresses.values(), start=1):
+        for pid, (name, address) in enumerate(self.addresses.items(), start=1):
             self.router.dispatch(RegisterWorker(http_worker_ipc=address, pid=pid))
+            # The router answers a registration with the pause state.
+            assert self.received(self.workers[name]) == SetPause(paused=False, http_worker_ipc=address)
 
     def received(self, inbox: Receiver) -> Message:
         message = inbox.recv(timeout_ms=WAIT_MS)
@@ -267,5 +269,22 @@ def test_a_late_worker_hears_the_weights_served_and_the_replicas_that_died(hub, 
         assert isinstance(replayed, UpdateWeightsFromDiskReqOutput)
         assert (replayed.weight_version, replayed.http_worker_ipc, replayed.control_id) == ("3", None, 0)
         assert hub.received(late) == ReplicaDied(dp_rank=1, replicas_alive=1)
+        assert hub.received(late) == SetPause(paused=False, http_worker_ipc=f"ipc://{tmp_path}/late")
+    finally:
+        late.close()
+
+
+def test_a_worker_that_registers_during_a_pause_is_told_to_hold_requests(hub, tmp_path):
+    """A replacement for a dead worker must not serve while the others hold requests."""
+    hub.router.dispatch(SetPause(paused=True, http_worker_ipc=hub.addresses["a"]))
+    late = Receiver(hub.context, f"ipc://{tmp_path}/late")
+    address = f"ipc://{tmp_path}/late"
+    try:
+        hub.router.dispatch(RegisterWorker(http_worker_ipc=address, pid=77))
+        assert hub.received(late) == SetPause(paused=True, http_worker_ipc=address)
+        hub.router.dispatch(SetPause(paused=False, http_worker_ipc=hub.addresses["a"]))
+        assert hub.received(late) == SetPause(paused=False, http_worker_ipc=hub.addresses["a"])
+        hub.router.dispatch(RegisterWorker(http_worker_ipc=address, pid=78))  # registers again
+        assert hub.received(late) == SetPause(paused=False, http_worker_ipc=address)
     finally:
         late.close()
