@@ -3,6 +3,7 @@ a native chunk, and the completions and chat shapes built from them."""
 
 from __future__ import annotations
 
+import codecs
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -82,17 +83,30 @@ def _alternatives(tops: list[list[TokenLogprob]], position: int) -> list[tuple[i
     return [(t.token_id, t.logprob) for t in tops[position]] if position < len(tops) else []
 
 
-def completion_logprobs(entries: list[LogprobEntry], texts: TokenTexts, first_offset: int) -> dict[str, Any]:
-    """OpenAI's completions format; text_offset indexes the choice's text."""
+class TextOffsets:
+    """Where each token starts in a choice's text, in characters, streamed token by token.
+    Counted over the tokens' bytes, so the pieces of one character (a CJK character is often
+    two or three byte-level tokens, each "�" alone) take one character of the text, not one
+    each; a token that ends a character begun before it starts at that character."""
+
+    def __init__(self) -> None:
+        self.chars = 0
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+
+    def next(self, token_bytes: bytes) -> int:
+        start = self.chars
+        self.chars += len(self._utf8.decode(token_bytes))
+        return start
+
+
+def completion_logprobs(entries: list[LogprobEntry], texts: TokenTexts, offsets: TextOffsets) -> dict[str, Any]:
+    """OpenAI's completions format; text_offset indexes the choice's text, `offsets` goes on
+    from the choice's earlier chunks."""
     tokens: list[str] = []
-    offsets: list[int] = []
     top_logprobs: list[dict[str, float] | None] = []
-    offset = first_offset
     for entry in entries:
         text = texts(entry.token_id)
         tokens.append(text)
-        offsets.append(offset)
-        offset += len(text)
         if entry.logprob is None:
             top_logprobs.append(None)  # the first prompt token: nothing to condition on
             continue
@@ -104,7 +118,7 @@ def completion_logprobs(entries: list[LogprobEntry], texts: TokenTexts, first_of
         "tokens": tokens,
         "token_logprobs": [e.logprob for e in entries],
         "top_logprobs": top_logprobs,
-        "text_offset": offsets,
+        "text_offset": [offsets.next(texts.bytes_of(e.token_id)) for e in entries],
     }
 
 

@@ -11,7 +11,14 @@ import time
 from typing import Any
 
 from sluice.server.errors import failure_message
-from sluice.server.logprobs import LogprobEntry, TokenTexts, chat_logprobs, completion_logprobs, logprob_entries
+from sluice.server.logprobs import (
+    LogprobEntry,
+    TextOffsets,
+    TokenTexts,
+    chat_logprobs,
+    completion_logprobs,
+    logprob_entries,
+)
 from sluice.server.openai_protocol import ChatCompletionRequest, CompletionRequest
 from sluice.server.reasoning import split_reasoning
 from sluice.server.tool_calls import ToolCall, forced_calls, may_start_call, parse_tool_calls
@@ -138,9 +145,9 @@ class CompletionView(OpenAIView):
         self.prompts = prompts
         self.prompt_texts: dict[int, str] = {}
         self.echo_pending = set(range(self.choice_count)) if body.echo else set()
-        # Where each choice's next token starts, as text_offset counts it (the texts of the
-        # tokens before it): text held back from the stream (a possible stop string) counts too.
-        self.offset_sent = [0] * self.choice_count
+        # Where each choice's next token starts, as text_offset counts it (the tokens before
+        # it): text held back from the stream (a possible stop string) counts too.
+        self.stream_offsets = [TextOffsets() for _ in range(self.choice_count)]
 
     def prompt_text(self, index: int) -> str:
         prompt_index = index // self.n
@@ -151,16 +158,16 @@ class CompletionView(OpenAIView):
         return self.prompt_texts[prompt_index]
 
     def choice(
-        self, index: int, text: str, entries: list[LogprobEntry], chunk: GenerateChunk, echo: bool, offset: int
+        self, index: int, text: str, entries: list[LogprobEntry], chunk: GenerateChunk, echo: bool, offsets: TextOffsets
     ) -> dict[str, Any]:
         if echo:
             text = self.prompt_text(index) + text
             entries = logprob_entries(chunk, "input") + entries
-        logprobs = completion_logprobs(entries, self.texts, offset) if self.wants_logprobs else None
+        logprobs = completion_logprobs(entries, self.texts, offsets) if self.wants_logprobs else None
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason(chunk)}
 
     def final_choice(self, index: int, chunk: GenerateChunk) -> dict[str, Any]:
-        return self.choice(index, chunk.text, logprob_entries(chunk, "output"), chunk, self.echo, 0)
+        return self.choice(index, chunk.text, logprob_entries(chunk, "output"), chunk, self.echo, TextOffsets())
 
     def stream_choice(self, index: int, chunk: GenerateChunk) -> dict[str, Any] | None:
         echo = index in self.echo_pending
@@ -168,10 +175,7 @@ class CompletionView(OpenAIView):
         if not (chunk.text or entries or echo or chunk.finished):
             return None
         self.echo_pending.discard(index)
-        choice = self.choice(index, chunk.text, entries, chunk, echo, self.offset_sent[index])
-        if choice["logprobs"] is not None:
-            self.offset_sent[index] += sum(map(len, choice["logprobs"]["tokens"]))
-        return choice
+        return self.choice(index, chunk.text, entries, chunk, echo, self.stream_offsets[index])
 
 
 class ChatView(OpenAIView):

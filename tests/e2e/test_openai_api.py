@@ -158,6 +158,22 @@ def test_completion_echo_with_logprobs(client, model, prompt):
     assert logprobs.text_offset == [len("".join(logprobs.tokens[:i])) for i in range(len(logprobs.tokens))]
 
 
+def test_completion_text_offsets_place_tokens_that_split_characters(client, model):
+    """CJK characters are two or three of this tokenizer's byte tokens: each token's offset
+    still points into the text where it is (a piece of a character, "�" alone, at that
+    character), not one character further per piece."""
+    prompt = "日本語の文章を書いてください。東京"
+    result = client.completions.create(model=model, prompt=prompt, max_tokens=0, echo=True, logprobs=0)
+    choice = result.choices[0]
+    assert choice.text == prompt
+    logprobs = choice.logprobs
+    assert any("\ufffd" in token for token in logprobs.tokens)  # some characters are split
+    assert logprobs.text_offset == sorted(logprobs.text_offset) and logprobs.text_offset[-1] < len(prompt)
+    for offset, token in zip(logprobs.text_offset, logprobs.tokens, strict=True):
+        if "\ufffd" not in token:
+            assert prompt[offset:].startswith(token), (offset, token)
+
+
 def test_completion_echo_scores_the_prompt_with_max_tokens_0(client, model):
     result = client.completions.create(model=model, prompt=PROMPT, max_tokens=0, echo=True, logprobs=0)
     choice = result.choices[0]

@@ -7,7 +7,7 @@ import pytest
 
 from sluice.messages import FinishReason, TokenLogprob
 from sluice.server.chat_messages import ChatMessage
-from sluice.server.logprobs import TokenTexts
+from sluice.server.logprobs import TextOffsets, TokenTexts
 from sluice.server.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -263,3 +263,11 @@ def test_a_stream_sends_the_content_after_a_call_when_the_content_began_with_whi
             content += choice["delta"].get("content") or ""
             calls += choice["delta"].get("tool_calls") or []
     assert content == "\n\nSure. \nBye." and len(calls) == 2  # the call's head, then its arguments
+
+
+def test_text_offsets_count_a_character_split_over_tokens_once():
+    """ "a🦙 b" as byte tokens "a", two pieces of the llama, " b": the pieces share the
+    llama's offset and " b" starts right after it (each piece alone would be "�")."""
+    offsets = TextOffsets()
+    assert [offsets.next(piece) for piece in (b"a", b"\xf0\x9f", b"\xa6\x99", b" b")] == [0, 1, 1, 2]
+    assert "a🦙 b"[2:] == " b"
