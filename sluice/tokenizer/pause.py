@@ -36,13 +36,13 @@ class PauseGate:
         self._control = control
 
     @property
-    def closed(self) -> bool:
-        return self.paused or self._updates > 0
-
-    @property
     def closed_for(self) -> str | None:
         """Why new requests wait here: "paused", "updating_weights", or None (open)."""
         return "paused" if self.paused else "updating_weights" if self._updates else None
+
+    @property
+    def closed(self) -> bool:
+        return self.closed_for is not None
 
     async def set_everywhere(self, paused: bool) -> None:
         """Here, then through the router; returns once the router sent it to every other
