@@ -64,8 +64,10 @@ def install_openai_routes(app: FastAPI, state: ServerState, docs: ApiDocs) -> No
     token_texts = TokenTexts()
 
     def checked_tm(model: str | None) -> TokenizerManager:
-        if reason := state.unavailable():
-            raise BackendError(reason)
+        # As on the native routes: refused while starting or once the back end is gone, not
+        # for what /health reports besides (another HTTP worker died: this one serves on).
+        if state.tm.backend_error:
+            raise BackendError(state.tm.backend_error)
         if model and model != state.model_name:
             raise NotFoundError(f"The model `{model}` does not exist.", "model")
         token_texts.bind(state.tm.tokenizer)

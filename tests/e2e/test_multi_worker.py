@@ -147,6 +147,12 @@ def test_dead_worker_turns_health_503_and_its_replacement_keeps_the_pause():
             assert held["num_running_reqs"] == 0 and held["rid_to_state_size"] == 0
             assert httpx.post(url + "/continue_generation").status_code == 200
             assert [f.result().status_code for f in futures] == [200] * 8
+        # /health says a worker died; the workers serving on answer every route, not a 503.
+        completion = {"prompt": "Hi", "max_tokens": 2, "temperature": 0}
+        chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "temperature": 0}
+        for route, body in [("/v1/completions", completion), ("/v1/chat/completions", chat)] * 3:
+            response = httpx.post(url + route, json=body, timeout=60)
+            assert response.status_code == 200, (route, response.text)
     finally:
         server.stop()
 
