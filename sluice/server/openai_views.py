@@ -144,10 +144,11 @@ class CompletionView(OpenAIView):
         self.echo = body.echo
         self.prompts = prompts
         self.prompt_texts: dict[int, str] = {}
-        self.echo_pending = set(range(self.choice_count)) if body.echo else set()
-        # Where each choice's next token starts, as text_offset counts it (the tokens before
-        # it): text held back from the stream (a possible stop string) counts too.
-        self.stream_offsets = [TextOffsets() for _ in range(self.choice_count)]
+        # Per choice, made when its first chunk comes (a view is made before `n` is checked:
+        # nothing here may grow with it). Where each choice's next token starts, as
+        # text_offset counts it (the tokens before it): text held back from the stream (a
+        # possible stop string) counts too.
+        self.stream_offsets: dict[int, TextOffsets] = {}
 
     def prompt_text(self, index: int) -> str:
         prompt_index = index // self.n
@@ -170,12 +171,12 @@ class CompletionView(OpenAIView):
         return self.choice(index, chunk.text, logprob_entries(chunk, "output"), chunk, self.echo, TextOffsets())
 
     def stream_choice(self, index: int, chunk: GenerateChunk) -> dict[str, Any] | None:
-        echo = index in self.echo_pending
+        echo = self.echo and index not in self.stream_offsets  # the prompt goes before the first chunk
         entries = logprob_entries(chunk, "output")
         if not (chunk.text or entries or echo or chunk.finished):
             return None
-        self.echo_pending.discard(index)
-        return self.choice(index, chunk.text, entries, chunk, echo, self.stream_offsets[index])
+        offsets = self.stream_offsets.setdefault(index, TextOffsets())
+        return self.choice(index, chunk.text, entries, chunk, echo, offsets)
 
 
 class ChatView(OpenAIView):

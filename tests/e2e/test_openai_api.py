@@ -554,6 +554,10 @@ def test_wrong_types_are_400_naming_the_field(http, path, body, param):
         ("/v1/completions", {"prompt": "Hi", "logprobs": 6}, "logprobs"),
         ("/v1/completions", {"prompt": "Hi", "n": 17}, "n"),
         ("/v1/completions", {"prompt": "Hi", "n": 0}, "n"),
+        # Refused before anything grows with it (it was a 500 past 2**62, GBs below).
+        ("/v1/completions", {"prompt": "Hi", "n": 2**63}, "n"),
+        ("/v1/completions", {"prompt": "Hi", "n": 10**30}, "n"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "n": 2**63}, "n"),
         ("/v1/completions", {"prompt": "Hi", "stream_options": {"include_usage": True}}, "stream_options"),
         ("/v1/completions", {"prompt": ["Hi"] * 20, "n": 16}, "n"),
         ("/v1/completions", {"prompt": ["Hi"] * 257}, "prompt"),
