@@ -2,7 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import sys
+import time
+
+from uvicorn.main import STARTUP_FAILURE
+from uvicorn.supervisors import Multiprocess
+
 from sluice.config import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+# How long a worker process may take to stop after SIGTERM (it finishes the requests it
+# serves) before it is killed.
+WORKER_STOP_GRACE_S = 15.0
 
 
 def serve_http(server_args: ServerArgs, app, workers: int = 1) -> None:
@@ -12,13 +26,13 @@ def serve_http(server_args: ServerArgs, app, workers: int = 1) -> None:
         return
     import uvicorn
 
-    uvicorn.run(
+    config = uvicorn.Config(
         app,
         host=server_args.host,
         port=server_args.port,
         log_level="warning",
         timeout_keep_alive=30,
-        workers=workers if workers > 1 else None,
+        workers=workers,
         factory=isinstance(app, str),
         # uvloop's event loop and httptools' parser instead of asyncio's and h11's (both
         # dependencies, named so that a missing one fails at start-up instead of falling back
@@ -28,6 +42,16 @@ def serve_http(server_args: ServerArgs, app, workers: int = 1) -> None:
         loop="uvloop",
         http="httptools",
     )
+    # What uvicorn.run does, with a bounded wait for the workers to stop.
+    if workers > 1:
+        with contextlib.suppress(KeyboardInterrupt):
+            _BoundedWorkers(config, sockets=[config.bind_socket()]).run()
+        return
+    server = uvicorn.Server(config)
+    with contextlib.suppress(KeyboardInterrupt):
+        server.run()
+    if not server.started:
+        sys.exit(STARTUP_FAILURE)
 
 
 def _serve_granian(server_args: ServerArgs, app_factory: str, workers: int) -> None:
@@ -43,4 +67,20 @@ def _serve_granian(server_args: ServerArgs, app_factory: str, workers: int) -> N
         workers=workers,
         factory=True,
         log_level=LogLevels.warning,
+        workers_kill_timeout=int(WORKER_STOP_GRACE_S),
     ).serve()
+
+
+class _BoundedWorkers(Multiprocess):
+    """uvicorn's supervisor of worker processes, which on SIGTERM waits for each worker
+    without a limit: one whose event loop a bug keeps busy would hold the server up for
+    ever. A worker still running WORKER_STOP_GRACE_S after the SIGTERM is killed."""
+
+    def join_all(self) -> None:
+        deadline = time.monotonic() + WORKER_STOP_GRACE_S
+        for worker in self.processes:
+            worker.process.join(max(deadline - time.monotonic(), 0.0))
+            if worker.process.is_alive():
+                logger.error("HTTP worker %d did not stop within %.0f s: killed", worker.pid, WORKER_STOP_GRACE_S)
+                worker.kill()
+                worker.process.join()

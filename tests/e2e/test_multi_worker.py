@@ -12,6 +12,7 @@ import httpx
 import psutil
 import pytest
 
+from sluice.server.http import WORKER_STOP_GRACE_S
 from tests.helpers import RunningServer, generate, greedy, internal_states, wait_for_states
 
 API_KEY, ADMIN_KEY = "test-key-123", "admin-key-456"
@@ -153,6 +154,28 @@ def test_dead_worker_turns_health_503_and_its_replacement_keeps_the_pause():
         for route, body in [("/v1/completions", completion), ("/v1/chat/completions", chat)] * 3:
             response = httpx.post(url + route, json=body, timeout=60)
             assert response.status_code == 200, (route, response.text)
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("http_server", ["uvicorn", "granian"])
+def test_sigterm_stops_the_server_though_a_worker_does_not_stop(http_server):
+    """A worker that cannot stop (its event loop stuck in a bug; here stopped with SIGSTOP)
+    is killed WORKER_STOP_GRACE_S after the SIGTERM instead of holding the server up."""
+    server = RunningServer("--max-total-tokens", "4000", "--tokenizer-worker-num", "2", "--http-server", http_server)
+    try:
+        main = psutil.Process(server.process.pid)
+        wait_for_log(server, "registered (2 workers)")
+        workers = [c for c in main.children(recursive=True) if c.name().startswith("sluice-http")]
+        assert len(workers) == 2
+        children = main.children(recursive=True)
+        workers[0].suspend()
+        started = time.monotonic()
+        server.process.send_signal(signal.SIGTERM)
+        server.process.wait(WORKER_STOP_GRACE_S + 30)
+        assert time.monotonic() - started < WORKER_STOP_GRACE_S + 30
+        _, alive = psutil.wait_procs(children, timeout=10)
+        assert not [c for c in alive if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
     finally:
         server.stop()
 
