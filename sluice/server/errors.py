@@ -24,6 +24,7 @@ _TYPES = {
     404: "NotFoundError",
     405: "MethodNotAllowed",
     413: "RequestTooLarge",
+    415: "UnsupportedMediaType",
     503: "ServiceUnavailableError",
     500: "InternalServerError",
 }

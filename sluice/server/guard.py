@@ -1,4 +1,5 @@
-"""A pure ASGI middleware for the checks every request passes: body size and API key.
+"""A pure ASGI middleware for the checks every request passes: body size, API key, and a
+JSON content type on POST.
 
 Pure ASGI rather than FastAPI's `@app.middleware("http")`: that one wraps `receive`, and
 a non-streaming route could then no longer see its client disconnect.
@@ -16,6 +17,16 @@ OPEN_PREFIXES = ("/web/",)
 ADMIN_PATHS = frozenset(
     {"/flush_cache", "/abort_request", "/pause_generation", "/continue_generation", "/update_weights_from_disk"}
 )
+
+
+def is_json(content_type: bytes | None) -> bool:
+    """Whether a Content-Type header says JSON (application/json, application/*+json, any
+    parameters); no header is taken as JSON, as FastAPI takes it."""
+    if content_type is None:
+        return True
+    media_type = content_type.partition(b";")[0].strip().lower()
+    kind, _, subtype = media_type.partition(b"/")
+    return kind == b"application" and (subtype == b"json" or subtype.endswith(b"+json"))
 
 
 def bearer_token(authorization: bytes) -> bytes:
@@ -50,6 +61,13 @@ class RequestGuard:
                 return await self._reject(
                     scope, receive, send, 401, "invalid or missing API key: send the header 'Authorization: Bearer KEY'"
                 )
+        if scope["method"] == "POST" and not is_json(content_type := headers.get(b"content-type")):
+            # Every POST body is JSON. Refusing other types (as FastAPI's JSON bodies do) also
+            # keeps a web page from driving a server on this machine with a form or text/plain
+            # POST, which browsers send cross-site without asking the server first.
+            shown = (content_type or b"").decode("latin-1")
+            message = f"Content-Type must be application/json, got {shown!r}"
+            return await self._reject(scope, receive, send, 415, message)
         return await self.app(scope, self._limited(receive), send)
 
     def _required_keys(self, path: str) -> list[bytes]:

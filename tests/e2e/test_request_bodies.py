@@ -38,3 +38,15 @@ def test_abort_request_takes_only_its_own_shape(base_url, body):
     r = httpx.post(base_url + "/abort_request", content=body, headers={"content-type": "application/json"}, timeout=30)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] in ("rid", "abort_all", None)
+
+
+@pytest.mark.parametrize("path", [*BODY_ROUTES, "/pause_generation", "/update_weights_from_disk"])
+def test_a_body_that_is_not_json_by_its_type_is_415(base_url, path):
+    """A browser posts text/plain or a form cross-site without asking the server first: a
+    web page must not pause or drive a server on the user's machine that way."""
+    for content_type in ("text/plain", "application/x-www-form-urlencoded"):
+        r = httpx.post(base_url + path, content=b'{"text": "Hi"}', headers={"content-type": content_type}, timeout=30)
+        assert r.status_code == 415, r.text
+        assert r.json()["error"]["type"] == "UnsupportedMediaType"
+    assert httpx.get(base_url + "/get_server_info", timeout=30).json()["internal_states"][0]["num_paused_reqs"] == 0
+    assert httpx.post(base_url + "/generate", json={"text": "Hi", "sampling_params": {"max_new_tokens": 1}}).is_success

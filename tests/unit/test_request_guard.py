@@ -127,3 +127,29 @@ async def test_other_scopes_pass_through_untouched():
 
     await RequestGuard(app, max_body_bytes=1, api_key=API_KEY)({"type": "lifespan"}, None, None)
     assert seen == ["lifespan"]
+
+
+@pytest.mark.parametrize(
+    "content_type, expected",
+    [
+        (None, 200),  # no header: JSON, as FastAPI takes it
+        ("application/json", 200),
+        ("Application/JSON; charset=utf-8", 200),
+        ("application/merge-patch+json", 200),
+        ("text/plain", 415),  # what a cross-site form or fetch may send without asking
+        ("application/x-www-form-urlencoded", 415),
+        ("multipart/form-data; boundary=x", 415),
+        ("text/json", 415),
+        ("application/jsonx", 415),
+    ],
+)
+async def test_a_post_body_must_be_json(content_type, expected):
+    guard = RequestGuard(ok_app, max_body_bytes=1024)
+    headers = {"Content-Type": content_type} if content_type is not None else {}
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=guard), base_url="http://guard") as client:
+        response = await client.post("/pause_generation", content=b"{}", headers=headers)
+        assert response.status_code == expected
+        if expected == 415:
+            assert f"must be application/json, got {content_type!r}" in response.json()["error"]["message"]
+        # A GET has no body to check.
+        assert (await client.get("/get_server_info", headers=headers)).status_code == 200
