@@ -103,13 +103,19 @@ class SamplingFields(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         if response_format is None or response_format == {"type": "text"}:
             return {} if self.json_schema is None else {"json_schema": self.json_schema}
         kind = response_format.get("type") if isinstance(response_format, dict) else None
+        if isinstance(response_format, dict) and kind in _FORMAT_FIELDS:
+            _check_fields(response_format, _FORMAT_FIELDS[kind], f"response_format of type {kind!r}")
         if kind == "json_object":
-            constraint = {"json_schema": json.dumps({"type": "object"})}
+            # A schema beside it is honoured, as Fireworks and Together take it.
+            constraint = {"json_schema": json.dumps(_schema(response_format.get("schema", {"type": "object"})))}
         elif kind == "json_schema" and isinstance(response_format.get("json_schema"), dict):
-            schema = response_format["json_schema"].get("schema", {})
-            if not isinstance(schema, dict):
-                raise ClientError("response_format.json_schema.schema must be a JSON Schema object", "response_format")
-            constraint = {"json_schema": json.dumps(schema)}
+            spec = response_format["json_schema"]
+            _check_fields(spec, _JSON_SCHEMA_FIELDS, "response_format.json_schema")
+            if not isinstance(spec.get("name", ""), str) or not isinstance(spec.get("strict", True), bool | None):
+                raise ClientError(
+                    "response_format.json_schema's name must be a string and strict a boolean", "response_format"
+                )
+            constraint = {"json_schema": json.dumps(_schema(spec.get("schema", {})))}
         elif kind == "structural_tag":  # SGLang's and vLLM's: checked by the grammar (sluice/grammar.py)
             constraint = {"structural_tag": json.dumps(response_format)}
         else:
@@ -383,3 +389,20 @@ class TokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 class DetokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     model: str | None = None
     tokens: list[int]
+
+
+# The fields each response_format type has (OpenAI's; json_object's schema as Fireworks and
+# Together take it): any other is refused rather than left without effect.
+_FORMAT_FIELDS = {"text": {"type"}, "json_object": {"type", "schema"}, "json_schema": {"type", "json_schema"}}
+_JSON_SCHEMA_FIELDS = {"name", "description", "schema", "strict"}
+
+
+def _check_fields(given: dict[str, Any], known: set[str], where: str) -> None:
+    if unknown := sorted(set(given) - known):
+        raise ClientError(f"{where} has no field {unknown[0]!r} (it has {', '.join(sorted(known))})", "response_format")
+
+
+def _schema(schema: Any) -> dict[str, Any]:
+    if not isinstance(schema, dict):
+        raise ClientError("response_format's schema must be a JSON Schema object", "response_format")
+    return schema

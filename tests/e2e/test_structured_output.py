@@ -181,13 +181,35 @@ def test_bad_grammars_are_400_naming_the_field(http, base_url, params, field):
 
 @pytest.mark.parametrize(
     "response_format",
-    [{"type": "json"}, {"type": "json_schema"}, {"type": "json_schema", "json_schema": {"schema": [1]}}, "json"],
+    [
+        {"type": "json"},
+        {"type": "json_schema"},
+        {"type": "json_schema", "json_schema": {"schema": [1]}},
+        "json",
+        # A field the type does not have would be left without effect: refused.
+        {"type": "json_object", "json_schema": {"name": "person", "schema": PERSON}},
+        {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "schema_version": 2}},
+        {"type": "json_schema", "json_schema": {"name": 7, "schema": PERSON}},
+        {"type": "text", "json_schema": {"name": "person", "schema": PERSON}},
+    ],
 )
 def test_bad_response_formats_are_400(http, response_format):
     body = {"messages": [{"role": "user", "content": "hi"}], "response_format": response_format, "max_tokens": 4}
     result = http.post("/v1/chat/completions", json=body)
     assert result.status_code == 400, result.text
     assert result.json()["error"]["param"] == "response_format"
+
+
+def test_json_object_with_a_schema_follows_the_schema(client, model_name):
+    """Fireworks and Together take a schema beside json_object; sluice honours it too."""
+    result = client.chat.completions.create(
+        model=model_name,
+        messages=[{"role": "user", "content": "Describe a person."}],
+        response_format={"type": "json_object", "schema": PERSON},
+        max_tokens=60,
+        temperature=0,
+    )
+    jsonschema.validate(json.loads(result.choices[0].message.content), PERSON)
 
 
 def test_completions_take_response_format_too(http):
