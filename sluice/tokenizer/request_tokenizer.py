@@ -110,9 +110,7 @@ class RequestTokenizer:
             self._images().check_tokens(input_ids, len(images))
         params = parse_sampling_params(obj.single_sampling_params)
         self._check_lengths(input_ids, params)
-        validate_sampling_params(params, self._token_id_bound())
-        if grammar_field(params) is not None and self._grammar_tokenizer is not None:
-            check_grammar(params, self._grammar_tokenizer.result(), self.server_args.reasoning_parser)
+        self._check_params(params)
         if obj.return_logprob and obj.logprob_start_len > len(input_ids):
             raise ClientError(
                 f"logprob_start_len {obj.logprob_start_len} is past the prompt's {len(input_ids)} tokens",
@@ -134,6 +132,24 @@ class RequestTokenizer:
             received_at=received_at,
             return_timings=obj.return_timings,
         )
+
+    def check_sampling_params(self, obj: GenerateReqInput) -> None:
+        """Every item's sampling_params, with the checks that need no tokens (tokenizing
+        runs them again, with the rest): for a request about to wait at the gate, so a bad
+        one is refused at once, not once the pause or weight update is over."""
+        given = obj.sampling_params if isinstance(obj.sampling_params, list) else [obj.sampling_params]
+        for i, raw in enumerate(given):
+            try:
+                self._check_params(parse_sampling_params(raw))
+            except ClientError as e:
+                if len(given) == 1:
+                    raise
+                raise ClientError(f"item {i}: {e.message}", e.param) from None
+
+    def _check_params(self, params: SamplingParams) -> None:
+        validate_sampling_params(params, self._token_id_bound())
+        if grammar_field(params) is not None and self._grammar_tokenizer is not None:
+            check_grammar(params, self._grammar_tokenizer.result(), self.server_args.reasoning_parser)
 
     def _priority(self, priority: int | None) -> int:
         if priority and self.server_args.schedule_policy != "priority":

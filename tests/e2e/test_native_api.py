@@ -345,6 +345,25 @@ def test_an_abort_ends_a_request_held_by_a_pause(base_url):
     assert moved(metrics, scrape(base_url), "sluice:requests_total{finish_reason=abort}") == 2
 
 
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/generate", {"text": "Hi", "sampling_params": {"max_new_tokens": -1}}, "max_new_tokens"),
+        ("/generate", {"text": ["Hi", "Yo"], "sampling_params": [{}, {"regex": "(unclosed"}]}, "regex"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "temperature": -1}, "temperature"),
+    ],
+)
+def test_a_bad_request_is_refused_at_once_during_a_pause(base_url, path, body, param):
+    """Not held until generation continues (or ended as aborted by an abort meanwhile)."""
+    assert httpx.post(base_url + "/pause_generation").status_code == 200
+    try:
+        response = httpx.post(base_url + path, json=body, timeout=10)
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["param"] == param
+    finally:
+        assert httpx.post(base_url + "/continue_generation").status_code == 200
+
+
 def test_a_request_whose_client_leaves_during_a_pause_is_dropped(base_url):
     """It neither waits for the pause to end nor runs after it."""
     before = internal_states(base_url)
