@@ -129,8 +129,8 @@ class TokenizerManager:
         answers with the pause state: a worker that replaces a dead one holds new requests
         while the others do."""
         assert self.http_worker_ipc is not None
-        reply = await self.control.call(RegisterWorker(http_worker_ipc=self.http_worker_ipc, pid=os.getpid()), SetPause)
-        await self.pause.set(reply.paused)
+        # _dispatch sets the gate from the reply, as from every SetPause, in arrival order.
+        await self.control.call(RegisterWorker(http_worker_ipc=self.http_worker_ipc, pid=os.getpid()), SetPause)
 
     def close(self) -> None:
         self.soft_watchdog.stop()
@@ -322,7 +322,7 @@ class TokenizerManager:
                 # Requests of the other workers are unharmed; the server reports unhealthy.
                 self.health_error = f"HTTP worker {recv_obj.pid} died"
             case SetPause():
-                asyncio.get_running_loop().create_task(self.pause.set(recv_obj.paused))
+                self.pause.set_now(recv_obj.paused)
                 if recv_obj.http_worker_ipc == self.http_worker_ipc:
                     self.control.deliver(recv_obj)  # this worker's own, back from the router
             case UpdateWeightsFromDiskReqOutput():

@@ -74,6 +74,12 @@ class PauseGate:
             self.paused = paused
             self._changed.notify_all()
 
+    def set_now(self, paused: bool) -> None:
+        """`set` for a message handler: the state changes at once, in the order the messages
+        came (a pause and a continue queued back to back end continued); waiters wake soon."""
+        self.paused = paused
+        asyncio.get_running_loop().create_task(self._wake_all())
+
     @asynccontextmanager
     async def closed_for_update(self) -> AsyncIterator[None]:
         """Hold this worker's new requests while a weight update waits for the running ones
@@ -83,9 +89,8 @@ class PauseGate:
         try:
             yield
         finally:
-            async with self._changed:
-                self._updates -= 1
-                self._changed.notify_all()
+            self._updates -= 1  # before any wait: a cancelled update must not leave the gate shut
+            await self._wake_all()
 
     async def wait_while_closed(self, request: ClientConnection | None, rids: Iterable[str] = ()) -> bool:
         """Hold a new request (client rids `rids`) while the gate is closed; True if an abort
