@@ -63,7 +63,8 @@ GATEWAY_UNNAMED_MODEL = "unknown"
 # The errors a route can answer with, besides its own: 401 with --api-key, 503 when the
 # back end is gone.
 _ANY_ROUTE = (401, 503)
-_BODY_ROUTE = (400, 401, 413, 503)
+_ANY_POST = (401, 403, 415, 503)  # RequestGuard: a post from another site's page, or not JSON
+_BODY_ROUTE = (400, 413, *_ANY_POST)
 
 
 def create_app(state: ServerState, lifespan=None) -> FastAPI:
@@ -182,10 +183,8 @@ def create_app(state: ServerState, lifespan=None) -> FastAPI:
         and the Scheduler's gauges."""
         return Response(await state.tm.render_metrics(), media_type=METRICS_CONTENT_TYPE)
 
-    flush_docs = docs.operation(response=Success, errors=(400, *_ANY_ROUTE))
-
-    @app.get("/flush_cache", openapi_extra=flush_docs)
-    @app.post("/flush_cache", openapi_extra=flush_docs)
+    @app.get("/flush_cache", openapi_extra=docs.operation(response=Success, errors=(400, *_ANY_ROUTE)))
+    @app.post("/flush_cache", openapi_extra=docs.operation(response=Success, errors=(400, *_ANY_POST)))
     async def flush_cache():
         result = await state.tm.flush_cache()
         if not result.success:
@@ -218,7 +217,7 @@ def create_app(state: ServerState, lifespan=None) -> FastAPI:
             state.tm.abort_request(abort_all=True)
         return {"success": True}
 
-    @app.post("/continue_generation", openapi_extra=docs.operation(response=Success, errors=_ANY_ROUTE))
+    @app.post("/continue_generation", openapi_extra=docs.operation(response=Success, errors=_ANY_POST))
     async def continue_generation():
         await state.tm.continue_generation()
         return {"success": True}

@@ -21,6 +21,7 @@ logger = logging.getLogger(__name__)
 _TYPES = {
     400: "BadRequestError",
     401: "AuthenticationError",
+    403: "PermissionDeniedError",
     404: "NotFoundError",
     405: "MethodNotAllowed",
     413: "RequestTooLarge",

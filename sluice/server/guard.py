@@ -1,5 +1,5 @@
-"""A pure ASGI middleware for the checks every request passes: body size, API key, and a
-JSON content type on POST.
+"""A pure ASGI middleware for the checks every request passes: body size, API key, and on
+POST a JSON content type from no other site's page.
 
 Pure ASGI rather than FastAPI's `@app.middleware("http")`: that one wraps `receive`, and
 a non-streaming route could then no longer see its client disconnect.
@@ -14,6 +14,9 @@ from sluice.server.errors import BodyTooLarge, error_response
 # The playground page and its files hold nothing secret: it asks for the key itself.
 OPEN_PATHS = frozenset({"/health", "/"})
 OPEN_PREFIXES = ("/web/",)
+# What browsers send as Sec-Fetch-Site for a request from another origin's page (a
+# same-origin page, the user's own navigation and non-browser clients send something else).
+CROSS_SITE = frozenset({b"cross-site", b"same-site"})
 ADMIN_PATHS = frozenset(
     {"/flush_cache", "/abort_request", "/pause_generation", "/continue_generation", "/update_weights_from_disk"}
 )
@@ -61,13 +64,18 @@ class RequestGuard:
                 return await self._reject(
                     scope, receive, send, 401, "invalid or missing API key: send the header 'Authorization: Bearer KEY'"
                 )
-        if scope["method"] == "POST" and not is_json(content_type := headers.get(b"content-type")):
-            # Every POST body is JSON. Refusing other types (as FastAPI's JSON bodies do) also
-            # keeps a web page from driving a server on this machine with a form or text/plain
-            # POST, which browsers send cross-site without asking the server first.
-            shown = (content_type or b"").decode("latin-1")
-            message = f"Content-Type must be application/json, got {shown!r}"
-            return await self._reject(scope, receive, send, 415, message)
+        if scope["method"] == "POST":
+            if (site := headers.get(b"sec-fetch-site")) in CROSS_SITE:
+                # A page of another site (or another port of this host) posting here: browsers
+                # send a form, text/plain or a typeless body cross-site without asking the
+                # server first, so such a page could pause or drive a server on its user's
+                # machine. Browsers say where a request comes from; other clients send nothing.
+                message = f"a POST from a page of another site is refused (Sec-Fetch-Site: {site.decode('latin-1')})"
+                return await self._reject(scope, receive, send, 403, message)
+            if not is_json(content_type := headers.get(b"content-type")):
+                shown = (content_type or b"").decode("latin-1")  # every POST body is JSON, as FastAPI's are
+                message = f"Content-Type must be application/json, got {shown!r}"
+                return await self._reject(scope, receive, send, 415, message)
         return await self.app(scope, self._limited(receive), send)
 
     def _required_keys(self, path: str) -> list[bytes]:

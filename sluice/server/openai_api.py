@@ -57,7 +57,7 @@ from sluice.tokenizer.manager import TokenizerManager
 # The native checks name SGLang's fields; the client wrote OpenAI's.
 _OPENAI_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
 _PROMPT_PARAMS = {"text", "input_ids"}
-_ERRORS = (400, 401, 404, 413, 503)
+_ERRORS = (400, 401, 403, 404, 413, 415, 503)  # 403, 415: RequestGuard's refusals of a POST
 
 
 def install_openai_routes(app: FastAPI, state: ServerState, docs: ApiDocs) -> None:

@@ -41,12 +41,14 @@ def test_abort_request_takes_only_its_own_shape(base_url, body):
 
 
 @pytest.mark.parametrize("path", [*BODY_ROUTES, "/pause_generation", "/update_weights_from_disk"])
-def test_a_body_that_is_not_json_by_its_type_is_415(base_url, path):
+def test_a_post_that_is_not_json_or_comes_from_another_site_is_refused(base_url, path):
     """A browser posts text/plain or a form cross-site without asking the server first: a
     web page must not pause or drive a server on the user's machine that way."""
     for content_type in ("text/plain", "application/x-www-form-urlencoded"):
         r = httpx.post(base_url + path, content=b'{"text": "Hi"}', headers={"content-type": content_type}, timeout=30)
         assert r.status_code == 415, r.text
         assert r.json()["error"]["type"] == "UnsupportedMediaType"
+    cross_site = {"sec-fetch-site": "cross-site"}  # what a browser adds to another site's post
+    assert httpx.post(base_url + path, content=b"", headers=cross_site, timeout=30).status_code == 403
     assert httpx.get(base_url + "/get_server_info", timeout=30).json()["internal_states"][0]["num_paused_reqs"] == 0
     assert httpx.post(base_url + "/generate", json={"text": "Hi", "sampling_params": {"max_new_tokens": 1}}).is_success

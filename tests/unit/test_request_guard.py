@@ -153,3 +153,18 @@ async def test_a_post_body_must_be_json(content_type, expected):
             assert f"must be application/json, got {content_type!r}" in response.json()["error"]["message"]
         # A GET has no body to check.
         assert (await client.get("/get_server_info", headers=headers)).status_code == 200
+
+
+@pytest.mark.parametrize(
+    "site, expected", [("cross-site", 403), ("same-site", 403), ("same-origin", 200), ("none", 200), (None, 200)]
+)
+async def test_a_post_from_another_sites_page_is_refused(site, expected):
+    """Even typeless (a no-cors fetch of raw bytes sends no Content-Type and no preflight)."""
+    guard = RequestGuard(ok_app, max_body_bytes=1024)
+    headers = {"Sec-Fetch-Site": site} if site is not None else {}
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=guard), base_url="http://guard") as client:
+        response = await client.post("/pause_generation", content=b"", headers=headers)
+        assert response.status_code == expected
+        if expected == 403:
+            assert response.json()["error"]["type"] == "PermissionDeniedError"
+        assert (await client.get("/get_server_info", headers=headers)).status_code == 200  # reading is not posting
