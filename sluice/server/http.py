@@ -7,7 +7,8 @@ import logging
 import sys
 import time
 
-from uvicorn.main import STARTUP_FAILURE
+import uvicorn
+from uvicorn.config import STARTUP_FAILURE
 from uvicorn.supervisors import Multiprocess
 
 from sluice.config import ServerArgs
@@ -24,8 +25,6 @@ def serve_http(server_args: ServerArgs, app, workers: int = 1) -> None:
     if server_args.http_server == "granian":
         _serve_granian(server_args, app, workers)
         return
-    import uvicorn
-
     config = uvicorn.Config(
         app,
         host=server_args.host,

@@ -4,8 +4,9 @@ against the model's limits. Used by the single path and the batch path alike."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Container
+from collections.abc import Container, Iterator
 from concurrent.futures import Future
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from sluice.config import ServerArgs
@@ -59,16 +60,12 @@ class RequestTokenizer:
         for i, (item, item_images) in enumerate(zip(items, images, strict=True)):
             given_ids = item.single_input_ids
             ids: list[int] = given_ids if given_ids is not None else next(encoded)
-            try:
+            with naming_the_item(i if label_items else None):
                 rid = item.single_rid
                 if rid in seen or rid in live_rids:
                     raise ClientError(f"a request with rid '{rid}' is already running", "rid")
                 seen.add(rid)
                 tokenized.append(self._tokenized(item, ids, item_images, received_at))
-            except ClientError as e:
-                if not label_items:
-                    raise
-                raise ClientError(f"item {i}: {e.message}", e.param) from None
         return tokenized
 
     def can_send_as_one_batch(self, items: list[GenerateReqInput]) -> bool:
@@ -139,12 +136,8 @@ class RequestTokenizer:
         one is refused at once, not once the pause or weight update is over."""
         given = obj.sampling_params if isinstance(obj.sampling_params, list) else [obj.sampling_params]
         for i, raw in enumerate(given):
-            try:
+            with naming_the_item(i if len(given) > 1 else None):
                 self._check_params(parse_sampling_params(raw))
-            except ClientError as e:
-                if len(given) == 1:
-                    raise
-                raise ClientError(f"item {i}: {e.message}", e.param) from None
 
     def _check_params(self, params: SamplingParams) -> None:
         validate_sampling_params(params, self._token_id_bound())
@@ -172,14 +165,10 @@ class RequestTokenizer:
         priority = self._priority(obj.priority)
         tokenized = []
         for i, (rid, ids) in enumerate(zip(obj.rids, all_ids, strict=True)):
-            try:
+            with naming_the_item(None if obj.is_single else i):
                 if rid in live_rids:
                     raise ClientError(f"a request with rid '{rid}' is already running", "rid")
                 self._check_prompt(ids)
-            except ClientError as e:
-                if obj.is_single:
-                    raise
-                raise ClientError(f"item {i}: {e.message}", e.param) from None
             tokenized.append(
                 TokenizedEmbeddingReqInput(rid=rid, input_ids=ids, priority=priority, received_at=received_at)
             )
@@ -210,3 +199,14 @@ class RequestTokenizer:
                 f"together {num_input + params.max_new_tokens}, more than the context length {context_len}",
                 "max_new_tokens",
             )
+
+
+@contextmanager
+def naming_the_item(index: int | None) -> Iterator[None]:
+    """A ClientError raised inside names item `index` of a list request (None: a single one)."""
+    try:
+        yield
+    except ClientError as e:
+        if index is None:
+            raise
+        raise ClientError(f"item {index}: {e.message}", e.param) from None

@@ -139,8 +139,9 @@ def test_dead_worker_turns_health_503_and_its_replacement_keeps_the_pause():
             time.sleep(0.5)
         assert httpx.get(url + "/health").status_code == 503
         assert "died" in server.read_log()
-        # uvicorn starts a replacement; it holds new requests as the paused worker does.
-        wait_for_log(server, "registered (2 workers)", count=2, timeout_s=120)
+        # uvicorn starts a replacement; once it serves, it holds new requests as the paused
+        # worker does (8 requests on fresh connections reach both).
+        wait_for_log(server, "worker ready in", count=3, timeout_s=120)
         with ThreadPoolExecutor(8) as pool:
             body = {"text": "Hi", "sampling_params": greedy(2)}
             futures = [pool.submit(httpx.post, url + "/generate", json=body, timeout=120) for _ in range(8)]
@@ -170,10 +171,8 @@ def test_sigterm_stops_the_server_though_a_worker_does_not_stop(http_server):
         assert len(workers) == 2
         children = main.children(recursive=True)
         workers[0].suspend()
-        started = time.monotonic()
         server.process.send_signal(signal.SIGTERM)
-        server.process.wait(WORKER_STOP_GRACE_S + 30)
-        assert time.monotonic() - started < WORKER_STOP_GRACE_S + 30
+        server.process.wait(WORKER_STOP_GRACE_S + 30)  # TimeoutExpired fails the test
         _, alive = psutil.wait_procs(children, timeout=10)
         assert not [c for c in alive if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
     finally:

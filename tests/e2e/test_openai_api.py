@@ -208,11 +208,12 @@ def test_completion_stream_joins_to_the_full_text_with_usage(client, model):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
 
 
-def test_completion_stream_with_logprobs_and_echo(client, model):
-    full = client.completions.create(model=model, prompt=PROMPT, max_tokens=6, temperature=0, echo=True, logprobs=2)
+@pytest.mark.parametrize("prompt", [PROMPT, "東京の天気は"], ids=["ascii", "split-characters"])
+def test_completion_stream_with_logprobs_and_echo(client, model, prompt):
+    full = client.completions.create(model=model, prompt=prompt, max_tokens=6, temperature=0, echo=True, logprobs=2)
     chunks = list(
         client.completions.create(
-            model=model, prompt=PROMPT, max_tokens=6, temperature=0, echo=True, logprobs=2, stream=True
+            model=model, prompt=prompt, max_tokens=6, temperature=0, echo=True, logprobs=2, stream=True
         )
     )
     assert "".join(c.choices[0].text for c in chunks) == full.choices[0].text

@@ -270,4 +270,3 @@ def test_text_offsets_count_a_character_split_over_tokens_once():
     llama's offset and " b" starts right after it (each piece alone would be "�")."""
     offsets = TextOffsets()
     assert [offsets.next(piece) for piece in (b"a", b"\xf0\x9f", b"\xa6\x99", b" b")] == [0, 1, 1, 2]
-    assert "a🦙 b"[2:] == " b"
