@@ -1,6 +1,6 @@
 """Compiles the C kernels in this folder for one instruction set, once per source version.
 
-One gcc call (a few seconds) per instruction set; the shared library is cached under
+One gcc call (20-30 s on 2 cores) per instruction set; the shared library is cached under
 ~/.cache/sluice/kernels (`SLUICE_CACHE_DIR` moves it), keyed by the sources, the flags and
 the instruction set, so later starts only load it. No `-march=native`: a build runs on any
 CPU that has its instruction set, so the cache may be shared between machines.

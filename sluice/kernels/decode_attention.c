@@ -580,29 +580,47 @@ static int value_width(int group, int head_dim) {
     return 1;
 }
 
-/* One block of the group's query heads, with G, the value width and the dtype constants. */
-#define BLOCK_CALL(G, W, DTYPE)                                                                             \
-    attend_block(G, W, DTYPE, count, q_first, q_stride, head_dim, seq_lens + first, lists, shared[b], scale,    \
-                 window, softcap, keys, values, heads_a_call, scores, out_first, (size_t)heads * head_dim)
-#define WIDTH_SWITCH(G, DTYPE)                                                                              \
-    case G:                                                                                                 \
-        if (width == 4) BLOCK_CALL(G, 4, DTYPE);                                                            \
-        else if (width == 2) BLOCK_CALL(G, 2, DTYPE);                                                       \
-        else BLOCK_CALL(G, 1, DTYPE);                                                                       \
-        break;
-#define GROUP_SWITCH(DTYPE)                                                                                 \
-    switch (group) {                                                                                        \
-        WIDTH_SWITCH(1, DTYPE) WIDTH_SWITCH(2, DTYPE) WIDTH_SWITCH(3, DTYPE) WIDTH_SWITCH(4, DTYPE)         \
-        WIDTH_SWITCH(5, DTYPE) WIDTH_SWITCH(6, DTYPE) WIDTH_SWITCH(7, DTYPE) WIDTH_SWITCH(8, DTYPE)         \
+/* attend_block with its constants (G, value width, K/V dtype), each a function of its own: the
+ * 72 of them inlined into the parallel loop below made one function of 570 KB of code that
+ * took gcc 100-170 s to compile, on every build. */
+typedef void (*block_function)(int count, const float *q, long q_stride, int head_dim, const int64_t *lens,
+                               const int64_t *const *slot_lists, int shared_len, float scale, int window,
+                               float softcap, kv_rows keys, kv_rows values, int kv_heads, float *scratch, float *out,
+                               size_t out_stride);
+
+#define BLOCK_FUNCTION(DTYPE, G, W)                                                                          \
+    static __attribute__((noinline)) void block_##DTYPE##_##G##_##W(                                         \
+        int count, const float *q, long q_stride, int head_dim, const int64_t *lens,                         \
+        const int64_t *const *slot_lists, int shared_len, float scale, int window, float softcap, kv_rows keys, \
+        kv_rows values, int kv_heads, float *scratch, float *out, size_t out_stride) {                        \
+        attend_block(G, W, DTYPE, count, q, q_stride, head_dim, lens, slot_lists, shared_len, scale, window, \
+                     softcap, keys, values, kv_heads, scratch, out, out_stride);                             \
     }
+#define WIDTH_FUNCTIONS(DTYPE, G) BLOCK_FUNCTION(DTYPE, G, 1) BLOCK_FUNCTION(DTYPE, G, 2) BLOCK_FUNCTION(DTYPE, G, 4)
+#define GROUP_FUNCTIONS(DTYPE)                                                                               \
+    WIDTH_FUNCTIONS(DTYPE, 1) WIDTH_FUNCTIONS(DTYPE, 2) WIDTH_FUNCTIONS(DTYPE, 3) WIDTH_FUNCTIONS(DTYPE, 4)  \
+    WIDTH_FUNCTIONS(DTYPE, 5) WIDTH_FUNCTIONS(DTYPE, 6) WIDTH_FUNCTIONS(DTYPE, 7) WIDTH_FUNCTIONS(DTYPE, 8)
+GROUP_FUNCTIONS(SLUICE_KV_FLOAT32)
+GROUP_FUNCTIONS(SLUICE_KV_FLOAT16)
+GROUP_FUNCTIONS(SLUICE_KV_BFLOAT16)
+
+#define WIDTH_ROW(DTYPE, G) {block_##DTYPE##_##G##_1, block_##DTYPE##_##G##_2, block_##DTYPE##_##G##_4}
+#define GROUP_ROWS(DTYPE)                                                                                    \
+    {WIDTH_ROW(DTYPE, 1), WIDTH_ROW(DTYPE, 2), WIDTH_ROW(DTYPE, 3), WIDTH_ROW(DTYPE, 4),                     \
+     WIDTH_ROW(DTYPE, 5), WIDTH_ROW(DTYPE, 6), WIDTH_ROW(DTYPE, 7), WIDTH_ROW(DTYPE, 8)}
+/* By enum sluice_kv_dtype, G - 1 and the value width (1, 2, 4 at 0, 1, 2). */
+static const block_function BLOCK_FUNCTIONS[3][MAX_GROUP][3] = {
+    GROUP_ROWS(SLUICE_KV_FLOAT32), GROUP_ROWS(SLUICE_KV_FLOAT16), GROUP_ROWS(SLUICE_KV_BFLOAT16)};
 
 int sluice_decode_attention(int queries, int heads, int kv_heads, int head_dim, int max_len, float scale, int window,
                             float softcap, const float *q, long q_stride, const void *k_pool, const void *v_pool,
                             int kv_dtype, const int64_t *slots, const int64_t *slot_rows, const int64_t *seq_lens,
                             const uint8_t *prompt_rows, float *out) {
     const int group = heads / kv_heads;
-    const int vectorized = head_dim % VLEN == 0 && group <= MAX_GROUP;
+    const int vectorized = head_dim % VLEN == 0 && group >= 1 && group <= MAX_GROUP;
     const int width = value_width(group, head_dim);
+    const int dtype_row = kv_dtype == SLUICE_KV_FLOAT16 || kv_dtype == SLUICE_KV_BFLOAT16 ? kv_dtype : SLUICE_KV_FLOAT32;
+    const block_function attend = vectorized ? BLOCK_FUNCTIONS[dtype_row][group - 1][width == 4 ? 2 : width - 1] : NULL;
     const size_t elem = kv_element_bytes(kv_dtype);
     const size_t slot_bytes = (size_t)kv_heads * head_dim * elem;
     /* Per thread: a block's tile scores and its transposed K tile, or one head's scores on the scalar path. */
@@ -705,11 +723,8 @@ int sluice_decode_attention(int queries, int heads, int kv_heads, int head_dim, 
                                                    out_first + (size_t)i * heads * head_dim + g * head_dim);
                         continue;
                     }
-                    switch (kv_dtype) {
-                    case SLUICE_KV_FLOAT16: GROUP_SWITCH(SLUICE_KV_FLOAT16) break;
-                    case SLUICE_KV_BFLOAT16: GROUP_SWITCH(SLUICE_KV_BFLOAT16) break;
-                    default: GROUP_SWITCH(SLUICE_KV_FLOAT32) break;
-                    }
+                    attend(count, q_first, q_stride, head_dim, seq_lens + first, lists, shared[b], scale, window,
+                           softcap, keys, values, heads_a_call, scores, out_first, (size_t)heads * head_dim);
                 }
             }
         }
