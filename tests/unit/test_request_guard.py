@@ -4,6 +4,9 @@ route, the admin key opens the admin routes, /health is open to all; a body larg
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
 import httpx
 import pytest
 from fastapi import FastAPI, Request
@@ -19,10 +22,17 @@ async def ok_app(scope, receive, send):
     await send({"type": "http.response.body", "body": b"ok"})
 
 
-async def status(path: str, authorization: str | None, **keys) -> int:
+@asynccontextmanager
+async def guarded(**keys) -> AsyncIterator[httpx.AsyncClient]:
+    """A client whose requests pass a RequestGuard (1 KiB bodies, `keys`) on their way to ok_app."""
     guard = RequestGuard(ok_app, max_body_bytes=1024, **keys)
-    headers = {"Authorization": authorization} if authorization is not None else {}
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=guard), base_url="http://guard") as client:
+        yield client
+
+
+async def status(path: str, authorization: str | None, **keys) -> int:
+    headers = {"Authorization": authorization} if authorization is not None else {}
+    async with guarded(**keys) as client:
         return (await client.get(path, headers=headers)).status_code
 
 
@@ -65,8 +75,7 @@ async def test_an_admin_key_alone_guards_only_the_admin_routes():
 
 async def test_health_is_open_and_the_refusal_says_how_to_send_the_key():
     assert await status("/health", None, api_key=API_KEY) == 200
-    guard = RequestGuard(ok_app, max_body_bytes=1024, api_key=API_KEY)
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=guard), base_url="http://guard") as client:
+    async with guarded(api_key=API_KEY) as client:
         error = (await client.get("/v1/models", headers={"Authorization": API_KEY})).json()["error"]
     assert error["type"] == "AuthenticationError" and "Authorization: Bearer KEY" in error["message"]
 
@@ -144,9 +153,8 @@ async def test_other_scopes_pass_through_untouched():
     ],
 )
 async def test_a_post_body_must_be_json(content_type, expected):
-    guard = RequestGuard(ok_app, max_body_bytes=1024)
     headers = {"Content-Type": content_type} if content_type is not None else {}
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=guard), base_url="http://guard") as client:
+    async with guarded() as client:
         response = await client.post("/pause_generation", content=b"{}", headers=headers)
         assert response.status_code == expected
         if expected == 415:
@@ -160,9 +168,8 @@ async def test_a_post_body_must_be_json(content_type, expected):
 )
 async def test_a_post_from_another_sites_page_is_refused(site, expected):
     """Even typeless (a no-cors fetch of raw bytes sends no Content-Type and no preflight)."""
-    guard = RequestGuard(ok_app, max_body_bytes=1024)
     headers = {"Sec-Fetch-Site": site} if site is not None else {}
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=guard), base_url="http://guard") as client:
+    async with guarded() as client:
         response = await client.post("/pause_generation", content=b"", headers=headers)
         assert response.status_code == expected
         if expected == 403:
