@@ -111,7 +111,7 @@ def install_openai_routes(app: FastAPI, state: ServerState, docs: ApiDocs) -> No
         else:
             obj.input_ids = [*prompts[0]] if len(prompts) == 1 else [*prompts]
         view = CompletionView(state.model_name, request_id, token_texts, body, prompts)
-        return await serve(tm, obj, request, view, "prompt")
+        return await serve(tm, obj, request, view, "prompt", body.grammar_names)
 
     @app.post(
         "/v1/chat/completions",
@@ -158,7 +158,13 @@ def install_openai_routes(app: FastAPI, state: ServerState, docs: ApiDocs) -> No
         view = ChatView(
             state.model_name, obj.rid, token_texts, body, tool_call_parser(tm), tm.server_args.reasoning_parser
         )
-        return await serve(tm, obj, request, view, "messages")
+        # Errors name the fields the client set: the newer name of the limit, the tools
+        # whose parameters gave the grammar.
+        limit = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        names = {**body.grammar_names, "max_new_tokens": limit}
+        if forced or strict:
+            names.update(json_schema="tools", structural_tag="tools")
+        return await serve(tm, obj, request, view, "messages", names)
 
     @app.post(
         "/v1/embeddings",
@@ -243,7 +249,12 @@ def chat_prompt_ids(tm: TokenizerManager, body: ChatCompletionRequest, model_nam
 
 
 async def serve(
-    tm: TokenizerManager, obj: GenerateReqInput, request: Request, view: OpenAIView, prompt_param: str
+    tm: TokenizerManager,
+    obj: GenerateReqInput,
+    request: Request,
+    view: OpenAIView,
+    prompt_param: str,
+    names: dict[str, str] | None = None,
 ) -> Response:
     generator = tm.generate_request(obj, request)
     try:
@@ -252,7 +263,7 @@ async def serve(
         # One final chunk per choice; reading them all lets the generator let go of its lock.
         finals = [chunk async for chunk in generator]
     except ClientError as e:
-        raise openai_client_error(e, prompt_param) from None
+        raise openai_client_error(e, prompt_param, names) from None
     if not finals:
         return error_response(400, "the client disconnected")  # no one reads this
     finals.sort(key=choice_index)
@@ -262,12 +273,15 @@ async def serve(
     return JSONResponse(view.response(finals))
 
 
-def openai_client_error(e: ClientError, prompt_param: str) -> ClientError:
+def openai_client_error(e: ClientError, prompt_param: str, names: dict[str, str] | None = None) -> ClientError:
+    """A native route's error in the OpenAI request's own names: `prompt_param` for the
+    prompt (text or input_ids), `names` over _OPENAI_NAMES for the rest."""
+    names = {**_OPENAI_NAMES, **(names or {})}
     message, param = e.message, e.param
-    for native, openai in _OPENAI_NAMES.items():
+    for native, openai in names.items():
         message = message.replace(native, openai)
-    if param in _OPENAI_NAMES:
-        param = _OPENAI_NAMES[param]
+    if param in names:
+        param = names[param]
     elif param in _PROMPT_PARAMS:
         param = prompt_param
         message = message.replace("input_ids", prompt_param)

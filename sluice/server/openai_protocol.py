@@ -130,6 +130,14 @@ class SamplingFields(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         return constraint
 
     @property
+    def grammar_names(self) -> dict[str, str]:
+        """The request field that a grammar error of the native path is about, by its native
+        name: response_format where that gave the grammar (a bad schema in it, say)."""
+        if self.response_format is None or self.response_format == {"type": "text"}:
+            return {}
+        return {"json_schema": "response_format", "structural_tag": "response_format"}
+
+    @property
     def sample_count(self) -> int:
         return 1 if self.n is None else self.n
 

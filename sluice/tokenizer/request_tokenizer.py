@@ -106,7 +106,7 @@ class RequestTokenizer:
         if images:
             self._images().check_tokens(input_ids, len(images))
         params = parse_sampling_params(obj.single_sampling_params)
-        self._check_lengths(input_ids, params)
+        self._check_lengths(input_ids, params, "text" if obj.input_ids is None else "input_ids")
         self._check_params(params)
         if obj.return_logprob and obj.logprob_start_len > len(input_ids):
             raise ClientError(
@@ -168,17 +168,18 @@ class RequestTokenizer:
             with naming_the_item(None if obj.is_single else i):
                 if rid in live_rids:
                     raise ClientError(f"a request with rid '{rid}' is already running", "rid")
-                self._check_prompt(ids)
+                self._check_prompt(ids, "text" if texts else "input_ids")
             tokenized.append(
                 TokenizedEmbeddingReqInput(rid=rid, input_ids=ids, priority=priority, received_at=received_at)
             )
         return tokenized
 
-    def _check_prompt(self, input_ids: list[int]) -> None:
-        """A prompt the model can take: not empty, known token ids, within max_req_input_len."""
+    def _check_prompt(self, input_ids: list[int], given_as: str) -> None:
+        """A prompt the model can take: not empty, known token ids, within max_req_input_len.
+        given_as: the request field that held it ("text" or "input_ids"), for errors."""
         num_input = len(input_ids)
         if num_input == 0:
-            raise ClientError("the prompt is empty", "text")
+            raise ClientError("the prompt is empty", given_as)
         vocab = self._token_id_bound()
         if any(not isinstance(t, int) or not 0 <= t < vocab for t in input_ids):
             raise ClientError(f"input_ids must be token ids in [0, {vocab})", "input_ids")
@@ -186,11 +187,11 @@ class RequestTokenizer:
         if num_input > max_input:
             raise ClientError(
                 f"The input has {num_input} tokens, more than the maximum input length max_req_input_len={max_input}",
-                "input_ids",
+                given_as,
             )
 
-    def _check_lengths(self, input_ids: list[int], params: SamplingParams) -> None:
-        self._check_prompt(input_ids)
+    def _check_lengths(self, input_ids: list[int], params: SamplingParams, given_as: str) -> None:
+        self._check_prompt(input_ids, given_as)
         num_input = len(input_ids)
         context_len = self._limits().context_len
         if num_input + params.max_new_tokens > context_len:

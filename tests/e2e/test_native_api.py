@@ -201,6 +201,15 @@ def test_too_long_input_names_both_numbers(base_url):
     assert r.status_code == 400 and "100" in r.text and str(context) in r.text
 
 
+@pytest.mark.parametrize("prompt_field", ["text", "input_ids"])
+def test_too_long_input_names_the_field_it_came_in(base_url, prompt_field):
+    limit = httpx.get(base_url + "/get_model_info").json()["max_req_input_len"]
+    prompt = " hello" * (limit + 1) if prompt_field == "text" else [100] * (limit + 1)
+    for path, body in (("/generate", {prompt_field: prompt}), ("/encode", {prompt_field: prompt})):
+        r = httpx.post(base_url + path, json=body, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == prompt_field, (path, r.text)
+
+
 @pytest.fixture(scope="module")
 def capped():
     """A server whose requests may hold 64 tokens (the model's own: 8192)."""

@@ -545,6 +545,14 @@ def test_wrong_types_are_400_naming_the_field(http, path, body, param):
     assert_error(http.post(path, json=body), 400, param)
 
 
+HI = {"messages": [{"role": "user", "content": "Hi"}]}
+BAD_REF_SCHEMA = {"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}
+BAD_REF_FUNCTION = {"name": "f", "parameters": BAD_REF_SCHEMA}
+BAD_REF_TOOL = {"type": "function", "function": BAD_REF_FUNCTION}
+BAD_REF_STRICT = {**BAD_REF_FUNCTION, "strict": True}
+BAD_REF_FORMAT = {"type": "json_schema", "json_schema": {"name": "x", "schema": BAD_REF_SCHEMA}}
+
+
 @pytest.mark.parametrize(
     ("path", "body", "param"),
     [
@@ -578,6 +586,18 @@ def test_wrong_types_are_400_naming_the_field(http, path, body, param):
             {"messages": [{"role": "user", "content": "Hi"}], "max_completion_tokens": -3},
             "max_completion_tokens",
         ),
+        # Past the context length: named by the field the client set (it was max_tokens).
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "Hi"}], "max_completion_tokens": 10**9},
+            "max_completion_tokens",
+        ),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 10**9}, "max_tokens"),
+        # A schema that cannot be compiled: named by the field that held it (it was json_schema).
+        ("/v1/chat/completions", {**HI, "tools": [BAD_REF_TOOL], "tool_choice": "required"}, "tools"),
+        ("/v1/chat/completions", {**HI, "tools": [{**BAD_REF_TOOL, "function": BAD_REF_STRICT}]}, "tools"),
+        ("/v1/chat/completions", {**HI, "response_format": BAD_REF_FORMAT}, "response_format"),
+        ("/v1/completions", {"prompt": "Hi", "response_format": BAD_REF_FORMAT}, "response_format"),
         ("/v1/chat/completions", {"messages": []}, "messages"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "n": 17}, "n"),
         ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "Hi"}]}, "messages[0].role"),
