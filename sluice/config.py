@@ -146,8 +146,9 @@ class ServerArgs:
         default="fcfs",
         metadata={
             "help": (
-                "fcfs | lpm (longest prefix match first) | priority (a request's 'priority' field, higher first, "
-                "then arrival; strict: a low priority waits while higher ones keep the running set full)."
+                "fcfs (arrival order, but prompts with at most 32 tokens to compute first while slots are free) | "
+                "lpm (longest prefix match first) | priority (a request's 'priority' field, higher first, then "
+                "arrival; strict: a low priority waits while higher ones keep the running set full)."
             )
         },
     )

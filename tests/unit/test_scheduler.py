@@ -357,6 +357,31 @@ def test_queued_prompt_tokens_are_bounded(runner, prompts):
     scheduler.abort(AbortReq(abort_all=True))
 
 
+@pytest.mark.parametrize("slots", [64, 2])
+def test_a_cached_prompt_does_not_wait_behind_long_prompts_queued_before_it(runner, prompts, slots):
+    """fcfs, but a request whose prompt the radix cache holds is admitted before the longer
+    ones ahead of it: its first token comes with the first step, not after their chunks. Not
+    while there are fewer running slots than waiting requests: then arrival order."""
+    scheduler = make_scheduler(runner, max_prefill_tokens=64, chunked_prefill_size=64, max_running_requests=slots)
+    run(scheduler, [prompts[0]])  # now in the cache
+    params = SamplingParams(max_new_tokens=2, temperature=0, ignore_eos=True)
+    for rid, ids in [("long1", prompts[1] * 10), ("long2", prompts[2] * 10), ("cached", prompts[0])]:
+        scheduler.add_request(TokenizedGenerateReqInput(rid=rid, input_ids=ids, sampling_params=params, stream=True))
+    first_token_step: dict[str, int] = {}
+    for step in itertools.count():
+        if scheduler.is_idle:
+            break
+        for out in scheduler.step():
+            if out.output.new_token_ids:
+                first_token_step.setdefault(out.output.rid, step)
+    steps = first_token_step
+    if slots == 64:
+        assert steps["cached"] == 0 < steps["long1"] < steps["long2"], steps
+    else:
+        assert steps["long1"] < steps["cached"] and steps["long1"] < steps["long2"], steps
+    scheduler.check_integrity()
+
+
 def test_higher_priority_runs_first_then_arrival(runner, prompts):
     scheduler = make_scheduler(runner, schedule_policy="priority", max_running_requests=1)
     for rid, priority in [("low0", 0), ("low1", 0), ("high", 5), ("mid", 2)]:
