@@ -146,7 +146,7 @@ class ServerArgs:
         default="fcfs",
         metadata={
             "help": (
-                "fcfs (arrival order, but prompts with at most 32 tokens to compute first while slots are free) | "
+                "fcfs (arrival order, but prompts with at most 32 tokens to compute pass those queued < 1 s) | "
                 "lpm (longest prefix match first) | priority (a request's 'priority' field, higher first, then "
                 "arrival; strict: a low priority waits while higher ones keep the running set full)."
             )

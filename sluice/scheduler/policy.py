@@ -17,13 +17,15 @@ from sluice.scheduler.req import Req
 # one against the radix tree each step would cost more than it saves.
 LPM_MAX_QUEUE = 128
 # Under fcfs, a waiting request with at most this many tokens to prefill (a short prompt, or
-# one the radix cache holds but for these) goes before the others while every waiting
-# request has a running slot free: it costs a step almost nothing, and behind the chunks of
-# long prompts queued ahead of it its first token waited for all of them (32 streams of a
-# Qwen3-0.6B body, half of them asked before: 11 repeated prompts answered after 1.2 s, in
-# the last of four prefill steps instead of the first). With fewer slots than waiting
-# requests, arrival order: cheap requests arriving all the time could keep a long one out.
+# one the radix cache holds but for these) goes before the others: it costs a step almost
+# nothing, and behind the chunks of long prompts queued ahead of it its first token waited
+# for all of them (32 streams of a Qwen3-0.6B body, half of them asked before: 11 repeated
+# prompts answered after 1.2 s, in the last of four prefill steps instead of the first).
 CHEAP_PREFILL_TOKENS = 32
+# ... but it passes only requests queued for less than this, and none that resumes after a
+# retraction: past it, arrival order again, so that cheap requests arriving all the time
+# (taking the step's budget or the cache's room first) cannot keep a long prompt out.
+CHEAP_OVERTAKES_S = 1.0
 # Share of its remaining max_new_tokens a running request is expected to still need when
 # deciding whether a new request fits. Too low and requests get retracted, too high and
 # the cache sits idle; retraction keeps an underestimate safe.
@@ -34,19 +36,21 @@ DECODE_RESERVE_RATIO = 0.3
 IN_BATCH_PREFIX_TOKENS = 32
 
 
-def order_waiting(waiting: list[Req], policy: str, kv: KVManager, free_slots: int) -> list[Req]:
-    """The order in which waiting requests are considered this step; `free_slots`: running
-    slots not taken."""
+def order_waiting(waiting: list[Req], policy: str, kv: KVManager, now: float) -> list[Req]:
+    """The order in which waiting requests are considered this step (`now`: time.monotonic())."""
     if policy == "priority":
         return sorted(waiting, key=priority_order)
     if len(waiting) > LPM_MAX_QUEUE:
         return waiting
     if policy == "lpm":
         return sorted(waiting, key=lambda r: -kv.cached_prefix_len(r))
-    if len(waiting) > free_slots:
-        return waiting
-    # fcfs: the cheap prefills first, each part in arrival order (sorted is stable).
-    return sorted(waiting, key=lambda r: r.seq_len - kv.cached_prefix_len(r) > CHEAP_PREFILL_TOKENS)
+
+    def may_be_passed(req: Req) -> bool:
+        recent = not req.output_ids and now - req.queued_at < CHEAP_OVERTAKES_S
+        return recent and req.seq_len - kv.cached_prefix_len(req) > CHEAP_PREFILL_TOKENS
+
+    # fcfs: the rest before those, each part in the queue's order (sorted is stable).
+    return sorted(waiting, key=may_be_passed)
 
 
 def priority_order(req: Req) -> tuple[int, int]:
@@ -160,8 +164,7 @@ def plan_prefill(
     # prompts admitted on a chunk's room would fill the cache between them and take turns
     # retracting each other for ever (SGLang admits on the whole input too).
     owed = sum(req.remaining_prefill for req in prefilling) - plan.tokens
-    free_slots = args.max_running_requests - len(running)
-    for req in list(order_waiting(waiting, args.schedule_policy, kv, free_slots)):
+    for req in list(order_waiting(waiting, args.schedule_policy, kv, time.monotonic())):
         if budget <= 0 or len(running) >= args.max_running_requests:
             break
         if update_pending and not req.output_ids:

@@ -36,6 +36,7 @@ class Req:
     priority: int = 0
     received_at: float = 0.0
     arrival: int = 0  # the Scheduler's order of arrival: ties between priorities go by it
+    queued_at: float = field(default_factory=time.monotonic)  # when the Scheduler took it in
 
     # An embedding request: how its final hidden states pool into one vector ("last",
     # "mean", "cls"), and the pool so far (mean: the sum of the rows computed so far).

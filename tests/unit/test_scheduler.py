@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import re
+import time
 from collections.abc import Callable
 
 import pytest
@@ -15,6 +16,7 @@ from sluice.config import ServerArgs
 from sluice.messages import AbortReq, SamplingParams, TokenizedGenerateReqInput
 from sluice.model.model_runner import ModelRunner
 from sluice.scheduler.kv_manager import SLOT_RUN
+from sluice.scheduler.policy import CHEAP_OVERTAKES_S, order_waiting
 from sluice.scheduler.req import Req
 from sluice.scheduler.scheduler import Scheduler
 from sluice.tokenizer_files import load_tokenizer
@@ -357,16 +359,17 @@ def test_queued_prompt_tokens_are_bounded(runner, prompts):
     scheduler.abort(AbortReq(abort_all=True))
 
 
-@pytest.mark.parametrize("slots", [64, 2])
-def test_a_cached_prompt_does_not_wait_behind_long_prompts_queued_before_it(runner, prompts, slots):
+@pytest.mark.parametrize("long1_waited_s", [0.0, 2.0])
+def test_a_cached_prompt_does_not_wait_behind_long_prompts_queued_before_it(runner, prompts, long1_waited_s):
     """fcfs, but a request whose prompt the radix cache holds is admitted before the longer
-    ones ahead of it: its first token comes with the first step, not after their chunks. Not
-    while there are fewer running slots than waiting requests: then arrival order."""
-    scheduler = make_scheduler(runner, max_prefill_tokens=64, chunked_prefill_size=64, max_running_requests=slots)
+    ones ahead of it: its first token comes with the first step, not after their chunks. It
+    does not pass one that has waited CHEAP_OVERTAKES_S or more."""
+    scheduler = make_scheduler(runner, max_prefill_tokens=64, chunked_prefill_size=64)
     run(scheduler, [prompts[0]])  # now in the cache
     params = SamplingParams(max_new_tokens=2, temperature=0, ignore_eos=True)
     for rid, ids in [("long1", prompts[1] * 10), ("long2", prompts[2] * 10), ("cached", prompts[0])]:
         scheduler.add_request(TokenizedGenerateReqInput(rid=rid, input_ids=ids, sampling_params=params, stream=True))
+    scheduler.waiting[0].queued_at -= long1_waited_s
     first_token_step: dict[str, int] = {}
     for step in itertools.count():
         if scheduler.is_idle:
@@ -375,11 +378,26 @@ def test_a_cached_prompt_does_not_wait_behind_long_prompts_queued_before_it(runn
             if out.output.new_token_ids:
                 first_token_step.setdefault(out.output.rid, step)
     steps = first_token_step
-    if slots == 64:
+    if long1_waited_s < CHEAP_OVERTAKES_S:
         assert steps["cached"] == 0 < steps["long1"] < steps["long2"], steps
     else:
-        assert steps["long1"] < steps["cached"] and steps["long1"] < steps["long2"], steps
+        assert steps["long1"] <= steps["cached"] < steps["long2"], steps
     scheduler.check_integrity()
+
+
+def test_a_cheap_request_does_not_pass_one_resuming_after_a_retraction():
+    class Cache:
+        def cached_prefix_len(self, req) -> int:
+            return 0
+
+    def req(rid: str, length: int, output_ids: list[int]) -> Req:
+        made = Req(rid, list(range(length)), SamplingParams())
+        made.output_ids = output_ids
+        return made
+
+    resumed, new_long, cheap = req("resumed", 500, [1, 2]), req("long", 500, []), req("cheap", 8, [])
+    order = order_waiting([resumed, new_long, cheap], "fcfs", Cache(), time.monotonic())
+    assert [r.rid for r in order] == ["resumed", "cheap", "long"]
 
 
 def test_higher_priority_runs_first_then_arrival(runner, prompts):
