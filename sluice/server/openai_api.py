@@ -279,7 +279,7 @@ def openai_client_error(e: ClientError, prompt_param: str, names: dict[str, str]
     names = {**_OPENAI_NAMES, **(names or {})}
     message, param = e.message, e.param
     for native, openai in names.items():
-        message = message.replace(native, openai)
+        message = message.replace(native, openai, 1)  # ours comes first; not a schema quoted after it
     if param in names:
         param = names[param]
     elif param in _PROMPT_PARAMS:
