@@ -164,6 +164,8 @@ def plan_prefill(
     # prompts admitted on a chunk's room would fill the cache between them and take turns
     # retracting each other for ever (SGLang admits on the whole input too).
     owed = sum(req.remaining_prefill for req in prefilling) - plan.tokens
+    if budget <= 0 or len(running) >= args.max_running_requests or len(waiting) == 0:
+        return plan  # nothing can start: no radix lookups to order the queue (a decode step)
     for req in list(order_waiting(waiting, args.schedule_policy, kv, time.monotonic())):
         if budget <= 0 or len(running) >= args.max_running_requests:
             break
