@@ -60,7 +60,12 @@ def create_worker_app():
         tm.start_handle_loop()
         if tm.http_worker_ipc is not None:
             await tm.register_with_router()
-        if not server_args.skip_warmup:
+        if tm.dead_workers:
+            # The router told it of a dead worker: it replaces one, and the Scheduler is warm.
+            # Its warm-up would queue behind every request waiting there (a busy server, a
+            # long weight update) and, past WARMUP_TIMEOUT_S, stop this worker for good.
+            logger.info("replaces a dead worker: no warm-up")
+        elif not server_args.skip_warmup:
             await asyncio.wait_for(warm_up(tm, rid=f"WARMUP-{os.getpid()}"), WARMUP_TIMEOUT_S)
         state.serve_with(tm)
         logger.info("worker ready in %.1f s", time.perf_counter() - started)

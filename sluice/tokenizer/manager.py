@@ -107,6 +107,7 @@ class TokenizerManager:
         self.backend_error: str | None = None  # the back end is gone: requests fail
         self.health_error: str | None = None  # something else is wrong: /health says so
         self.dead_replicas: set[int] = set()  # --dp-size: Scheduler replicas that died
+        self.dead_workers: set[int] = set()  # --tokenizer-worker-num: pids of HTTP workers that died
         self.last_receive_tstamp = time.time()
         self.control = ControlChannel(self.send)
         self.pause = PauseGate(None if http_worker_ipc is None else self.control)
@@ -320,6 +321,7 @@ class TokenizerManager:
                 self.dead_replicas.add(recv_obj.dp_rank)
             case WorkerDied():
                 # Requests of the other workers are unharmed; the server reports unhealthy.
+                self.dead_workers.add(recv_obj.pid)
                 self.health_error = f"HTTP worker {recv_obj.pid} died"
             case SetPause():
                 self.pause.set_now(recv_obj.paused)

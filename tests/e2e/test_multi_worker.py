@@ -159,6 +159,30 @@ def test_dead_worker_turns_health_503_and_its_replacement_keeps_the_pause():
         server.stop()
 
 
+def test_a_replacement_serves_at_once_behind_a_busy_scheduler():
+    """A replacement's warm-up would queue behind every request waiting in the Scheduler and,
+    past WARMUP_TIMEOUT_S, make uvicorn stop the whole server: a replacement skips it."""
+    server = RunningServer("--max-total-tokens", "4000", "--tokenizer-worker-num", "2", "--max-running-requests", "1")
+    url = server.base_url
+    try:
+        wait_for_log(server, "registered (2 workers)")
+        workers = [c for c in psutil.Process(server.process.pid).children() if c.name().startswith("sluice-http")]
+        workers[0].kill()
+        # Until its replacement serves, the other worker takes every connection: one request
+        # runs, two queue behind it.
+        body = {"text": "Tell me a story", "sampling_params": {**greedy(400), "ignore_eos": True}}
+        with ThreadPoolExecutor(3) as pool:
+            futures = [pool.submit(httpx.post, url + "/generate", json=body, timeout=300) for _ in range(3)]
+            wait_for_log(server, "worker ready in", count=3, timeout_s=120)
+            assert sum(f.done() for f in futures) < 3  # it did not wait for the queue
+            assert [f.result().status_code for f in futures] == [200] * 3
+        assert "replaces a dead worker: no warm-up" in server.read_log()
+        assert server.process.poll() is None
+        assert generate(url, text="The capital of France is", sampling_params=greedy(4)).status_code == 200
+    finally:
+        server.stop()
+
+
 @pytest.mark.parametrize("http_server", ["uvicorn", "granian"])
 def test_sigterm_stops_the_server_though_a_worker_does_not_stop(http_server):
     """A worker that cannot stop (its event loop stuck in a bug; here stopped with SIGSTOP)
