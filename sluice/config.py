@@ -223,7 +223,7 @@ class ServerArgs:
     allow_remote_media: bool = field(
         default=False, metadata={"help": "Fetch http(s) image URLs (public addresses only, no redirects)."}
     )
-    stream_interval: int = field(default=1, metadata={"help": "Send streamed output every N tokens."})
+    stream_interval: int = field(default=1, metadata={"help": "Stream the first token at once, then every N tokens."})
     reasoning_parser: str = field(
         default="none",
         metadata={

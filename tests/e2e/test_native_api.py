@@ -227,6 +227,18 @@ def test_context_length_caps_what_a_request_may_hold(capped):
     assert r.status_code == 200 and r.json()["meta_info"]["completion_tokens"] == 24, r.text
 
 
+def test_stream_interval_sends_the_first_token_at_once_then_every_n():
+    server = RunningServer("--stream-interval", "3", "--skip-warmup")
+    try:
+        body = {"text": "Once upon a time", "sampling_params": greedy(8, ignore_eos=True), "stream": True}
+        with httpx.stream("POST", server.base_url + "/generate", json=body, timeout=60) as r:
+            events = sse_events(r)
+        assert events[-1] == "[DONE]"
+        assert [e["meta_info"]["completion_tokens"] for e in events[:-1]] == [1, 4, 7, 8]
+    finally:
+        server.stop()
+
+
 def test_malformed_bodies(base_url):
     for raw in (b"{", b"[1, 2]", b"null", b'"text"'):
         r = httpx.post(base_url + "/generate", content=raw, timeout=30)

@@ -329,6 +329,16 @@ def add(scheduler: Scheduler, rid: str, ids: list[int], max_new_tokens: int = 50
     return scheduler.add_request(msg)
 
 
+def test_stream_interval_sends_the_first_token_at_once_then_every_n(runner, prompts):
+    scheduler = make_scheduler(runner, stream_interval=4)
+    params = SamplingParams(max_new_tokens=10, temperature=0, ignore_eos=True)
+    scheduler.add_request(TokenizedGenerateReqInput(rid="r", input_ids=prompts[0], sampling_params=params, stream=True))
+    sent = []
+    while not scheduler.is_idle:
+        sent += [len(out.output.new_token_ids) for out in scheduler.step()]
+    assert sent == [1, 4, 4, 1]  # tokens 1, 2-5, 6-9 and the last with the end
+
+
 def test_a_full_queue_refuses_with_503(runner, prompts):
     scheduler = make_scheduler(runner, max_queued_requests=2, max_running_requests=1)
     # Arriving together at an idle server: one takes the running slot, two queue.
