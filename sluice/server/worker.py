@@ -61,9 +61,10 @@ def create_worker_app():
         if tm.http_worker_ipc is not None:
             await tm.register_with_router()
         if tm.dead_workers:
-            # The router told it of a dead worker: it replaces one, and the Scheduler is warm.
-            # Its warm-up would queue behind every request waiting there (a busy server, a
-            # long weight update) and, past WARMUP_TIMEOUT_S, stop this worker for good.
+            # The router told it of a dead worker: it replaces one (or a sibling died while it
+            # started), after the first workers' warm-ups ran the model. Its warm-up would queue
+            # behind every request waiting in the Scheduler (a busy server, a long weight
+            # update) and, past WARMUP_TIMEOUT_S, fail its start, which stops the whole server.
             logger.info("replaces a dead worker: no warm-up")
         elif not server_args.skip_warmup:
             await asyncio.wait_for(warm_up(tm, rid=f"WARMUP-{os.getpid()}"), WARMUP_TIMEOUT_S)

@@ -102,6 +102,9 @@ class MultiTokenizerRouter:
             self._distribute_result_to_workers(message)
 
     def register(self, message: RegisterWorker) -> None:
+        # A replacement comes once its predecessor is gone, maybe before the next liveness
+        # check: look now, so that the answer below tells it of the death (it skips its warm-up).
+        self.check_workers_alive()
         if message.http_worker_ipc not in self.workers:
             self.workers[message.http_worker_ipc] = Sender(self.context, message.http_worker_ipc)
         self.worker_pids[message.http_worker_ipc] = message.pid

@@ -59,7 +59,7 @@ async def warm_up(tm: TokenizerManager, rid: str = "WARMUP") -> None:
     obj = GenerateReqInput(
         text="The capital of France is", sampling_params={"max_new_tokens": 4, "temperature": 0}, rid=rid
     )
-    # Not held by a pause: a worker that replaces a dead one warms up while the others pause.
+    # Not held by a pause: a worker slower to start than the others warms up while they pause.
     async for chunk in tm.generate_request(obj, hold_at_gate=False):
         last = chunk
     logger.info("warm-up generated %r", last.text)

@@ -4,6 +4,7 @@ a rid live on any worker is refused, control messages reach every worker."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 
 import pytest
@@ -227,8 +228,24 @@ def test_a_dead_worker_is_reported_to_the_others_and_to_late_comers(hub, tmp_pat
     # A worker that registers later hears of the loss too.
     late = Receiver(hub.context, f"ipc://{tmp_path}/d")
     try:
-        hub.router.dispatch(RegisterWorker(http_worker_ipc=f"ipc://{tmp_path}/d", pid=99))
+        hub.router.dispatch(RegisterWorker(http_worker_ipc=f"ipc://{tmp_path}/d", pid=os.getpid()))
         assert hub.received(late) == WorkerDied(pid=exited.pid)
+    finally:
+        late.close()
+
+
+def test_a_worker_registering_before_the_liveness_check_hears_of_a_death(hub, tmp_path):
+    """uvicorn starts a replacement once its predecessor is gone, maybe before the router's
+    next liveness check: it must hear of the death (it skips its warm-up then)."""
+    exited = subprocess.Popen(["true"])
+    exited.wait()
+    c = f"ipc://{tmp_path}/c"
+    hub.router.dispatch(RegisterWorker(http_worker_ipc=c, pid=exited.pid))
+    late = Receiver(hub.context, f"ipc://{tmp_path}/d")
+    try:
+        hub.router.dispatch(RegisterWorker(http_worker_ipc=f"ipc://{tmp_path}/d", pid=os.getpid()))
+        assert hub.received(late) == WorkerDied(pid=exited.pid)
+        assert hub.received(late) == SetPause(paused=False, http_worker_ipc=f"ipc://{tmp_path}/d")
     finally:
         late.close()
 
@@ -280,11 +297,11 @@ def test_a_worker_that_registers_during_a_pause_is_told_to_hold_requests(hub, tm
     late = Receiver(hub.context, f"ipc://{tmp_path}/late")
     address = f"ipc://{tmp_path}/late"
     try:
-        hub.router.dispatch(RegisterWorker(http_worker_ipc=address, pid=77))
+        hub.router.dispatch(RegisterWorker(http_worker_ipc=address, pid=os.getpid()))  # a live pid
         assert hub.received(late) == SetPause(paused=True, http_worker_ipc=address)
         hub.router.dispatch(SetPause(paused=False, http_worker_ipc=hub.addresses["a"]))
         assert hub.received(late) == SetPause(paused=False, http_worker_ipc=hub.addresses["a"])
-        hub.router.dispatch(RegisterWorker(http_worker_ipc=address, pid=78))  # registers again
+        hub.router.dispatch(RegisterWorker(http_worker_ipc=address, pid=os.getpid()))  # registers again
         assert hub.received(late) == SetPause(paused=False, http_worker_ipc=address)
     finally:
         late.close()
