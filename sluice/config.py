@@ -68,7 +68,9 @@ class ServerArgs:
     )
     num_threads: int = field(
         default=0,
-        metadata={"help": "Threads for the forward pass of each Scheduler (0: all cores, split over --dp-size)."},
+        metadata={
+            "help": "Threads for the forward pass of each Scheduler (0: the cores this process may run on, split over --dp-size)."
+        },
     )
     fixed_num_threads: bool = field(
         default=False,
@@ -348,8 +350,9 @@ class ServerArgs:
                 raise ValueError(message)
 
     def threads_per_scheduler(self) -> int:
-        """--num-threads, or the machine's cores split over the replicas."""
-        return self.num_threads or max((os.cpu_count() or 1) // self.dp_size, 1)
+        """--num-threads, or the cores this process may run on (its affinity mask: a
+        container's cpuset, `taskset`) split over the replicas."""
+        return self.num_threads or max(len(os.sched_getaffinity(0)) // self.dp_size, 1)
 
     def window_slots_needed(self, window: int, max_total_tokens: int | None = None) -> int:
         """Sliding-window layers' slots a Scheduler can hold at once: every running request's

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
+from sluice.config import ServerArgs
 from sluice.scheduler.forward_threads import STALE_S, WINDOW_S, ForwardThreads, busy_core_seconds
 
 STAT = """cpu  300 0 100 900 5 0 0 0 0 0
@@ -23,6 +26,23 @@ def test_the_real_proc_stat_reads():
     from sluice.scheduler.forward_threads import read_busy_core_seconds
 
     assert read_busy_core_seconds(os.sched_getaffinity(0)) > 0
+
+
+def test_the_default_thread_count_is_the_cores_this_process_may_run_on():
+    """A container's cpuset or `taskset` leaves fewer cores than the machine has: more
+    threads than cores would make each parallel region wait for a thread without one."""
+    first_core = min(os.sched_getaffinity(0))
+    code = "from sluice.config import ServerArgs; print(ServerArgs().threads_per_scheduler())"
+    pinned = subprocess.run(
+        [sys.executable, "-c", code],
+        preexec_fn=lambda: os.sched_setaffinity(0, {first_core}),
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert pinned.stdout.strip() == "1"
+    assert ServerArgs().threads_per_scheduler() == len(os.sched_getaffinity(0))
+    assert ServerArgs(dp_size=2).threads_per_scheduler() == max(len(os.sched_getaffinity(0)) // 2, 1)
 
 
 class Cores:
