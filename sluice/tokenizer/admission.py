@@ -31,13 +31,14 @@ def check_request_size(obj: GenerateReqInput, args: ServerArgs) -> int:
 
 def check_queue_room(args: ServerArgs, in_flight: int, metrics: RequestMetrics, log_metrics: bool = True) -> None:
     """Refuse a request when this process alone already has more requests in flight (live
-    states and requests held by a pause) than can run plus --max-queued-requests. The
-    Scheduler checks the exact queue (over every HTTP worker) when the request arrives."""
+    states and requests held by a pause) than can run plus --max-queued-requests, each per
+    Scheduler replica. The Scheduler checks the exact queue (over every HTTP worker) when
+    the request arrives."""
     limit = args.max_queued_requests
     if not limit:
         return
     queued = in_flight - args.max_running_requests * args.dp_size
-    if queued >= limit:
+    if queued >= limit * args.dp_size:
         if log_metrics:
             metrics.on_rejected("queue_full")
         raise ServerBusy(
