@@ -57,7 +57,10 @@ def load_multimodal_processor(
 
 async def warm_up(tm: TokenizerManager, rid: str = "WARMUP") -> None:
     obj = GenerateReqInput(
-        text="The capital of France is", sampling_params={"max_new_tokens": 4, "temperature": 0}, rid=rid
+        text="The capital of France is",
+        sampling_params={"max_new_tokens": 4, "temperature": 0},
+        rid=rid,
+        log_metrics=False,  # not a client's request
     )
     # Not held by a pause: a worker slower to start than the others warms up while they pause.
     async for chunk in tm.generate_request(obj, hold_at_gate=False):
