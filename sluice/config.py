@@ -52,7 +52,7 @@ class ServerArgs:
                 "auto | none | q8_0 | gguf. Weights small decode batches read through the block-quantized C "
                 "kernel: auto keeps a GGUF file's own Q4/Q5/Q5_K/Q6_K/Q8 quants (Q4_K exactly on AVX2, with "
                 "float16 block scales on AVX-512 and AMX; HF folders stay dense); gguf keeps every number of the "
-                "file (Q4_K as q4_k on every CPU); q8_0 quantizes every "
+                "file it has a block format for (Q4_K as q4_k on every CPU); q8_0 quantizes every "
                 "linear weight; none is the dense reference path."
             ),
         },
@@ -121,7 +121,9 @@ class ServerArgs:
     kv_cache_memory_gb: float = field(
         default=2.0, metadata={"help": "Memory budget for the KV cache when --max-total-tokens is 0."}
     )
-    max_running_requests: int = field(default=64, metadata={"help": "Most requests decoding at once."})
+    max_running_requests: int = field(
+        default=64, metadata={"help": "Most requests running at once (prefilling or decoding)."}
+    )
     chunked_prefill_size: int = field(
         default=512, metadata={"help": "Most prompt tokens prefilled in one step; longer prompts are chunked."}
     )
@@ -264,7 +266,8 @@ class ServerArgs:
     )
     http_server: str = field(default="uvicorn", metadata={"help": "uvicorn | granian."})
     api_key: str = field(
-        default="", metadata={"help": "Require 'Authorization: Bearer KEY' on every route but /health."}
+        default="",
+        metadata={"help": "Require 'Authorization: Bearer KEY' on every route but /health and the playground."},
     )
     admin_api_key: str = field(
         default="",
