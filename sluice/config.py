@@ -68,9 +68,7 @@ class ServerArgs:
     )
     num_threads: int = field(
         default=0,
-        metadata={
-            "help": "Threads for the forward pass of each Scheduler (0: the cores this process may run on, split over --dp-size)."
-        },
+        metadata={"help": "Threads for the forward pass of each Scheduler (0: its allowed cores over --dp-size)."},
     )
     fixed_num_threads: bool = field(
         default=False,
