@@ -18,7 +18,7 @@ from msgspec import UNSET, UnsetType
 from sluice.messages import FinishReason, InternalState
 
 
-class AbortRequestInput(msgspec.Struct, kw_only=True):
+class AbortRequestInput(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Abort one request (and its n > 1 children) by rid, or every request."""
 
     rid: str = ""

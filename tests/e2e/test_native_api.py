@@ -311,6 +311,9 @@ def test_abort_request_by_rid(base_url):
     meta = result["r"].json()["meta_info"]
     assert meta["finish_reason"]["type"] == "abort" and meta["completion_tokens"] < 4000
     assert httpx.post(base_url + "/abort_request", json={}).status_code == 400
+    # A misspelled field is refused, not read as an empty body (or, with abort_all, as all).
+    r = httpx.post(base_url + "/abort_request", json={"rids": ["to-abort"], "abort_all": True})
+    assert r.status_code == 400 and "rids" in r.json()["error"]["message"], r.text
 
 
 def test_pause_holds_new_requests(base_url):
