@@ -4,7 +4,7 @@ assistant's tool calls, a tool's result) and as a chat template takes them."""
 from __future__ import annotations
 
 import json
-from typing import Any, Final
+from typing import Any, Final, Literal
 
 import msgspec
 
@@ -30,7 +30,7 @@ class FunctionCall(msgspec.Struct, forbid_unknown_fields=True):
 class MessageToolCall(msgspec.Struct, forbid_unknown_fields=True):
     id: str
     function: FunctionCall
-    type: str = "function"
+    type: Literal["function"] = "function"  # the only kind of call there is
 
 
 class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
@@ -115,8 +115,12 @@ def _part_text(part: ContentPart, where: str, image_token: str | None, model_nam
     if part.type == "text":
         if part.text is None:
             raise ClientError(f"{where}.text is required for a text part", f"{where}.text")
+        if part.image_url is not None:
+            raise ClientError(f"{where}.image_url is not a field of a text part", f"{where}.image_url")
         return part.text
     if part.type in ("image_url", "input_image"):
+        if part.text is not None:
+            raise ClientError(f"{where}.text is not a field of an image part", f"{where}.text")
         if image_token is None:
             raise ClientError(f"the model {model_name} does not accept images", where)
         url = part.image_url.url if isinstance(part.image_url, ImageURL) else part.image_url

@@ -159,6 +159,13 @@ def test_an_unknown_message_field_is_refused_naming_where():
         decode_json(msgspec.json.encode(body), ChatCompletionRequest)
 
 
+def test_an_earlier_call_of_another_type_than_function_is_refused():
+    call = {"id": "c", "type": "web_search", "function": {"name": "f", "arguments": "{}"}}
+    body = {"messages": [{"role": "assistant", "content": None, "tool_calls": [call]}]}
+    with refused("messages[0].tool_calls[0].type", "Invalid enum value 'web_search'"):
+        decode_json(msgspec.json.encode(body), ChatCompletionRequest)
+
+
 def test_completion_defaults_are_openais():
     body = completion()
     body.check()
@@ -306,6 +313,19 @@ def test_content_parts_join_with_one_image_token_per_image_in_order():
             IMAGE,
             "messages[0].content[0].type",
             "'audio' is not supported",
+        ),
+        # A part's other kind's field would be dropped without a word.
+        (
+            ChatMessage(role="user", content=[ContentPart(type="text", text="x", image_url="https://a/b.png")]),
+            IMAGE,
+            "messages[0].content[0].image_url",
+            "not a field of a text part",
+        ),
+        (
+            ChatMessage(role="user", content=[ContentPart(type="image_url", text="x", image_url="https://a/b.png")]),
+            IMAGE,
+            "messages[0].content[0].text",
+            "not a field of an image part",
         ),
     ],
 )
