@@ -124,6 +124,15 @@ def _part_text(part: ContentPart, where: str, image_token: str | None, model_nam
         if image_token is None:
             raise ClientError(f"the model {model_name} does not accept images", where)
         url = part.image_url.url if isinstance(part.image_url, ImageURL) else part.image_url
+        detail = part.image_url.detail if isinstance(part.image_url, ImageURL) else None
+        if detail not in (None, "auto", "high"):
+            # OpenAI's "low" sees a 512-pixel copy: here every image is seen at the resolution
+            # of the model's own image processor, which is what "auto" and "high" get.
+            raise ClientError(
+                f"{where}.image_url.detail '{detail}' is not supported: images are seen at the model's own "
+                "resolution ('auto' or 'high')",
+                f"{where}.image_url.detail",
+            )
         if not url:
             raise ClientError(f"{where}.image_url.url is required for an image part", f"{where}.image_url")
         image_urls.append(url)

@@ -280,7 +280,7 @@ def test_earlier_call_arguments_go_to_the_template_as_objects_or_else_as_text():
 def test_content_parts_join_with_one_image_token_per_image_in_order():
     parts = [
         ContentPart(type="text", text="Compare "),
-        ContentPart(type="image_url", image_url=ImageURL(url="data:image/png;base64,AAA")),
+        ContentPart(type="image_url", image_url=ImageURL(url="data:image/png;base64,AAA", detail="high")),
         ContentPart(type="text", text=" and "),
         ContentPart(type="input_image", image_url="https://example.com/b.png"),
     ]
@@ -313,6 +313,14 @@ def test_content_parts_join_with_one_image_token_per_image_in_order():
             IMAGE,
             "messages[0].content[0].type",
             "'audio' is not supported",
+        ),
+        (
+            ChatMessage(
+                role="user", content=[ContentPart(type="image_url", image_url=ImageURL(url="x", detail="low"))]
+            ),
+            IMAGE,
+            "messages[0].content[0].image_url.detail",
+            "'low' is not supported",
         ),
         # A part's other kind's field would be dropped without a word.
         (
