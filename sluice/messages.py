@@ -56,6 +56,8 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     regex: str | None = None
     ebnf: str | None = None
     structural_tag: str | None = None
+    # A stream's tokens N at a time after its first (SGLang's; None: --stream-interval).
+    stream_interval: int | None = None
 
 
 class ImageInput(msgspec.Struct, kw_only=True):

@@ -61,6 +61,8 @@ def validate_sampling_params(p: SamplingParams, vocab_size: int | None = None) -
     _check(-2 <= p.presence_penalty <= 2, "presence_penalty", "must be in [-2, 2]", p.presence_penalty)
     if p.seed is not None:
         _check(0 <= p.seed < MAX_SEED, "seed", "must be in [0, 2**63)", p.seed)
+    if p.stream_interval is not None:
+        _check(p.stream_interval >= 1, "stream_interval", "must be >= 1", p.stream_interval)
     _check_stop(p.stop)
     _check_stop_token_ids(p.stop_token_ids, vocab_size)
     _check_logit_bias(p.logit_bias, vocab_size)

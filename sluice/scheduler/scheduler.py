@@ -419,9 +419,11 @@ class Scheduler:
                 self.step_outputs.append(make_output(req, self.weight_version))
 
     def _should_stream(self, req: Req) -> bool:
-        """The first token at once, then every --stream-interval tokens (as SGLang sends
-        them: 1, N + 1, 2N + 1, ...): the interval spares the front end work, not TTFT."""
+        """The first token at once, then every N tokens (the request's stream_interval, or
+        --stream-interval), as SGLang sends them: 1, N + 1, 2N + 1, ... The interval spares
+        the front end work, not TTFT."""
         if not (req.stream or req.sampling_params.stop):
             return False
+        interval = req.sampling_params.stream_interval or self.args.stream_interval
         unsent = len(req.output_ids) - req.num_sent_tokens
-        return unsent >= self.args.stream_interval or (unsent > 0 and req.num_sent_tokens == 0)
+        return unsent >= interval or (unsent > 0 and req.num_sent_tokens == 0)

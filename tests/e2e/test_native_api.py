@@ -239,6 +239,16 @@ def test_stream_interval_sends_the_first_token_at_once_then_every_n():
         server.stop()
 
 
+def test_a_request_sets_its_own_stream_interval(base_url):
+    params = {**greedy(8, ignore_eos=True), "stream_interval": 3}
+    body = {"text": "Once upon a time", "sampling_params": params, "stream": True}
+    with httpx.stream("POST", base_url + "/generate", json=body, timeout=60) as r:
+        events = sse_events(r)
+    assert [e["meta_info"]["completion_tokens"] for e in events[:-1]] == [1, 4, 7, 8]
+    r = generate(base_url, text="Hi", sampling_params={"stream_interval": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stream_interval", r.text
+
+
 def test_malformed_bodies(base_url):
     for raw in (b"{", b"[1, 2]", b"null", b'"text"'):
         r = httpx.post(base_url + "/generate", content=raw, timeout=30)
