@@ -63,9 +63,13 @@ class ControlChannel:
         self._waiters: dict[type[Message], deque[asyncio.Future[Message]]] = {}
         self._by_id: dict[int, asyncio.Future[Message]] = {}
         self._ids = itertools.count(1)
+        self._failed: str | None = None  # why the back end is gone, once it is
 
     async def call(self, request: Message, reply_type: type[Reply], timeout_s: float = 30.0) -> Reply:
-        """Send `request`; its reply, or a BackendError when none comes within `timeout_s`."""
+        """Send `request`; its reply, or a BackendError when none comes within `timeout_s`
+        (at once when the back end is gone: no reply would come)."""
+        if self._failed is not None:
+            raise BackendError(self._failed)
         if hasattr(request, "control_id"):
             request.control_id = control_id = next(self._ids)
             future: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
@@ -85,6 +89,8 @@ class ControlChannel:
 
     async def gather(self, request: Message, reply_type: type[Reply], count: int, timeout_s: float) -> list[Reply]:
         """Send `request`, which `count` processes answer; the replies that came in time."""
+        if self._failed is not None:
+            raise BackendError(self._failed)
         futures = self._expect(reply_type, count)
         self._send(request)
         done, pending = await asyncio.wait(futures, timeout=timeout_s)
@@ -111,7 +117,9 @@ class ControlChannel:
         logger.warning("no one waits for a %s", type(reply).__name__)
 
     def fail_all(self, reason: str) -> None:
-        """The back end is gone: every waiting call raises BackendError(reason)."""
+        """The back end is gone: every waiting call, and every later one, raises
+        BackendError(reason)."""
+        self._failed = reason
         for future in self._by_id.values():
             if not future.done():
                 future.set_exception(BackendError(reason))

@@ -48,6 +48,11 @@ async def test_no_reply_in_time_and_a_dead_back_end_are_backend_errors():
     control.fail_all("the scheduler process failed")
     with pytest.raises(BackendError, match="scheduler process failed"):
         await waiting
+    # A call after that fails at once, not after its 30 s (it used to wait them out).
+    with pytest.raises(BackendError, match="scheduler process failed"):
+        await asyncio.wait_for(control.call(FlushCacheReq(), FlushCacheReqOutput), 1.0)
+    with pytest.raises(BackendError, match="scheduler process failed"):
+        await asyncio.wait_for(control.gather(WorkerStatsReq(http_worker_ipc="w"), WorkerStats, 2, 5.0), 1.0)
 
 
 async def test_gather_keeps_the_replies_that_came_in_time():
