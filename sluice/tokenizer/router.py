@@ -77,9 +77,11 @@ class MultiTokenizerRouter:
         self.worker_pids: dict[str, int] = {}
         self.dead_pids: set[int] = set()
         # What a worker that registers late (a replacement) must hear to report the server as
-        # the others do: the weights served now, and the Scheduler replicas that died.
+        # the others do: the weights served now, the Scheduler replicas that died, and a
+        # back-end process that died.
         self.last_weight_update: UpdateWeightsFromDiskReqOutput | None = None
         self.replica_deaths: list[ReplicaDied] = []
+        self.backend_failure: ProcessFailed | None = None  # a back-end process died: nothing will answer
         self.paused = False  # the last /pause_generation or /continue_generation: a new worker's answer
         # Live rids over all workers: a worker only knows its own, so a rid that is live
         # on another worker is refused here. So is a rid whose family (the rid before `::`:
@@ -116,6 +118,8 @@ class MultiTokenizerRouter:
             sender.send(msgspec.structs.replace(self.last_weight_update, http_worker_ipc=None, control_id=0))
         for death in self.replica_deaths:
             sender.send(death)
+        if self.backend_failure is not None:  # it fails its requests at once instead of hanging
+            sender.send(self.backend_failure)
         sender.send(SetPause(paused=self.paused, http_worker_ipc=message.http_worker_ipc))  # the answer
 
     def router_worker_obj(self, message: Message) -> None:
@@ -181,6 +185,8 @@ class MultiTokenizerRouter:
             self.replica_deaths.append(message)
         elif isinstance(message, SetPause):
             self.paused = message.paused
+        elif isinstance(message, ProcessFailed):
+            self.backend_failure = message
         origin = getattr(message, "http_worker_ipc", None)
         for ipc, sender in self.workers.items():
             if ipc != origin:

@@ -19,6 +19,7 @@ from sluice.messages import (
     FinishReason,
     InternalState,
     Message,
+    ProcessFailed,
     RegisterWorker,
     ReplicaDied,
     ReqOutput,
@@ -286,6 +287,21 @@ def test_a_late_worker_hears_the_weights_served_and_the_replicas_that_died(hub, 
         assert isinstance(replayed, UpdateWeightsFromDiskReqOutput)
         assert (replayed.weight_version, replayed.http_worker_ipc, replayed.control_id) == ("3", None, 0)
         assert hub.received(late) == ReplicaDied(dp_rank=1, replicas_alive=1)
+        assert hub.received(late) == SetPause(paused=False, http_worker_ipc=f"ipc://{tmp_path}/late")
+    finally:
+        late.close()
+
+
+def test_a_late_worker_hears_that_a_back_end_process_died(hub, tmp_path):
+    """Else its /health says 200 and its requests wait for a Scheduler that is gone."""
+    failure = ProcessFailed(process="scheduler", error="scheduler died")
+    hub.router.dispatch(failure)
+    for inbox in hub.workers.values():
+        assert hub.received(inbox) == failure
+    late = Receiver(hub.context, f"ipc://{tmp_path}/late")
+    try:
+        hub.router.dispatch(RegisterWorker(http_worker_ipc=f"ipc://{tmp_path}/late", pid=os.getpid()))
+        assert hub.received(late) == failure
         assert hub.received(late) == SetPause(paused=False, http_worker_ipc=f"ipc://{tmp_path}/late")
     finally:
         late.close()
