@@ -8,6 +8,7 @@ import logging
 import multiprocessing as mp
 import os
 import shutil
+import signal
 import sys
 import threading
 import time
@@ -42,6 +43,7 @@ from sluice.tokenizer_files import (
 
 logger = logging.getLogger(__name__)
 ENGINE_STOP_TIMEOUT_S = 5.0
+ROUTER_PROCESS = "sluice-router"
 
 
 class Backend:
@@ -61,6 +63,7 @@ class Backend:
         # fails only its own requests.
         self.replicas: list = []
         self.stopping = False
+        self.router_died = False  # the workers' only way to the Scheduler: the server stops
         if server_args.dp_size == 1:
             self.start(run_scheduler_process, "sluice-scheduler")
         else:
@@ -204,7 +207,7 @@ def _launch_worker_processes_server(server_args: ServerArgs) -> None:
             sys.exit(1)
         if server_args.tokenizer_worker_num > 1:
             # The router takes over the tokenizer inbox the back end reported to.
-            backend.start(run_router_process, "sluice-router")
+            backend.start(run_router_process, ROUTER_PROCESS)
         write_shared_args(server_args, port_args, scheduler_info)
         # Each worker records its requests' metrics in files here; a scrape sums them
         # (tokenizer/metrics.py). Set before the workers start: they read it at import.
@@ -221,17 +224,26 @@ def _launch_worker_processes_server(server_args: ServerArgs) -> None:
     finally:
         backend.shutdown()
         remove_shared_args(os.getpid())
+    if backend.router_died:
+        sys.exit(1)
 
 
 def _report_dead_backend(backend: Backend) -> None:
     """With HTTP in worker processes, the main process watches the back end: a child that
     dies is reported to the tokenizer inbox (the router passes it to every worker), which
-    fails in-flight requests and turns /health to 503."""
+    fails in-flight requests and turns /health to 503. A dead router stops the server."""
     while (name := backend.dead_process()) is None:
         time.sleep(1.0)
     if backend.stopping:
         return
     logger.error("%s died", name)
+    if name == ROUTER_PROCESS:
+        # It owned the inbox a failure would be reported to, and every request and reply
+        # passed through it: no worker can serve or be told. Stop, for a supervisor to restart.
+        logger.error("the HTTP workers cannot reach the Scheduler without the router: stopping the server")
+        backend.router_died = True
+        os.kill(os.getpid(), signal.SIGTERM)
+        return
     sender = Sender(zmq.Context(1), backend.port_args.tokenizer_input)
     sender.send(ProcessFailed(process=name, error=f"{name} died"))
     # The socket does not linger: keep it open until the message is surely delivered.

@@ -184,6 +184,24 @@ def test_a_replacement_serves_at_once_behind_a_busy_scheduler():
         server.stop()
 
 
+def test_a_dead_router_stops_the_server():
+    """Every request and reply passes through the router, and the failure report would go
+    to its inbox: without it the workers said 200 on /health while their requests hung."""
+    server = RunningServer("--max-total-tokens", "4000", "--tokenizer-worker-num", "2", "--skip-warmup")
+    try:
+        wait_for_log(server, "registered (2 workers)")
+        main = psutil.Process(server.process.pid)
+        children = main.children(recursive=True)
+        [router] = [c for c in children if c.name().startswith("sluice-router")]
+        router.kill()
+        assert server.process.wait(60) == 1
+        assert "stopping the server" in server.read_log()
+        _, alive = psutil.wait_procs(children, timeout=10)
+        assert not [c for c in alive if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+    finally:
+        server.stop()
+
+
 @pytest.mark.parametrize("http_server", ["uvicorn", "granian"])
 def test_sigterm_stops_the_server_though_a_worker_does_not_stop(http_server):
     """A worker that cannot stop (its event loop stuck in a bug; here stopped with SIGSTOP)
