@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 import traceback
 from collections import defaultdict
 from typing import Any
@@ -66,6 +67,11 @@ PER_REQUEST_OUTPUTS = (BatchStrOutput, BatchEmbeddingOutput)
 # Every worker hears these; a weight update's end, so each reports the new weight_version.
 BROADCAST = (SetPause, WorkerStatsReq, WorkerDied, ProcessFailed, UpdateWeightsFromDiskReqOutput, ReplicaDied)
 LIVENESS_CHECK_S = 1.0
+# A worker none of whose requests had output for this long is sent an empty batch with the
+# next outputs of the others: the Scheduler is alive (its /health_generate probe and soft
+# watchdog count on hearing it; the Scheduler's own heartbeat comes only when no request
+# has output for 2 s).
+WORKER_HEARTBEAT_S = 1.0
 
 
 class MultiTokenizerRouter:
@@ -89,6 +95,7 @@ class MultiTokenizerRouter:
         # lives on another worker: family -> (its worker, how many of its rids are live).
         self.live_rids: set[str] = set()
         self.live_families: dict[str, tuple[str | None, int]] = {}
+        self.last_output_at: dict[str, float] = {}  # per worker: when it was last sent outputs
 
     def handle_loop(self) -> None:
         dispatch_forever(self.inbox, self.dispatch, LIVENESS_CHECK_S, self.check_workers_alive)
@@ -199,16 +206,22 @@ class MultiTokenizerRouter:
             for out in message.outputs:
                 if out.output.finish_reason is not None:
                     self._forget(out.output.rid)
-        self._send_by_worker(message)
+        self._send_by_worker(message, from_backend=True)
 
-    def _send_by_worker(self, message: Message) -> None:
+    def _send_by_worker(self, message: Message, from_backend: bool = False) -> None:
         if isinstance(message, PER_REQUEST_OUTPUTS):
             by_worker: dict[str | None, list[Any]] = defaultdict(list)
             for out in message.outputs:
                 by_worker[out.output.http_worker_ipc].append(out)
-            if not message.outputs:  # the scheduler's heartbeat: every worker's watchdog wants it
-                by_worker = {ipc: [] for ipc in self.workers}
+            now = time.monotonic()
+            for worker in self.workers if from_backend else ():
+                # The Scheduler's heartbeat goes to every worker, and so does an empty batch,
+                # beside the others' outputs, to a worker that heard nothing for a while.
+                if not message.outputs or now - self.last_output_at.get(worker, 0.0) >= WORKER_HEARTBEAT_S:
+                    by_worker.setdefault(worker, [])
             for ipc, outputs in by_worker.items():
+                if ipc is not None:
+                    self.last_output_at[ipc] = now
                 self._send_to(ipc, msgspec.structs.replace(message, outputs=outputs))
         else:
             self._send_to(getattr(message, "http_worker_ipc", None), message)
@@ -227,6 +240,7 @@ class MultiTokenizerRouter:
             self.dead_pids.add(pid)
             logger.error("HTTP worker %d died; the server reports unhealthy", pid)
             self.workers.pop(ipc).close()
+            self.last_output_at.pop(ipc, None)
             self.broadcast(WorkerDied(pid=pid))
             # Its requests have no one to answer: they would run to their end for nothing.
             for family in [family for family, (worker, _) in self.live_families.items() if worker == ipc]:

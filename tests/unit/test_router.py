@@ -199,9 +199,24 @@ def test_control_replies_go_to_the_worker_that_asked(hub):
 def test_what_belongs_to_no_known_worker_is_dropped(hub):
     workers = dict(hub.router.workers)
     hub.router.dispatch(BatchStrOutput(outputs=[result("q", "ipc:///nowhere", "lost")]))
+    for inbox in hub.workers.values():  # only that the Scheduler lives (see below)
+        assert hub.received(inbox) == BatchStrOutput(outputs=[])
     hub.router.dispatch(internal_state("ipc:///nowhere"))
     assert hub.router.workers == workers  # no socket opened to an address a message named
     assert hub.nothing_for(*hub.workers.values())
+
+
+def test_a_worker_whose_requests_have_no_output_hears_that_the_scheduler_lives(hub):
+    """While the others' requests keep the Scheduler busy (no heartbeat of its own), an idle
+    worker's /health_generate probe and soft watchdog must still hear from it."""
+    a = hub.addresses["a"]
+    hub.router.dispatch(BatchStrOutput(outputs=[result("a1", a, "one")]))
+    assert hub.received(hub.workers["a"]).outputs[0].output.rid == "a1"
+    assert hub.received(hub.workers["b"]) == BatchStrOutput(outputs=[])
+    # At most one such batch a WORKER_HEARTBEAT_S: not one with every output.
+    hub.router.dispatch(BatchStrOutput(outputs=[result("a1", a, "two")]))
+    assert hub.received(hub.workers["a"]).outputs[0].output.rid == "a1"
+    assert hub.nothing_for(hub.workers["b"])
 
 
 def test_broadcasts_reach_every_worker(hub):
