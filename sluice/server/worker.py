@@ -20,6 +20,7 @@ from contextlib import asynccontextmanager
 
 from sluice.procutil import die_with_parent
 from sluice.server.app import ServerState, create_app
+from sluice.tokenizer.control import BackendError
 from sluice.tokenizer.manager import TokenizerManager
 from sluice.tokenizer.shared_args import read_shared_args, remove_shared_args
 from sluice.tokenizer.startup import WARMUP_TIMEOUT_S, load_multimodal_processor, load_tokenizer_side, warm_up
@@ -58,16 +59,24 @@ def create_worker_app():
     async def lifespan(app):
         started = time.perf_counter()
         tm.start_handle_loop()
-        if tm.http_worker_ipc is not None:
-            await tm.register_with_router()
-        if tm.dead_workers:
-            # The router told it of a dead worker: it replaces one (or a sibling died while it
-            # started), after the first workers' warm-ups ran the model. Its warm-up would queue
-            # behind every request waiting in the Scheduler (a busy server, a long weight
-            # update) and, past WARMUP_TIMEOUT_S, fail its start, which stops the whole server.
-            logger.info("replaces a dead worker: no warm-up")
-        elif not server_args.skip_warmup:
-            await asyncio.wait_for(warm_up(tm, rid=f"WARMUP-{os.getpid()}"), WARMUP_TIMEOUT_S)
+        try:
+            if tm.http_worker_ipc is not None:
+                await tm.register_with_router()
+            if tm.dead_workers:
+                # The router told it of a dead worker: it replaces one (or a sibling died while
+                # it started), after the first workers' warm-ups ran the model. Its warm-up would
+                # queue behind every request waiting in the Scheduler (a busy server, a long
+                # weight update) and, past WARMUP_TIMEOUT_S, fail its start, which stops the
+                # whole server.
+                logger.info("replaces a dead worker: no warm-up")
+            elif not server_args.skip_warmup:
+                await asyncio.wait_for(warm_up(tm, rid=f"WARMUP-{os.getpid()}"), WARMUP_TIMEOUT_S)
+        except BackendError:
+            if tm.backend_error is None:
+                raise
+            # A back-end process died (the router says so to a late comer): serve the 503s
+            # the others serve; failing to start would make uvicorn stop the whole server.
+            logger.error("the back end is gone (%s): this worker answers 503", tm.backend_error)
         state.serve_with(tm)
         logger.info("worker ready in %.1f s", time.perf_counter() - started)
         yield

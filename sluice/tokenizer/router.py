@@ -96,6 +96,7 @@ class MultiTokenizerRouter:
         self.live_rids: set[str] = set()
         self.live_families: dict[str, tuple[str | None, int]] = {}
         self.last_output_at: dict[str, float] = {}  # per worker: when it was last sent outputs
+        self.worker_heartbeat_s = WORKER_HEARTBEAT_S
 
     def handle_loop(self) -> None:
         dispatch_forever(self.inbox, self.dispatch, LIVENESS_CHECK_S, self.check_workers_alive)
@@ -117,6 +118,7 @@ class MultiTokenizerRouter:
         if message.http_worker_ipc not in self.workers:
             self.workers[message.http_worker_ipc] = Sender(self.context, message.http_worker_ipc)
         self.worker_pids[message.http_worker_ipc] = message.pid
+        self.last_output_at[message.http_worker_ipc] = time.monotonic()
         logger.info("worker %d registered (%d workers)", message.pid, len(self.workers))
         sender = self.workers[message.http_worker_ipc]
         for pid in self.dead_pids:  # a replacement worker reports the loss too
@@ -125,9 +127,11 @@ class MultiTokenizerRouter:
             sender.send(msgspec.structs.replace(self.last_weight_update, http_worker_ipc=None, control_id=0))
         for death in self.replica_deaths:
             sender.send(death)
-        if self.backend_failure is not None:  # it fails its requests at once instead of hanging
-            sender.send(self.backend_failure)
         sender.send(SetPause(paused=self.paused, http_worker_ipc=message.http_worker_ipc))  # the answer
+        # After the answer, which a back-end failure would otherwise fail as it fails every
+        # call: the worker then answers 503 at once instead of waiting on a dead Scheduler.
+        if self.backend_failure is not None:
+            sender.send(self.backend_failure)
 
     def router_worker_obj(self, message: Message) -> None:
         """A worker's request or control message: on to the Scheduler."""
@@ -217,10 +221,10 @@ class MultiTokenizerRouter:
             for worker in self.workers if from_backend else ():
                 # The Scheduler's heartbeat goes to every worker, and so does an empty batch,
                 # beside the others' outputs, to a worker that heard nothing for a while.
-                if not message.outputs or now - self.last_output_at.get(worker, 0.0) >= WORKER_HEARTBEAT_S:
+                if not message.outputs or now - self.last_output_at.get(worker, 0.0) >= self.worker_heartbeat_s:
                     by_worker.setdefault(worker, [])
             for ipc, outputs in by_worker.items():
-                if ipc is not None:
+                if ipc in self.workers:
                     self.last_output_at[ipc] = now
                 self._send_to(ipc, msgspec.structs.replace(message, outputs=outputs))
         else:

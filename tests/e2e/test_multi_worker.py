@@ -251,5 +251,16 @@ def test_dead_scheduler_with_two_workers_fails_requests_and_health():
         for _ in range(4):  # every worker knows
             assert httpx.get(server.base_url + "/health").status_code == 503
             assert generate(server.base_url, text="Hi", sampling_params=greedy(2)).status_code == 503
+        # A worker started after that (a replacement) hears of it too, and serves the same 503s
+        # instead of failing to start, which would make uvicorn stop the whole server.
+        children = psutil.Process(server.process.pid).children()
+        workers = [c for c in children if c.name().startswith("sluice-http")]
+        workers[0].kill()
+        wait_for_log(server, "worker ready in", count=3, timeout_s=60)
+        time.sleep(1)
+        assert server.process.poll() is None
+        for _ in range(4):
+            assert httpx.get(server.base_url + "/health").status_code == 503
+            assert generate(server.base_url, text="Hi", sampling_params=greedy(2)).status_code == 503
     finally:
         server.stop()
