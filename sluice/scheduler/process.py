@@ -266,10 +266,9 @@ class SchedulerLoop:
         self.to_tokenizer.send(reply)
 
 
-def pin_to_cores(args: ServerArgs, dp_rank: int) -> None:
+def pin_to_cores(threads: int, dp_rank: int) -> None:
     """--cpu-affinity: replica r runs on cores r*t .. r*t+t-1 (t: its threads), before any
     compute thread starts (they inherit the set)."""
-    threads = args.threads_per_scheduler()
     cores = sorted(os.sched_getaffinity(0))
     mine = cores[dp_rank * threads : (dp_rank + 1) * threads]
     if len(mine) < threads:
@@ -282,13 +281,16 @@ def run_scheduler_process(server_args_data: bytes, port_args_data: bytes, dp_ran
     """`dp_rank`: this process is that replica of --dp-size > 1 (port_args are its own)."""
     args = ServerArgs.decode(server_args_data)
     port_args = PortArgs.decode(port_args_data)
+    # Counted before pinning: the default splits the cores this process may run on over the
+    # replicas, and once pinned it may run on its own share only.
+    threads = args.threads_per_scheduler()
     if args.cpu_affinity:
-        pin_to_cores(args, dp_rank or 0)
+        pin_to_cores(threads, dp_rank or 0)
     name = "scheduler" if dp_rank is None else f"scheduler-{dp_rank}"
     become_child_process(name, args.log_level)
     import torch
 
-    torch.set_num_threads(max(args.threads_per_scheduler(), 1))
+    torch.set_num_threads(max(threads, 1))
     context = zmq.Context(1)
     to_tokenizer = Sender(context, port_args.tokenizer_input)
     try:
