@@ -62,7 +62,7 @@ def validate_sampling_params(p: SamplingParams, vocab_size: int | None = None) -
     if p.seed is not None:
         _check(0 <= p.seed < MAX_SEED, "seed", "must be in [0, 2**63)", p.seed)
     if p.stream_interval is not None:
-        _check(p.stream_interval >= 1, "stream_interval", "must be >= 1", p.stream_interval)
+        _check(1 <= p.stream_interval < 2**31, "stream_interval", "must be in [1, 2**31)", p.stream_interval)
     _check_stop(p.stop)
     _check_stop_token_ids(p.stop_token_ids, vocab_size)
     _check_logit_bias(p.logit_bias, vocab_size)

@@ -419,11 +419,12 @@ class Scheduler:
                 self.step_outputs.append(make_output(req, self.weight_version))
 
     def _should_stream(self, req: Req) -> bool:
-        """The first token at once, then every N tokens (the request's stream_interval, or
-        --stream-interval), as SGLang sends them: 1, N + 1, 2N + 1, ... The interval spares
-        the front end work, not TTFT."""
+        """A stream's first token at once, then every N tokens (the request's stream_interval,
+        or --stream-interval), as SGLang sends them: 1, N + 1, 2N + 1, ... The interval spares
+        the front end work, not TTFT. A request that is not streamed but has stop strings
+        sends every token: the detokenizer matches them, and the request runs until it does."""
         if not (req.stream or req.sampling_params.stop):
             return False
-        interval = req.sampling_params.stream_interval or self.args.stream_interval
+        interval = (req.sampling_params.stream_interval or self.args.stream_interval) if req.stream else 1
         unsent = len(req.output_ids) - req.num_sent_tokens
         return unsent >= interval or (unsent > 0 and req.num_sent_tokens == 0)
