@@ -91,6 +91,10 @@ class Backend:
                 return process.name
         return None
 
+    def exit_code(self, name: str) -> int | None:
+        """The exit status of the process `name` (None while it runs; -N: killed by signal N)."""
+        return next((process.exitcode for process in self.processes if process.name == name), None)
+
     def dead_while_starting(self) -> str | None:
         """Any process that died before the back end reported ready: a replica too, which
         the start-up would otherwise wait for until its time runs out."""
@@ -236,6 +240,8 @@ def _report_dead_backend(backend: Backend) -> None:
         time.sleep(1.0)
     if backend.stopping:
         return
+    if name == ROUTER_PROCESS and backend.exit_code(name) == 0:
+        return  # it stopped for a SIGTERM to the whole process group, which this process gets too
     logger.error("%s died", name)
     if name == ROUTER_PROCESS:
         # It owned the inbox a failure would be reported to, and every request and reply
