@@ -105,7 +105,6 @@ class TokenizerManager:
         self.metrics = RequestMetrics()
         self.model_update_lock = RWLock()
         self.backend_error: str | None = None  # the back end is gone: requests fail
-        self.health_error: str | None = None  # something else is wrong: /health says so
         self.dead_replicas: set[int] = set()  # --dp-size: Scheduler replicas that died
         self.dead_workers: set[int] = set()  # --tokenizer-worker-num: pids of HTTP workers that died
         self.last_receive_tstamp = time.time()
@@ -322,7 +321,6 @@ class TokenizerManager:
             case WorkerDied():
                 # Requests of the other workers are unharmed; the server reports unhealthy.
                 self.dead_workers.add(recv_obj.pid)
-                self.health_error = f"HTTP worker {recv_obj.pid} died"
             case SetPause():
                 self.pause.set_now(recv_obj.paused)
                 if recv_obj.http_worker_ipc == self.http_worker_ipc:
@@ -410,6 +408,13 @@ class TokenizerManager:
 
     async def continue_generation(self) -> None:
         await self.pause.set_everywhere(False)
+
+    @property
+    def health_error(self) -> str | None:
+        """What /health reports besides a dead back end: HTTP workers that died."""
+        if not self.dead_workers:
+            return None
+        return f"HTTP worker {', '.join(map(str, sorted(self.dead_workers)))} died"
 
     def degraded(self) -> dict[str, object] | None:
         """What /health says while some Scheduler replicas died and others serve."""
