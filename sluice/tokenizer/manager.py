@@ -111,6 +111,7 @@ class TokenizerManager:
         self.control = ControlChannel(self.send)
         self.pause = PauseGate(None if http_worker_ipc is None else self.control)
         self._handle_loop_task: asyncio.Task[None] | None = None
+        self._poll_clients_task: asyncio.Task[None] | None = None
         self.soft_watchdog = SoftWatchdog(
             server_args.soft_watchdog_timeout, lambda: len(self.rid_to_state), self._describe_state
         )
@@ -141,7 +142,9 @@ class TokenizerManager:
 
     def start_handle_loop(self) -> None:
         if self._handle_loop_task is None:
-            self._handle_loop_task = asyncio.get_running_loop().create_task(self.handle_loop())
+            loop = asyncio.get_running_loop()
+            self._handle_loop_task = loop.create_task(self.handle_loop())
+            self._poll_clients_task = loop.create_task(self.poll_clients())
             self.soft_watchdog.start()
 
     # The tokenizer side owns the model's limits and the image pipeline; both are set once
@@ -277,17 +280,16 @@ class TokenizerManager:
         finished = False
         try:
             while True:
-                try:
-                    await asyncio.wait_for(state.event.wait(), DISCONNECT_POLL_S)
-                except TimeoutError:
+                await state.event.wait()
+                state.event.clear()
+                chunks, state.pending = state.pending, []
+                if not chunks:  # woken by poll_clients: is the client still there?
                     if request is not None and await request.is_disconnected():
                         logger.info("client of %s disconnected: aborting", state.rid)
                         return
                     if self.backend_error:
-                        raise BackendError(self.backend_error) from None
+                        raise BackendError(self.backend_error)
                     continue
-                state.event.clear()
-                chunks, state.pending = state.pending, []
                 for chunk in chunks:
                     finished = chunk.finished
                     yield chunk
@@ -309,6 +311,14 @@ class TokenizerManager:
                 logger.exception("handle_loop failed on a %s", type(recv_obj).__name__)
             self.last_receive_tstamp = time.time()
             self.soft_watchdog.feed()
+
+    async def poll_clients(self) -> None:
+        """Wake every waiting request once a DISCONNECT_POLL_S, so that each checks whether its
+        client went away (one timer for all, not one a token: a stream waits once a token)."""
+        while True:
+            await asyncio.sleep(DISCONNECT_POLL_S)
+            for state in list(self.rid_to_state.values()):
+                state.event.set()
 
     def _dispatch(self, recv_obj: Message) -> None:
         match recv_obj:
