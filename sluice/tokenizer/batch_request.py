@@ -44,7 +44,7 @@ class RequestChannel(Protocol):
         self, req: TokenizedRequest, path: str, index: int | None = None, log_metrics: bool = True
     ) -> ReqState: ...
 
-    def send(self, message: Message) -> None: ...
+    def send_new(self, messages: list[Message], states: list[ReqState]) -> None: ...
 
     def wait_response(
         self, state: ReqState, request: ClientConnection | None = None
@@ -112,10 +112,9 @@ async def _send_and_wait(
 ) -> AsyncIterator[GenerateChunk]:
     states = [tm.add_req_state(t, path, index, log_metrics) for index, t in children]
     if path == "batch_sequential":
-        for _, t in children:
-            tm.send(t)
+        tm.send_new([t for _, t in children], states)
     else:
-        tm.send(BatchTokenizedGenerateReqInput(reqs=[t for _, t in children]))
+        tm.send_new([BatchTokenizedGenerateReqInput(reqs=[t for _, t in children])], states)
     streams = [tm.wait_response(state, request) for state in states]
     async for chunk in merge_streams(streams):
         yield chunk
@@ -139,7 +138,7 @@ async def _warm_prefixes(
             logprob_start_len=-1,
         )
         warmups.append((warm, tm.add_req_state(warm, "prefix_warmup")))
-    tm.send(BatchTokenizedGenerateReqInput(reqs=[w for w, _ in warmups]))
+    tm.send_new([BatchTokenizedGenerateReqInput(reqs=[w for w, _ in warmups])], [state for _, state in warmups])
     ends: list[GenerateChunk] = []
     for _, state in warmups:
         async for chunk in tm.wait_response(state, request):

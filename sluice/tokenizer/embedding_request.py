@@ -21,6 +21,6 @@ async def handle_embedding_request(
     tokenized = await tm.inputs.tokenize_embeddings(obj, tm.live_rids, received_at)
     single = obj.is_single
     states = [tm.add_req_state(t, "embedding", None if single else i) for i, t in enumerate(tokenized)]
-    tm.send(tokenized[0] if single else BatchTokenizedEmbeddingReqInput(reqs=tokenized))
+    tm.send_new([tokenized[0] if single else BatchTokenizedEmbeddingReqInput(reqs=tokenized)], states)
     async for chunk in merge_streams([tm.wait_response(state, request) for state in states]):
         yield chunk

@@ -9,6 +9,7 @@ when it fails before it was sent.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
@@ -224,7 +225,7 @@ class TokenizerManager:
     ) -> AsyncIterator[GenerateChunk]:
         [tokenized] = await self.inputs.tokenize([obj], self.live_rids, received_at=received_at)
         state = self.add_req_state(tokenized, "single", log_metrics=obj.log_metrics)
-        self.send(tokenized)
+        self.send_new([tokenized], [state])
         async for response in self.wait_response(state, request):
             yield response
 
@@ -256,6 +257,22 @@ class TokenizerManager:
             raise RuntimeError(f"a state for {req.rid} exists already")
         self.live_rids.add(state)
         return state
+
+    def send_new(self, messages: list[Message], states: list[ReqState]) -> None:
+        """Send new requests, whose states add_req_state just made. A send that raises (a bug:
+        a request that passed every check and cannot be sent) ends them all here: their states
+        go and any already sent is aborted, so no rid stays taken and no state waits forever."""
+        try:
+            for message in messages:
+                self.send(message)
+        except Exception:
+            for state in states:
+                if self.rid_to_state.get(state.rid) is state:
+                    self.live_rids.remove(state.rid)
+            with contextlib.suppress(Exception):
+                for state in states:
+                    self.abort_request(state.rid)
+            raise
 
     def send(self, message: Message) -> None:
         """Send a request or control message to the Scheduler (through the router, if any)."""

@@ -120,8 +120,8 @@ class Channel:
         self.live_rids.add(state)
         return state
 
-    def send(self, message: Message) -> None:
-        self.sent.append(message)
+    def send_new(self, messages: list[Message], states: list[ReqState]) -> None:
+        self.sent.extend(messages)
 
     async def wait_response(
         self, state: ReqState, request: ClientConnection | None = None
