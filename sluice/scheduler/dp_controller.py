@@ -225,6 +225,10 @@ class DataParallelController:
         if pending is None or reply.dp_rank not in pending.waiting_for:
             logger.warning("no request waits for a %s of replica %d", type(reply).__name__, reply.dp_rank)
             return
+        if isinstance(reply, FlushCacheReqOutput | UpdateWeightsFromDiskReqOutput) and reply.success:
+            # Its radix cache is empty now (new weights flush it too): cache_aware must not
+            # send a prompt there for a prefix it no longer holds.
+            self.prefixes.forget(reply.dp_rank)
         pending.replies[reply.dp_rank] = reply
         self.answer_complete()
 

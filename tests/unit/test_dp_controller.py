@@ -63,8 +63,10 @@ def wired():
 def received_rids(inbox: Receiver) -> list[str]:
     rids = []
     while (message := inbox.recv(timeout_ms=200)) is not None:
-        reqs = message.reqs if isinstance(message, BatchTokenizedGenerateReqInput) else [message]
-        rids += [req.rid for req in reqs]
+        if isinstance(message, BatchTokenizedGenerateReqInput):
+            rids += [req.rid for req in message.reqs]
+        elif isinstance(message, TokenizedGenerateReqInput):
+            rids.append(message.rid)
     return rids
 
 
@@ -92,6 +94,24 @@ def test_cache_aware_follows_the_prefix_until_the_loads_part(wired):
     controller.dispatch(ReplicaLoad(dp_rank=0, finished_rids=[f"r{i}" for i in range(9)]))
     controller.dispatch(request("again", [*PREFIX, 99]))
     assert received_rids(inboxes[0]) == ["again"]
+
+
+def test_cache_aware_forgets_the_prefixes_of_a_flushed_replica(wired):
+    """After /flush_cache the replica holding the prefix has lost it: the next prompt with
+    that prefix goes to the least loaded replica, not back to the flushed one."""
+    controller, inboxes, tokenizer = wired("cache_aware")
+    controller.dispatch(request("x", [7] * 64))
+    controller.dispatch(request("a", [*PREFIX, 1]))  # the least loaded: replica 1
+    assert received_rids(inboxes[0]) == ["x"] and received_rids(inboxes[1]) == ["a"]
+    controller.dispatch(FlushCacheReq(control_id=1, http_worker_ipc="w"))
+    for rank in (0, 1):  # replica 0 refuses (say, a request was running there)
+        controller.dispatch(FlushCacheReqOutput(success=rank == 1, dp_rank=rank, control_id=1, http_worker_ipc="w"))
+    assert isinstance(tokenizer.recv(timeout_ms=1000), FlushCacheReqOutput)
+    controller.dispatch(ReplicaLoad(dp_rank=0, finished_rids=["x"]))
+    controller.dispatch(ReplicaLoad(dp_rank=1, finished_rids=["a"]))
+    controller.dispatch(request("b", [*PREFIX, 2]))
+    controller.dispatch(request("c", [7] * 64))  # replica 0 kept its prompt: c follows it
+    assert received_rids(inboxes[0]) == ["b", "c"] and received_rids(inboxes[1]) == []
 
 
 def test_round_robin_alternates_and_samples_follow_their_parent(wired):
