@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Final
 
@@ -29,6 +30,37 @@ if TYPE_CHECKING:
 
 GRAMMAR_FIELDS: Final = ("json_schema", "regex", "ebnf", "structural_tag")
 _JSON_DEFAULTS: Final[JsonCompileOptions] = {"whitespace_flexible": False}
+
+# llguidance compiles a grammar recursively: a level of a chain of $refs or of rules takes up
+# to ~12 KB of stack, so ~700 chained $refs overflow a thread's default 8 MB, and the process
+# dies of a segfault without a word. Grammars compile only on threads with COMPILE_STACK_BYTES
+# of stack (grammar_compiler), and a grammar field holds at most MAX_GRAMMAR_CHARS: the worst
+# chains that fit (5,300 $refs through `properties`, 21,000 GBNF rules each naming the next)
+# compile with a quarter of that stack.
+COMPILE_STACK_BYTES: Final = 256 << 20
+MAX_GRAMMAR_CHARS: Final = 256 << 10
+# llguidance's GBNF converter (Python) takes time quadratic in a chain of rules: 0.65 s for
+# 1,000 rules each naming the next, 11 s for 4,000.
+MAX_GBNF_RULES: Final = 2000
+
+
+def grammar_compiler(name: str) -> ThreadPoolExecutor:
+    """A one-thread executor whose thread has COMPILE_STACK_BYTES of stack (address space:
+    only the pages a deep grammar touches take memory), for llguidance's compiles."""
+    executor = ThreadPoolExecutor(1, thread_name_prefix=name)
+    previous = threading.stack_size(COMPILE_STACK_BYTES)
+    try:
+        executor.submit(lambda: None).result()  # its thread starts now, with the stack asked for
+    finally:
+        threading.stack_size(previous)
+    return executor
+
+
+def parser_limits() -> llguidance.LLParserLimits:
+    """llguidance's default limits, with errors that do not dump the parser's state."""
+    import llguidance
+
+    return llguidance.LLParserLimits(verbose_errors=False)
 
 
 def grammar_field(params: SamplingParams) -> str | None:
@@ -53,6 +85,8 @@ def grammar_of(params: SamplingParams, reasoning_parser: str = "none") -> str | 
     if field is None:
         return None
     text: str = getattr(params, field)
+    if len(text) > MAX_GRAMMAR_CHARS:
+        raise ClientError(f"{field} has {len(text):,} characters, more than the {MAX_GRAMMAR_CHARS:,} allowed", field)
     thinks = reasoning_parser != "none"
     if field == "json_schema":
         schema = _json_of(text, "json_schema")
@@ -70,6 +104,8 @@ def grammar_of(params: SamplingParams, reasoning_parser: str = "none") -> str | 
         if thinks:
             return _after_thinking(f"{_ANSWER}: /{llguidance.regex_to_lark(text)}/\n", reasoning_parser)
         return llguidance.LLMatcher.grammar_from_regex(text)
+    if (rules := text.count("::=")) > MAX_GBNF_RULES:
+        raise ClientError(f"ebnf has {rules:,} rules, more than the {MAX_GBNF_RULES:,} allowed", "ebnf")
     try:
         lark = gbnf_to_lark(text)
     except Exception as e:  # noqa: BLE001 -- the converter raises bare Exception too (an undefined rule)
@@ -150,13 +186,14 @@ def _after_thinking(answer_rules: str, reasoning_parser: str) -> str:
 
 
 def check_grammar(params: SamplingParams, tokenizer: llguidance.LLTokenizer, reasoning_parser: str = "none") -> None:
-    """ClientError naming the field when the request's grammar does not compile."""
+    """ClientError naming the field when the request's grammar does not compile. Call it on
+    a grammar_compiler's thread."""
     import llguidance
 
     grammar = grammar_of(params, reasoning_parser)
     if grammar is None:
         return
-    error = llguidance.LLMatcher.validate_grammar(grammar, tokenizer)
+    error = llguidance.LLMatcher.validate_grammar(grammar, tokenizer, limits=parser_limits())
     if error:
         field = grammar_field(params)
         raise ClientError(f"{field} does not compile: {error.strip()}", field)

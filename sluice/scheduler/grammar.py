@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Final
 
 import torch
 
-from sluice.grammar import grammar_of, grammar_tokenizer
+from sluice.grammar import grammar_compiler, grammar_field, grammar_of, grammar_tokenizer, parser_limits
 from sluice.messages import SamplingParams
 
 if TYPE_CHECKING:
@@ -39,22 +39,26 @@ class Grammars:
         self._tokenizer_builder = ThreadPoolExecutor(1, thread_name_prefix="grammar-tokenizer")
         self._tokenizer: Future[llguidance.LLTokenizer] | None = None
         self._executor: llguidance.LLExecutor | None = None
-        self._compiler = ThreadPoolExecutor(1, thread_name_prefix="grammar-compiler")
+        self._compiler: ThreadPoolExecutor | None = None  # started with the first grammar
         self._compiled: OrderedDict[str, Future[llguidance.LLMatcher]] = OrderedDict()
 
     def compile(self, params: SamplingParams) -> Future[llguidance.LLMatcher] | None:
-        """The request's grammar compiling (or compiled) in the background; None when it has
-        none. Raises ClientError for text that is not a grammar at all (the main process
-        checked it already)."""
-        grammar = grammar_of(params, self.reasoning_parser)
-        if grammar is None:
+        """The request's grammar compiling (or compiled) in the background, its conversion
+        to llguidance's form included (GBNF's takes seconds for thousands of rules: not on
+        the Scheduler's loop); None when it has none. Raises ClientError for a request with
+        two grammar fields (the main process checked it already)."""
+        field = grammar_field(params)
+        if field is None:
             return None
         if self._tokenizer is None:
             self._tokenizer = self._tokenizer_builder.submit(_build_tokenizer, self.tokenizer_path, self.vocab_size)
-        compiled = self._compiled.pop(grammar, None)
+        key = f"{field}:{getattr(params, field)}"
+        compiled = self._compiled.pop(key, None)
         if compiled is None:
-            compiled = self._compiler.submit(self._compile, grammar)
-        self._compiled[grammar] = compiled  # the most recently used last
+            if self._compiler is None:
+                self._compiler = grammar_compiler("grammar-compiler")
+            compiled = self._compiler.submit(self._compile, params)
+        self._compiled[key] = compiled  # the most recently used last
         while len(self._compiled) > COMPILED_GRAMMARS_KEPT:
             self._compiled.popitem(last=False)
         return compiled
@@ -84,14 +88,16 @@ class Grammars:
                 self._tokenizer = None
             raise
 
-    def _compile(self, grammar: str) -> llguidance.LLMatcher:
+    def _compile(self, params: SamplingParams) -> llguidance.LLMatcher:
         import llguidance
         from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask
 
+        grammar = grammar_of(params, self.reasoning_parser)
+        assert grammar is not None, "compile() sends only requests with a grammar"
         tokenizer = self._grammar_tokenizer()
         # Silent: errors are read with get_error(); the thinking's stop string would warn on
         # every request that it cannot be taken back (sluice keeps it in the answer).
-        matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+        matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=parser_limits())
         if matcher.is_error():
             raise ValueError(f"the grammar does not compile: {matcher.get_error()}")
         fill_next_token_bitmask(matcher.deep_copy(), allocate_token_bitmask(1, tokenizer.vocab_size), 0)

@@ -201,7 +201,7 @@ class TokenizerManager:
             n, log_metrics = check_request_size(obj, self.server_args), obj.log_metrics
         self._check_queue_room(log_metrics)
         if hold_at_gate and self.pause.closed and isinstance(obj, GenerateReqInput):
-            self.inputs.check_sampling_params(obj)  # a bad request is refused now, not after the hold
+            await self.inputs.check_sampling_params(obj)  # a bad request is refused now, not after the hold
         if hold_at_gate and await self.pause.wait_while_closed(request, client_rids(obj)):
             ended = aborted_while_held(obj, n)
             if log_metrics:

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Container, Iterator
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from sluice.config import ServerArgs
-from sluice.grammar import check_grammar, grammar_field, start_grammar_tokenizer
+from sluice.grammar import check_grammar, grammar_compiler, grammar_field, start_grammar_tokenizer
 from sluice.messages import (
     ImageInput,
     SamplingParams,
@@ -35,6 +35,7 @@ class RequestTokenizer:
         # llguidance's view of the tokenizer (~0.5 s to build), for checking grammars: built
         # in a thread from the start, off the event loop.
         self._grammar_tokenizer: Future[Any] | None = None
+        self._grammar_checker: ThreadPoolExecutor | None = None  # started with the first grammar
         if tokenizer is not None:  # unit tests may run without one
             self._grammar_tokenizer = start_grammar_tokenizer(tokenizer, len(tokenizer))
 
@@ -66,6 +67,7 @@ class RequestTokenizer:
                     raise ClientError(f"a request with rid '{rid}' is already running", "rid")
                 seen.add(rid)
                 tokenized.append(self._tokenized(item, ids, item_images, received_at))
+                await self._check_grammar(tokenized[-1].sampling_params)
         return tokenized
 
     def can_send_as_one_batch(self, items: list[GenerateReqInput]) -> bool:
@@ -130,19 +132,30 @@ class RequestTokenizer:
             return_timings=obj.return_timings,
         )
 
-    def check_sampling_params(self, obj: GenerateReqInput) -> None:
+    async def check_sampling_params(self, obj: GenerateReqInput) -> None:
         """Every item's sampling_params, with the checks that need no tokens (tokenizing
         runs them again, with the rest): for a request about to wait at the gate, so a bad
         one is refused at once, not once the pause or weight update is over."""
         given = obj.sampling_params if isinstance(obj.sampling_params, list) else [obj.sampling_params]
         for i, raw in enumerate(given):
             with naming_the_item(i if len(given) > 1 else None):
-                self._check_params(parse_sampling_params(raw))
+                params = parse_sampling_params(raw)
+                self._check_params(params)
+                await self._check_grammar(params)
 
     def _check_params(self, params: SamplingParams) -> None:
         validate_sampling_params(params, self._token_id_bound())
-        if grammar_field(params) is not None and self._grammar_tokenizer is not None:
-            check_grammar(params, self._grammar_tokenizer.result(), self.server_args.reasoning_parser)
+
+    async def _check_grammar(self, params: SamplingParams) -> None:
+        """A ClientError naming the field when the request's grammar does not compile; the
+        compile runs on a thread of its own (grammar_compiler), off the event loop."""
+        if grammar_field(params) is None or self._grammar_tokenizer is None:
+            return
+        tokenizer = await asyncio.wrap_future(self._grammar_tokenizer)
+        if self._grammar_checker is None:
+            self._grammar_checker = grammar_compiler("grammar-check")
+        check = self._grammar_checker.submit(check_grammar, params, tokenizer, self.server_args.reasoning_parser)
+        await asyncio.wrap_future(check)
 
     def _priority(self, priority: int | None) -> int:
         if priority and self.server_args.schedule_policy != "priority":

@@ -179,6 +179,42 @@ def test_bad_grammars_are_400_naming_the_field(http, base_url, params, field):
     wait_until_drained(base_url)  # refused before the Scheduler: nothing left in rid_to_state
 
 
+def chained_schema(levels: int) -> dict:
+    """Objects each holding the next through a $ref: a chain llguidance compiles recursively."""
+    defs = {f"d{i}": {"type": "object", "properties": {"x": {"$ref": f"#/$defs/d{i + 1}"}}} for i in range(levels)}
+    return {"$ref": "#/$defs/d0", "$defs": {**defs, f"d{levels}": {"type": "string"}}}
+
+
+def test_a_deeply_chained_schema_compiles_and_the_server_lives(http, base_url):
+    """1,500 chained $refs (85 KB) overflow a thread's default 8 MB of stack in llguidance's
+    compile (a segfault of the whole server): compiled on threads with stack for them, in
+    the HTTP process and in the Scheduler."""
+    params = {"json_schema": json.dumps(chained_schema(1500)), "max_new_tokens": 3}
+    result = http.post("/generate", json={"text": "hi", "sampling_params": params})
+    assert result.status_code == 200, result.text
+    assert http.get("/health").status_code == 200
+    wait_until_drained(base_url)
+
+
+def test_a_grammar_past_the_size_limits_is_400_naming_it(http, base_url):
+    schema = json.dumps({"enum": ["x" * 1000] * 300})  # ~300 K characters
+    result = http.post("/generate", json={"text": "hi", "sampling_params": {"json_schema": schema}})
+    assert result.status_code == 400, result.text
+    assert result.json()["error"]["param"] == "json_schema"
+    assert "262,144" in result.json()["error"]["message"]
+    rules = "root ::= r0\n" + "\n".join(f'r{i} ::= "x" r{i + 1} | "y"' for i in range(2000)) + '\nr2000 ::= "z"'
+    result = http.post("/generate", json={"text": "hi", "sampling_params": {"ebnf": rules}})
+    assert result.status_code == 400, result.text
+    assert result.json()["error"]["param"] == "ebnf"
+    assert "2,002 rules" in result.json()["error"]["message"]
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    body["response_format"] = {"type": "json_schema", "json_schema": {"name": "big", "schema": json.loads(schema)}}
+    result = http.post("/v1/chat/completions", json=body)
+    assert result.status_code == 400, result.text
+    assert result.json()["error"]["param"] == "response_format"
+    wait_until_drained(base_url)
+
+
 @pytest.mark.parametrize(
     "response_format",
     [
