@@ -126,7 +126,7 @@ def install_openai_routes(app: FastAPI, state: ServerState, docs: ApiDocs) -> No
         body = decode_json(await request.body(), ChatCompletionRequest)
         body.check()
         tm = checked_tm(body.model)
-        input_ids, image_urls = chat_prompt_ids(tm, body, state.model_name)
+        input_ids, image_urls = await chat_prompt_ids(tm, body, state.model_name)
         max_new_tokens = body.requested_max_tokens
         if max_new_tokens is None:
             max_new_tokens = max(tm.context_len - len(input_ids), 0)
@@ -193,7 +193,10 @@ def install_openai_routes(app: FastAPI, state: ServerState, docs: ApiDocs) -> No
                 lambda: tm.tokenizer(prompt, add_special_tokens=body.add_special_tokens).input_ids
             )
         else:
-            ids, _ = await asyncio.to_thread(chat_prompt_ids, tm, body.chat(), state.model_name)
+            chat = body.chat()
+            ids = await asyncio.to_thread(
+                lambda: tm.tokenizer(chat_prompt(tm, chat, state.model_name)[0], add_special_tokens=False).input_ids
+            )
         return {"tokens": ids, "count": len(ids), "max_model_len": tm.context_len}
 
     @app.post(
@@ -224,8 +227,20 @@ def tool_call_parser(tm: TokenizerManager) -> str:
     return default_parser(tm.chat_template.source if tm.chat_template is not None else None)
 
 
-def chat_prompt_ids(tm: TokenizerManager, body: ChatCompletionRequest, model_name: str) -> tuple[list[int], list[str]]:
-    """The prompt's token ids (one image token per image) and the image URLs in order."""
+async def chat_prompt_ids(
+    tm: TokenizerManager, body: ChatCompletionRequest, model_name: str
+) -> tuple[list[int], list[str]]:
+    """The prompt's token ids (one image token per image) and the image URLs in order; a
+    prompt far longer than the model takes is refused before all of it is tokenized."""
+    rendered, image_urls = chat_prompt(tm, body, model_name)
+    # The template already wrote the special tokens (BOS, role markers) it wants.
+    [encoded] = await tm.inputs.encode([rendered], add_special_tokens=False)
+    return tm.inputs.whole(encoded, "messages"), image_urls
+
+
+def chat_prompt(tm: TokenizerManager, body: ChatCompletionRequest, model_name: str) -> tuple[str, list[str]]:
+    """The prompt as the chat template renders it (one image token per image) and the image
+    URLs in order."""
     if tm.chat_template is None:
         raise ClientError("this model has no chat template; use /v1/completions", "messages")
     image_token = tm.mm_processor.image_token if tm.mm_processor is not None else None
@@ -244,8 +259,7 @@ def chat_prompt_ids(tm: TokenizerManager, body: ChatCompletionRequest, model_nam
         raise ClientError(str(e), "messages") from None
     if body.continue_final_message:
         rendered = _continued(rendered, messages[-1]["content"])
-    # The template already wrote the special tokens (BOS, role markers) it wants.
-    return tm.tokenizer(rendered, add_special_tokens=False).input_ids, image_urls
+    return rendered, image_urls
 
 
 async def serve(

@@ -25,6 +25,13 @@ from sluice.tokenizer.multimodal.request_images import RequestImages
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+# Tokenizing takes about 2 us a character: texts longer than this (together) are tokenized on
+# a thread, off the event loop (16 MB of text took 30 s).
+LONG_TEXT_CHARS = 32_768
+# A text whose first characters already make more tokens than the limit plus this is refused
+# without the rest being tokenized (the tokens near the cut may differ from the whole text's).
+CUT_MARGIN_TOKENS = 16
+
 
 class RequestTokenizer:
     def __init__(self, server_args: ServerArgs, tokenizer: PreTrainedTokenizerBase) -> None:
@@ -36,6 +43,7 @@ class RequestTokenizer:
         # in a thread from the start, off the event loop.
         self._grammar_tokenizer: Future[Any] | None = None
         self._grammar_checker: ThreadPoolExecutor | None = None  # started with the first grammar
+        self._longest_token: int | None = None  # characters of the longest token's text, once asked
         if tokenizer is not None:  # unit tests may run without one
             self._grammar_tokenizer = start_grammar_tokenizer(tokenizer, len(tokenizer))
 
@@ -54,14 +62,13 @@ class RequestTokenizer:
             for item, imgs in zip(items, images, strict=True)
             if item.input_ids is None
         ]
-        # One tokenizer call for all texts: the fast tokenizer encodes a list in parallel Rust.
-        encoded = iter(self.tokenizer(texts).input_ids) if texts else iter(())
+        encoded = iter(await self.encode(texts))
         tokenized: list[TokenizedGenerateReqInput] = []
         seen: set[str] = set()
         for i, (item, item_images) in enumerate(zip(items, images, strict=True)):
             given_ids = item.single_input_ids
-            ids: list[int] = given_ids if given_ids is not None else next(encoded)
             with naming_the_item(i if label_items else None):
+                ids = given_ids if given_ids is not None else self.whole(next(encoded), "text")
                 rid = item.single_rid
                 if rid in seen or rid in live_rids:
                     raise ClientError(f"a request with rid '{rid}' is already running", "rid")
@@ -69,6 +76,48 @@ class RequestTokenizer:
                 tokenized.append(self._tokenized(item, ids, item_images, received_at))
                 await self._check_grammar(tokenized[-1].sampling_params)
         return tokenized
+
+    async def encode(
+        self, texts: list[str], add_special_tokens: bool = True, limit: int | None = None
+    ) -> list[list[int] | int]:
+        """Each text's token ids, in one tokenizer call (the fast tokenizer encodes a list in
+        parallel Rust). Long texts are tokenized on a thread, and one that holds more than
+        `limit` tokens (max_req_input_len unless given) within its first characters is
+        not tokenized further: in its place is the number of tokens it has at least (see
+        `whole`)."""
+        if sum(map(len, texts)) <= LONG_TEXT_CHARS:
+            return list(self.tokenizer(texts, add_special_tokens=add_special_tokens).input_ids) if texts else []
+        return await asyncio.to_thread(self._encode_long, texts, add_special_tokens, limit)
+
+    def _encode_long(self, texts: list[str], add_special_tokens: bool, limit: int | None) -> list[list[int] | int]:
+        limit = self._limits().max_req_input_len if limit is None else limit
+        # No token covers more characters than its text in the vocabulary has.
+        cut = self._longest_token_chars() * (limit + CUT_MARGIN_TOKENS)
+        at_least: dict[int, int] = {}
+        for i, text in enumerate(texts):
+            if len(text) > cut:
+                count = len(self.tokenizer(text[:cut], add_special_tokens=add_special_tokens).input_ids)
+                if count > limit + CUT_MARGIN_TOKENS:
+                    at_least[i] = count - CUT_MARGIN_TOKENS
+        whole = [text for i, text in enumerate(texts) if i not in at_least]
+        encoded = iter(self.tokenizer(whole, add_special_tokens=add_special_tokens).input_ids if whole else [])
+        return [at_least[i] if i in at_least else next(encoded) for i in range(len(texts))]
+
+    def _longest_token_chars(self) -> int:
+        if self._longest_token is None:
+            self._longest_token = max(map(len, self.tokenizer.get_vocab()))
+        return self._longest_token
+
+    def whole(self, encoded: list[int] | int, given_as: str, limit: int | None = None) -> list[int]:
+        """A text's token ids from `encode`; a ClientError naming `given_as` for one cut short."""
+        if isinstance(encoded, int):
+            limit = self._limits().max_req_input_len if limit is None else limit
+            raise ClientError(
+                f"The input has at least {encoded:,} tokens, more than the maximum input length "
+                f"max_req_input_len={limit}",
+                given_as,
+            )
+        return encoded
 
     def can_send_as_one_batch(self, items: list[GenerateReqInput]) -> bool:
         # Items that carry images are sent one by one: each has its own pixel payload and
@@ -173,14 +222,15 @@ class RequestTokenizer:
         bad one fails them all (a ClientError naming the item of a list)."""
         prompts = obj.prompts(self.server_args.max_batch_items)
         texts = [prompt for prompt in prompts if isinstance(prompt, str)]
-        encoded = self.tokenizer(texts).input_ids if texts else []
+        encoded = await self.encode(texts)
         all_ids = encoded if texts else [prompt for prompt in prompts if isinstance(prompt, list)]
         priority = self._priority(obj.priority)
         tokenized = []
-        for i, (rid, ids) in enumerate(zip(obj.rids, all_ids, strict=True)):
+        for i, (rid, given) in enumerate(zip(obj.rids, all_ids, strict=True)):
             with naming_the_item(None if obj.is_single else i):
                 if rid in live_rids:
                     raise ClientError(f"a request with rid '{rid}' is already running", "rid")
+                ids = self.whole(given, "text")
                 self._check_prompt(ids, "text" if texts else "input_ids")
             tokenized.append(
                 TokenizedEmbeddingReqInput(rid=rid, input_ids=ids, priority=priority, received_at=received_at)

@@ -52,3 +52,26 @@ def test_a_post_that_is_not_json_or_comes_from_another_site_is_refused(base_url,
     assert httpx.post(base_url + path, content=b"", headers=cross_site, timeout=30).status_code == 403
     assert httpx.get(base_url + "/get_server_info", timeout=30).json()["internal_states"][0]["num_paused_reqs"] == 0
     assert httpx.post(base_url + "/generate", json={"text": "Hi", "sampling_params": {"max_new_tokens": 1}}).is_success
+
+
+HUGE_TEXT = "a " * 2_000_000  # 4 MB: 2 M tokens, far past max_req_input_len
+
+
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        ("/generate", {"text": HUGE_TEXT, "sampling_params": {"max_new_tokens": 1}}, "text"),
+        ("/v1/completions", {"prompt": HUGE_TEXT, "max_tokens": 1}, "prompt"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": HUGE_TEXT}], "max_tokens": 1}, "messages"),
+        ("/v1/embeddings", {"input": HUGE_TEXT}, "input"),
+    ],
+)
+def test_a_huge_prompt_is_refused_after_its_first_characters(base_url, path, body, param):
+    """Tokenized (on a thread) only as far as it takes to know it is too long: all of it,
+    on the event loop, held every other request for seconds (16 MB: 30 s)."""
+    response = httpx.post(base_url + path, json=body, timeout=120)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param, error
+    assert "The input has at least " in error["message"], error  # not its whole count
+    assert httpx.get(base_url + "/health", timeout=10).status_code == 200

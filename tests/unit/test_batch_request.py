@@ -93,7 +93,7 @@ class WordTokenizer:
         self.is_fast = is_fast
         self.calls: list[list[str]] = []
 
-    def __call__(self, texts: list[str]):
+    def __call__(self, texts: list[str], add_special_tokens: bool = True):
         self.calls.append(list(texts))
         return type("Encoding", (), {"input_ids": [[self.vocab[w] for w in text.split()] for text in texts]})()
 
