@@ -9,6 +9,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from sluice.sampling import ClientError
 from sluice.server.api_types import ErrorDetail, ErrorResponse
@@ -115,6 +116,12 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
         return error_response(exc.status_code, str(exc.detail))
+
+    @app.exception_handler(ClientDisconnect)
+    async def _client_left(request: Request, exc: ClientDisconnect):
+        # The client closed the connection before its whole body came: not the server's error.
+        logger.info("a client of %s left while sending its request", request.url.path)
+        return error_response(400, "the client disconnected while sending its request")  # no one reads this
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):

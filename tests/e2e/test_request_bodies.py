@@ -3,6 +3,9 @@ limit is a 400 naming the limit, and the server is none the worse for it."""
 
 from __future__ import annotations
 
+import socket
+import time
+
 import httpx
 import pytest
 
@@ -75,3 +78,20 @@ def test_a_huge_prompt_is_refused_after_its_first_characters(base_url, path, bod
     assert error["param"] == param, error
     assert "The input has at least " in error["message"], error  # not its whole count
     assert httpx.get(base_url + "/health", timeout=10).status_code == 200
+
+
+@pytest.mark.parametrize("path", ["/generate", "/v1/chat/completions"])
+def test_a_client_that_leaves_mid_body_is_no_server_error(server, path):
+    """20 of 500 promised bytes, then the connection closes: logged as the client's leaving,
+    not as an unexpected error with two tracebacks."""
+    host, port = server.base_url.removeprefix("http://").split(":")
+    before = len(server.read_log())
+    with socket.create_connection((host, int(port)), timeout=10) as connection:
+        head = f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 500\r\n\r\n"
+        connection.sendall(head.encode() + b'{"text": "Hi there,')
+    deadline = time.monotonic() + 30
+    while "left while sending" not in (log := server.read_log()[before:]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert f"a client of {path} left while sending its request" in log
+    assert "Traceback" not in log and "ClientDisconnect" not in log
+    assert httpx.get(server.base_url + "/health", timeout=10).status_code == 200
