@@ -294,11 +294,13 @@ def parse_sampling_params(raw: dict[str, Any] | None) -> SamplingParams:
 
 
 def _token_id_keys(logit_bias: dict[Any, Any]) -> dict[int, Any]:
-    """OpenAI sends logit_bias keyed by token ids written as strings ("15")."""
+    """OpenAI sends logit_bias keyed by token ids written as strings ("15"): in decimal digits,
+    without sign, spaces or leading zeros, so that no two keys name one token (int() would
+    take "015", " 15", "+15", "1_5" and other scripts' digits too, the last key silently
+    overriding the others)."""
     keyed = {}
     for key, bias in logit_bias.items():
-        try:
-            keyed[int(key)] = bias
-        except (TypeError, ValueError):
-            raise ClientError(f"logit_bias keys must be token ids, got {key!r}", "logit_bias") from None
+        if not (isinstance(key, str) and key.isascii() and key.isdigit() and (key == "0" or key[0] != "0")):
+            raise ClientError(f"logit_bias keys must be token ids written in decimal digits, got {key!r}", "logit_bias")
+        keyed[int(key)] = bias
     return keyed

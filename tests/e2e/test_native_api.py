@@ -176,6 +176,12 @@ def test_skip_special_tokens_and_the_stop_token_trimmed(base_url):
         ({"text": "hi", "sampling_params": {"structural_tag": "{}"}}, "structural_tag must be"),
         ({"input_ids": [1, 2, 3], "return_logprob": True, "logprob_start_len": 4}, "logprob_start_len"),
         ({"text": "hi", "sampling_params": {"logit_bias": {"x": 5}}}, "logit_bias"),
+        # Other spellings of token 10: refused, or two keys could name one token.
+        ({"text": "hi", "sampling_params": {"logit_bias": {"010": 1}}}, "logit_bias"),
+        ({"text": "hi", "sampling_params": {"logit_bias": {" 10": 1}}}, "logit_bias"),
+        ({"text": "hi", "sampling_params": {"logit_bias": {"+10": 1}}}, "logit_bias"),
+        ({"text": "hi", "sampling_params": {"logit_bias": {"1_0": 1}}}, "logit_bias"),
+        ({"text": "hi", "sampling_params": {"logit_bias": {"\u0661\u0660": 1}}}, "logit_bias"),
         ({"text": "hi", "sampling_params": {"logit_bias": {"1": 101}}}, "logit_bias"),
         ({"text": "hi", "sampling_params": {"logit_bias": {"99999999": 1}}}, "logit_bias"),
         ({"text": "hi", "lora_path": "adapter"}, "lora_path"),
