@@ -209,9 +209,18 @@ class Req:
             self.check_finished(eos_token_ids)
         if not self.finished and self.grammar is not None and self.grammar.is_stopped():
             # The grammar is complete and allows nothing more (not even more whitespace).
-            self.finish_reason = FinishReason(type="stop", matched=None)
+            self.finish_reason = self._grammar_end()
         if not self.finished and self.seq_len >= context_len:
             self.finish_reason = FinishReason(type="length", length=len(self.output_ids))
+
+    def _grammar_end(self) -> FinishReason:
+        """A stop, or an error where the grammar ended the answer short of min_new_tokens: the
+        two cannot both hold, and a shorter answer would not be the one asked for."""
+        made, least = len(self.output_ids), self.sampling_params.min_new_tokens
+        if made >= least:
+            return FinishReason(type="stop", matched=None)
+        message = f"the grammar's answer ended after {made} tokens, before min_new_tokens {least}"
+        return FinishReason(type="abort", message=message, status_code=400)
 
     def check_finished(self, eos_token_ids: frozenset[int]) -> None:
         """Set finish_reason after a new token was appended."""

@@ -74,6 +74,18 @@ def test_constrained_and_free_requests_share_a_batch(http):
     jsonschema.validate(json.loads(batch[1]["text"]), PERSON)
 
 
+def test_min_new_tokens_holds_within_a_grammar_or_the_request_fails(http):
+    """Digits go on past where the model would stop, up to min_new_tokens; a grammar that is
+    complete before then cannot give the answer asked for: a 400, not a shorter answer."""
+    params = {"regex": "[0-9]+", "min_new_tokens": 6, "max_new_tokens": 12, "temperature": 0}
+    result = generate(http, sampling_params=params)
+    assert result["meta_info"]["completion_tokens"] >= 6 and result["text"].isdigit(), result
+    params = {"regex": "a", "min_new_tokens": 3, "max_new_tokens": 8}
+    result = http.post("/generate", json={"text": PROMPT, "sampling_params": params})
+    assert result.status_code == 400, result.text
+    assert "before min_new_tokens 3" in result.json()["error"]["message"]
+
+
 def test_parallel_samples_each_follow_the_grammar(http):
     params = {"json_schema": json.dumps(PERSON), "n": 3, "temperature": 1.0, "max_new_tokens": 60}
     results = generate(http, sampling_params=params)
