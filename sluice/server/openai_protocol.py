@@ -329,7 +329,9 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
             names.append(tool.function.name)
         choice = self.tool_choice
         if isinstance(choice, NamedToolChoice):
-            if choice.type != "function" or choice.function.name not in names:
+            if choice.type != "function":
+                raise ClientError(f"tool_choice.type must be 'function', got {choice.type!r}", "tool_choice")
+            if choice.function.name not in names:
                 raise ClientError(
                     f"tool_choice names the function {choice.function.name!r}, which tools does not hold", "tool_choice"
                 )

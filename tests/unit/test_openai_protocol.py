@@ -166,6 +166,13 @@ def test_an_earlier_call_of_another_type_than_function_is_refused():
         decode_json(msgspec.json.encode(body), ChatCompletionRequest)
 
 
+def test_a_named_tool_choice_of_another_type_says_so():
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    body = chat_body(tools=tools, tool_choice={"type": "x", "function": {"name": "f"}})
+    with refused("tool_choice", "tool_choice.type must be 'function', got 'x'"):
+        body.check()
+
+
 def test_completion_defaults_are_openais():
     body = completion()
     body.check()
