@@ -32,6 +32,10 @@ class PauseGenerationReqInput(msgspec.Struct, kw_only=True, forbid_unknown_field
     mode: str | None = None
 
 
+class NoFields(msgspec.Struct, forbid_unknown_fields=True):
+    """The body of a route that takes none: nothing, or `{}`; any field is a 400 naming it."""
+
+
 class UpdateWeightsFromDiskReqInput(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Serve the weights at `model_path` (a GGUF file or a HF folder of the same model:
     architecture, sizes and vocabulary) once the running requests finish; new requests wait

@@ -23,6 +23,7 @@ from sluice.server.api_types import (
     GenerateResult,
     Loads,
     ModelInfo,
+    NoFields,
     PauseGenerationReqInput,
     ServerInfo,
     Success,
@@ -185,7 +186,8 @@ def create_app(state: ServerState, lifespan=None) -> FastAPI:
 
     @app.get("/flush_cache", openapi_extra=docs.operation(response=Success, errors=(400, *_ANY_ROUTE)))
     @app.post("/flush_cache", openapi_extra=docs.operation(response=Success, errors=(400, *_ANY_POST)))
-    async def flush_cache():
+    async def flush_cache(request: Request):
+        check_no_fields(await request.body())
         result = await state.tm.flush_cache()
         if not result.success:
             return error_response(400, f"cache not flushed: {result.message}")
@@ -218,7 +220,8 @@ def create_app(state: ServerState, lifespan=None) -> FastAPI:
         return {"success": True}
 
     @app.post("/continue_generation", openapi_extra=docs.operation(response=Success, errors=_ANY_POST))
-    async def continue_generation():
+    async def continue_generation(request: Request):
+        check_no_fields(await request.body())
         await state.tm.continue_generation()
         return {"success": True}
 
@@ -371,3 +374,9 @@ async def _last(generator):
     async for chunk in generator:
         last = chunk
     return last
+
+
+def check_no_fields(raw: bytes) -> None:
+    """A route that takes no body: none, or `{}`; a 400 naming any field (it would change nothing)."""
+    if raw.strip():
+        decode_json(raw, NoFields)

@@ -298,6 +298,17 @@ def test_health_and_info_routes(base_url):
     assert sum(states["finished_reqs"].values()) >= 1 + server_info["tokenizer_worker_num"]
 
 
+@pytest.mark.parametrize("path", ["/flush_cache", "/continue_generation"])
+def test_routes_without_a_body_take_none_or_an_empty_object(base_url, path):
+    for body in (b"", b"{}"):
+        r = httpx.post(base_url + path, content=body, headers={"content-type": "application/json"}, timeout=60)
+        assert r.status_code == 200, r.text
+    r = httpx.post(base_url + path, json={"timeout": 5}, timeout=60)  # would change nothing: refused
+    assert r.status_code == 400 and "timeout" in r.json()["error"]["message"], r.text
+    r = httpx.post(base_url + path, content=b"\x00\xff", headers={"content-type": "application/json"}, timeout=60)
+    assert r.status_code == 400, r.text
+
+
 def test_flush_cache(base_url):
     generate(base_url, text="Remember this prefix please", sampling_params=greedy(2))
     assert httpx.post(base_url + "/flush_cache", timeout=60).json() == {"success": True}
