@@ -300,7 +300,14 @@ def _token_id_keys(logit_bias: dict[Any, Any]) -> dict[int, Any]:
     overriding the others)."""
     keyed = {}
     for key, bias in logit_bias.items():
-        if not (isinstance(key, str) and key.isascii() and key.isdigit() and (key == "0" or key[0] != "0")):
-            raise ClientError(f"logit_bias keys must be token ids written in decimal digits, got {key!r}", "logit_bias")
+        if isinstance(key, int) and not isinstance(key, bool):  # the Engine's callers may key by ints
+            keyed[key] = bias
+            continue
+        canonical = isinstance(key, str) and key.isascii() and key.isdigit() and (key == "0" or key[0] != "0")
+        if not canonical or len(key) > 18:  # past 18 digits no id of any vocabulary (nor int64)
+            shown = key if not isinstance(key, str) or len(key) <= 40 else f"{key[:40]}..."
+            raise ClientError(
+                f"logit_bias keys must be token ids written in decimal digits, got {shown!r}", "logit_bias"
+            )
         keyed[int(key)] = bias
     return keyed

@@ -182,6 +182,7 @@ def test_skip_special_tokens_and_the_stop_token_trimmed(base_url):
         ({"text": "hi", "sampling_params": {"logit_bias": {"+10": 1}}}, "logit_bias"),
         ({"text": "hi", "sampling_params": {"logit_bias": {"1_0": 1}}}, "logit_bias"),
         ({"text": "hi", "sampling_params": {"logit_bias": {"\u0661\u0660": 1}}}, "logit_bias"),
+        ({"text": "hi", "sampling_params": {"logit_bias": {"9" * 5000: 1}}}, "logit_bias"),  # int() refuses it
         ({"text": "hi", "sampling_params": {"logit_bias": {"1": 101}}}, "logit_bias"),
         ({"text": "hi", "sampling_params": {"logit_bias": {"99999999": 1}}}, "logit_bias"),
         ({"text": "hi", "lora_path": "adapter"}, "lora_path"),
