@@ -259,18 +259,25 @@ class TokenizerManager:
         return state
 
     def send_new(self, messages: list[Message], states: list[ReqState]) -> None:
-        """Send new requests, whose states add_req_state just made. A send that raises (a bug:
-        a request that passed every check and cannot be sent) ends them all here: their states
-        go and any already sent is aborted, so no rid stays taken and no state waits forever."""
+        """Send new requests, whose states add_req_state just made: `messages` is one message
+        for all of them or one each. Those never sent (the back end died while they were
+        tokenized, or a send raised: a bug, a request that passed every check and cannot be
+        sent) end here and free their rids; any already sent is aborted, and its abort output
+        ends it as any other's, so no state waits forever."""
+        sent = 0
         try:
+            if self.backend_error:
+                raise BackendError(self.backend_error)
             for message in messages:
                 self.send(message)
+                sent += 1
         except Exception:
-            for state in states:
+            sent_states = states[:sent] if len(messages) == len(states) else []
+            for state in states[len(sent_states) :]:
                 if self.rid_to_state.get(state.rid) is state:
                     self.live_rids.remove(state.rid)
-            with contextlib.suppress(Exception):
-                for state in states:
+            for state in sent_states:
+                with contextlib.suppress(Exception):
                     self.abort_request(state.rid)
             raise
 

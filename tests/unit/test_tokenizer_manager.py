@@ -4,13 +4,27 @@ sent, and how a waiting request notices that its client left."""
 from __future__ import annotations
 
 import asyncio
+from concurrent.futures import Future
 
 import pytest
 
 from sluice.config import PortArgs, ServerArgs
-from sluice.messages import AbortReq, Message, SamplingParams, TokenizedGenerateReqInput
+from sluice.messages import (
+    AbortReq,
+    BatchStrOutput,
+    FinishReason,
+    Message,
+    ReqOutput,
+    SamplingParams,
+    StrOutput,
+    TokenizedGenerateReqInput,
+)
+from sluice.sampling import ClientError
 from sluice.tokenizer import manager as manager_module
+from sluice.tokenizer import request_tokenizer
+from sluice.tokenizer.control import BackendError
 from sluice.tokenizer.manager import TokenizerManager
+from sluice.tokenizer.request_tokenizer import RequestTokenizer
 
 
 class RecordingSender:
@@ -41,18 +55,31 @@ def request(rid: str) -> TokenizedGenerateReqInput:
     return TokenizedGenerateReqInput(rid=rid, input_ids=[1, 2, 3], sampling_params=SamplingParams())
 
 
-def test_a_send_that_fails_leaves_no_state_and_aborts_what_went_out(tm):
-    """Items sent one by one, the second cannot be sent: neither keeps a state or its rid,
-    and the first, already at the Scheduler, is aborted."""
+def test_a_send_that_fails_frees_what_was_not_sent_and_aborts_what_was(tm):
+    """Items sent one by one, the second cannot be sent: it keeps no state or rid; the first,
+    already at the Scheduler, is aborted and keeps its state until its abort output ends it."""
     tm.send_to_scheduler = sender = RecordingSender(fails="b")
     reqs = [request("a"), request("b")]
     states = [tm.add_req_state(req, "batch_sequential", index) for index, req in enumerate(reqs)]
     with pytest.raises(OverflowError):
         tm.send_new(list(reqs), states)
-    assert tm.rid_to_state == {}
-    assert "a" not in tm.live_rids and "b" not in tm.live_rids
+    assert list(tm.rid_to_state) == ["a"] and "b" not in tm.live_rids
     assert [m.rid for m in sender.sent if isinstance(m, TokenizedGenerateReqInput)] == ["a"]
-    assert {m.rid for m in sender.sent if isinstance(m, AbortReq)} == {"a", "b"}
+    assert [m.rid for m in sender.sent if isinstance(m, AbortReq)] == ["a"]
+    aborted = FinishReason(type="abort", message="aborted")
+    tm._dispatch(
+        BatchStrOutput(outputs=[StrOutput(output=ReqOutput(rid="a", new_token_ids=[], finish_reason=aborted), text="")])
+    )
+    assert tm.rid_to_state == {} and "a" not in tm.live_rids
+
+
+def test_requests_tokenized_while_the_back_end_died_are_not_sent(tm):
+    tm.send_to_scheduler = sender = RecordingSender()
+    tm.fail_all("the scheduler process failed")
+    state = tm.add_req_state(request("late"), "single")
+    with pytest.raises(BackendError):
+        tm.send_new([request("late")], [state])
+    assert tm.rid_to_state == {} and sender.sent == []
 
 
 class GoneClient:
@@ -76,3 +103,24 @@ async def test_a_request_without_outputs_notices_its_client_left(tm, monkeypatch
 
 async def _collect(stream) -> list:
     return [chunk async for chunk in stream]
+
+
+async def test_each_grammar_text_is_compiled_once_and_its_verdict_kept(monkeypatch):
+    """The items of a batch, a request checked at the pause gate and again after, clients
+    sending one schema: the check thread compiles each text once."""
+    compiled: list[str] = []
+
+    def fake_check(params, tokenizer, reasoning_parser):
+        compiled.append(params.regex)
+        if params.regex == "[":
+            raise ClientError("regex does not compile: unclosed [", "regex")
+
+    monkeypatch.setattr(request_tokenizer, "check_grammar", fake_check)
+    inputs = RequestTokenizer(ServerArgs(), None)
+    inputs._grammar_tokenizer = Future()
+    inputs._grammar_tokenizer.set_result(None)
+    for _ in range(3):
+        await inputs._check_grammar(SamplingParams(regex="[0-9]+"))
+        with pytest.raises(ClientError, match="unclosed"):
+            await inputs._check_grammar(SamplingParams(regex="["))
+    assert compiled == ["[0-9]+", "["]
