@@ -219,7 +219,7 @@ class Req:
         made, least = len(self.output_ids), self.sampling_params.min_new_tokens
         if made >= least:
             return FinishReason(type="stop", matched=None)
-        message = f"the grammar's answer ended after {made} tokens, before min_new_tokens {least}"
+        message = f"the grammar's answer ended after {made} token{'s' * (made != 1)}, before min_new_tokens {least}"
         return FinishReason(type="abort", message=message, status_code=400)
 
     def check_finished(self, eos_token_ids: frozenset[int]) -> None:

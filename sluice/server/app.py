@@ -219,7 +219,7 @@ def create_app(state: ServerState, lifespan=None) -> FastAPI:
             state.tm.abort_request(abort_all=True)
         return {"success": True}
 
-    @app.post("/continue_generation", openapi_extra=docs.operation(response=Success, errors=_ANY_POST))
+    @app.post("/continue_generation", openapi_extra=docs.operation(response=Success, errors=(400, *_ANY_POST)))
     async def continue_generation(request: Request):
         check_no_fields(await request.body())
         await state.tm.continue_generation()

@@ -4,6 +4,7 @@ against the model's limits. Used by the single path and the batch path alike."""
 from __future__ import annotations
 
 import asyncio
+from collections import OrderedDict
 from collections.abc import Container, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
@@ -25,6 +26,7 @@ from sluice.tokenizer.multimodal.request_images import RequestImages
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+CHECKED_GRAMMARS_KEPT = 256
 # Tokenizing takes about 2 us a character: texts longer than this (together) are tokenized on
 # a thread, off the event loop (16 MB of text took 30 s).
 LONG_TEXT_CHARS = 32_768
@@ -43,9 +45,18 @@ class RequestTokenizer:
         # in a thread from the start, off the event loop.
         self._grammar_tokenizer: Future[Any] | None = None
         self._grammar_checker: ThreadPoolExecutor | None = None  # started with the first grammar
+        # Grammar texts checked, by field:text: None where it compiles, else its refusal.
+        self._checked_grammars: OrderedDict[str, tuple[str, str | None] | None] = OrderedDict()
         self._longest_token: int | None = None  # characters of the longest token's text, once asked
         if tokenizer is not None:  # unit tests may run without one
             self._grammar_tokenizer = start_grammar_tokenizer(tokenizer, len(tokenizer))
+            # A tokenizer.json may ship truncation or padding, which transformers switches off
+            # in the Rust tokenizer at a call: off once here, so that the event loop and a
+            # thread (long prompts) can tokenize at once without either changing it under the
+            # other ("Already borrowed").
+            if (backend := getattr(tokenizer, "_tokenizer", None)) is not None:
+                backend.no_truncation()
+                backend.no_padding()
 
     async def tokenize(
         self,
@@ -64,17 +75,20 @@ class RequestTokenizer:
         ]
         encoded = iter(await self.encode(texts))
         tokenized: list[TokenizedGenerateReqInput] = []
-        seen: set[str] = set()
         for i, (item, item_images) in enumerate(zip(items, images, strict=True)):
             given_ids = item.single_input_ids
             with naming_the_item(i if label_items else None):
                 ids = given_ids if given_ids is not None else self.whole(next(encoded), "text")
-                rid = item.single_rid
-                if rid in seen or rid in live_rids:
-                    raise ClientError(f"a request with rid '{rid}' is already running", "rid")
-                seen.add(rid)
                 tokenized.append(self._tokenized(item, ids, item_images, received_at))
                 await self._check_grammar(tokenized[-1].sampling_params)
+        # The rids last, with no await between here and the caller's add_req_state: a rid
+        # found free stays free until its state takes it.
+        seen: set[str] = set()
+        for i, t in enumerate(tokenized):
+            with naming_the_item(i if label_items else None):
+                if t.rid in seen or t.rid in live_rids:
+                    raise ClientError(f"a request with rid '{t.rid}' is already running", "rid")
+                seen.add(t.rid)
         return tokenized
 
     async def encode(
@@ -196,15 +210,31 @@ class RequestTokenizer:
         validate_sampling_params(params, self._token_id_bound())
 
     async def _check_grammar(self, params: SamplingParams) -> None:
-        """A ClientError naming the field when the request's grammar does not compile; the
-        compile runs on a thread of its own (grammar_compiler), off the event loop."""
-        if grammar_field(params) is None or self._grammar_tokenizer is None:
+        """A ClientError naming the field when the request's grammar does not compile. The
+        compile runs on a thread of its own (grammar_compiler), off the event loop, once per
+        grammar text: the verdicts of the last CHECKED_GRAMMARS_KEPT are kept (the items of
+        a batch, a request checked at the pause gate and again after, clients that send the
+        same schema)."""
+        field = grammar_field(params)
+        if field is None or self._grammar_tokenizer is None:
             return
-        tokenizer = await asyncio.wrap_future(self._grammar_tokenizer)
-        if self._grammar_checker is None:
-            self._grammar_checker = grammar_compiler("grammar-check")
-        check = self._grammar_checker.submit(check_grammar, params, tokenizer, self.server_args.reasoning_parser)
-        await asyncio.wrap_future(check)
+        key = f"{field}:{getattr(params, field)}"
+        if key in self._checked_grammars:
+            self._checked_grammars.move_to_end(key)
+        else:
+            tokenizer = await asyncio.wrap_future(self._grammar_tokenizer)
+            if self._grammar_checker is None:
+                self._grammar_checker = grammar_compiler("grammar-check")
+            check = self._grammar_checker.submit(check_grammar, params, tokenizer, self.server_args.reasoning_parser)
+            try:
+                await asyncio.wrap_future(check)
+                self._checked_grammars[key] = None
+            except ClientError as e:
+                self._checked_grammars[key] = (e.message, e.param)
+            while len(self._checked_grammars) > CHECKED_GRAMMARS_KEPT:
+                self._checked_grammars.popitem(last=False)
+        if (refusal := self._checked_grammars[key]) is not None:
+            raise ClientError(*refusal)
 
     def _priority(self, priority: int | None) -> int:
         if priority and self.server_args.schedule_policy != "priority":
