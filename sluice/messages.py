@@ -343,15 +343,18 @@ class SetPause(Message):
 
 
 class WorkerStatsReq(Message):
-    """Asks every worker for its state; the answers go back to `http_worker_ipc`."""
+    """Asks every worker for its state; the answers go back to `http_worker_ipc`, each with
+    the request's `control_id`."""
 
     http_worker_ipc: str
+    control_id: int = 0
 
 
 class WorkerStats(Message):
     rid_to_state_size: int
     http_worker_ipc: str  # the worker that asked
     num_paused_reqs: int = 0  # requests held until generation continues
+    control_id: int = 0  # the WorkerStatsReq's
 
 
 class ReplicaLoad(Message):

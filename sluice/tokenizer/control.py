@@ -1,8 +1,8 @@
 """The back end as a TokenizerManager talks to it: wait for it to start, and control calls
 (send a request to the Scheduler, through the router if any, and wait for its reply). A
 request with a `control_id` field gets a fresh id that its reply repeats, so a reply finds
-its own call even after an earlier call timed out; other replies (a worker's stats, a pause
-echoed back) go to the oldest waiter of their type."""
+its own call even after an earlier call timed out (a gather's several replies too, each worker's
+stats); other replies (a pause echoed back) go to the oldest waiter of their type."""
 
 from __future__ import annotations
 
@@ -62,6 +62,7 @@ class ControlChannel:
         self._send = send
         self._waiters: dict[type[Message], deque[asyncio.Future[Message]]] = {}
         self._by_id: dict[int, asyncio.Future[Message]] = {}
+        self._gathering: dict[int, list[asyncio.Future[Message]]] = {}  # a gather's unanswered futures
         self._ids = itertools.count(1)
         self._failed: str | None = None  # why the back end is gone, once it is
 
@@ -88,12 +89,22 @@ class ControlChannel:
         return reply
 
     async def gather(self, request: Message, reply_type: type[Reply], count: int, timeout_s: float) -> list[Reply]:
-        """Send `request`, which `count` processes answer; the replies that came in time."""
+        """Send `request` (with a fresh control_id), which `count` processes answer with it;
+        the replies that came in time (a late one goes to no later gather)."""
         if self._failed is not None:
             raise BackendError(self._failed)
-        futures = self._expect(reply_type, count)
+        if hasattr(request, "control_id"):
+            request.control_id = control_id = next(self._ids)
+            loop = asyncio.get_running_loop()
+            futures: list[asyncio.Future[Message]] = [loop.create_future() for _ in range(count)]
+            self._gathering[control_id] = list(futures)
+        else:
+            control_id, futures = 0, self._expect(reply_type, count)
         self._send(request)
-        done, pending = await asyncio.wait(futures, timeout=timeout_s)
+        try:
+            done, pending = await asyncio.wait(futures, timeout=timeout_s)
+        finally:
+            self._gathering.pop(control_id, None)
         for future in pending:
             future.cancel()
         return [reply for future in done if isinstance(reply := future.result(), reply_type)]
@@ -101,6 +112,11 @@ class ControlChannel:
     def deliver(self, reply: Message) -> None:
         """A reply came: to the call with its control_id, else to the oldest waiter for its type."""
         control_id = getattr(reply, "control_id", 0)
+        if control_id and (gathering := self._gathering.get(control_id)):
+            gathering.pop().set_result(reply)
+            if not gathering:
+                del self._gathering[control_id]
+            return
         if control_id:
             future = self._by_id.pop(control_id, None)
             if future is not None and not future.done():
@@ -124,6 +140,11 @@ class ControlChannel:
             if not future.done():
                 future.set_exception(BackendError(reason))
         self._by_id.clear()
+        for futures in self._gathering.values():
+            for future in futures:
+                if not future.done():
+                    future.set_exception(BackendError(reason))
+        self._gathering.clear()
         for waiters in self._waiters.values():
             for future in waiters:
                 if not future.done():

@@ -367,7 +367,9 @@ class TokenizerManager:
             case AbortReq():  # another worker's /abort_request: this worker's held requests
                 self.pause.abort(recv_obj.rid, recv_obj.abort_all)
             case WorkerStatsReq():
-                self.send_to_scheduler.send(self._worker_stats(recv_obj.http_worker_ipc))
+                stats = self._worker_stats(recv_obj.http_worker_ipc)
+                stats.control_id = recv_obj.control_id
+                self.send_to_scheduler.send(stats)
             case _:
                 self.control.deliver(recv_obj)
 

@@ -56,9 +56,25 @@ async def test_no_reply_in_time_and_a_dead_back_end_are_backend_errors():
 
 
 async def test_gather_keeps_the_replies_that_came_in_time():
-    control, _ = channel()
+    control, sent = channel()
     gathering = asyncio.create_task(control.gather(WorkerStatsReq(http_worker_ipc="w"), WorkerStats, 3, 0.05))
     await asyncio.sleep(0)
     for size in (1, 2):
-        control.deliver(WorkerStats(rid_to_state_size=size, http_worker_ipc="w"))
+        control.deliver(WorkerStats(rid_to_state_size=size, http_worker_ipc="w", control_id=sent[0].control_id))
     assert sorted(stats.rid_to_state_size for stats in await gathering) == [1, 2]
+
+
+async def test_overlapping_gathers_each_get_their_own_replies():
+    """Two /get_server_info calls at once, and a reply late for a gather that timed out: each
+    gather sums the replies to its own request, none of another's."""
+    control, sent = channel()
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(control.gather(WorkerStatsReq(http_worker_ipc="w"), WorkerStats, 2, 5.0), 0.01)
+    first = asyncio.create_task(control.gather(WorkerStatsReq(http_worker_ipc="w"), WorkerStats, 2, 1.0))
+    second = asyncio.create_task(control.gather(WorkerStatsReq(http_worker_ipc="w"), WorkerStats, 2, 1.0))
+    await asyncio.sleep(0)
+    late, one, two = (request.control_id for request in sent)
+    for control_id, size in ((late, 100), (two, 20), (one, 10), (two, 21), (one, 11)):
+        control.deliver(WorkerStats(rid_to_state_size=size, http_worker_ipc="w", control_id=control_id))
+    assert sorted(s.rid_to_state_size for s in await first) == [10, 11]
+    assert sorted(s.rid_to_state_size for s in await second) == [20, 21]
