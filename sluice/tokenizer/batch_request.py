@@ -58,7 +58,7 @@ async def handle_batch_request(
     each with what is new; else one per item, with everything."""
     items = [obj.item(i) for i in range(obj.batch_size)] if not obj.is_single else [obj]
     n = obj.sample_count()
-    tokenized = await tm.inputs.tokenize(items, tm.live_rids, label_items=True, received_at=received_at)
+    tokenized = await tm.inputs.tokenize(items, tm.live_rids, label_items=not obj.is_single, received_at=received_at)
     if n == 1:
         path = "batch" if tm.inputs.can_send_as_one_batch(items) else "batch_sequential"
         async for chunk in _send_and_wait(tm, list(enumerate(tokenized)), path, request, obj.log_metrics):

@@ -13,9 +13,11 @@ import contextlib
 import logging
 import os
 import time
+from collections import Counter
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import TYPE_CHECKING
 
+import msgspec
 import zmq
 import zmq.asyncio
 
@@ -46,6 +48,7 @@ from sluice.messages import (
     WorkerDied,
     WorkerStats,
     WorkerStatsReq,
+    rid_family,
 )
 from sluice.tokenizer.admission import check_queue_room, check_request_size
 from sluice.tokenizer.batch_request import handle_batch_request
@@ -100,6 +103,11 @@ class TokenizerManager:
 
         self.rid_to_state: dict[str, ReqState] = {}
         self.live_rids = LiveRids(self.rid_to_state)
+        # Client rids of the requests this worker is taking in (tokenizing, waiting out a weight
+        # update, between an n > 1 warm-up and its samples) and those an abort named meanwhile:
+        # such an abort can reach the Scheduler before the request, which would then run.
+        self.arriving: Counter[str] = Counter()
+        self.aborted_arriving: set[str] = set()
         # The weights served: set when the back end reports ready, changed by weight updates.
         self.weight_version = server_args.weight_version
         self.weights_path = server_args.resolved_model_path()
@@ -209,16 +217,21 @@ class TokenizerManager:
             for chunk in ended:
                 yield chunk
             return
-        async with self.model_update_lock.reader_lock():
-            responses: AsyncIterator[GenerateChunk]
-            if isinstance(obj, EmbeddingReqInput):
-                responses = handle_embedding_request(self, obj, request, received_at)
-            elif obj.is_single and n == 1:
-                responses = self._single_request(obj, request, received_at)
-            else:
-                responses = handle_batch_request(self, obj, request, received_at)
-            async for response in responses:
-                yield response
+        rids = client_rids(obj)
+        self.arriving.update(rids)
+        try:
+            async with self.model_update_lock.reader_lock():
+                responses: AsyncIterator[GenerateChunk]
+                if isinstance(obj, EmbeddingReqInput):
+                    responses = handle_embedding_request(self, obj, request, received_at)
+                elif obj.is_single and n == 1:
+                    responses = self._single_request(obj, request, received_at)
+                else:
+                    responses = handle_batch_request(self, obj, request, received_at)
+                async for response in responses:
+                    yield response
+        finally:
+            self._arrived(rids)
 
     async def _single_request(
         self, obj: GenerateReqInput, request: ClientConnection | None, received_at: float
@@ -258,12 +271,40 @@ class TokenizerManager:
         self.live_rids.add(state)
         return state
 
+    def _arrived(self, rids: list[str]) -> None:
+        """The requests of `rids` are no longer coming in: forget them and their aborts."""
+        self.arriving.subtract(rids)
+        for rid in rids:
+            if self.arriving[rid] <= 0:
+                del self.arriving[rid]
+                if self.aborted_arriving:
+                    self.aborted_arriving = {r for r in self.aborted_arriving if rid_family(r) != rid}
+
+    def _abort_arriving(self, rid: str, abort_all: bool) -> None:
+        """Remember an abort of a request still coming in (or of its samples, not yet sent)."""
+        if abort_all:
+            self.aborted_arriving.update(self.arriving)
+        elif rid_family(rid) in self.arriving:
+            self.aborted_arriving.add(rid)
+
+    def _aborted_early(self, rid: str) -> bool:
+        return bool(self.aborted_arriving) and (
+            rid in self.aborted_arriving or rid_family(rid) in self.aborted_arriving
+        )
+
     def send_new(self, messages: list[Message], states: list[ReqState]) -> None:
         """Send new requests, whose states add_req_state just made: `messages` is one message
-        for all of them or one each. Those never sent (the back end died while they were
-        tokenized, or a send raised: a bug, a request that passed every check and cannot be
-        sent) end here and free their rids; any already sent is aborted, and its abort output
-        ends it as any other's, so no state waits forever."""
+        for all of them or one each. Those an abort named while they came in end here,
+        unsent, as aborted. Those never sent (the back end died while they were tokenized,
+        or a send raised: a bug, a request that passed every check and cannot be sent) end
+        here and free their rids; any already sent is aborted, and its abort output ends it
+        as any other's, so no state waits forever."""
+        if early := {state.rid for state in states if self._aborted_early(state.rid)}:
+            for state in states:
+                if state.rid in early:
+                    self._end_unsent(state, state.abort_chunk("aborted", status_code=None))
+            states = [state for state in states if state.rid not in early]
+            messages = [kept for message in messages if (kept := _without(message, early)) is not None]
         sent = 0
         try:
             if self.backend_error:
@@ -364,8 +405,9 @@ class TokenizerManager:
                     self.weight_version, self.weights_path = recv_obj.weight_version, recv_obj.model_path
                 if recv_obj.http_worker_ipc == self.http_worker_ipc:
                     self.control.deliver(recv_obj)  # the worker that asked (every worker hears it)
-            case AbortReq():  # another worker's /abort_request: this worker's held requests
+            case AbortReq():  # another worker's /abort_request: this worker's held and arriving requests
                 self.pause.abort(recv_obj.rid, recv_obj.abort_all)
+                self._abort_arriving(recv_obj.rid, recv_obj.abort_all)
             case WorkerStatsReq():
                 stats = self._worker_stats(recv_obj.http_worker_ipc)
                 stats.control_id = recv_obj.control_id
@@ -391,19 +433,22 @@ class TokenizerManager:
                 self.live_rids.remove(out.output.rid)
             state.event.set()
 
+    def _end_unsent(self, state: ReqState, chunk: GenerateChunk) -> None:
+        """End a request that was never sent with `chunk`, which its waiter then reads."""
+        lost = ReqOutput(rid=state.rid, new_token_ids=[], finish_reason=chunk.finish_reason)
+        self.metrics.on_finish(state, lost, time.time())
+        state.pending.append(chunk)
+        state.finished = True
+        self.live_rids.remove(state.rid)
+        state.event.set()
+
     def fail_all(self, reason: str) -> None:
         """The back end died: end every live request and control call with an error, report
         unhealthy."""
         self.backend_error = reason
         self.control.fail_all(reason)
-        for rid, state in list(self.rid_to_state.items()):
-            chunk = state.abort_chunk(reason, status_code=503)
-            lost = ReqOutput(rid=rid, new_token_ids=[], finish_reason=chunk.finish_reason)
-            self.metrics.on_finish(state, lost, time.time())
-            state.pending.append(chunk)
-            state.finished = True
-            self.live_rids.remove(rid)
-            state.event.set()
+        for state in list(self.rid_to_state.values()):
+            self._end_unsent(state, state.abort_chunk(reason, status_code=503))
 
     # ------------------------------------------------------------ control
 
@@ -412,6 +457,7 @@ class TokenizerManager:
         # children, or (with several workers) belong to another worker, which the router
         # passes it on to for the requests a pause holds there.
         self.pause.abort(rid, abort_all)
+        self._abort_arriving(rid, abort_all)
         self.send(AbortReq(rid=rid, abort_all=abort_all))
 
     async def get_internal_state(self) -> InternalState:
@@ -485,3 +531,11 @@ class TokenizerManager:
             f"last message received at {time.strftime('%H:%M:%S', time.localtime(self.last_receive_tstamp))} "
             f"({time.time() - self.last_receive_tstamp:.1f} s ago)"
         )
+
+
+def _without(message: Message, rids: set[str]) -> Message | None:
+    """`message` without the requests of `rids` (None: nothing left to send)."""
+    if isinstance(message, BatchTokenizedGenerateReqInput | BatchTokenizedEmbeddingReqInput):
+        kept = [req for req in message.reqs if req.rid not in rids]
+        return msgspec.structs.replace(message, reqs=kept) if kept else None
+    return None if getattr(message, "rid", None) in rids else message

@@ -127,8 +127,8 @@ class ReqState:
         chunk.embedding = out.embedding
         return chunk
 
-    def abort_chunk(self, message: str, status_code: int = 400) -> GenerateChunk:
-        """The final chunk of a request that ended with an error."""
+    def abort_chunk(self, message: str, status_code: int | None = 400) -> GenerateChunk:
+        """The final chunk of a request that ended with an error (None: a client's abort)."""
         reason = FinishReason(type="abort", message=message, status_code=status_code)
         return self._take_chunk(reason, time.time())
 

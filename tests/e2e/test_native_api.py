@@ -457,6 +457,30 @@ def test_pause_in_abort_mode_aborts_the_running_requests(base_url):
     wait_until_drained(base_url)
 
 
+@pytest.mark.parametrize("delay_s", [0.01, 0.02, 0.04, 0.08])
+@pytest.mark.parametrize(
+    "text, n",
+    [("Hi", 3), ("hello world " * 3500, 1)],  # ~7 K tokens: tokenized on a thread for tens of ms
+    ids=["samples", "long-prompt"],
+)
+def test_an_abort_while_the_request_comes_in_is_not_lost(base_url, text, n, delay_s):
+    """The abort may reach the server while the request is tokenized, or between an n > 1
+    warm-up and its samples: both times the Scheduler does not have the request yet, and
+    the abort it got first was lost while /abort_request answered success."""
+    rid = f"early-{n}-{delay_s}"
+    results: list[httpx.Response] = []
+    body = {"text": text, "rid": rid, "sampling_params": greedy(48, ignore_eos=True, n=n)}
+    sender = threading.Thread(target=lambda: results.append(generate(base_url, **body)))
+    sender.start()
+    time.sleep(delay_s)
+    assert httpx.post(base_url + "/abort_request", json={"rid": rid}, timeout=30).json() == {"success": True}
+    sender.join(120)
+    [response] = results
+    outputs = response.json() if n > 1 else [response.json()]
+    assert [out["meta_info"]["finish_reason"]["type"] for out in outputs] == ["abort"] * n, response.text[:300]
+    wait_until_drained(base_url)
+
+
 def test_disconnected_clients_are_aborted(base_url):
     """20 clients leave mid-generation: every request is aborted, long before it could have
     finished (2,000 tokens each), and its KV freed."""
