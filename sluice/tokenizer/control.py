@@ -93,13 +93,10 @@ class ControlChannel:
         the replies that came in time (a late one goes to no later gather)."""
         if self._failed is not None:
             raise BackendError(self._failed)
-        if hasattr(request, "control_id"):
-            request.control_id = control_id = next(self._ids)
-            loop = asyncio.get_running_loop()
-            futures: list[asyncio.Future[Message]] = [loop.create_future() for _ in range(count)]
-            self._gathering[control_id] = list(futures)
-        else:
-            control_id, futures = 0, self._expect(reply_type, count)
+        request.control_id = control_id = next(self._ids)  # type: ignore[attr-defined]
+        loop = asyncio.get_running_loop()
+        futures: list[asyncio.Future[Message]] = [loop.create_future() for _ in range(count)]
+        self._gathering[control_id] = list(futures)
         self._send(request)
         try:
             done, pending = await asyncio.wait(futures, timeout=timeout_s)

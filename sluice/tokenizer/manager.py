@@ -13,7 +13,6 @@ import contextlib
 import logging
 import os
 import time
-from collections import Counter
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import TYPE_CHECKING
 
@@ -48,7 +47,6 @@ from sluice.messages import (
     WorkerDied,
     WorkerStats,
     WorkerStatsReq,
-    rid_family,
 )
 from sluice.tokenizer.admission import check_queue_room, check_request_size
 from sluice.tokenizer.batch_request import handle_batch_request
@@ -58,7 +56,7 @@ from sluice.tokenizer.io_struct import EmbeddingReqInput, GenerateReqInput
 from sluice.tokenizer.metrics import RequestMetrics
 from sluice.tokenizer.multimodal.request_images import RequestImages
 from sluice.tokenizer.pause import PauseGate, aborted_while_held, client_rids
-from sluice.tokenizer.req_state import DISCONNECT_POLL_S, ClientConnection, LiveRids, ReqState
+from sluice.tokenizer.req_state import DISCONNECT_POLL_S, ArrivingRids, ClientConnection, LiveRids, ReqState
 from sluice.tokenizer.request_tokenizer import RequestTokenizer
 from sluice.tokenizer.result import GenerateChunk
 from sluice.tokenizer.rwlock import RWLock
@@ -103,11 +101,7 @@ class TokenizerManager:
 
         self.rid_to_state: dict[str, ReqState] = {}
         self.live_rids = LiveRids(self.rid_to_state)
-        # Client rids of the requests this worker is taking in (tokenizing, waiting out a weight
-        # update, between an n > 1 warm-up and its samples) and those an abort named meanwhile:
-        # such an abort can reach the Scheduler before the request, which would then run.
-        self.arriving: Counter[str] = Counter()
-        self.aborted_arriving: set[str] = set()
+        self.arriving = ArrivingRids()
         # The weights served: set when the back end reports ready, changed by weight updates.
         self.weight_version = server_args.weight_version
         self.weights_path = server_args.resolved_model_path()
@@ -218,7 +212,7 @@ class TokenizerManager:
                 yield chunk
             return
         rids = client_rids(obj)
-        self.arriving.update(rids)
+        self.arriving.enter(rids)
         try:
             async with self.model_update_lock.reader_lock():
                 responses: AsyncIterator[GenerateChunk]
@@ -231,7 +225,7 @@ class TokenizerManager:
                 async for response in responses:
                     yield response
         finally:
-            self._arrived(rids)
+            self.arriving.leave(rids)
 
     async def _single_request(
         self, obj: GenerateReqInput, request: ClientConnection | None, received_at: float
@@ -271,27 +265,6 @@ class TokenizerManager:
         self.live_rids.add(state)
         return state
 
-    def _arrived(self, rids: list[str]) -> None:
-        """The requests of `rids` are no longer coming in: forget them and their aborts."""
-        self.arriving.subtract(rids)
-        for rid in rids:
-            if self.arriving[rid] <= 0:
-                del self.arriving[rid]
-                if self.aborted_arriving:
-                    self.aborted_arriving = {r for r in self.aborted_arriving if rid_family(r) != rid}
-
-    def _abort_arriving(self, rid: str, abort_all: bool) -> None:
-        """Remember an abort of a request still coming in (or of its samples, not yet sent)."""
-        if abort_all:
-            self.aborted_arriving.update(self.arriving)
-        elif rid_family(rid) in self.arriving:
-            self.aborted_arriving.add(rid)
-
-    def _aborted_early(self, rid: str) -> bool:
-        return bool(self.aborted_arriving) and (
-            rid in self.aborted_arriving or rid_family(rid) in self.aborted_arriving
-        )
-
     def send_new(self, messages: list[Message], states: list[ReqState]) -> None:
         """Send new requests, whose states add_req_state just made: `messages` is one message
         for all of them or one each. Those an abort named while they came in end here,
@@ -299,7 +272,7 @@ class TokenizerManager:
         or a send raised: a bug, a request that passed every check and cannot be sent) end
         here and free their rids; any already sent is aborted, and its abort output ends it
         as any other's, so no state waits forever."""
-        if early := {state.rid for state in states if self._aborted_early(state.rid)}:
+        if early := {state.rid for state in states if self.arriving.aborted(state.rid)}:
             for state in states:
                 if state.rid in early:
                     self._end_unsent(state, state.abort_chunk("aborted", status_code=None))
@@ -407,7 +380,7 @@ class TokenizerManager:
                     self.control.deliver(recv_obj)  # the worker that asked (every worker hears it)
             case AbortReq():  # another worker's /abort_request: this worker's held and arriving requests
                 self.pause.abort(recv_obj.rid, recv_obj.abort_all)
-                self._abort_arriving(recv_obj.rid, recv_obj.abort_all)
+                self.arriving.abort(recv_obj.rid, recv_obj.abort_all)
             case WorkerStatsReq():
                 stats = self._worker_stats(recv_obj.http_worker_ipc)
                 stats.control_id = recv_obj.control_id
@@ -457,7 +430,7 @@ class TokenizerManager:
         # children, or (with several workers) belong to another worker, which the router
         # passes it on to for the requests a pause holds there.
         self.pause.abort(rid, abort_all)
-        self._abort_arriving(rid, abort_all)
+        self.arriving.abort(rid, abort_all)
         self.send(AbortReq(rid=rid, abort_all=abort_all))
 
     async def get_internal_state(self) -> InternalState:

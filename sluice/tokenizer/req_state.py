@@ -65,6 +65,39 @@ class LiveRids:
         return rid in self.rid_to_state or rid in self.sampled or rid in self._families
 
 
+class ArrivingRids:
+    """The client rids of the requests a worker is taking in (tokenizing, waiting out a weight
+    update, between an n > 1 warm-up and its samples) and those an abort named meanwhile:
+    such an abort can reach the Scheduler before the request, which would then run, so the
+    worker ends the request unsent instead (TokenizerManager.send_new)."""
+
+    def __init__(self) -> None:
+        self._arriving: Counter[str] = Counter()
+        self._aborted: set[str] = set()  # client rids, or the rid of one sample (rid::i)
+
+    def enter(self, rids: list[str]) -> None:
+        self._arriving.update(rids)
+
+    def leave(self, rids: list[str]) -> None:
+        """The requests of `rids` are no longer coming in: forget them and their aborts."""
+        self._arriving.subtract(rids)
+        for rid in rids:
+            if self._arriving[rid] <= 0:
+                del self._arriving[rid]
+                if self._aborted:
+                    self._aborted = {r for r in self._aborted if rid_family(r) != rid}
+
+    def abort(self, rid: str, abort_all: bool) -> None:
+        """Remember an abort of a request still coming in (or of its samples, not yet sent)."""
+        if abort_all:
+            self._aborted.update(self._arriving)
+        elif rid_family(rid) in self._arriving:
+            self._aborted.add(rid)
+
+    def aborted(self, rid: str) -> bool:
+        return bool(self._aborted) and (rid in self._aborted or rid_family(rid) in self._aborted)
+
+
 @dataclass(slots=True, eq=False)
 class ReqState:
     rid: str
