@@ -35,7 +35,12 @@ from sluice.kernels.cpu import reported_flags
 from sluice.kernels.loader import load_kernels
 from sluice.kernels.ops import KernelOps
 
-KV_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+KV_DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "fp8_e5m2": torch.float8_e5m2,
+}
 
 
 def timed(function, min_s: float = 1.0) -> float:

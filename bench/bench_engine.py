@@ -136,7 +136,9 @@ def main() -> None:
         choices=["auto", *DTYPES],
         help="sluice's --dtype (auto: float32 on the C kernels where they run); transformers runs float32 for auto",
     )
-    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
+    parser.add_argument(
+        "--kv-cache-dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16", "fp8_e5m2"]
+    )
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)

@@ -61,8 +61,9 @@ class ServerArgs:
         default="auto",
         metadata={
             "help": (
-                "auto | float32 | float16 | bfloat16: element type of the KV cache. auto: float16 on the C kernels "
-                "(half the memory and attention bytes), the model dtype on torch ops."
+                "auto | float32 | float16 | bfloat16 | fp8_e5m2: element type of the KV cache. auto: float16 on the "
+                "C kernels (half the memory and attention bytes), the model dtype on torch ops. fp8_e5m2: a byte an "
+                "element, a quarter of float32's (lossy: 2 mantissa bits, greedy output drifts from float16's)."
             ),
         },
     )
@@ -293,8 +294,8 @@ class ServerArgs:
             (self.dtype in ("auto", "float32", "bfloat16"), "dtype must be float32, bfloat16 or auto"),
             (self.quantization in ("auto", "none", "q8_0", "gguf"), "quantization must be auto, none, q8_0 or gguf"),
             (
-                self.kv_cache_dtype in ("auto", "float32", "float16", "bfloat16"),
-                "kv_cache_dtype must be auto, float32, float16 or bfloat16",
+                self.kv_cache_dtype in ("auto", "float32", "float16", "bfloat16", "fp8_e5m2"),
+                "kv_cache_dtype must be auto, float32, float16, bfloat16 or fp8_e5m2",
             ),
             (0 < self.port < 65536, "port must be in 1..65535"),
             (self.num_threads >= 0, "num_threads must be >= 0"),

@@ -25,6 +25,8 @@ ALWAYS_INLINE __m256 load_kv8(const char *p, const int kv_dtype) {
     case SLUICE_KV_FLOAT16: return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
     case SLUICE_KV_BFLOAT16:
         return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+    case SLUICE_KV_FP8_E5M2: /* each byte the high byte of a float16 */
+        return _mm256_cvtph_ps(_mm_slli_epi16(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)p)), 8));
     default: return _mm256_loadu_ps((const float *)p);
     }
 }
@@ -55,6 +57,8 @@ ALWAYS_INLINE __m512 load_kv(const char *p, const int kv_dtype) {
     case SLUICE_KV_FLOAT16: return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
     case SLUICE_KV_BFLOAT16:
         return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+    case SLUICE_KV_FP8_E5M2:
+        return _mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p)), 8));
     default: return _mm512_loadu_ps((const float *)p);
     }
 }
@@ -68,6 +72,10 @@ ALWAYS_INLINE __m512 load_kv8_pair(const char *a, const char *b, const int kv_dt
         const __m256i halves = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)a)),
                                                        _mm_loadu_si128((const __m128i *)b), 1);
         return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16));
+    }
+    case SLUICE_KV_FP8_E5M2: {
+        const __m128i bytes = _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)a), _mm_loadl_epi64((const __m128i *)b));
+        return _mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(bytes), 8));
     }
     default: return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps((const float *)a)), _mm256_loadu_ps((const float *)b), 1);
     }

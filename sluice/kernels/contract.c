@@ -62,6 +62,7 @@ static const struct {
     CONSTANT(SLUICE_KV_FLOAT32),
     CONSTANT(SLUICE_KV_FLOAT16),
     CONSTANT(SLUICE_KV_BFLOAT16),
+    CONSTANT(SLUICE_KV_FP8_E5M2),
     CONSTANT(SLUICE_SILU),
     CONSTANT(SLUICE_GELU_TANH),
 };
@@ -310,6 +311,7 @@ static int check_attention(int kv_dtype) {
     enum { HEADS = 6, KV_HEADS = 2, DIM = 64, SLOTS = 20, LEN = 11 };
     float q[HEADS * DIM], k[SLOTS * KV_HEADS * DIM], v[SLOTS * KV_HEADS * DIM], out[HEADS * DIM];
     uint16_t k16[SLOTS * KV_HEADS * DIM], v16[SLOTS * KV_HEADS * DIM];
+    uint8_t k8[SLOTS * KV_HEADS * DIM], v8[SLOTS * KV_HEADS * DIM];
     int64_t slots[LEN], seq_len = LEN;
     uint32_t state = 777u;
     for (int i = 0; i < HEADS * DIM; i++) q[i] = random_float(&state);
@@ -321,6 +323,11 @@ static int check_attention(int kv_dtype) {
             v16[i] = _cvtss_sh(v[i], 0);
             k[i] = _cvtsh_ss(k16[i]);
             v[i] = _cvtsh_ss(v16[i]);
+        } else if (kv_dtype == SLUICE_KV_FP8_E5M2) { /* a float16's high byte, the low one dropped */
+            k8[i] = (uint8_t)(_cvtss_sh(k[i], 0) >> 8);
+            v8[i] = (uint8_t)(_cvtss_sh(v[i], 0) >> 8);
+            k[i] = _cvtsh_ss((uint16_t)(k8[i] << 8));
+            v[i] = _cvtsh_ss((uint16_t)(v8[i] << 8));
         } else if (kv_dtype == SLUICE_KV_BFLOAT16) {
             uint32_t kb, vb;
             memcpy(&kb, &k[i], 4);
@@ -334,8 +341,12 @@ static int check_attention(int kv_dtype) {
         }
     }
     for (int t = 0; t < LEN; t++) slots[t] = (t * 7) % SLOTS;
-    const void *k_pool = kv_dtype == SLUICE_KV_FLOAT32 ? (const void *)k : (const void *)k16;
-    const void *v_pool = kv_dtype == SLUICE_KV_FLOAT32 ? (const void *)v : (const void *)v16;
+    const void *k_pool = kv_dtype == SLUICE_KV_FLOAT32 ? (const void *)k
+                         : kv_dtype == SLUICE_KV_FP8_E5M2 ? (const void *)k8
+                                                          : (const void *)k16;
+    const void *v_pool = kv_dtype == SLUICE_KV_FLOAT32 ? (const void *)v
+                         : kv_dtype == SLUICE_KV_FP8_E5M2 ? (const void *)v8
+                                                          : (const void *)v16;
     const float scale = 0.125f;
     if (sluice_decode_attention(1, HEADS, KV_HEADS, DIM, LEN, scale, 0, 0.0f, q, HEADS * DIM, k_pool, v_pool, kv_dtype,
                                 slots, NULL, &seq_len, NULL, out) != 0)
@@ -477,5 +488,6 @@ int sluice_self_test(void) {
     if (check_qgemm(SLUICE_Q5_1)) return 10;
     if (check_prompt_attention()) return 11;
     if (check_qgemm_gated()) return 12;
+    if (check_attention(SLUICE_KV_FP8_E5M2)) return 13;
     return 0;
 }

@@ -43,6 +43,7 @@ class KvDtype(enum.IntEnum):
     FLOAT32 = 0
     FLOAT16 = 1
     BFLOAT16 = 2
+    FP8_E5M2 = 3
 
 
 _float_p = ctypes.POINTER(ctypes.c_float)

@@ -1,6 +1,6 @@
 /* Attention of query tokens over their cached K/V, read in place from the token-granular
  * pool through each request's slot list (no gather copy); float32 arithmetic over K/V
- * stored as float32, float16 or bfloat16 (kv_dtype, enum sluice_kv_dtype).
+ * stored as float32, float16, bfloat16 or fp8 e5m2 (kv_dtype, enum sluice_kv_dtype).
  *
  * q   [queries] rows of q_stride floats, each holding [heads, head_dim] first
  * out [queries, heads, head_dim]
@@ -125,12 +125,11 @@ ALWAYS_INLINE void softcap_tile(float *s, int n, float softcap) {
     }
 }
 
-/* Element size of a KV pool's dtype. */
-static inline size_t kv_element_bytes(int kv_dtype) { return kv_dtype == SLUICE_KV_FLOAT32 ? 4 : 2; }
 
 ALWAYS_INLINE float load_kv1(const char *p, const int kv_dtype) {
     switch (kv_dtype) {
     case SLUICE_KV_FLOAT16: return _cvtsh_ss(*(const uint16_t *)p);
+    case SLUICE_KV_FP8_E5M2: return _cvtsh_ss((uint16_t)(*(const uint8_t *)p << 8));
     case SLUICE_KV_BFLOAT16: {
         const uint32_t bits = (uint32_t)(*(const uint16_t *)p) << 16;
         float value;
@@ -176,7 +175,7 @@ ALWAYS_INLINE void prefetch_rows(const void *k_pool, const void *v_pool, size_t 
  * `len` may be prefetched. */
 ALWAYS_INLINE void group_scores(const int G, const int kv_dtype, const float *q, int head_dim, int t0, int t1, int len,
                                 float scale, kv_rows keys, const int64_t *req_slots, float *scores, size_t stride) {
-    const size_t elem = kv_element_bytes(kv_dtype);
+    const size_t elem = sluice_kv_element_bytes(kv_dtype);
     int t = t0;
     /* Runs of SCORE_KEYS keys first, while the group's chains fit in registers: each slice of
      * q is loaded once for all the run, SCORE_KEYS * G chains hide the latency of the fused
@@ -240,7 +239,7 @@ ALWAYS_INLINE void group_scores(const int G, const int kv_dtype, const float *q,
  * rows from n up to the next multiple of VLEN are zero. Rows up to `len` may be prefetched. */
 ALWAYS_INLINE void transpose_keys(const int kv_dtype, int head_dim, int t0, int n, int len, kv_rows keys,
                                   const int64_t *req_slots, float *kt) {
-    const size_t elem = kv_element_bytes(kv_dtype);
+    const size_t elem = sluice_kv_element_bytes(kv_dtype);
     for (int tb = 0; tb < n; tb += VLEN) {
         const char *rows[VLEN];
         for (int r = 0; r < VLEN; r++) {
@@ -261,7 +260,7 @@ ALWAYS_INLINE void transpose_keys(const int kv_dtype, int head_dim, int t0, int 
  * up to `len` may be prefetched. */
 ALWAYS_INLINE void widen_values(const int kv_dtype, int head_dim, int t0, int n, int len, kv_rows values,
                                 const int64_t *req_slots, float *vt) {
-    const size_t elem = kv_element_bytes(kv_dtype);
+    const size_t elem = sluice_kv_element_bytes(kv_dtype);
     for (int t = 0; t < n; t++) {
         const char *row = kv_row(values, req_slots, t0 + t);
         if (t0 + t + KV_TILE < len) prefetch_row(kv_row(values, req_slots, t0 + t + KV_TILE), head_dim * elem);
@@ -361,7 +360,7 @@ ALWAYS_INLINE void group_scores_transposed(const int NQ, const int G, const floa
 ALWAYS_INLINE void group_values(const int G, const int width, const int kv_dtype, const float *p, size_t stride,
                                 const float *correction, int head_dim, int first_tile, int t0, int t1, int len,
                                 kv_rows values, const int64_t *req_slots, float *out) {
-    const size_t elem = kv_element_bytes(kv_dtype);
+    const size_t elem = sluice_kv_element_bytes(kv_dtype);
     for (int c = 0; c < head_dim; c += VLEN * width) {
         vec acc[MAX_GROUP][4];
         for (int g = 0; g < G; g++)
@@ -412,7 +411,7 @@ ALWAYS_INLINE void attend_block(const int G, const int width, const int kv_dtype
         longest = (int)lens[i] > longest ? (int)lens[i] : longest;
     }
     const int shared_reach = shared_len < longest ? shared_len : longest;
-    const size_t elem = kv_element_bytes(kv_dtype), head_bytes = (size_t)head_dim * elem;
+    const size_t elem = sluice_kv_element_bytes(kv_dtype), head_bytes = (size_t)head_dim * elem;
     const kv_rows widened_values = {(const char *)vt, sizeof(float) * head_dim};
     /* Over the widened tile in cache the slice's accumulators, its V vectors and a broadcast
      * weight must fit in registers: a spilled accumulator makes every key wait on a store and
@@ -490,7 +489,7 @@ ALWAYS_INLINE void attend_block(const int G, const int width, const int kv_dtype
 static void attend_head_scalar(const float *qh, int kv_dtype, int head_dim, int len, float scale, int window,
                                float softcap, kv_rows keys, kv_rows values, const int64_t *req_slots, float *scores,
                                float *oh) {
-    const size_t elem = kv_element_bytes(kv_dtype);
+    const size_t elem = sluice_kv_element_bytes(kv_dtype);
     const int start = window_start(len, window);
     for (int t = start; t < len; t++) {
         const char *kt = kv_row(keys, req_slots, t);
@@ -603,14 +602,16 @@ typedef void (*block_function)(int count, const float *q, long q_stride, int hea
 GROUP_FUNCTIONS(SLUICE_KV_FLOAT32)
 GROUP_FUNCTIONS(SLUICE_KV_FLOAT16)
 GROUP_FUNCTIONS(SLUICE_KV_BFLOAT16)
+GROUP_FUNCTIONS(SLUICE_KV_FP8_E5M2)
 
 #define WIDTH_ROW(DTYPE, G) {block_##DTYPE##_##G##_1, block_##DTYPE##_##G##_2, block_##DTYPE##_##G##_4}
 #define GROUP_ROWS(DTYPE)                                                                                    \
     {WIDTH_ROW(DTYPE, 1), WIDTH_ROW(DTYPE, 2), WIDTH_ROW(DTYPE, 3), WIDTH_ROW(DTYPE, 4),                     \
      WIDTH_ROW(DTYPE, 5), WIDTH_ROW(DTYPE, 6), WIDTH_ROW(DTYPE, 7), WIDTH_ROW(DTYPE, 8)}
 /* By enum sluice_kv_dtype, G - 1 and the value width (1, 2, 4 at 0, 1, 2). */
-static const block_function BLOCK_FUNCTIONS[3][MAX_GROUP][3] = {
-    GROUP_ROWS(SLUICE_KV_FLOAT32), GROUP_ROWS(SLUICE_KV_FLOAT16), GROUP_ROWS(SLUICE_KV_BFLOAT16)};
+static const block_function BLOCK_FUNCTIONS[4][MAX_GROUP][3] = {
+    GROUP_ROWS(SLUICE_KV_FLOAT32), GROUP_ROWS(SLUICE_KV_FLOAT16), GROUP_ROWS(SLUICE_KV_BFLOAT16),
+    GROUP_ROWS(SLUICE_KV_FP8_E5M2)};
 
 int sluice_decode_attention(int queries, int heads, int kv_heads, int head_dim, int max_len, float scale, int window,
                             float softcap, const float *q, long q_stride, const void *k_pool, const void *v_pool,
@@ -619,9 +620,9 @@ int sluice_decode_attention(int queries, int heads, int kv_heads, int head_dim, 
     const int group = heads / kv_heads;
     const int vectorized = head_dim % VLEN == 0 && group >= 1 && group <= MAX_GROUP;
     const int width = value_width(group, head_dim);
-    const int dtype_row = kv_dtype == SLUICE_KV_FLOAT16 || kv_dtype == SLUICE_KV_BFLOAT16 ? kv_dtype : SLUICE_KV_FLOAT32;
+    const int dtype_row = kv_dtype >= SLUICE_KV_FLOAT32 && kv_dtype <= SLUICE_KV_FP8_E5M2 ? kv_dtype : SLUICE_KV_FLOAT32;
     const block_function attend = vectorized ? BLOCK_FUNCTIONS[dtype_row][group - 1][width == 4 ? 2 : width - 1] : NULL;
-    const size_t elem = kv_element_bytes(kv_dtype);
+    const size_t elem = sluice_kv_element_bytes(kv_dtype);
     const size_t slot_bytes = (size_t)kv_heads * head_dim * elem;
     /* Per thread: a block's tile scores and its transposed K tile, or one head's scores on the scalar path. */
     const size_t scratch_floats = vectorized ? (size_t)(QUERY_BLOCK * group + 2 * head_dim) * KV_TILE +

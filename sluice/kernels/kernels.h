@@ -67,8 +67,13 @@ enum sluice_block_format { SLUICE_Q8_0 = 0, SLUICE_Q4_1 = 1, SLUICE_Q6_K = 2, SL
 /* The formats stored by 256-weight super-blocks (the others by 32-weight blocks). */
 #define SLUICE_SUPER_BLOCK_FORMAT(format) ((format) == SLUICE_Q6_K || (format) == SLUICE_Q4_K || (format) == SLUICE_Q5_K)
 
-/* Element type of the KV pools. */
-enum sluice_kv_dtype { SLUICE_KV_FLOAT32 = 0, SLUICE_KV_FLOAT16 = 1, SLUICE_KV_BFLOAT16 = 2 };
+/* Element type of the KV pools. FP8_E5M2: the high byte of a float16 (5 exponent bits, 2 of
+ * mantissa), rounded to nearest even as torch.float8_e5m2 rounds, no scales. */
+enum sluice_kv_dtype { SLUICE_KV_FLOAT32 = 0, SLUICE_KV_FLOAT16 = 1, SLUICE_KV_BFLOAT16 = 2, SLUICE_KV_FP8_E5M2 = 3 };
+/* Bytes of one element of a KV pool of that dtype. */
+static inline size_t sluice_kv_element_bytes(int kv_dtype) {
+    return kv_dtype == SLUICE_KV_FLOAT32 ? 4 : kv_dtype == SLUICE_KV_FP8_E5M2 ? 1 : 2;
+}
 
 /* One projection's weights in qgemm's row-group layout: every output row in one block format,
  * or, for a fused projection whose sources came in two (a Q4_K_M file's q and k in q4_k above

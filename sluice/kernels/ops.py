@@ -2,7 +2,7 @@
 
 Every call checks what it hands to C (device, dtype, layout, shape) and every status C
 returns: a wrong tensor is a Python exception here, never memory read out of bounds.
-Activations are float32; KV pools are float32, float16 or bfloat16.
+Activations are float32; KV pools are float32, float16, bfloat16 or float8_e5m2.
 """
 
 from __future__ import annotations
@@ -12,7 +12,12 @@ import torch
 from sluice.kernels.contract import BLOCK, Activation, BlockFormat, KvDtype
 from sluice.kernels.loader import Kernels
 
-KV_DTYPES = {torch.float32: KvDtype.FLOAT32, torch.float16: KvDtype.FLOAT16, torch.bfloat16: KvDtype.BFLOAT16}
+KV_DTYPES = {
+    torch.float32: KvDtype.FLOAT32,
+    torch.float16: KvDtype.FLOAT16,
+    torch.bfloat16: KvDtype.BFLOAT16,
+    torch.float8_e5m2: KvDtype.FP8_E5M2,
+}
 
 
 def _pointer(tensor: torch.Tensor, name: str, dtype: torch.dtype, contiguous: bool = True) -> int:
@@ -29,7 +34,7 @@ def kv_dtype_code(pool: torch.Tensor) -> KvDtype:
     try:
         return KV_DTYPES[pool.dtype]
     except KeyError:
-        raise TypeError(f"a KV pool must be float32, float16 or bfloat16, not {pool.dtype}") from None
+        raise TypeError(f"a KV pool must be float32, float16, bfloat16 or float8_e5m2, not {pool.dtype}") from None
 
 
 def _pool_pointers(k_pool: torch.Tensor, v_pool: torch.Tensor) -> tuple[int, int, KvDtype]:

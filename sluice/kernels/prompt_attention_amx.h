@@ -68,6 +68,11 @@ ALWAYS_INLINE __m512i load_bf16_32(const char *row, const int kv_dtype) {
     case SLUICE_KV_FLOAT16:
         return (__m512i)_mm512_cvtne2ps_pbh(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)row + 1)),
                                             _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)row)));
+    case SLUICE_KV_FP8_E5M2: { /* float16 high bytes; every e5m2 value is a bf16 one */
+        const __m512i halves = _mm512_slli_epi16(_mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)row)), 8);
+        return (__m512i)_mm512_cvtne2ps_pbh(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(halves, 1)),
+                                            _mm512_cvtph_ps(_mm512_castsi512_si256(halves)));
+    }
     default:
         return (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps((const float *)row + 16), _mm512_loadu_ps((const float *)row));
     }
@@ -85,7 +90,7 @@ ALWAYS_INLINE void transpose_16x16_words(__m512i r[16]) {
  * row p, column n holds dimensions 32 c + 2 p and 32 c + 2 p + 1 of key 16 j + n. */
 ALWAYS_INLINE void keys_to_tiles(const int kv_dtype, int head_dim, int t0, int n, kv_rows keys, const int64_t *req_slots,
                                  uint32_t *tiles) {
-    const size_t elem = kv_element_bytes(kv_dtype);
+    const size_t elem = sluice_kv_element_bytes(kv_dtype);
     for (int j = 0; j < KV_TILE / 16; j++) {
         const char *rows[16];
         for (int r = 0; r < 16; r++) rows[r] = 16 * j + r < n ? kv_row(keys, req_slots, t0 + 16 * j + r) : NULL;
@@ -103,7 +108,7 @@ ALWAYS_INLINE void keys_to_tiles(const int kv_dtype, int head_dim, int t0, int n
  * column m holds dimension 16 d + m of keys 32 h + 2 p and 32 h + 2 p + 1. */
 ALWAYS_INLINE void values_to_tiles(const int kv_dtype, int head_dim, int t0, int n, kv_rows values,
                                    const int64_t *req_slots, uint32_t *tiles) {
-    const size_t elem = kv_element_bytes(kv_dtype);
+    const size_t elem = sluice_kv_element_bytes(kv_dtype);
     const __m512i low_pairs = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38,
                                                6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
     const __m512i high_pairs = _mm512_add_epi16(low_pairs, _mm512_set1_epi16(16));

@@ -178,8 +178,8 @@ class TorchBackend:
         # q and k are rotated together: one set of ops instead of two.
         qk = rotary.rotate(qkv[:, :num_qk_heads], cos.unsqueeze(1), signed_sin.unsqueeze(1))
         q, k = qk[:, :num_heads], qk[:, num_heads:]
-        k_buffer.index_copy_(0, out_cache_loc, k.to(k_buffer.dtype))
-        v_buffer.index_copy_(0, out_cache_loc, qkv[:, num_qk_heads:].to(v_buffer.dtype))
+        _store_rows(k_buffer, out_cache_loc, k)
+        _store_rows(v_buffer, out_cache_loc, qkv[:, num_qk_heads:])
         return q, k
 
     def gated_linear(
@@ -207,6 +207,16 @@ class TorchBackend:
         options: AttentionOptions,
     ) -> torch.Tensor:
         return torch_attention(q, k, v, k_buffer, v_buffer, metadata, options)
+
+
+def _store_rows(pool: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
+    """pool[slots] = rows in the pool's dtype (torch's CPU index_copy_ has no float8 kernel:
+    a float8 pool takes the rounded rows' bytes)."""
+    rows = rows.to(pool.dtype)
+    if pool.dtype == torch.float8_e5m2:
+        pool.view(torch.uint8).index_copy_(0, slots, rows.view(torch.uint8))
+    else:
+        pool.index_copy_(0, slots, rows)
 
 
 def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:

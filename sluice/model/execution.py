@@ -11,6 +11,8 @@ and the kernels offer:
 
     --kv-cache-dtype auto   float16 on the kernels (half the bytes attention reads, no
                             change in greedy output on the parity tests), the model dtype on torch
+    --kv-cache-dtype fp8_e5m2  a byte an element (a float16's high byte, no scales): half of
+                            float16's bytes again, lossy (greedy output drifts from float16's)
 """
 
 from __future__ import annotations
@@ -28,7 +30,12 @@ from sluice.model.backend import Backend, KernelBackend, TorchBackend
 logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-KV_CACHE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+KV_CACHE_DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "fp8_e5m2": torch.float8_e5m2,
+}
 DTYPE_CHOICES = ("auto", *DTYPES)
 KV_CACHE_DTYPE_CHOICES = ("auto", *KV_CACHE_DTYPES)
 

@@ -13,7 +13,7 @@ import pytest
 from sluice.config import ServerArgs
 from sluice.kernels.cpu import reported_flags
 from sluice.kernels.loader import kernels_available, load_kernels
-from tests.helpers import generate, greedy, wait_for_states
+from tests.helpers import RunningServer, generate, greedy, wait_for_states
 
 
 def test_server_info_names_the_cpu_features_and_the_kernel_paths(server):
@@ -27,6 +27,26 @@ def test_server_info_names_the_cpu_features_and_the_kernel_paths(server):
         assert info["dtype"] == "auto" and info["kv_cache_dtype"] == "auto"
     else:
         assert execution["backend"] == "torch"
+
+
+def test_an_fp8_kv_cache_holds_twice_the_tokens_in_the_same_memory_and_answers():
+    """--kv-cache-dtype fp8_e5m2: a byte an element, so the same --kv-cache-memory-gb holds twice
+    float16's tokens; the server says so and still answers (lossy: not the default's tokens)."""
+    fp8 = RunningServer("--kv-cache-dtype", "fp8_e5m2", "--kv-cache-memory-gb", "0.5", "--skip-warmup")
+    try:
+        info = httpx.get(fp8.base_url + "/get_server_info", timeout=30).json()
+        assert info["kv_cache_dtype"] == "fp8_e5m2" and info["execution"]["kv_cache_dtype"] == "float8_e5m2"
+        if kernels_available():
+            assert "float8_e5m2 KV" in info["execution"]["attention"]
+            # SmolLM2: K and V of 30 layers x 3 KV heads x 64, a byte each (float16: 23,040 bytes a token).
+            loads = httpx.get(fp8.base_url + "/v1/loads", timeout=30).json()["loads"][0]
+            assert loads["max_total_num_tokens"] == int(0.5 * 1024**3) // (2 * 30 * 3 * 64)
+        body = {"messages": [{"role": "user", "content": "What is the capital of France?"}], "temperature": 0}
+        r = httpx.post(fp8.base_url + "/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        assert "Paris" in r.json()["choices"][0]["message"]["content"]
+    finally:
+        fp8.stop()
 
 
 def test_http_processes_run_on_uvloop_and_httptools(server):

@@ -288,7 +288,7 @@ def test_rms_norm_heads_normalizes_some_heads_of_qkv_rows_in_place(ops, tokens):
         ops.rms_norm_heads(qkv.transpose(0, 1), weight, 1e-6)
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float8_e5m2])
 @pytest.mark.parametrize("heads, kv_heads, head_dim", [(6, 2, 64), (9, 3, 64), (8, 2, 128), (4, 4, 32), (4, 1, 20)])
 def test_decode_attention_reads_each_request_slots_in_place(ops, heads, kv_heads, head_dim, kv_dtype):
     generator = torch.Generator().manual_seed(2)
@@ -315,7 +315,7 @@ def test_decode_attention_reads_each_request_slots_in_place(ops, heads, kv_heads
         torch.testing.assert_close(out[row], expected, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16, torch.float8_e5m2])
 @pytest.mark.parametrize("heads, kv_heads, head_dim", [(9, 3, 64), (8, 2, 128), (4, 1, 20)])
 def test_a_decode_step_of_many_requests_gives_each_the_bits_it_gets_alone(ops, heads, kv_heads, head_dim, kv_dtype):
     """With many requests a task takes all the KV heads of one (its rows prefetched whole);
@@ -343,7 +343,7 @@ def test_a_decode_step_of_many_requests_gives_each_the_bits_it_gets_alone(ops, h
         torch.testing.assert_close(together[row], expected, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16, torch.float8_e5m2])
 @pytest.mark.parametrize("heads, kv_heads, head_dim", [(9, 3, 64), (8, 2, 128), (4, 1, 20), (4, 1, 32)])
 def test_decode_steps_sharing_a_cached_prefix_give_each_the_bits_it_gets_alone(
     ops, heads, kv_heads, head_dim, kv_dtype
@@ -418,7 +418,7 @@ class Prompts:
             assert torch.equal(together[i], alone[0]), f"query {i}"
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float8_e5m2])
 @pytest.mark.parametrize("heads, kv_heads, head_dim", [(9, 3, 64), (16, 2, 64), (8, 2, 128), (4, 4, 32), (4, 1, 20)])
 def test_prompt_attention_gives_each_token_the_bits_of_a_decode_step_at_its_position(
     ops, heads, kv_heads, head_dim, kv_dtype
@@ -455,7 +455,7 @@ def windowed_reference(
     return (weights @ values).transpose(0, 1).float()
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16, torch.float8_e5m2])
 @pytest.mark.parametrize("window, softcap", [(70, None), (5, 2.0), (1000, 3.0), (64, 0.5)])
 @pytest.mark.parametrize("heads, kv_heads, head_dim", [(8, 2, 64), (4, 1, 256), (4, 1, 20)])
 def test_a_sliding_window_and_softcapped_scores_keep_the_bits_of_a_decode_step(
@@ -491,7 +491,7 @@ PROMPT_TILE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float8_e5m2])
 @pytest.mark.parametrize("heads, kv_heads, head_dim, window, softcap", PROMPT_TILE_CASES)
 def test_prompt_rows_on_tiles_are_causal_attention_and_keep_their_bits_alone_and_chunked(
     ops, heads, kv_heads, head_dim, window, softcap, kv_dtype
@@ -542,7 +542,7 @@ def test_prompt_rows_on_tiles_are_causal_attention_and_keep_their_bits_alone_and
     assert torch.equal(mixed[~half], unflagged[~half])
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float8_e5m2])
 def test_rope_and_store_matches_the_torch_rotation_and_copy(ops, kv_dtype):
     generator = torch.Generator().manual_seed(3)
     heads, kv_heads, head_dim, tokens = 4, 2, 64, 5
@@ -560,7 +560,27 @@ def test_rope_and_store_matches_the_torch_rotation_and_copy(ops, kv_dtype):
     # 16-bit pools round to nearest even, exactly as torch's .to() does.
     assert torch.equal(k_pool[slots], qkv[:, heads : heads + kv_heads].to(kv_dtype))
     assert torch.equal(v_pool[slots], expected_v.to(kv_dtype))
-    assert k_pool[0].abs().sum() == 0  # untouched slots stay as they were
+    assert k_pool[0].float().abs().sum() == 0  # untouched slots stay as they were
+
+
+def test_an_fp8_e5m2_pool_rounds_every_value_as_torch_does(ops):
+    """Ties to even at every magnitude, e5m2's subnormals, values past its largest finite one
+    (57,344) that round to infinity and those that do not, infinities, NaN, both signs: the
+    stored bytes are torch.float8_e5m2's, in the vector loop and in the scalar tail alike."""
+    heads, kv_heads, head_dim = 1, 1, 7 * 64 + 3  # 3 values for the scalar tail of each row
+    step = torch.tensor([1.25, 1.5, 1.75, 2.0])  # e5m2 neighbours around 1: ties at 1.125, 1.375 ...
+    subnormals = [2**-16, 2**-17, 3 * 2**-17, -2.5 * 2**-16, 2**-15 + 2**-17, 2**-14 - 2**-18]
+    large = [57344.0, 61439.0, 61440.0, 65536.0, 1e30, float("inf"), -float("inf"), float("nan")]
+    specials = torch.tensor([0.0, -0.0, *subnormals, *large, 1.125, 1.375, 1.625, 1.875])
+    generator = torch.Generator().manual_seed(5)
+    spread = torch.randn(head_dim, generator=generator) * torch.logspace(-6, 5, head_dim, base=2.0)
+    values = torch.cat([specials, (step * 2.0 ** torch.randint(-20, 14, (4,), generator=generator)), spread])[:head_dim]
+    qkv = torch.zeros(1, heads + 2 * kv_heads, head_dim)
+    qkv[0, heads + kv_heads] = values
+    k_pool, v_pool = (torch.zeros(2, kv_heads, head_dim, dtype=torch.float8_e5m2) for _ in range(2))
+    no_rotation = (torch.ones(1, head_dim), torch.zeros(1, head_dim))  # position 0
+    ops.rope_and_store(qkv, heads, *no_rotation, k_pool, v_pool, torch.tensor([1]))
+    assert torch.equal(v_pool[1, 0].view(torch.uint8), values.to(torch.float8_e5m2).view(torch.uint8))
 
 
 def test_silu_mul_matches_torch(ops):
