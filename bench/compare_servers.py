@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -199,7 +200,9 @@ def vllm_dtype_for_cpu(requested: str) -> str:
     return "bfloat16" if {"avx512_bf16", "amx_bf16"} & cpu_flags() else "float32"
 
 
-def servers(peers_dir: Path, names: list[str], model: str, hf_model: Path, vllm_dtype: str) -> list[Server]:
+def servers(
+    peers_dir: Path, names: list[str], model: str, hf_model: Path, vllm_dtype: str, sluice_flags: list[str]
+) -> list[Server]:
     paths = peer_paths(peers_dir)
     available = {
         "sluice": lambda: Server(
@@ -215,6 +218,7 @@ def servers(peers_dir: Path, names: list[str], model: str, hf_model: Path, vllm_
                 str(THREADS),
                 "--model-path",
                 model,
+                *sluice_flags,
             ],
         ),
         # -c is the KV pool; without --kv-unified llama-server splits it evenly over the slots
@@ -402,6 +406,11 @@ def main() -> None:
         choices=["auto", "bfloat16", "float32"],
         help="auto: bfloat16 where the CPU has AVX-512-BF16 or AMX, float32 elsewhere",
     )
+    parser.add_argument(
+        "--sluice-flags",
+        default="",
+        help='more flags for sluice serve, one string: --sluice-flags="--kv-cache-dtype fp8_e5m2"',
+    )
     args = parser.parse_args()
     if args.install_peers:
         install_peers(args.peers_dir)
@@ -416,7 +425,8 @@ def main() -> None:
         results = {}
         model = args.model or default_model_path()
         hf_model = args.hf_model or peer_paths(args.peers_dir).hf_model
-        for server in servers(args.peers_dir, order, model, hf_model, vllm_dtype_for_cpu(args.vllm_dtype)):
+        dtype = vllm_dtype_for_cpu(args.vllm_dtype)
+        for server in servers(args.peers_dir, order, model, hf_model, dtype, shlex.split(args.sluice_flags)):
             print(f"round {round_index + 1}: {server.name}", flush=True)
             results[server.name] = measure(server, args.workloads, args.peers_dir)
         rounds.append({name: results[name] for name in args.servers})
