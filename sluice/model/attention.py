@@ -6,7 +6,8 @@ at its position (`AttentionMetadata.build(fb, every_token_decodes=True)`), which
 token's result independent of chunking, prefix caching and batching (see backend.py).
 Everything that depends only on the batch layout (gather slots, masks, token ranges) is
 built once per forward in `AttentionMetadata` and reused by every layer. The pool may hold
-a narrower dtype than the activations (a 16-bit KV cache): gathered K/V are widened.
+a narrower dtype than the activations (a 16-bit or fp8 KV cache): gathered K/V are widened,
+and a prompt's own K/V rounded to the pool's dtype first (what later steps will read).
 """
 
 from __future__ import annotations
@@ -230,6 +231,10 @@ def _prefill_attention(
     if segment.kv_slots is not None:
         k = k_buffer.index_select(0, segment.kv_slots).to(q.dtype)
         v = v_buffer.index_select(0, segment.kv_slots).to(q.dtype)
+    elif k_buffer.dtype != q.dtype:
+        # The pool's rounding of this step's rows, which later steps read back: the same
+        # values whether a prompt comes whole, in chunks or after a cache hit.
+        k, v = k.to(k_buffer.dtype).to(q.dtype), v.to(v_buffer.dtype).to(q.dtype)
     mask = segment.mask
     if options.sliding_window is not None:
         # This segment's queries are the last len(q) positions of a sequence of len(k).

@@ -12,7 +12,7 @@ class ForwardBatch:
     """One step over a mix of prefilling and decoding requests, in request order.
 
     KV lives in a token-granular pool owned by the Scheduler: per layer, `k_buffers[layer]`
-    and `v_buffers[layer]` are [num_slots, num_kv_heads, head_dim] in the model dtype.
+    and `v_buffers[layer]` are [num_slots, num_kv_heads, head_dim] in the KV cache's dtype.
     Slot 0 is reserved for padding and never holds a token.
     """
 

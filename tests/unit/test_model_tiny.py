@@ -646,6 +646,19 @@ def test_an_fp8_kv_cache_holds_a_byte_an_element_and_keeps_logits_near(dtype, tm
     assert 0 < drift < 0.25
 
 
+def test_on_torch_ops_an_fp8_kv_cache_gives_a_prompt_the_same_logits_whole_or_in_chunks(tmp_path: Path):
+    """On torch ops a prompt's own K/V are rounded as the pool rounds them before it attends,
+    so a chunk (or a cache hit) that reads the pool back sees what the whole prompt saw."""
+    save_random_model(llama_linear_rope_tied, tmp_path)
+    runner = ModelRunner(str(tmp_path), torch.bfloat16, kv_cache_dtype="fp8_e5m2")
+    slots = torch.arange(1, len(PROMPT_IDS) + 1)
+    whole = runner.forward(make_batch([(PROMPT_IDS, slots)], runner.new_kv_buffers(64), all_logits=True))
+    kv_buffers = runner.new_kv_buffers(64)
+    first = runner.forward(make_batch([(PROMPT_IDS[:5], slots[:5])], kv_buffers, all_logits=True))
+    rest = runner.forward(make_batch([(PROMPT_IDS[5:], slots)], kv_buffers, all_logits=True))
+    torch.testing.assert_close(torch.cat([first, rest]), whole, rtol=0, atol=1e-3 * whole.abs().max().item())
+
+
 def _k_m_type(hf_name: str, body_type: str) -> str:
     """A Q4_K_M (body_type Q4_K) or Q5_K_M (Q5_K) file's mix: Q6_K for layer 0's v and down
     (llama.cpp gives a share of the layers more bits there) and the embedding, the body's
