@@ -56,6 +56,11 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def _kv_dtype_name(dtype: torch.dtype) -> str:
+    """A KV pool dtype as --kv-cache-dtype names it (fp8_e5m2, where torch says float8_e5m2)."""
+    return next(name for name, kv_dtype in KV_CACHE_DTYPES.items() if kv_dtype == dtype)
+
+
 def choose_execution(dtype: str | torch.dtype = "auto", kv_cache_dtype: str = "auto") -> Execution:
     if kv_cache_dtype not in KV_CACHE_DTYPE_CHOICES:
         raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPE_CHOICES)}, not {kv_cache_dtype!r}")
@@ -111,13 +116,13 @@ def describe(execution: Execution, weight_formats: list[str]) -> dict[str, str]:
                 gemm = f"prompt rows: AMX-BF16 tiles, weights dequantized once per 1 MiB of rows; decode rows: {gemm}"
         else:
             gemv = gemm = dense
-        attention = f"C kernel, every token at its position, {_dtype_name(execution.kv_dtype)} KV"
+        attention = f"C kernel, every token at its position, {_kv_dtype_name(execution.kv_dtype)} KV"
         if isa == "amx_bf16":
             attention += "; prompt tokens: QK^T and PV on AMX-BF16 tiles"
         isa_text = execution.backend.ops.kernels.describe()
     else:
         gemv = gemm = dense
-        attention = f"torch SDPA, {_dtype_name(execution.kv_dtype)} KV"
+        attention = f"torch SDPA, {_kv_dtype_name(execution.kv_dtype)} KV"
         isa_text = "none"
     return {
         "cpu": cpu_model(),
@@ -128,6 +133,6 @@ def describe(execution: Execution, weight_formats: list[str]) -> dict[str, str]:
         "gemv": gemv,
         "gemm": gemm,
         "attention": attention,
-        "kv_cache_dtype": _dtype_name(execution.kv_dtype),
+        "kv_cache_dtype": _kv_dtype_name(execution.kv_dtype),
         "why": execution.why,
     }
