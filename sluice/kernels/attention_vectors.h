@@ -1,5 +1,5 @@
 /* The vectors of the attention kernel, one set per build: the vector type and its
- * operations (VLEN lanes), loads that widen float16/bfloat16 K/V rows to float32, the
+ * operations (VLEN lanes), loads that widen float16/bfloat16/fp8 K/V rows to float32, the
  * square transpose that puts VLEN keys in the lanes of a vector, and the scores of a run of
  * keys against a KV group's query heads. */
 #ifndef SLUICE_ATTENTION_VECTORS_H

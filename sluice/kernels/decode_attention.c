@@ -22,7 +22,7 @@
  *
  * What is shared is memory traffic and widening. A decode step reads all of its requests'
  * cached K/V, so it is bound by memory: the query heads of a group are done together, each K
- * and V row read once for all of them, and a 16-bit pool halves the bytes. A prompt's
+ * and V row read once for all of them, and a 16-bit pool halves the bytes (an fp8 one quarters them). A prompt's
  * consecutive tokens go in blocks of up to QUERY_BLOCK queries that walk the K/V rows in
  * tiles of KV_TILE: a tile comes from memory once, is widened to float32 once (K transposed,
  * so that a vector holds the scores of VLEN keys and no score needs a horizontal sum) and
@@ -579,9 +579,9 @@ static int value_width(int group, int head_dim) {
     return 1;
 }
 
-/* attend_block with its constants (G, value width, K/V dtype), each a function of its own: the
- * 72 of them inlined into the parallel loop below made one function of 570 KB of code that
- * took gcc 100-170 s to compile, on every build. */
+/* attend_block with its constants (G, value width, K/V dtype), each a function of its own (96
+ * of them): the 72 of three dtypes inlined into the parallel loop below made one function of
+ * 570 KB of code that took gcc 100-170 s to compile, on every build. */
 typedef void (*block_function)(int count, const float *q, long q_stride, int head_dim, const int64_t *lens,
                                const int64_t *const *slot_lists, int shared_len, float scale, int window,
                                float softcap, kv_rows keys, kv_rows values, int kv_heads, float *scratch, float *out,

@@ -70,9 +70,10 @@ enum sluice_block_format { SLUICE_Q8_0 = 0, SLUICE_Q4_1 = 1, SLUICE_Q6_K = 2, SL
 /* Element type of the KV pools. FP8_E5M2: the high byte of a float16 (5 exponent bits, 2 of
  * mantissa), rounded to nearest even as torch.float8_e5m2 rounds, no scales. */
 enum sluice_kv_dtype { SLUICE_KV_FLOAT32 = 0, SLUICE_KV_FLOAT16 = 1, SLUICE_KV_BFLOAT16 = 2, SLUICE_KV_FP8_E5M2 = 3 };
-/* Bytes of one element of a KV pool of that dtype. */
+/* Bytes of one element of a KV pool of that dtype (any other value is read as float32, as
+ * the kernels' loads and stores take it). */
 static inline size_t sluice_kv_element_bytes(int kv_dtype) {
-    return kv_dtype == SLUICE_KV_FLOAT32 ? 4 : kv_dtype == SLUICE_KV_FP8_E5M2 ? 1 : 2;
+    return kv_dtype == SLUICE_KV_FLOAT16 || kv_dtype == SLUICE_KV_BFLOAT16 ? 2 : kv_dtype == SLUICE_KV_FP8_E5M2 ? 1 : 4;
 }
 
 /* One projection's weights in qgemm's row-group layout: every output row in one block format,

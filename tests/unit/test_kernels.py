@@ -563,24 +563,35 @@ def test_rope_and_store_matches_the_torch_rotation_and_copy(ops, kv_dtype):
     assert k_pool[0].float().abs().sum() == 0  # untouched slots stay as they were
 
 
-def test_an_fp8_e5m2_pool_rounds_every_value_as_torch_does(ops):
-    """Ties to even at every magnitude, e5m2's subnormals, values past its largest finite one
-    (57,344) that round to infinity and those that do not, infinities, NaN, both signs: the
-    stored bytes are torch.float8_e5m2's, in the vector loop and in the scalar tail alike."""
-    heads, kv_heads, head_dim = 1, 1, 7 * 64 + 3  # 3 values for the scalar tail of each row
-    step = torch.tensor([1.25, 1.5, 1.75, 2.0])  # e5m2 neighbours around 1: ties at 1.125, 1.375 ...
-    subnormals = [2**-16, 2**-17, 3 * 2**-17, -2.5 * 2**-16, 2**-15 + 2**-17, 2**-14 - 2**-18]
-    large = [57344.0, 61439.0, 61440.0, 65536.0, 1e30, float("inf"), -float("inf"), float("nan")]
-    specials = torch.tensor([0.0, -0.0, *subnormals, *large, 1.125, 1.375, 1.625, 1.875])
+def _stored_as_e5m2(ops, values: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """The bytes rope_and_store writes for `values` as the V rows (one KV head of head_dim,
+    as many tokens as it takes) of an fp8 e5m2 pool."""
+    tokens = -(-len(values) // head_dim)
+    rows = torch.zeros(tokens * head_dim)
+    rows[: len(values)] = values
+    qkv = torch.zeros(tokens, 3, head_dim)  # one q, one k and one v head a token
+    qkv[:, 2] = rows.view(tokens, head_dim)
+    k_pool, v_pool = (torch.zeros(tokens + 1, 1, head_dim, dtype=torch.float8_e5m2) for _ in range(2))
+    no_rotation = (torch.ones(tokens, head_dim), torch.zeros(tokens, head_dim))  # position 0
+    ops.rope_and_store(qkv, 1, *no_rotation, k_pool, v_pool, torch.arange(1, tokens + 1))
+    return v_pool[1:].view(torch.uint8).flatten()[: len(values)]
+
+
+@pytest.mark.parametrize("head_dim", [64, 7, 67], ids=["vector loop", "scalar loop", "both"])
+def test_an_fp8_e5m2_pool_rounds_every_value_as_torch_does(ops, head_dim):
+    """Every tie (and its neighbours a float32 step away) from below e5m2's subnormals to past
+    its largest finite value (57,344: from 61,440 up a value becomes infinity), infinities,
+    NaN, both signs: the stored bytes are torch.float8_e5m2's, in the 8-wide store and in its
+    scalar tail alike."""
+    exponents, mantissas = torch.arange(97, 143), torch.arange(4)  # 2^-30 .. 2^15
+    ties = ((exponents[:, None] << 23) | (mantissas[None, :] << 21) | (1 << 20)).flatten().to(torch.int32)
+    near_ties = torch.cat([ties - 1, ties, ties + 1]).view(torch.float32)
+    large = [57344.0, 61439.0, 61440.0, 65536.0, 1e30, float("inf"), float("nan")]
     generator = torch.Generator().manual_seed(5)
-    spread = torch.randn(head_dim, generator=generator) * torch.logspace(-6, 5, head_dim, base=2.0)
-    values = torch.cat([specials, (step * 2.0 ** torch.randint(-20, 14, (4,), generator=generator)), spread])[:head_dim]
-    qkv = torch.zeros(1, heads + 2 * kv_heads, head_dim)
-    qkv[0, heads + kv_heads] = values
-    k_pool, v_pool = (torch.zeros(2, kv_heads, head_dim, dtype=torch.float8_e5m2) for _ in range(2))
-    no_rotation = (torch.ones(1, head_dim), torch.zeros(1, head_dim))  # position 0
-    ops.rope_and_store(qkv, heads, *no_rotation, k_pool, v_pool, torch.tensor([1]))
-    assert torch.equal(v_pool[1, 0].view(torch.uint8), values.to(torch.float8_e5m2).view(torch.uint8))
+    spread = torch.randn(256, generator=generator) * torch.logspace(-20, 17, 256, base=2.0)
+    positive = torch.cat([torch.tensor([0.0, *large]), near_ties, spread])
+    values = torch.cat([positive, -positive])
+    assert torch.equal(_stored_as_e5m2(ops, values, head_dim), values.to(torch.float8_e5m2).view(torch.uint8))
 
 
 def test_silu_mul_matches_torch(ops):
