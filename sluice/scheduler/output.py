@@ -45,7 +45,7 @@ def make_output(req: Req, weight_version: str) -> SchedulerOutput:
             output.input_top_logprobs = req.input_top_logprobs
             if req.logprob_start_len == 0:  # the first token has nothing to condition on (and may be the only one)
                 output.input_logprobs = [None, *req.input_logprobs]
-                output.input_top_logprobs = [[], *req.input_top_logprobs]
+                output.input_top_logprobs = [[], *req.input_top_logprobs] if req.top_logprobs_num else []
             req.input_logprobs_sent = True
     params = req.sampling_params
     return TokenIDOutput(

@@ -106,7 +106,16 @@ def test_logprobs(base_url):
         assert logprob <= 0 and len(tops) == 3
         assert tops[0][1] == token_id  # greedy picks the most likely token
     assert meta["input_token_logprobs"][0][0] is None
+    assert len(meta["input_token_logprobs"]) == meta["prompt_tokens"] == len(meta["input_top_logprobs"])
+
+
+def test_prompt_logprobs_without_top_logprobs_have_no_top_lists(base_url):
+    body = generate(
+        base_url, text="The capital of France is", sampling_params=greedy(2), return_logprob=True, logprob_start_len=0
+    ).json()
+    meta = body["meta_info"]
     assert len(meta["input_token_logprobs"]) == meta["prompt_tokens"]
+    assert meta["input_top_logprobs"] == [] and meta["output_top_logprobs"] == []
 
 
 def test_stop_string_trimmed_and_kept(base_url):
