@@ -419,6 +419,8 @@ def main() -> None:
     if "vllm" in args.servers:
         print(f"vLLM dtype: {vllm_dtype_for_cpu(args.vllm_dtype)}", flush=True)
     print("raw limits: " + ", ".join(f"{key} {value:.1f}" for key, value in limits.items()), flush=True)
+    if args.sluice_flags and "sluice" in args.servers:
+        print(f"sluice runs with: {args.sluice_flags}", flush=True)
     rounds = []
     for round_index in range(args.rounds):
         order = args.servers if round_index % 2 == 0 else list(reversed(args.servers))
