@@ -282,6 +282,10 @@ class FlushCacheReqOutput(Message):
     http_worker_ipc: str | None = None
 
 
+# The refusal of a weight update while another is under way.
+UPDATE_IN_PROGRESS = "another weight update is in progress"
+
+
 class UpdateWeightsFromDiskReqOutput(Message):
     """The end of a weight update; with several HTTP workers the router tells every worker,
     so each reports the new version."""

@@ -32,6 +32,7 @@ from sluice.config import PortArgs, ServerArgs
 from sluice.ipc import Receiver, Sender, dispatch_forever
 from sluice.messages import (
     RID_SEPARATOR,
+    UPDATE_IN_PROGRESS,
     AbortReq,
     BatchTokenIDOutput,
     BatchTokenizedEmbeddingReqInput,
@@ -143,7 +144,7 @@ class DataParallelController:
             case UpdateWeightsFromDiskReq() if self.update_pending():
                 # One update at a time over all replicas: two at once could leave them on
                 # different weights (each replica takes the first that reaches it).
-                self.to_tokenizer.send(merge_replies(message, {}, "another weight update is in progress"))
+                self.to_tokenizer.send(merge_replies(message, {}, UPDATE_IN_PROGRESS))
             case FlushCacheReq() | GetInternalStateReq() | UpdateWeightsFromDiskReq():
                 key = (_reply_type(message), message.http_worker_ipc, message.control_id)
                 self.pending[key] = PendingReplies(message, self.send_to_live(message))

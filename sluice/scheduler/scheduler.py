@@ -19,6 +19,7 @@ import torch
 from sluice.config import ServerArgs
 from sluice.messages import (
     RID_SEPARATOR,
+    UPDATE_IN_PROGRESS,
     AbortReq,
     FinishReason,
     InternalState,
@@ -232,7 +233,7 @@ class Scheduler:
         """Check a weight update and keep it until no request runs; returns the reply of
         one refused at once (a bad path, another model, an update already pending)."""
         plan = (
-            Refusal(None, "another weight update is in progress")
+            Refusal(None, UPDATE_IN_PROGRESS)
             if self.pending_update is not None
             else plan_update(msg, self.config, self.weight_version, self.args.context_length)
         )

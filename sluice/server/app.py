@@ -159,7 +159,13 @@ def create_app(state: ServerState, lifespan=None) -> FastAPI:
         workers = await state.tm.worker_stats_total()
         states["rid_to_state_size"] = workers.rid_to_state_size
         states["num_paused_reqs"] = workers.num_paused_reqs
-        return {**args.public_dict(), "execution": state.tm.scheduler_info.execution, "internal_states": [states]}
+        # weight_version: the one served now, as /get_weight_version says (the flag gave the first).
+        return {
+            **args.public_dict(),
+            "weight_version": state.tm.weight_version,
+            "execution": state.tm.scheduler_info.execution,
+            "internal_states": [states],
+        }
 
     @app.get("/v1/loads", openapi_extra=docs.operation(response=Loads, errors=(400, *_ANY_ROUTE)))
     async def loads(include: str = "core"):

@@ -23,6 +23,7 @@ import zmq.asyncio
 from sluice.config import PortArgs, ServerArgs
 from sluice.ipc import AsyncReceiver, Sender
 from sluice.messages import (
+    UPDATE_IN_PROGRESS,
     AbortReq,
     BatchEmbeddingOutput,
     BatchStrOutput,
@@ -107,6 +108,7 @@ class TokenizerManager:
         self.weights_path = server_args.resolved_model_path()
         self.metrics = RequestMetrics()
         self.model_update_lock = RWLock()
+        self.updating_weights = False  # this worker has an update under way
         self.backend_error: str | None = None  # the back end is gone: requests fail
         self.dead_replicas: set[int] = set()  # --dp-size: Scheduler replicas that died
         self.dead_workers: set[int] = set()  # --tokenizer-worker-num: pids of HTTP workers that died
@@ -451,12 +453,22 @@ class TokenizerManager:
         (they wait, they do not fail; an abort reaches them) and the writer lock waits until
         this worker's in-flight ones are done; the Scheduler holds every worker's new
         requests in its queue until nothing runs, loads the weights and flushes the prefix
-        cache."""
-        if abort_all_requests:
-            self.abort_request(abort_all=True)
-        async with self.pause.closed_for_update(), self.model_update_lock.writer_lock():
-            request = UpdateWeightsFromDiskReq(model_path=model_path, weight_version=weight_version)
-            return await self.control.call(request, UpdateWeightsFromDiskReqOutput, WEIGHT_UPDATE_TIMEOUT_S)
+        cache. A second update while one is under way is refused: here when this worker
+        has the first (it would wait for the writer lock, then replace the first), else by
+        the Scheduler."""
+        if self.updating_weights:
+            return UpdateWeightsFromDiskReqOutput(
+                success=False, message=UPDATE_IN_PROGRESS, weight_version=self.weight_version
+            )
+        self.updating_weights = True
+        try:
+            if abort_all_requests:
+                self.abort_request(abort_all=True)
+            async with self.pause.closed_for_update(), self.model_update_lock.writer_lock():
+                request = UpdateWeightsFromDiskReq(model_path=model_path, weight_version=weight_version)
+                return await self.control.call(request, UpdateWeightsFromDiskReqOutput, WEIGHT_UPDATE_TIMEOUT_S)
+        finally:
+            self.updating_weights = False
 
     async def pause_generation(self) -> None:
         await self.pause.set_everywhere(True)

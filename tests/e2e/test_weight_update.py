@@ -188,6 +188,34 @@ def test_abort_all_requests_ends_the_running_ones_instead_of_waiting(base_url):
     wait_until_drained(base_url)
 
 
+def test_a_second_update_while_one_waits_is_refused_and_server_info_shows_the_new_version(server):
+    """The first update waits for a running request; a second one, sent to whichever worker,
+    is refused at once (it used to wait behind the first on the same worker, then replace
+    it). Afterwards /get_server_info reports the version served, as /get_weight_version does."""
+    base_url = server.base_url
+    info = model_info(base_url)
+    path, new = info["model_path"], str(int(info["weight_version"]) + 1)  # others count on numbers
+    stamp = time.time_ns()
+    long = {"text": "Write a long story.", "rid": f"long-{stamp}", "sampling_params": greedy(4000, ignore_eos=True)}
+    with ThreadPoolExecutor(2) as pool:
+        running = pool.submit(httpx.post, base_url + "/generate", json=long, timeout=300)
+        wait_until_running(base_url)
+        first = pool.submit(update, base_url, model_path=path, weight_version=new)
+        deadline = time.monotonic() + 30
+        while httpx.get(base_url + "/health_generate", timeout=60).text != '{"status":"updating_weights"}':
+            assert time.monotonic() < deadline, "the update did not close the gate"
+        second = update(base_url, timeout_s=30, model_path=path, weight_version=new + "0")
+        assert second.status_code == 400 and "in progress" in second.json()["error"]["message"]
+        assert httpx.post(base_url + "/abort_request", json={"rid": long["rid"]}).status_code == 200
+        assert running.result(timeout=60).json()["meta_info"]["finish_reason"]["type"] == "abort"
+        assert first.result(timeout=300).status_code == 200
+    eventually_version(base_url, new)
+    deadline = time.monotonic() + 10  # each worker hears of the update (see eventually_version)
+    while httpx.get(base_url + "/get_server_info", timeout=30).json()["weight_version"] != new:
+        assert time.monotonic() < deadline, "/get_server_info kept the old weight_version"
+        time.sleep(0.05)
+
+
 def test_an_abort_ends_a_request_held_by_a_weight_update(server):
     """A request that arrives while an update waits for the running ones is held at the
     gate: /abort_request ends it there, and it never runs."""
