@@ -64,18 +64,20 @@ class RequestGuard:
                 return await self._reject(
                     scope, receive, send, 401, "invalid or missing API key: send the header 'Authorization: Bearer KEY'"
                 )
-        if scope["method"] == "POST":
-            if (site := headers.get(b"sec-fetch-site")) in CROSS_SITE:
-                # A page of another site (or another port of this host) posting here: browsers
-                # send a form, text/plain or a typeless body cross-site without asking the
-                # server first, so such a page could pause or drive a server on its user's
-                # machine. Browsers say where a request comes from; other clients send nothing.
-                message = f"a POST from a page of another site is refused (Sec-Fetch-Site: {site.decode('latin-1')})"
-                return await self._reject(scope, receive, send, 403, message)
-            if not is_json(content_type := headers.get(b"content-type")):
-                shown = (content_type or b"").decode("latin-1")  # every POST body is JSON, as FastAPI's are
-                message = f"Content-Type must be application/json, got {shown!r}"
-                return await self._reject(scope, receive, send, 415, message)
+        changes_state = scope["method"] == "POST" or scope["path"] in ADMIN_PATHS  # GET /flush_cache too
+        if changes_state and (site := headers.get(b"sec-fetch-site")) in CROSS_SITE:
+            # A page of another site (or another port of this host) asking here: browsers send
+            # a form, text/plain or a typeless body cross-site without asking the server first
+            # (and a GET from any <img>), so such a page could pause, flush or drive a server on
+            # its user's machine. Browsers say where a request comes from; other clients send
+            # nothing.
+            method = scope["method"]
+            message = f"a {method} from a page of another site is refused (Sec-Fetch-Site: {site.decode('latin-1')})"
+            return await self._reject(scope, receive, send, 403, message)
+        if scope["method"] == "POST" and not is_json(content_type := headers.get(b"content-type")):
+            shown = (content_type or b"").decode("latin-1")  # every POST body is JSON, as FastAPI's are
+            message = f"Content-Type must be application/json, got {shown!r}"
+            return await self._reject(scope, receive, send, 415, message)
         return await self.app(scope, self._limited(receive), send)
 
     def _required_keys(self, path: str) -> list[bytes]:

@@ -57,6 +57,13 @@ def test_a_post_that_is_not_json_or_comes_from_another_site_is_refused(base_url,
     assert httpx.post(base_url + "/generate", json={"text": "Hi", "sampling_params": {"max_new_tokens": 1}}).is_success
 
 
+def test_a_cache_flush_by_get_from_another_site_is_refused(base_url):
+    """GET /flush_cache (as SGLang has it) from another site's page: an <img src> would do."""
+    r = httpx.get(base_url + "/flush_cache", headers={"sec-fetch-site": "cross-site"}, timeout=30)
+    assert r.status_code == 403 and "another site" in r.json()["error"]["message"]
+    assert httpx.get(base_url + "/flush_cache", headers={"sec-fetch-site": "same-origin"}, timeout=30).is_success
+
+
 HUGE_TEXT = "a " * 2_000_000  # 4 MB: 2 M tokens, far past max_req_input_len
 
 
