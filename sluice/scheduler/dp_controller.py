@@ -301,6 +301,8 @@ def merge_replies(request: Message, replies: dict[int, ControlReply], refusal: s
     if isinstance(request, FlushCacheReq):
         failed = [r for r in ordered if isinstance(r, FlushCacheReqOutput) and not r.success]
         message = "; ".join(f"replica {r.dp_rank}: {r.message}" for r in failed)
+        if failed and (flushed := [r.dp_rank for r in ordered if r not in failed]):
+            message += f"; replicas {flushed} did flush theirs"  # each replica flushes on its own, as in SGLang
         return FlushCacheReqOutput(success=not failed, message=message, control_id=control_id, http_worker_ipc=ipc)
     updates = [r for r in ordered if isinstance(r, UpdateWeightsFromDiskReqOutput)]
     if all(r.success for r in updates):

@@ -24,7 +24,7 @@ from sluice.messages import (
     UpdateWeightsFromDiskReq,
     UpdateWeightsFromDiskReqOutput,
 )
-from sluice.scheduler.dp_controller import DataParallelController, replica_port_args
+from sluice.scheduler.dp_controller import DataParallelController, merge_replies, replica_port_args
 from sluice.scheduler.prefix_index import BLOCK_TOKENS, PrefixIndex
 
 PREFIX = list(range(100, 164))  # four blocks
@@ -182,3 +182,14 @@ def test_when_the_last_replica_dies_pending_calls_fail_after_process_failed(wire
     assert isinstance(tokenizer.recv(timeout_ms=1000), ProcessFailed)
     failed = tokenizer.recv(timeout_ms=1000)
     assert isinstance(failed, UpdateWeightsFromDiskReqOutput) and not failed.success and failed.control_id == 3
+
+
+def test_a_flush_refused_by_one_replica_says_which_replicas_did_flush():
+    """Each replica flushes on its own (as in SGLang): the 400 says so, not only who refused."""
+    replies = {
+        0: FlushCacheReqOutput(success=False, message="requests are running", dp_rank=0),
+        1: FlushCacheReqOutput(success=True, dp_rank=1),
+    }
+    merged = merge_replies(FlushCacheReq(control_id=3, http_worker_ipc="a"), replies)
+    assert isinstance(merged, FlushCacheReqOutput) and not merged.success
+    assert merged.message == "replica 0: requests are running; replicas [1] did flush theirs"
