@@ -168,18 +168,23 @@ def create_app(state: ServerState, lifespan=None) -> FastAPI:
         }
 
     @app.get("/v1/loads", openapi_extra=docs.operation(response=Loads, errors=(400, *_ANY_ROUTE)))
-    async def loads(include: str = "core"):
+    async def loads(include: str = "core", dp_rank: int | None = None):
         """Each Scheduler replica's load, as SGLang's /v1/loads answers it (`include`: a comma
-        list; sluice has the `core` section only, the others are answered as absent)."""
+        list; sluice has the `core` section only, the others are answered as absent;
+        `dp_rank`: that replica's alone)."""
         sections = set(include.split(","))
         if unknown := sections - {"core", "disagg", "queues", "memory", "all"}:
             raise ClientError(f"include: unknown section(s) {sorted(unknown)}", "include")
         internal = await state.tm.get_internal_state()
         replicas = internal.replicas or [internal]
+        shown = replicas if dp_rank is None else [replica for replica in replicas if replica.dp_rank == dp_rank]
+        if not shown:
+            ranks = [replica.dp_rank for replica in replicas]
+            raise ClientError(f"dp_rank: no replica {dp_rank} (the replicas are {ranks})", "dp_rank")
         return {
             "timestamp": datetime.now(UTC).isoformat(),
             "dp_rank_count": len(replicas),
-            "loads": [_replica_load(replica, args.max_running_requests) for replica in replicas],
+            "loads": [_replica_load(replica, args.max_running_requests) for replica in shown],
         }
 
     metrics_docs = docs.operation(text_response="Prometheus text exposition format 0.0.4", errors=_ANY_ROUTE)

@@ -126,6 +126,9 @@ def test_control_routes_cover_every_replica(round_robin):
         assert loads["dp_rank_count"] == 2
         assert [(load["dp_rank"], load["num_running_reqs"]) for load in loads["loads"]] == [(0, 1), (1, 1)]
         assert all(0 < load["token_usage"] < 1 for load in loads["loads"])
+        one = httpx.get(base_url + "/v1/loads", params={"dp_rank": 1}, timeout=30).json()
+        assert [load["dp_rank"] for load in one["loads"]] == [1] and one["dp_rank_count"] == 2
+        assert httpx.get(base_url + "/v1/loads", params={"dp_rank": 2}, timeout=30).status_code == 400
         assert httpx.post(base_url + "/abort_request", json={"abort_all": True}, timeout=30).status_code == 200
         assert [f.result().json()["meta_info"]["finish_reason"]["type"] for f in held] == ["abort", "abort"]
     wait_until_drained(base_url)
