@@ -25,6 +25,7 @@ from sluice.server.api_types import (
     CompletionResponse,
     DetokenizeResult,
     EmbeddingResponse,
+    ModelCard,
     ModelList,
     TokenizeResult,
 )
@@ -73,16 +74,25 @@ def install_openai_routes(app: FastAPI, state: ServerState, docs: ApiDocs) -> No
         token_texts.bind(state.tm.tokenizer)
         return state.tm
 
-    @app.get("/v1/models", openapi_extra=docs.operation(response=ModelList, errors=(401,)))
-    async def list_models():
-        model = {
+    def model_card() -> dict:
+        return {
             "id": state.model_name,
             "object": "model",
             "created": 0,
             "owned_by": "sluice",
             "max_model_len": state.tm.context_len,
         }
-        return {"object": "list", "data": [model]}
+
+    @app.get("/v1/models", openapi_extra=docs.operation(response=ModelList, errors=(401,)))
+    async def list_models():
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}", openapi_extra=docs.operation(response=ModelCard, errors=(401, 404)))
+    async def retrieve_model(model_id: str):
+        """The served model's card (the SDK's models.retrieve); any other id is a 404."""
+        if model_id != state.model_name:
+            raise NotFoundError(f"The model `{model_id}` does not exist.", "model")
+        return model_card()
 
     @app.post(
         "/v1/completions",

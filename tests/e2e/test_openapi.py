@@ -178,6 +178,7 @@ FUZZED_ROUTES = [
     ("POST", "/encode"),
     ("POST", "/v1/embeddings"),
     ("GET", "/v1/models"),
+    ("GET", "/v1/models/{model_id}"),
     ("POST", "/v1/completions"),
     ("POST", "/v1/chat/completions"),
     ("POST", "/tokenize"),
