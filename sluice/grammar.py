@@ -73,6 +73,13 @@ def grammar_field(params: SamplingParams) -> str | None:
     return given[0] if given else None
 
 
+def grammar_key(params: SamplingParams) -> str | None:
+    """`field:text` of the request's grammar (what its compiled form depends on), or None
+    when it has none: the key of the caches of compiled grammars and of verdicts."""
+    field = grammar_field(params)
+    return None if field is None else f"{field}:{getattr(params, field)}"
+
+
 def grammar_of(params: SamplingParams, reasoning_parser: str = "none") -> str | None:
     """The llguidance grammar of the request's constraint, or None when it has none; a
     ClientError naming the field when the text is not valid JSON or EBNF. With a reasoning

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Final
 
 import torch
 
-from sluice.grammar import grammar_compiler, grammar_field, grammar_of, grammar_tokenizer, parser_limits
+from sluice.grammar import grammar_compiler, grammar_key, grammar_of, grammar_tokenizer, parser_limits
 from sluice.messages import SamplingParams
 
 if TYPE_CHECKING:
@@ -47,12 +47,11 @@ class Grammars:
         to llguidance's form included (GBNF's takes seconds for thousands of rules: not on
         the Scheduler's loop); None when it has none. Raises ClientError for a request with
         two grammar fields (the main process checked it already)."""
-        field = grammar_field(params)
-        if field is None:
+        key = grammar_key(params)
+        if key is None:
             return None
         if self._tokenizer is None:
             self._tokenizer = self._tokenizer_builder.submit(_build_tokenizer, self.tokenizer_path, self.vocab_size)
-        key = f"{field}:{getattr(params, field)}"
         compiled = self._compiled.pop(key, None)
         if compiled is None:
             if self._compiler is None:

@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from sluice.config import ServerArgs
-from sluice.grammar import check_grammar, grammar_compiler, grammar_field, start_grammar_tokenizer
+from sluice.grammar import check_grammar, grammar_compiler, grammar_key, start_grammar_tokenizer
 from sluice.messages import (
     ImageInput,
     SamplingParams,
@@ -215,10 +215,9 @@ class RequestTokenizer:
         grammar text: the verdicts of the last CHECKED_GRAMMARS_KEPT are kept (the items of
         a batch, a request checked at the pause gate and again after, clients that send the
         same schema)."""
-        field = grammar_field(params)
-        if field is None or self._grammar_tokenizer is None:
+        key = grammar_key(params)
+        if key is None or self._grammar_tokenizer is None:
             return
-        key = f"{field}:{getattr(params, field)}"
         if key in self._checked_grammars:
             self._checked_grammars.move_to_end(key)
         else:
