@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import multiprocessing
 import sys
 import time
 
@@ -58,6 +59,12 @@ def _serve_granian(server_args: ServerArgs, app_factory: str, workers: int) -> N
     from granian.constants import Interfaces
     from granian.log import LogLevels
 
+    # Granian starts its workers by the default method, which on Linux forks this process:
+    # each worker would inherit what the launcher imported before the workers' settings were
+    # in its environment (prometheus-client chose its in-memory values, so /metrics showed no
+    # request counters), and a fork of a process with threads. Spawned, as uvicorn's are, a
+    # worker imports the app factory afresh.
+    multiprocessing.set_start_method("spawn", force=True)
     Granian(
         app_factory,
         address=server_args.host,

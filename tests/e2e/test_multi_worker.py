@@ -13,7 +13,7 @@ import psutil
 import pytest
 
 from sluice.server.http import WORKER_STOP_GRACE_S
-from tests.helpers import RunningServer, generate, greedy, internal_states, wait_for_states
+from tests.helpers import RunningServer, generate, greedy, internal_states, scrape, wait_for_states
 
 API_KEY, ADMIN_KEY = "test-key-123", "admin-key-456"
 
@@ -235,6 +235,46 @@ def test_granian_serves_the_same_app(workers):
         assert (
             httpx.post(server.base_url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}).status_code == 200
         )
+        # Each worker records its requests for /metrics (its own values in files, not in a
+        # forked copy of the launcher's memory that no scrape reads).
+        samples = scrape(server.base_url)
+        assert samples["sluice:requests_total{finish_reason=length}"] == 3
+        assert samples["sluice:prompt_tokens_total"] > 0
+    finally:
+        server.stop()
+
+
+def test_granian_drops_requests_whose_client_left():
+    """Under Granian too (whose receive channel always waits, so Starlette's is_disconnected
+    saw a departure several polls late or not at all): a request held by a pause whose
+    client leaves is dropped, never sent, and a non-streaming request whose client leaves
+    mid-generation is aborted."""
+    server = RunningServer("--max-total-tokens", "4000", "--http-server", "granian")
+    url = server.base_url
+    try:
+        before = internal_states(url)
+        assert httpx.post(url + "/pause_generation").status_code == 200
+        for route, body in [
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 8}),
+            ("/generate", {"text": "left", "sampling_params": greedy(8)}),
+            ("/generate", {"text": "left", "sampling_params": greedy(8), "stream": True}),
+        ]:
+            with pytest.raises(httpx.TimeoutException):
+                httpx.post(url + route, json=body, timeout=0.3)
+        wait_for_states(url, lambda s: s["num_paused_reqs"] == 0, "the held requests dropped", timeout_s=5)
+        assert httpx.post(url + "/continue_generation").status_code == 200
+        time.sleep(1)
+        states = internal_states(url)
+        assert states["messages_received"].get("TokenizedGenerateReqInput", 0) == before["messages_received"].get(
+            "TokenizedGenerateReqInput", 0
+        ), "a request whose client left was sent"
+
+        body = {"text": "A long story:", "sampling_params": greedy(2000, ignore_eos=True)}
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(url + "/generate", json=body, timeout=2)
+        states = wait_for_states(url, lambda s: s["num_running_reqs"] == 0, "the request aborted", timeout_s=5)
+        assert states["finished_reqs"].get("abort", 0) == before["finished_reqs"].get("abort", 0) + 1
+        assert states["kv_tokens_in_use"] == 0
     finally:
         server.stop()
 
