@@ -31,6 +31,7 @@ from sluice.server.api_types import (
     WeightUpdateResult,
     WeightVersion,
 )
+from sluice.server.client_watch import ClientWatch
 from sluice.server.embeddings import embedding_chunks
 from sluice.server.embeddings import native_json as embedding_json
 from sluice.server.errors import (
@@ -294,7 +295,7 @@ def _public_states(internal: InternalState) -> dict[str, Any]:
 
 
 async def serve_generate(tm: TokenizerManager, obj: GenerateReqInput, request: Request):
-    generator = tm.generate_request(obj, request)
+    generator = tm.generate_request(obj, ClientWatch(request))
     if obj.stream:
         return await stream_response(generator, NativeStreamFormat())
     if obj.is_single and obj.sample_count() == 1:

@@ -10,6 +10,7 @@ import numpy as np
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from sluice.server.client_watch import ClientWatch
 from sluice.server.errors import error_response, failure_message, failure_response, failure_status
 from sluice.tokenizer.io_struct import EmbeddingReqInput
 from sluice.tokenizer.manager import TokenizerManager
@@ -20,7 +21,8 @@ async def embedding_chunks(
     tm: TokenizerManager, obj: EmbeddingReqInput, request: Request
 ) -> list[GenerateChunk] | Response:
     """Every prompt's final chunk in input order, or the error answer of the first that failed."""
-    chunks = sorted([chunk async for chunk in tm.generate_request(obj, request)], key=lambda c: c.index or 0)
+    chunks = [chunk async for chunk in tm.generate_request(obj, ClientWatch(request))]
+    chunks.sort(key=lambda c: c.index or 0)
     if not chunks:
         return error_response(400, "the client disconnected")  # no one reads this
     for chunk in chunks:

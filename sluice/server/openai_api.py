@@ -29,6 +29,7 @@ from sluice.server.api_types import (
     ModelList,
     TokenizeResult,
 )
+from sluice.server.client_watch import ClientWatch
 from sluice.server.embeddings import embedding_chunks, openai_response
 from sluice.server.errors import NotFoundError, error_response, failure_response, failure_status
 from sluice.server.json_body import decode_json
@@ -280,7 +281,7 @@ async def serve(
     prompt_param: str,
     names: dict[str, str] | None = None,
 ) -> Response:
-    generator = tm.generate_request(obj, request)
+    generator = tm.generate_request(obj, ClientWatch(request))
     try:
         if obj.stream:
             return await stream_response(generator, view)  # the rule for errors on streams
