@@ -20,13 +20,30 @@ def check_request_size(obj: GenerateReqInput, args: ServerArgs) -> int:
     n = obj.sample_count()
     if n > args.max_n:
         raise ClientError(f"n is {n}, more than max_n={args.max_n}", "n")
-    if obj.batch_size * n > args.max_batch_items:
+    items = obj.batch_size * n
+    if items > args.max_batch_items:
         raise ClientError(
-            f"{obj.batch_size} prompts x n={n} is {obj.batch_size * n} items, "
-            f"more than max_batch_items={args.max_batch_items}",
+            f"{obj.batch_size} prompts x n={n} is {items} items, more than max_batch_items={args.max_batch_items}",
             "n",
         )
+    check_fits_in_queue(items, args, "n" if n > 1 else "text", f"{obj.batch_size} prompts x n={n} is {items} items")
     return n
+
+
+def check_fits_in_queue(items: int, args: ServerArgs, param: str, what: str) -> None:
+    """Refuse (400) a request of more items than the server can ever hold at once with
+    --max-queued-requests: its items arrive together, and those past the queue's room would
+    get a 503 on an idle server too, so a client retrying it would retry for ever."""
+    if not args.max_queued_requests:
+        return
+    room = (args.max_running_requests + args.max_queued_requests) * args.dp_size
+    if items > room:
+        replicas = f", times {args.dp_size} replicas" if args.dp_size > 1 else ""
+        raise ClientError(
+            f"{what}, more than the server holds at once: {room} (--max-running-requests "
+            f"{args.max_running_requests} + --max-queued-requests {args.max_queued_requests}{replicas})",
+            param,
+        )
 
 
 def check_queue_room(args: ServerArgs, in_flight: int, metrics: RequestMetrics, log_metrics: bool = True) -> None:

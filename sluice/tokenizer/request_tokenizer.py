@@ -20,6 +20,7 @@ from sluice.messages import (
     TokenizedGenerateReqInput,
 )
 from sluice.sampling import ClientError, validate_sampling_params
+from sluice.tokenizer.admission import check_fits_in_queue
 from sluice.tokenizer.io_struct import EmbeddingReqInput, GenerateReqInput, parse_sampling_params
 from sluice.tokenizer.multimodal.request_images import RequestImages
 
@@ -250,6 +251,8 @@ class RequestTokenizer:
         """Every prompt of an embedding request, tokenized in one call and checked; the first
         bad one fails them all (a ClientError naming the item of a list)."""
         prompts = obj.prompts(self.server_args.max_batch_items)
+        field = "text" if obj.text is not None else "input_ids"
+        check_fits_in_queue(len(prompts), self.server_args, field, f"the request has {len(prompts)} items")
         texts = [prompt for prompt in prompts if isinstance(prompt, str)]
         encoded = await self.encode(texts)
         all_ids = encoded if texts else [prompt for prompt in prompts if isinstance(prompt, list)]

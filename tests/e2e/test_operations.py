@@ -128,6 +128,28 @@ def test_a_full_queue_answers_503_and_serves_the_rest(small_queue_server):
     assert moved(before, after, "sluice:requests_total{finish_reason=length}") == len(served)
 
 
+def test_a_request_of_more_items_than_the_server_holds_is_a_400_not_a_503(small_queue_server):
+    """2 running + 4 queued: 7 items arriving together could never all be taken, so a client
+    told to retry (503) would retry for ever. 6 are served."""
+    base_url = small_queue_server.base_url
+    cases = [
+        ("/generate", {"text": "Hi", "sampling_params": greedy(2, n=7)}, "n"),
+        ("/generate", {"text": ["Hi"] * 7, "sampling_params": greedy(2)}, "text"),
+        ("/v1/completions", {"prompt": "Hi", "n": 7, "max_tokens": 2}, "n"),
+        ("/v1/completions", {"prompt": ["Hi"] * 7, "max_tokens": 2}, "prompt"),
+        ("/v1/embeddings", {"input": ["Hi"] * 7}, "input"),
+        ("/encode", {"text": ["Hi"] * 7}, "text"),
+    ]
+    for route, body, param in cases:
+        response = httpx.post(base_url + route, json=body, timeout=60)
+        assert response.status_code == 400, (route, response.text)
+        error = response.json()["error"]
+        assert error["param"] == param and "holds at once: 6" in error["message"], error
+    served = httpx.post(base_url + "/generate", json={"text": ["Hi"] * 6, "sampling_params": greedy(2)}, timeout=60)
+    assert served.status_code == 200 and len(served.json()) == 6
+    wait_until_drained(base_url)
+
+
 def test_a_paused_server_whose_held_requests_fill_the_queue_is_still_healthy(small_queue_server):
     """The health probe, refused by a queue full of requests held by a pause, says paused."""
     base_url = small_queue_server.base_url
