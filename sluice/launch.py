@@ -96,9 +96,19 @@ class Backend:
         return next((process.exitcode for process in self.processes if process.name == name), None)
 
     def dead_while_starting(self) -> str | None:
-        """Any process that died before the back end reported ready: a replica too, which
-        the start-up would otherwise wait for until its time runs out."""
-        return next((process.name for process in self.processes if not process.is_alive()), None)
+        """Any process that died before the back end reported ready (a replica too, which
+        the start-up would otherwise wait for until its time runs out), and how it ended."""
+        dead = next((process for process in self.processes if not process.is_alive()), None)
+        if dead is None:
+            return None
+        code = dead.exitcode
+        if code == -signal.SIGKILL:
+            return f"{dead.name} process was killed (SIGKILL: out of memory?)"
+        if code is not None and code < 0:
+            return f"{dead.name} process was killed by {signal.Signals(-code).name}"
+        # A script that starts a server without `if __name__ == "__main__":` dies here: the
+        # spawned child imports the script again and may not start processes while it does.
+        return f"{dead.name} process exited with status {code} (its error is above)"
 
     def shutdown(self) -> None:
         self.stopping = True

@@ -33,7 +33,7 @@ async def wait_for_backend(
     inbox: AsyncReceiver, timeout_s: float = 600.0, dead_process: Callable[[], str | None] = lambda: None
 ) -> SchedulerReady:
     """Wait on the tokenizer inbox until the Scheduler and DetokenizerManager report ready;
-    BackendError when one reports it failed, `dead_process()` names one that died without a
+    BackendError when one reports it failed, `dead_process()` says how one died without a
     word (killed for memory while loading, say), or the time runs out."""
     info: SchedulerReady | None = None
     detokenizer_ready = False
@@ -45,7 +45,7 @@ async def wait_for_backend(
         message = await inbox.recv_within(min(remaining, BACKEND_POLL_S))
         if message is None:
             if (dead := dead_process()) is not None:
-                raise BackendError(f"the {dead} process died while starting (out of memory?)")
+                raise BackendError(f"while starting, the {dead}")
             continue
         if isinstance(message, SchedulerReady):
             info = message

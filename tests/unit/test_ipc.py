@@ -3,6 +3,10 @@ every field, a frame that is not a message is refused, and the sockets carry mes
 
 from __future__ import annotations
 
+import multiprocessing
+import os
+import signal
+import sys
 import threading
 import time
 import typing
@@ -243,8 +247,36 @@ async def test_a_back_end_process_that_dies_while_starting_ends_the_wait_at_once
     context = zmq.asyncio.Context(1)
     inbox = AsyncReceiver(context, f"ipc://{tmp_path}/inbox")
     try:
-        with pytest.raises(BackendError, match="the scheduler process died while starting"):
-            await wait_for_backend(inbox, timeout_s=600, dead_process=lambda: "scheduler")
+        with pytest.raises(BackendError, match="while starting, the scheduler process was killed"):
+            await wait_for_backend(inbox, timeout_s=600, dead_process=lambda: "scheduler process was killed")
     finally:
         inbox.close()
         context.term()
+
+
+def _exit_with(code: int) -> None:
+    if code < 0:
+        os.kill(os.getpid(), -code)
+    sys.exit(code)
+
+
+@pytest.mark.parametrize(
+    ("code", "said"),
+    [
+        (-signal.SIGKILL, "sluice-scheduler process was killed (SIGKILL: out of memory?)"),
+        (-signal.SIGSEGV, "sluice-scheduler process was killed by SIGSEGV"),
+        (1, "sluice-scheduler process exited with status 1 (its error is above)"),
+    ],
+)
+def test_a_process_dead_while_starting_is_named_with_how_it_ended(code, said):
+    """Not "out of memory?" for every death: a script without a main guard makes its spawned
+    children exit with status 1, and the start-up error should not send its author to look
+    at memory."""
+    from sluice.launch import Backend
+
+    process = multiprocessing.get_context("fork").Process(target=_exit_with, args=(code,), name="sluice-scheduler")
+    process.start()
+    process.join(30)
+    backend = Backend.__new__(Backend)  # its processes alone, none started
+    backend.processes = [process]
+    assert backend.dead_while_starting() == said
