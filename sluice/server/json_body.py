@@ -71,6 +71,8 @@ def nests_deeper_than(body: bytes, limit: int, chunk_bytes: int = SCAN_CHUNK_BYT
 def decode_json(body: bytes, kind: type[T]) -> T:
     """Decode a request body into `kind`; anything wrong with it is a ClientError naming the
     field where msgspec can tell it."""
+    if not body.strip():
+        raise ClientError("the body is empty: send a JSON object")
     if nests_deeper_than(body, MAX_JSON_DEPTH):
         raise ClientError(
             f"the body nests arrays and objects more than {MAX_JSON_DEPTH} levels deep (the limit is {MAX_JSON_DEPTH})"

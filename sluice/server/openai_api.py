@@ -198,16 +198,12 @@ def install_openai_routes(app: FastAPI, state: ServerState, docs: ApiDocs) -> No
         body = decode_json(await request.body(), TokenizeRequest)
         body.check()
         tm = checked_tm(body.model)
-        if body.prompt is not None:
-            prompt = body.prompt
-            ids = await asyncio.to_thread(
-                lambda: tm.tokenizer(prompt, add_special_tokens=body.add_special_tokens).input_ids
-            )
-        else:
-            chat = body.chat()
-            ids = await asyncio.to_thread(
-                lambda: tm.tokenizer(chat_prompt(tm, chat, state.model_name)[0], add_special_tokens=False).input_ids
-            )
+
+        def prompt_ids() -> list[int]:
+            prompt = body.prompt if body.prompt is not None else chat_prompt(tm, body.chat(), state.model_name)[0]
+            return tm.tokenizer(prompt, add_special_tokens=body.special_tokens).input_ids
+
+        ids = await asyncio.to_thread(prompt_ids)
         return {"tokens": ids, "count": len(ids), "max_model_len": tm.context_len}
 
     @app.post(

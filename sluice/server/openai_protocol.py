@@ -377,23 +377,48 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """/tokenize: a prompt, or chat messages rendered through the model's chat template."""
+    """/tokenize: a prompt, or chat messages rendered through the model's chat template with
+    the chat route's prompt fields (vLLM's tokenize-chat request)."""
 
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True  # for a prompt; a chat template writes its own
+    # Absent: true for a prompt, false for messages (the chat template writes its own), as vLLM.
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ToolDefinition] | None = None
 
     def check(self) -> None:
-        if (self.prompt is None) == (self.messages is None):
-            raise ClientError("give either prompt (a string) or messages (a chat), not both", "prompt")
-        if self.messages is not None and not self.add_special_tokens:
-            raise ClientError(
-                "add_special_tokens applies to a prompt; a chat template writes its own", "add_special_tokens"
-            )
+        if self.prompt is None and self.messages is None:
+            raise ClientError("give prompt (a string) or messages (a chat)", "prompt")
+        if self.prompt is not None and self.messages is not None:
+            raise ClientError("give prompt (a string) or messages (a chat), not both", "prompt")
+        if self.prompt is not None:
+            chat_only = {
+                "add_generation_prompt": not self.add_generation_prompt,
+                "continue_final_message": self.continue_final_message,
+                "chat_template_kwargs": self.chat_template_kwargs is not None,
+                "tools": self.tools is not None,
+            }
+            if given := next((name for name, changed in chat_only.items() if changed), None):
+                raise ClientError(f"{given} applies to messages (a chat), not to a prompt", given)
+        else:
+            self.chat().check()
+
+    @property
+    def special_tokens(self) -> bool:
+        return self.add_special_tokens if self.add_special_tokens is not None else self.prompt is not None
 
     def chat(self) -> ChatCompletionRequest:
-        return ChatCompletionRequest(messages=self.messages or [])
+        return ChatCompletionRequest(
+            messages=self.messages or [],
+            add_generation_prompt=self.add_generation_prompt,
+            continue_final_message=self.continue_final_message,
+            chat_template_kwargs=self.chat_template_kwargs,
+            tools=self.tools,
+        )
 
 
 class DetokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

@@ -750,12 +750,45 @@ def test_tokenize_chat_messages_counts_what_the_chat_route_prompts(http):
     assert counted == chat["usage"]["prompt_tokens"]
 
 
+def test_tokenize_chat_takes_the_chat_routes_prompt_fields(http):
+    """vLLM's tokenize-chat request: how the prompt ends, template variables and tools change
+    the tokens as they change the chat route's prompt; add_special_tokens false is what a
+    chat gets anyway."""
+    user = [{"role": "user", "content": "Hi there"}]
+
+    def count(**fields) -> int:
+        response = http.post("/tokenize", json={"messages": user, **fields})
+        assert response.status_code == 200, response.text
+        return response.json()["count"]
+
+    with_prompt = count()
+    assert count(add_special_tokens=False) == with_prompt
+    assert count(add_generation_prompt=False) < with_prompt
+    continued = [*user, {"role": "assistant", "content": "Hello! How"}]
+    ends = http.post(
+        "/tokenize", json={"messages": continued, "add_generation_prompt": False, "continue_final_message": True}
+    ).json()["tokens"]
+    assert http.post("/detokenize", json={"tokens": ends}).json()["text"].endswith("Hello! How")
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    tools = http.post("/tokenize", json={"messages": user, "tools": [tool]}).json()["tokens"]
+    assert "get_weather" in http.post("/detokenize", json={"tokens": tools}).json()["text"]
+    chat = http.post("/v1/chat/completions", json={"messages": user, "tools": [tool], "max_tokens": 1}).json()
+    assert len(tools) == chat["usage"]["prompt_tokens"]
+
+
 @pytest.mark.parametrize(
     "path, body, param",
     [
         ("/tokenize", {"prompt": "Hi", "messages": [{"role": "user", "content": "Hi"}]}, "prompt"),
         ("/tokenize", {}, "prompt"),
-        ("/tokenize", {"prompt": "Hi", "add_generation_prompt": True}, "add_generation_prompt"),
+        ("/tokenize", {"prompt": "Hi", "add_generation_prompt": False}, "add_generation_prompt"),
+        ("/tokenize", {"prompt": "Hi", "chat_template_kwargs": {"x": 1}}, "chat_template_kwargs"),
+        ("/tokenize", {"prompt": "Hi", "tools": []}, "tools"),
+        (
+            "/tokenize",
+            {"messages": [{"role": "user", "content": "Hi"}], "continue_final_message": True},
+            "continue_final_message",
+        ),
         ("/detokenize", {"tokens": [1, -5]}, "tokens"),
         ("/detokenize", {"tokens": [10**9]}, "tokens"),
         ("/detokenize", {"tokens": "abc"}, "tokens"),

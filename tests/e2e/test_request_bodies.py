@@ -36,6 +36,13 @@ def test_the_server_is_unharmed_by_deep_bodies(base_url):
     assert states["rid_to_state_size"] == 0
 
 
+@pytest.mark.parametrize("path", [*BODY_ROUTES, "/tokenize", "/v1/embeddings"])
+def test_an_empty_body_is_400_saying_so(base_url, path):
+    r = httpx.post(base_url + path, content=b"", headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"] == "the body is empty: send a JSON object"
+
+
 @pytest.mark.parametrize("body", [b"[1]", b'"rid"', b'{"rid": 5}', b'{"abort_all": "yes"}', b"{}"])
 def test_abort_request_takes_only_its_own_shape(base_url, body):
     r = httpx.post(base_url + "/abort_request", content=body, headers={"content-type": "application/json"}, timeout=30)
