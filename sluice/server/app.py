@@ -160,9 +160,13 @@ def create_app(state: ServerState, lifespan=None) -> FastAPI:
         workers = await state.tm.worker_stats_total()
         states["rid_to_state_size"] = workers.rid_to_state_size
         states["num_paused_reqs"] = workers.num_paused_reqs
-        # weight_version: the one served now, as /get_weight_version says (the flag gave the first).
+        # What is in effect where a flag left it to the server (the default model, a context
+        # length from the model) or an update changed it (weight_version: the flag gave the first).
         return {
             **args.public_dict(),
+            "model_path": state.tm.weights_path,
+            "served_model_name": state.model_name,
+            "context_length": state.tm.context_len,
             "weight_version": state.tm.weight_version,
             "execution": state.tm.scheduler_info.execution,
             "internal_states": [states],

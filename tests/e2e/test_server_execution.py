@@ -29,6 +29,20 @@ def test_server_info_names_the_cpu_features_and_the_kernel_paths(server):
         assert execution["backend"] == "torch"
 
 
+def test_server_info_reports_the_model_name_and_context_length_in_effect(server):
+    """Started without --model-path, --served-model-name or --context-length, the server
+    reports what it chose, as /get_model_info and /v1/models do, not the empty flags."""
+    info = httpx.get(server.base_url + "/get_server_info", timeout=30).json()
+    model = httpx.get(server.base_url + "/get_model_info", timeout=30).json()
+    [card] = httpx.get(server.base_url + "/v1/models", timeout=30).json()["data"]
+    assert info["model_path"] == model["model_path"] and info["model_path"].endswith(".gguf")
+    assert info["context_length"] == model["context_len"] > 0
+    assert info["served_model_name"] == card["id"]
+    # With the default model the execution line names the GGUF's blocks on every build.
+    if kernels_available() and "amx" in info["execution"]["kernels_isa"]:
+        assert "q4_1" in info["execution"]["gemm"]
+
+
 def test_an_fp8_kv_cache_holds_twice_the_tokens_in_the_same_memory_and_answers():
     """--kv-cache-dtype fp8_e5m2: a byte an element, so the same --kv-cache-memory-gb holds twice
     float16's tokens; the server says so and still answers (lossy: not the default's tokens)."""
