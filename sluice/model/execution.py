@@ -104,7 +104,7 @@ def describe(execution: Execution, weight_formats: list[str]) -> dict[str, str]:
         dots = "AVX2 maddubs, 8-row groups" if isa == "avx2" else "AVX-512 VNNI vpdpbusd, 16-row groups"
         if weight_formats:
             gemv = f"{'+'.join(weight_formats)} blocks x int8 activations ({dots})"
-            tiled = [f for f in weight_formats if f in ("q8_0", "q4_1", "q6_k")]  # the others take no int8 tiles
+            tiled = [f for f in weight_formats if f != "q5_1"]  # q5_1 takes no int8 tiles (qgemm.c)
             if isa in ("amx_int8", "amx_bf16") and tiled:
                 gemm = (
                     f"AMX-INT8 tiles of 16 activation rows (the last one partial) for 6+ rows of {'+'.join(tiled)}, "

@@ -27,6 +27,15 @@ def test_auto_runs_float32_on_the_kernels_with_a_float16_kv_cache():
     assert "q4_1+q8_0" in info["gemv"] and "float16 KV" in info["attention"]
 
 
+@needs_kernels
+def test_the_gemm_line_names_every_format_on_the_int8_tiles_but_q5_1():
+    execution = choose_execution("auto", "auto")
+    if execution.backend.isa not in ("amx_int8", "amx_bf16"):
+        pytest.skip(f"the {execution.backend.isa} build has no int8 tiles")
+    gemm = describe(execution, ["q4_k", "q6_k", "q5_1"])["gemm"]
+    assert "AMX-INT8 tiles" in gemm and "of q4_k+q6_k," in gemm
+
+
 def test_bfloat16_asks_for_torch_ops_and_keeps_its_kv_dtype_unless_told():
     execution = choose_execution("bfloat16", "auto")
     assert isinstance(execution.backend, TorchBackend)
