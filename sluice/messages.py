@@ -120,6 +120,10 @@ class AbortReq(Message):
     # Sent by the detokenizer when a stop string ended the request: the text is final,
     # the scheduler only has to release the request's slots.
     finished_by_stop_string: bool = False
+    # A worker ending its own request (its client left): only the request of that rid that
+    # this worker sent. A client may send the rid again, through another worker, as soon as
+    # the first request's end has passed the router, before this abort is sent.
+    own_request: bool = False
     http_worker_ipc: str | None = None
 
 

@@ -172,6 +172,8 @@ class Scheduler:
         """Remove a waiting request or free a running one's slots, before the next step."""
 
         def targeted(req: Req) -> bool:
+            if msg.own_request and req.http_worker_ipc != msg.http_worker_ipc:
+                return False  # the rid again, from another worker
             return msg.abort_all or req.rid == msg.rid or req.rid.startswith(msg.rid + RID_SEPARATOR)
 
         # A request a stop string ended is finished, not aborted: the detokenizer drops this

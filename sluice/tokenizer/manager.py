@@ -294,7 +294,7 @@ class TokenizerManager:
                     self.live_rids.remove(state.rid)
             for state in sent_states:
                 with contextlib.suppress(Exception):
-                    self.abort_request(state.rid)
+                    self._abort_own(state)
             raise
 
     def send(self, message: Message) -> None:
@@ -337,7 +337,14 @@ class TokenizerManager:
                         return
         finally:
             if not finished:
-                self.abort_request(state.rid)
+                self._abort_own(state)
+
+    def _abort_own(self, state: ReqState) -> None:
+        """End a request of this worker's that no one waits for any more. Once its state is
+        gone its end has come (the abort would find nothing of its own), and the rid may
+        already name a new request, here or on another worker: neither is aborted."""
+        if self.rid_to_state.get(state.rid) is state:
+            self.send(AbortReq(rid=state.rid, own_request=True))
 
     # ------------------------------------------------------------ results
 

@@ -149,7 +149,7 @@ class MultiTokenizerRouter:
             family = rid_family(req.rid)
             self.live_families[family] = (req.http_worker_ipc, self.live_families.get(family, (None, 0))[1] + 1)
         self.to_scheduler.send(message)
-        if isinstance(message, AbortReq):
+        if isinstance(message, AbortReq) and not message.own_request:
             # Requests a pause holds are in no worker's rid_to_state and not at the Scheduler:
             # every other worker checks its own held ones.
             for ipc, sender in self.workers.items():

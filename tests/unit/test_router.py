@@ -114,6 +114,15 @@ def test_an_abort_also_reaches_every_other_worker_for_the_requests_a_pause_holds
     assert hub.nothing_for(hub.workers["a"])
 
 
+def test_a_workers_abort_of_its_own_request_goes_to_the_scheduler_alone(hub):
+    """Its client left: no other worker holds that request, and one may hold a new request
+    of the same rid that must not end with it."""
+    abort = AbortReq(rid="mine", own_request=True, http_worker_ipc=hub.addresses["a"])
+    hub.router.dispatch(abort)
+    assert hub.received(hub.scheduler) == abort
+    assert hub.nothing_for(*hub.workers.values())
+
+
 def test_a_batch_result_is_split_by_worker_in_order(hub):
     a, b = hub.addresses["a"], hub.addresses["b"]
     outputs = [result("a1", a, "one"), result("b1", b, "two"), result("a2", a, "three", finished=True)]

@@ -262,6 +262,27 @@ def test_aborted_requests_whose_grammar_waits_to_compile_cancel_the_compilation(
     assert all(compiled.cancelled() for compiled in compilations[1:])
 
 
+def test_a_workers_abort_of_its_own_request_spares_the_rid_sent_again_by_another(runner, prompts):
+    """Worker a's client left as its request ended, and sent the rid again through worker b
+    before a's abort arrived: the abort ends only a request of a's."""
+    scheduler = make_scheduler(runner)
+    params = SamplingParams(max_new_tokens=50, temperature=0, ignore_eos=True)
+    for rid, worker in (("same", "b"), ("family::0", "b"), ("mine", "a")):
+        scheduler.add_request(
+            TokenizedGenerateReqInput(rid=rid, input_ids=prompts[0], sampling_params=params, http_worker_ipc=worker)
+        )
+    scheduler.step()
+    assert scheduler.abort(AbortReq(rid="same", own_request=True, http_worker_ipc="a")) == []
+    assert scheduler.abort(AbortReq(rid="family", own_request=True, http_worker_ipc="a")) == []
+    [ended] = scheduler.abort(AbortReq(rid="mine", own_request=True, http_worker_ipc="a"))
+    assert ended.output.rid == "mine" and ended.output.finish_reason.type == "abort"
+    # A client's /abort_request, through any worker, ends the rid wherever it runs.
+    [ended] = scheduler.abort(AbortReq(rid="same", http_worker_ipc="a"))
+    assert ended.output.rid == "same"
+    scheduler.abort(AbortReq(abort_all=True))
+    scheduler.check_integrity()
+
+
 def test_abort_frees_waiting_and_running(runner, prompts):
     scheduler = make_scheduler(runner, max_running_requests=2)
     for i, ids in enumerate(prompts[:4]):

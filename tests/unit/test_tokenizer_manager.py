@@ -101,6 +101,37 @@ async def test_a_request_without_outputs_notices_its_client_left(tm, monkeypatch
     assert [m.rid for m in sender.sent if isinstance(m, AbortReq)] == ["quiet"]
 
 
+async def test_a_request_whose_end_came_is_not_aborted_when_its_reader_leaves(tm):
+    """The final output arrived but its reader was gone before it read it (its client left):
+    there is nothing of its own left to abort, and an abort by rid could end a new request of
+    the same rid, sent again by the client through another worker."""
+    tm.send_to_scheduler = sender = RecordingSender()
+    state = tm.add_req_state(request("done"), "single")
+    reader = tm.wait_response(state)
+    waiting = asyncio.get_running_loop().create_task(anext(reader))
+    await asyncio.sleep(0)
+    ended = ReqOutput(rid="done", new_token_ids=[5], finish_reason=FinishReason(type="length"))
+    tm._dispatch(BatchStrOutput(outputs=[StrOutput(output=ended, text="x")]))
+    waiting.cancel()  # the client left before the reader woke
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    assert "done" not in tm.rid_to_state
+    assert not [m for m in sender.sent if isinstance(m, AbortReq)]
+
+
+async def test_a_request_that_loses_its_reader_is_aborted_as_this_workers_own(tm):
+    tm.send_to_scheduler = sender = RecordingSender()
+    state = tm.add_req_state(request("live"), "single")
+    reader = tm.wait_response(state)
+    waiting = asyncio.get_running_loop().create_task(anext(reader))
+    await asyncio.sleep(0)
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    [abort] = [m for m in sender.sent if isinstance(m, AbortReq)]
+    assert abort.rid == "live" and abort.own_request
+
+
 async def _collect(stream) -> list:
     return [chunk async for chunk in stream]
 
