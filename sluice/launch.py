@@ -110,6 +110,15 @@ class Backend:
         # spawned child imports the script again and may not start processes while it does.
         return f"{dead.name} process exited with status {code} (its error is above)"
 
+    def log_death(self, name: str) -> None:
+        """A child that died: by a crash or kill (an error), or stopped by a SIGTERM (status 0,
+        procutil): the one sent to the whole process group when the server stops reaches the
+        children before this process has begun to stop them."""
+        if self.exit_code(name) == 0:
+            logger.warning("%s stopped on SIGTERM", name)
+        else:
+            logger.error("%s died", name)
+
     def shutdown(self) -> None:
         self.stopping = True
         for process in self.processes:
@@ -142,7 +151,7 @@ async def _watch_backend(tm, backend: Backend) -> None:
     while tm.backend_error is None:
         name = backend.dead_process()
         if name is not None:
-            logger.error("%s died", name)
+            backend.log_death(name)
             tm.fail_all(f"{name} died")
             return
         await asyncio.sleep(1.0)
@@ -252,7 +261,7 @@ def _report_dead_backend(backend: Backend) -> None:
         return
     if name == ROUTER_PROCESS and backend.exit_code(name) == 0:
         return  # it stopped for a SIGTERM to the whole process group, which this process gets too
-    logger.error("%s died", name)
+    backend.log_death(name)
     if name == ROUTER_PROCESS:
         # It owned the inbox a failure would be reported to, and every request and reply
         # passed through it: no worker can serve or be told. Stop, for a supervisor to restart.

@@ -280,3 +280,22 @@ def test_a_process_dead_while_starting_is_named_with_how_it_ended(code, said):
     backend = Backend.__new__(Backend)  # its processes alone, none started
     backend.processes = [process]
     assert backend.dead_while_starting() == said
+
+
+@pytest.mark.parametrize(
+    ("code", "level", "said"),
+    [(0, "WARNING", "sluice-scheduler stopped on SIGTERM"), (-signal.SIGKILL, "ERROR", "sluice-scheduler died")],
+)
+def test_a_child_stopped_by_the_process_groups_sigterm_is_not_logged_as_a_crash(code, level, said, caplog):
+    """A SIGTERM to the server's process group reaches the children too, which exit 0 on it
+    (procutil) before the launcher stops them: no "died" error at every ordinary stop."""
+    from sluice.launch import Backend
+
+    process = multiprocessing.get_context("fork").Process(target=_exit_with, args=(code,), name="sluice-scheduler")
+    process.start()
+    process.join(30)
+    backend = Backend.__new__(Backend)
+    backend.processes = [process]
+    with caplog.at_level("INFO", logger="sluice.launch"):
+        backend.log_death("sluice-scheduler")
+    assert [(r.levelname, r.getMessage()) for r in caplog.records] == [(level, said)]
