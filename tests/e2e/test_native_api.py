@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -479,8 +480,19 @@ def test_an_abort_while_the_request_comes_in_is_not_lost(base_url, text, n, dela
     rid = f"early-{n}-{delay_s}"
     results: list[httpx.Response] = []
     body = {"text": text, "rid": rid, "sampling_params": greedy(48, ignore_eos=True, n=n)}
-    sender = threading.Thread(target=lambda: results.append(generate(base_url, **body)))
+    sent = threading.Event()
+
+    def body_then_mark_sent():
+        yield json.dumps(body).encode()
+        sent.set()  # the body is on the socket: the delay counts from here, not from a thread's start
+
+    def send():
+        headers = {"content-type": "application/json"}
+        results.append(httpx.post(base_url + "/generate", content=body_then_mark_sent(), headers=headers, timeout=120))
+
+    sender = threading.Thread(target=send)
     sender.start()
+    assert sent.wait(30)
     time.sleep(delay_s)
     assert httpx.post(base_url + "/abort_request", json={"rid": rid}, timeout=30).json() == {"success": True}
     sender.join(120)
