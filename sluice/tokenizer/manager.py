@@ -48,6 +48,7 @@ from sluice.messages import (
     WorkerDied,
     WorkerStats,
     WorkerStatsReq,
+    rid_family,
 )
 from sluice.tokenizer.admission import check_queue_room, check_request_size
 from sluice.tokenizer.batch_request import handle_batch_request
@@ -390,12 +391,20 @@ class TokenizerManager:
             case AbortReq():  # another worker's /abort_request: this worker's held and arriving requests
                 self.pause.abort(recv_obj.rid, recv_obj.abort_all)
                 self.arriving.abort(recv_obj.rid, recv_obj.abort_all)
+                self._abort_again_behind_sent(recv_obj)
             case WorkerStatsReq():
                 stats = self._worker_stats(recv_obj.http_worker_ipc)
                 stats.control_id = recv_obj.control_id
                 self.send_to_scheduler.send(stats)
             case _:
                 self.control.deliver(recv_obj)
+
+    def _abort_again_behind_sent(self, abort: AbortReq) -> None:
+        """A request this worker sent before it heard of another worker's abort may reach the
+        Scheduler after that abort, which then found nothing: abort what it names again,
+        behind the requests on this worker's own channel (only this worker's)."""
+        if any(abort.abort_all or abort.rid in (rid, rid_family(rid)) for rid in self.rid_to_state):
+            self.send(AbortReq(rid=abort.rid, abort_all=abort.abort_all, own_request=True))
 
     def _handle_batch_output(self, batch: BatchStrOutput | BatchEmbeddingOutput) -> None:
         now = time.time()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 from concurrent.futures import Future
 
+import msgspec
 import pytest
 
 from sluice.config import PortArgs, ServerArgs
@@ -130,6 +131,31 @@ async def test_a_request_that_loses_its_reader_is_aborted_as_this_workers_own(tm
         await waiting
     [abort] = [m for m in sender.sent if isinstance(m, AbortReq)]
     assert abort.rid == "live" and abort.own_request
+
+
+@pytest.mark.parametrize(
+    ("abort", "live"),
+    [(AbortReq(rid="r"), "r"), (AbortReq(rid="p"), "p::1"), (AbortReq(abort_all=True), "any")],
+)
+def test_another_workers_abort_is_sent_again_behind_the_requests_it_names(tm, abort, live):
+    """This worker sent the request before it heard of another worker's abort, which may
+    have reached the Scheduler first and found nothing: the abort goes again, on this
+    worker's channel, behind the request, for this worker's requests alone."""
+    tm.send_to_scheduler = sender = RecordingSender()
+    tm.add_req_state(request(live), "single")
+    tm.add_req_state(request("unrelated"), "single")
+    tm._dispatch(msgspec.structs.replace(abort, http_worker_ipc="ipc://other"))
+    [again] = sender.sent
+    assert isinstance(again, AbortReq) and again.own_request
+    assert (again.rid, again.abort_all) == (abort.rid, abort.abort_all)
+
+
+def test_another_workers_abort_of_nothing_here_sends_nothing(tm):
+    tm.send_to_scheduler = sender = RecordingSender()
+    tm.add_req_state(request("mine"), "single")
+    tm._dispatch(AbortReq(rid="theirs", http_worker_ipc="ipc://other"))
+    tm._dispatch(AbortReq(rid="min", http_worker_ipc="ipc://other"))
+    assert sender.sent == []
 
 
 async def _collect(stream) -> list:
