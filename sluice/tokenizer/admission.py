@@ -26,22 +26,25 @@ def check_request_size(obj: GenerateReqInput, args: ServerArgs) -> int:
             f"{obj.batch_size} prompts x n={n} is {items} items, more than max_batch_items={args.max_batch_items}",
             "n",
         )
-    check_fits_in_queue(items, args, "n" if n > 1 else "text", f"{obj.batch_size} prompts x n={n} is {items} items")
+    param = "n" if n > 1 else "text" if obj.text is not None else "input_ids"
+    check_fits_in_queue(items, args, param, f"{obj.batch_size} prompts x n={n} is {items} items")
     return n
 
 
 def check_fits_in_queue(items: int, args: ServerArgs, param: str, what: str) -> None:
     """Refuse (400) a request of more items than the server can ever hold at once with
     --max-queued-requests: its items arrive together, and those past the queue's room would
-    get a 503 on an idle server too, so a client retrying it would retry for ever."""
+    get a 503 on an idle server too, so a client retrying it would retry for ever. The room
+    is one replica's with --dp-size: a request's items may all go to one (its n samples
+    always do, and prompts sharing a prefix do under cache-aware placement)."""
     if not args.max_queued_requests:
         return
-    room = (args.max_running_requests + args.max_queued_requests) * args.dp_size
+    room = args.max_running_requests + args.max_queued_requests
     if items > room:
-        replicas = f", times {args.dp_size} replicas" if args.dp_size > 1 else ""
+        each = " on each replica" if args.dp_size > 1 else ""
         raise ClientError(
-            f"{what}, more than the server holds at once: {room} (--max-running-requests "
-            f"{args.max_running_requests} + --max-queued-requests {args.max_queued_requests}{replicas})",
+            f"{what}, more than the server holds at once{each}: {room} (--max-running-requests "
+            f"{args.max_running_requests} + --max-queued-requests {args.max_queued_requests})",
             param,
         )
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 
 from sluice.config import ServerArgs
-from sluice.tokenizer.admission import ServerBusy, check_queue_room
+from sluice.sampling import ClientError
+from sluice.tokenizer.admission import ServerBusy, check_queue_room, check_request_size
+from sluice.tokenizer.io_struct import GenerateReqInput
 from sluice.tokenizer.metrics import RequestMetrics
 
 
@@ -20,3 +22,18 @@ def test_the_queue_limit_holds_per_scheduler_replica(dp_size):
 
 def test_no_limit_refuses_nothing():
     check_queue_room(ServerArgs(max_queued_requests=0), 10_000, RequestMetrics())
+
+
+@pytest.mark.parametrize("dp_size", [1, 2])
+def test_a_request_of_more_items_than_one_replica_holds_is_a_client_error(dp_size):
+    """A request's items may all go to one replica (its n samples always do): one past a
+    replica's running + queued slots could never be taken whole, however many replicas."""
+    args = ServerArgs(max_running_requests=4, max_queued_requests=2, dp_size=dp_size)
+    check_request_size(GenerateReqInput(text="Hi", sampling_params={"n": 6}), args)
+    with pytest.raises(ClientError, match=r"holds at once.*: 6 ") as refused:
+        check_request_size(GenerateReqInput(text="Hi", sampling_params={"n": 7}), args)
+    assert refused.value.param == "n"
+    with pytest.raises(ClientError) as refused:
+        check_request_size(GenerateReqInput(input_ids=[[1, 2]] * 7), args)
+    assert refused.value.param == "input_ids"
+    check_request_size(GenerateReqInput(input_ids=[[1, 2]] * 7), ServerArgs(max_running_requests=4))
