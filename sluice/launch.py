@@ -105,7 +105,11 @@ class Backend:
         if code == -signal.SIGKILL:
             return f"{dead.name} process was killed (SIGKILL: out of memory?)"
         if code is not None and code < 0:
-            return f"{dead.name} process was killed by {signal.Signals(-code).name}"
+            try:
+                name = signal.Signals(-code).name
+            except ValueError:  # a real-time signal has no name
+                name = f"signal {-code}"
+            return f"{dead.name} process was killed by {name}"
         # A script that starts a server without `if __name__ == "__main__":` dies here: the
         # spawned child imports the script again and may not start processes while it does.
         return f"{dead.name} process exited with status {code} (its error is above)"
@@ -115,7 +119,7 @@ class Backend:
         procutil): the one sent to the whole process group when the server stops reaches the
         children before this process has begun to stop them."""
         if self.exit_code(name) == 0:
-            logger.warning("%s stopped on SIGTERM", name)
+            logger.warning("%s exited with status 0, as on SIGTERM", name)
         else:
             logger.error("%s died", name)
 

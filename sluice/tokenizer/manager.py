@@ -402,7 +402,9 @@ class TokenizerManager:
     def _abort_again_behind_sent(self, abort: AbortReq) -> None:
         """A request this worker sent before it heard of another worker's abort may reach the
         Scheduler after that abort, which then found nothing: abort what it names again,
-        behind the requests on this worker's own channel (only this worker's)."""
+        behind the requests on this worker's own channel (only this worker's). One sent after
+        the abort reached the Scheduler, before this worker heard of it, ends too: the abort
+        named its rid while it came in, as for a request still being tokenized."""
         if any(abort.abort_all or abort.rid in (rid, rid_family(rid)) for rid in self.rid_to_state):
             self.send(AbortReq(rid=abort.rid, abort_all=abort.abort_all, own_request=True))
 

@@ -266,6 +266,7 @@ def _exit_with(code: int) -> None:
         (-signal.SIGKILL, "sluice-scheduler process was killed (SIGKILL: out of memory?)"),
         (-signal.SIGSEGV, "sluice-scheduler process was killed by SIGSEGV"),
         (1, "sluice-scheduler process exited with status 1 (its error is above)"),
+        (-40, "sluice-scheduler process was killed by signal 40"),
     ],
 )
 def test_a_process_dead_while_starting_is_named_with_how_it_ended(code, said):
@@ -284,7 +285,10 @@ def test_a_process_dead_while_starting_is_named_with_how_it_ended(code, said):
 
 @pytest.mark.parametrize(
     ("code", "level", "said"),
-    [(0, "WARNING", "sluice-scheduler stopped on SIGTERM"), (-signal.SIGKILL, "ERROR", "sluice-scheduler died")],
+    [
+        (0, "WARNING", "sluice-scheduler exited with status 0, as on SIGTERM"),
+        (-signal.SIGKILL, "ERROR", "sluice-scheduler died"),
+    ],
 )
 def test_a_child_stopped_by_the_process_groups_sigterm_is_not_logged_as_a_crash(code, level, said, caplog):
     """A SIGTERM to the server's process group reaches the children too, which exit 0 on it
