@@ -50,6 +50,7 @@ from sluice.messages import (
     WorkerStatsReq,
     rid_family,
 )
+from sluice.sampling import ClientError
 from sluice.tokenizer.admission import check_queue_room, check_request_size
 from sluice.tokenizer.batch_request import handle_batch_request
 from sluice.tokenizer.control import BackendError, ControlChannel, wait_for_backend
@@ -57,7 +58,7 @@ from sluice.tokenizer.embedding_request import handle_embedding_request
 from sluice.tokenizer.io_struct import EmbeddingReqInput, GenerateReqInput
 from sluice.tokenizer.metrics import RequestMetrics
 from sluice.tokenizer.multimodal.request_images import RequestImages
-from sluice.tokenizer.pause import PauseGate, aborted_while_held, client_rids
+from sluice.tokenizer.pause import PauseGate, aborted_while_held, client_rids, held_items
 from sluice.tokenizer.req_state import DISCONNECT_POLL_S, ArrivingRids, ClientConnection, LiveRids, ReqState
 from sluice.tokenizer.request_tokenizer import RequestTokenizer
 from sluice.tokenizer.result import GenerateChunk
@@ -207,7 +208,13 @@ class TokenizerManager:
         self._check_queue_room(log_metrics)
         if hold_at_gate and self.pause.closed and isinstance(obj, GenerateReqInput):
             await self.inputs.check_sampling_params(obj)  # a bad request is refused now, not after the hold
-        if hold_at_gate and await self.pause.wait_while_closed(request, client_rids(obj)):
+        try:
+            aborted = hold_at_gate and await self.pause.wait_while_closed(request, client_rids(obj))
+        except ClientError:  # the client left while the gate held it: counted as aborted, as in the Scheduler
+            if log_metrics:
+                self.metrics.on_ended_unrun(held_items(obj, n))
+            raise
+        if aborted:
             ended = aborted_while_held(obj, n)
             if log_metrics:
                 self.metrics.on_ended_unrun(len(ended))

@@ -124,10 +124,19 @@ def client_rids(obj: GenerateReqInput | EmbeddingReqInput) -> list[str]:
     return [obj.rid] if isinstance(obj.rid, str) else list(obj.rid)
 
 
+def held_items(obj: GenerateReqInput | EmbeddingReqInput, n: int = 1) -> int:
+    """How many requests the gate held for `obj`: each prompt's `n` samples."""
+    return n * _prompt_count(obj)
+
+
+def _prompt_count(obj: GenerateReqInput | EmbeddingReqInput) -> int:
+    return 1 if obj.is_single else len(obj.text if obj.text is not None else obj.input_ids or [])
+
+
 def aborted_while_held(obj: GenerateReqInput | EmbeddingReqInput, n: int = 1) -> list[GenerateChunk]:
     """The final chunk of each item (each of its `n` samples) of a request an abort ended
     at the gate, as the Scheduler ends a request aborted before it ran."""
-    size = 1 if obj.is_single else len(obj.text if obj.text is not None else obj.input_ids or [])
+    size = _prompt_count(obj)
     rids = client_rids(obj) or [""] * size
     reason = FinishReason(type="abort", message="aborted while the server held it (paused or updating weights)")
     return_logprob = isinstance(obj, GenerateReqInput) and obj.return_logprob

@@ -51,6 +51,21 @@ def test_metrics_count_exactly_what_was_served(base_url):
     assert after["sluice:num_failed_steps"] == 0
 
 
+def test_requests_whose_client_left_while_a_pause_held_them_count_as_aborted(base_url):
+    """Dropped at the gate, never run: counted in requests_total as aborts, as the README says
+    of every request a pause held and something ended."""
+    before = scrape(base_url)
+    assert httpx.post(base_url + "/pause_generation").status_code == 200
+    try:
+        for body in ({"text": "Hi", "sampling_params": greedy(2)}, {"text": "Hi", "sampling_params": greedy(2, n=2)}):
+            with pytest.raises(httpx.TimeoutException):
+                httpx.post(base_url + "/generate", json=body, timeout=0.3)
+        wait_for_states(base_url, lambda s: s["num_paused_reqs"] == 0, "the held requests dropped", timeout_s=10)
+    finally:
+        assert httpx.post(base_url + "/continue_generation").status_code == 200
+    assert moved(before, scrape(base_url), "sluice:requests_total{finish_reason=abort}") == 3
+
+
 def test_the_gauges_show_a_running_request(base_url):
     with ThreadPoolExecutor(1) as pool:
         running = pool.submit(generate, base_url, text="Tell a story.", sampling_params=greedy(64, ignore_eos=True))
