@@ -162,6 +162,8 @@ class FinishReason(msgspec.Struct, kw_only=True):
     length: int | None = None  # "length": the output's length limit it reached (SGLang's key)
     message: str | None = None
     status_code: int | None = None
+    # The request field a refusal is about (its native name), as the error envelope's param.
+    param: str | None = None
     # Set when the server refused the request for its load (a 503 with Retry-After): why,
     # as the `reason` label of requests_rejected_total.
     rejected: str | None = None

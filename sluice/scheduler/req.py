@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from sluice.grammar import grammar_field
 from sluice.messages import (
     FinishReason,
     ImageInput,
@@ -200,7 +201,8 @@ class Req:
         self.output_ids.append(token)
         self.first_token_at = self.first_token_at or time.time()
         if self.grammar is not None and (dead_end := take_token(self.grammar, token)) is not None:
-            self.finish_reason = FinishReason(type="abort", message=dead_end, status_code=400)
+            param = grammar_field(self.sampling_params)
+            self.finish_reason = FinishReason(type="abort", message=dead_end, status_code=400, param=param)
         if self.return_logprob:
             self.output_logprobs.append(logprob)
             if self.top_logprobs_num:
@@ -220,7 +222,7 @@ class Req:
         if made >= least:
             return FinishReason(type="stop", matched=None)
         message = f"the grammar's answer ended after {made} token{'s' * (made != 1)}, before min_new_tokens {least}"
-        return FinishReason(type="abort", message=message, status_code=400)
+        return FinishReason(type="abort", message=message, status_code=400, param="min_new_tokens")
 
     def check_finished(self, eos_token_ids: frozenset[int]) -> None:
         """Set finish_reason after a new token was appended."""

@@ -66,12 +66,20 @@ def failure_message(chunk: GenerateChunk) -> str:
     return reason.message if reason is not None and reason.message is not None else "the request failed"
 
 
-def failure_response(chunk: GenerateChunk, message: str) -> JSONResponse:
+def failure_response(chunk: GenerateChunk, message: str, names: dict[str, str] | None = None) -> JSONResponse:
     """The answer to a request whose chunk `failure_status` flags, worded by `message`; a
     refusal for the server's load says when to retry."""
     reason = chunk.finish_reason
     retry_after = RETRY_AFTER_S if reason is not None and reason.rejected is not None else None
-    return error_response(failure_status(chunk) or 500, message, retry_after=retry_after)
+    return error_response(failure_status(chunk) or 500, message, failure_param(chunk, names), retry_after)
+
+
+def failure_param(chunk: GenerateChunk, names: dict[str, str] | None = None) -> str | None:
+    """The field a failed chunk's refusal is about, in the route's own names (`names`: native
+    name to the route's, as the OpenAI routes call them)."""
+    reason = chunk.finish_reason
+    param = reason.param if reason is not None else None
+    return (names or {}).get(param, param) if param is not None else None
 
 
 class BodyTooLarge(Exception):

@@ -278,9 +278,10 @@ async def serve(
     names: dict[str, str] | None = None,
 ) -> Response:
     generator = tm.generate_request(obj, ClientWatch(request))
+    openai_names = {**_OPENAI_NAMES, **(names or {})}
     try:
         if obj.stream:
-            return await stream_response(generator, view)  # the rule for errors on streams
+            return await stream_response(generator, view, openai_names)  # the rule for errors on streams
         # One final chunk per choice; reading them all lets the generator let go of its lock.
         finals = [chunk async for chunk in generator]
     except ClientError as e:
@@ -290,7 +291,7 @@ async def serve(
     finals.sort(key=choice_index)
     for chunk in finals:
         if failure_status(chunk):
-            return failure_response(chunk, view.error_message(chunk))
+            return failure_response(chunk, view.error_message(chunk), openai_names)
     return JSONResponse(view.response(finals))
 
 

@@ -18,7 +18,7 @@ from typing import Any, Protocol
 import msgspec
 from fastapi.responses import Response, StreamingResponse
 
-from sluice.server.errors import error_body, error_response, failure_response, failure_status
+from sluice.server.errors import error_body, error_response, failure_param, failure_response, failure_status
 from sluice.tokenizer.control import BackendError
 from sluice.tokenizer.result import GenerateChunk
 
@@ -44,20 +44,26 @@ class StreamFormat(Protocol):
         """The message of a chunk that failed."""
 
 
-async def stream_response(chunks: AsyncGenerator[GenerateChunk, None], stream_format: StreamFormat) -> Response:
+async def stream_response(
+    chunks: AsyncGenerator[GenerateChunk, None], stream_format: StreamFormat, names: dict[str, str] | None = None
+) -> Response:
     """Errors raised before the first chunk (ClientError, BackendError) propagate to the
-    caller and the app's handlers; a first chunk that failed is answered with its status."""
+    caller and the app's handlers; a first chunk that failed is answered with its status.
+    `names`: the route's names of native fields, for an error's param."""
     first = await anext(chunks, None)
     if first is None:
         return error_response(400, "the client disconnected")  # no one reads this
     if failure_status(first):
         await chunks.aclose()  # frees the other items of a batch, and the request's lock
-        return failure_response(first, stream_format.error_message(first))
-    return StreamingResponse(_events(first, chunks, stream_format), media_type="text/event-stream")
+        return failure_response(first, stream_format.error_message(first), names)
+    return StreamingResponse(_events(first, chunks, stream_format, names), media_type="text/event-stream")
 
 
 async def _events(
-    first: GenerateChunk, rest: AsyncGenerator[GenerateChunk, None], stream_format: StreamFormat
+    first: GenerateChunk,
+    rest: AsyncGenerator[GenerateChunk, None],
+    stream_format: StreamFormat,
+    names: dict[str, str] | None,
 ) -> AsyncIterator[bytes]:
     try:
         for payload in stream_format.stream_start():
@@ -65,7 +71,8 @@ async def _events(
         chunk: GenerateChunk | None = first
         while chunk is not None:
             if status_code := failure_status(chunk):
-                yield sse_event(error_body(status_code, stream_format.error_message(chunk)))
+                message = stream_format.error_message(chunk)
+                yield sse_event(error_body(status_code, message, failure_param(chunk, names)))
                 break
             for payload in stream_format.stream_chunk(chunk):
                 yield sse_event(payload)

@@ -174,7 +174,7 @@ class MultiTokenizerRouter:
     def _refuse_duplicates(self, reqs: list[TokenizedRequest], duplicates: set[str]) -> None:
         """End every item of the refused message at once, with a 400 naming the rid."""
         message = f"a request with rid '{sorted(duplicates)[0]}' is already running"
-        reason = FinishReason(type="abort", message=message, status_code=400)
+        reason = FinishReason(type="abort", message=message, status_code=400, param="rid")
         outputs = [
             StrOutput(
                 text="",

@@ -150,7 +150,7 @@ def test_a_rid_live_on_one_worker_is_refused_on_another_until_it_finishes(hub):
     assert [out.output.rid for out in refused.outputs] == ["fresh", "same"]
     for out in refused.outputs:
         reason = out.output.finish_reason
-        assert reason.type == "abort" and reason.status_code == 400
+        assert reason.type == "abort" and reason.status_code == 400 and reason.param == "rid"
         assert reason.message == "a request with rid 'same' is already running"
     assert hub.nothing_for(hub.scheduler, hub.workers["a"])
     assert "fresh" not in hub.router.live_rids

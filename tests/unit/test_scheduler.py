@@ -248,6 +248,7 @@ def test_a_grammar_in_error_ends_its_request_with_a_400_not_a_stop(runner, promp
     [final] = outputs
     assert final.output.finish_reason.type == "abort" and final.output.finish_reason.status_code == 400
     assert "dead end" in final.output.finish_reason.message
+    assert final.output.finish_reason.param == "regex"  # the field that gave the grammar
     scheduler.check_integrity()
 
 
