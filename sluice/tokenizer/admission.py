@@ -21,13 +21,10 @@ def check_request_size(obj: GenerateReqInput, args: ServerArgs) -> int:
     if n > args.max_n:
         raise ClientError(f"n is {n}, more than max_n={args.max_n}", "n")
     items = obj.batch_size * n
+    what = f"{obj.batch_size} prompts x n={n} is {items} items"
     if items > args.max_batch_items:
-        raise ClientError(
-            f"{obj.batch_size} prompts x n={n} is {items} items, more than max_batch_items={args.max_batch_items}",
-            "n",
-        )
-    param = "n" if n > 1 else "text" if obj.text is not None else "input_ids"
-    check_fits_in_queue(items, args, param, f"{obj.batch_size} prompts x n={n} is {items} items")
+        raise ClientError(f"{what}, more than max_batch_items={args.max_batch_items}", "n")
+    check_fits_in_queue(items, args, "n" if n > 1 else "text" if obj.text is not None else "input_ids", what)
     return n
 
 
