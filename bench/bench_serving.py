@@ -19,7 +19,8 @@ import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
-import httpx
+import aiohttp
+import uvloop
 
 WORDS = (
     "time person year way day thing man world life hand part child eye woman place work week case point "
@@ -46,7 +47,7 @@ class RequestResult:
 
 
 async def one_request(
-    client: httpx.AsyncClient, url: str, model: str, prompt: str, output_len: int, extra_body: dict | None = None
+    session: aiohttp.ClientSession, url: str, model: str, prompt: str, output_len: int, extra_body: dict | None = None
 ) -> RequestResult:
     """One streamed request. Where the server closes the connection within a second with no
     response at all (a kept-alive one it dropped as the request went out), the request is sent
@@ -66,31 +67,30 @@ async def one_request(
     for attempt in (1, 2):
         result = RequestResult(ok=False, retried=attempt > 1)
         try:
-            return await _stream(client, url, body, result, start)
-        except httpx.RemoteProtocolError as e:
+            return await _stream(session, url, body, result, start)
+        except aiohttp.ClientConnectionError as e:  # closed, reset, or refused the request's write
             elapsed_s = time.perf_counter() - start
             result.error = f"{e!r} after {elapsed_s:.1f} s"
-            dropped = "without sending a response" in str(e) and not result.responded and elapsed_s < 1.0
-            if not dropped:
+            if result.responded or elapsed_s >= 1.0:
                 return result
-        except httpx.HTTPError as e:
+        except (TimeoutError, aiohttp.ClientError) as e:
             result.error = repr(e)
             return result
     return result
 
 
 async def _stream(
-    client: httpx.AsyncClient, url: str, body: dict, result: RequestResult, start: float
+    session: aiohttp.ClientSession, url: str, body: dict, result: RequestResult, start: float
 ) -> RequestResult:
     last = start
     chunks_with_text = 0
-    async with client.stream("POST", url, json=body) as response:
+    async with session.post(url, json=body) as response:
         result.responded = True
-        if response.status_code != 200:
-            result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+        if response.status != 200:
+            result.error = f"HTTP {response.status}: {(await response.read())[:200]!r}"
             return result
-        async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
+        async for line in response.content:
+            if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
                 continue
             chunk = json.loads(line[6:])
             if chunk.get("usage"):
@@ -146,9 +146,14 @@ async def run(args) -> dict:
     prefix = make_prompt(rng, args.shared_prefix_words) + "\n" if args.shared_prefix_words else ""
     prompts = [prefix + make_prompt(rng, args.prompt_words) for _ in range(args.num_prompts)]
     url = args.base_url.rstrip("/") + "/v1/completions"
-    limits = httpx.Limits(max_connections=args.concurrency + 8, max_keepalive_connections=args.concurrency + 8)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(args.timeout_s), limits=limits) as client:
-        model = args.model or (await client.get(args.base_url.rstrip("/") + "/v1/models")).json()["data"][0]["id"]
+    connector = aiohttp.TCPConnector(limit=args.concurrency + 8)
+    timeout = aiohttp.ClientTimeout(total=args.timeout_s)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as client:
+        if not args.model:
+            async with client.get(args.base_url.rstrip("/") + "/v1/models") as response:
+                model = (await response.json())["data"][0]["id"]
+        else:
+            model = args.model
         semaphore = asyncio.Semaphore(args.concurrency)
 
         async def limited(prompt: str) -> RequestResult:
@@ -215,7 +220,7 @@ def main() -> None:
         "--extra-body", type=json.loads, default=None, help="fields added to every request (a JSON object)"
     )
     args = parser.parse_args()
-    summary = asyncio.run(run(args))
+    summary = uvloop.run(run(args))
     if args.json:
         print(json.dumps(summary))
         return

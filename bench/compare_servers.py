@@ -31,7 +31,6 @@ process tree.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import shlex
 import signal
@@ -45,6 +44,7 @@ from types import SimpleNamespace
 
 import httpx
 import psutil
+import uvloop
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_serving import run as run_workload
@@ -325,7 +325,7 @@ def measure(server: Server, workloads: list[int], log_dir: Path) -> dict:
                 options = SimpleNamespace(
                     base_url=base_url, model="", request_rate=0.0, timeout_s=1800, seed=number, **WORKLOADS[number]
                 )
-                results[number] = asyncio.run(run_workload(options))
+                results[number] = uvloop.run(run_workload(options))
                 print(
                     f"  {server.name} workload {number}: "
                     + ", ".join(f"{key} {results[number][key]:.2f}" for key in HEADLINES[number]),
