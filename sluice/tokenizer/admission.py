@@ -46,6 +46,25 @@ def check_fits_in_queue(items: int, args: ServerArgs, param: str, what: str) -> 
         )
 
 
+def check_fits_in_token_queue(prompt_lens: list[int], args: ServerArgs, param: str) -> None:
+    """Refuse (400) a request whose prompts the Scheduler would refuse with a 503 on an idle
+    server for --max-total-queued-tokens: its items arrive together, the first
+    --max-running-requests of them take free slots, and the others queue, the first of them
+    whatever its length (see scheduler/policy.py queue_refusal). A client retrying the 503
+    would retry for ever. One replica's slots with --dp-size, as in check_fits_in_queue."""
+    limit = args.max_total_queued_tokens
+    queued = prompt_lens[args.max_running_requests :]
+    if not limit or len(queued) < 2 or sum(queued) <= limit:
+        return
+    raise ClientError(
+        f"the request's {len(prompt_lens)} prompts hold {sum(prompt_lens)} tokens, and the "
+        f"{len(queued)} of them past the {args.max_running_requests} that run at once "
+        f"(--max-running-requests) hold {sum(queued)}: more than the server queues (--max-total-queued-tokens "
+        f"{limit}); send fewer or shorter prompts",
+        param,
+    )
+
+
 def check_queue_room(args: ServerArgs, in_flight: int, metrics: RequestMetrics, log_metrics: bool = True) -> None:
     """Refuse a request when this process alone already has more requests in flight (live
     states and requests held by a pause) than can run plus --max-queued-requests, each per

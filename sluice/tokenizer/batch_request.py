@@ -27,6 +27,7 @@ from sluice.messages import (
     TokenizedGenerateReqInput,
     TokenizedRequest,
 )
+from sluice.tokenizer.admission import check_fits_in_token_queue
 from sluice.tokenizer.io_struct import GenerateReqInput
 from sluice.tokenizer.req_state import ClientConnection, LiveRids, ReqState
 from sluice.tokenizer.request_tokenizer import RequestTokenizer
@@ -59,6 +60,9 @@ async def handle_batch_request(
     items = [obj.item(i) for i in range(obj.batch_size)] if not obj.is_single else [obj]
     n = obj.sample_count()
     tokenized = await tm.inputs.tokenize(items, tm.live_rids, label_items=not obj.is_single, received_at=received_at)
+    # Every sample of a prompt is a request of its length in the Scheduler's queue.
+    param = "n" if n > 1 else "text" if obj.text is not None else "input_ids"
+    check_fits_in_token_queue([len(t.input_ids) for t in tokenized for _ in range(n)], tm.inputs.server_args, param)
     if n == 1:
         path = "batch" if tm.inputs.can_send_as_one_batch(items) else "batch_sequential"
         async for chunk in _send_and_wait(tm, list(enumerate(tokenized)), path, request, obj.log_metrics):

@@ -20,7 +20,7 @@ from sluice.messages import (
     TokenizedGenerateReqInput,
 )
 from sluice.sampling import ClientError, validate_sampling_params
-from sluice.tokenizer.admission import check_fits_in_queue
+from sluice.tokenizer.admission import check_fits_in_queue, check_fits_in_token_queue
 from sluice.tokenizer.io_struct import EmbeddingReqInput, GenerateReqInput, parse_sampling_params
 from sluice.tokenizer.multimodal.request_images import RequestImages
 
@@ -267,6 +267,7 @@ class RequestTokenizer:
             tokenized.append(
                 TokenizedEmbeddingReqInput(rid=rid, input_ids=ids, priority=priority, received_at=received_at)
             )
+        check_fits_in_token_queue([len(t.input_ids) for t in tokenized], self.server_args, field)
         return tokenized
 
     def _check_prompt(self, input_ids: list[int], given_as: str) -> None:

@@ -165,6 +165,43 @@ def test_a_request_of_more_items_than_the_server_holds_is_a_400_not_a_503(small_
     wait_until_drained(base_url)
 
 
+@pytest.fixture(scope="module")
+def small_token_queue_server():
+    server = RunningServer("--max-running-requests", "2", "--max-total-queued-tokens", "64", "--skip-warmup")
+    yield server
+    server.stop()
+
+
+def test_a_request_whose_queued_prompts_pass_the_token_limit_is_a_400_not_a_503(small_token_queue_server):
+    """2 run at once, 64 prompt tokens queue: of 4 prompts of 40 tokens arriving together, the
+    last 2 would queue 80 tokens, which an idle server refuses too (the first queued prompt
+    is taken whatever its length, the second not), so a client told to retry (503) would
+    retry for ever."""
+    base_url = small_token_queue_server.base_url
+    long, short = [100] * 40, [100] * 30
+    cases = [
+        ("/generate", {"input_ids": [long] * 4, "sampling_params": greedy(2)}, "input_ids"),
+        ("/generate", {"input_ids": long, "sampling_params": greedy(2, n=4)}, "n"),
+        ("/v1/completions", {"prompt": [long] * 4, "max_tokens": 2}, "prompt"),
+        ("/v1/completions", {"prompt": long, "n": 4, "max_tokens": 2}, "n"),
+        ("/v1/embeddings", {"input": [long] * 4}, "input"),
+    ]
+    for route, body, param in cases:
+        response = httpx.post(base_url + route, json=body, timeout=60)
+        assert response.status_code == 400, (route, response.text)
+        error = response.json()["error"]
+        assert error["param"] == param and "--max-total-queued-tokens 64" in error["message"], error
+        assert "past the 2 that run at once" in error["message"] and "hold 80" in error["message"], error
+    # What an idle server takes is served: 2 x 30 queued tokens, or one long prompt queued alone.
+    for prompts in ([short] * 4, [[100] * 200] * 3):
+        served = httpx.post(
+            base_url + "/generate", json={"input_ids": prompts, "sampling_params": greedy(2)}, timeout=60
+        )
+        assert served.status_code == 200, served.text
+        assert [item["meta_info"]["completion_tokens"] for item in served.json()] == [2] * len(prompts)
+    wait_until_drained(base_url)
+
+
 def test_a_paused_server_whose_held_requests_fill_the_queue_is_still_healthy(small_queue_server):
     """The health probe, refused by a queue full of requests held by a pause, says paused."""
     base_url = small_queue_server.base_url

@@ -6,7 +6,7 @@ import pytest
 
 from sluice.config import ServerArgs
 from sluice.sampling import ClientError
-from sluice.tokenizer.admission import ServerBusy, check_queue_room, check_request_size
+from sluice.tokenizer.admission import ServerBusy, check_fits_in_token_queue, check_queue_room, check_request_size
 from sluice.tokenizer.io_struct import GenerateReqInput
 from sluice.tokenizer.metrics import RequestMetrics
 
@@ -37,3 +37,16 @@ def test_a_request_of_more_items_than_one_replica_holds_is_a_client_error(dp_siz
         check_request_size(GenerateReqInput(input_ids=[[1, 2]] * 7), args)
     assert refused.value.param == "input_ids"
     check_request_size(GenerateReqInput(input_ids=[[1, 2]] * 7), ServerArgs(max_running_requests=4))
+
+
+def test_prompts_past_the_running_slots_must_fit_the_token_queue():
+    """As the Scheduler's queue_refusal on an idle server: the first max_running_requests
+    prompts run, the first queued one is taken whatever its length, the others only within
+    --max-total-queued-tokens."""
+    args = ServerArgs(max_running_requests=2, max_total_queued_tokens=64)
+    check_fits_in_token_queue([40, 40, 30, 30], args, "text")
+    check_fits_in_token_queue([500, 500, 500], args, "text")
+    with pytest.raises(ClientError, match="hold 80: more than the server queues") as refused:
+        check_fits_in_token_queue([1, 1, 40, 40], args, "n")
+    assert refused.value.param == "n"
+    check_fits_in_token_queue([1, 1, 40, 40], ServerArgs(max_running_requests=2), "n")
