@@ -46,19 +46,21 @@ def check_fits_in_queue(items: int, args: ServerArgs, param: str, what: str) -> 
         )
 
 
-def check_fits_in_token_queue(prompt_lens: list[int], args: ServerArgs, param: str) -> None:
+def check_fits_in_token_queue(prompt_lens: list[int], args: ServerArgs, param: str, one_replica: bool) -> None:
     """Refuse (400) a request whose prompts the Scheduler would refuse with a 503 on an idle
     server for --max-total-queued-tokens: its items arrive together, the first
     --max-running-requests of them take free slots, and the others queue, the first of them
     whatever its length (see scheduler/policy.py queue_refusal). A client retrying the 503
-    would retry for ever. One replica's slots with --dp-size, as in check_fits_in_queue."""
+    would retry for ever. With --dp-size only when the items all go to one replica
+    (`one_replica`: the n samples of one prompt); other batches are spread over them."""
     limit = args.max_total_queued_tokens
     queued = prompt_lens[args.max_running_requests :]
-    if not limit or len(queued) < 2 or sum(queued) <= limit:
+    if not limit or len(queued) < 2 or sum(queued) <= limit or (args.dp_size > 1 and not one_replica):
         return
+    each = " on each replica" if args.dp_size > 1 else ""
     raise ClientError(
         f"the request's {len(prompt_lens)} prompts hold {sum(prompt_lens)} tokens, and the "
-        f"{len(queued)} of them past the {args.max_running_requests} that run at once "
+        f"{len(queued)} of them past the {args.max_running_requests} that run at once{each} "
         f"(--max-running-requests) hold {sum(queued)}: more than the server queues (--max-total-queued-tokens "
         f"{limit}); send fewer or shorter prompts",
         param,

@@ -163,6 +163,11 @@ class RequestTokenizer:
             raise RuntimeError("the back end has not reported the model's limits yet")
         return self.scheduler_info
 
+    def scheduled_length(self, req: TokenizedGenerateReqInput) -> int:
+        """The prompt's length in the Scheduler, which expands each image's token to
+        num_image_tokens."""
+        return len(req.input_ids) + (len(req.images) * (self._limits().num_image_tokens - 1) if req.images else 0)
+
     def _text_with_placeholders(self, text: str, num_images: int) -> str:
         return self._images().prompt_with_placeholders(text, num_images) if num_images else text
 
@@ -267,7 +272,7 @@ class RequestTokenizer:
             tokenized.append(
                 TokenizedEmbeddingReqInput(rid=rid, input_ids=ids, priority=priority, received_at=received_at)
             )
-        check_fits_in_token_queue([len(t.input_ids) for t in tokenized], self.server_args, field)
+        check_fits_in_token_queue([len(t.input_ids) for t in tokenized], self.server_args, field, len(tokenized) == 1)
         return tokenized
 
     def _check_prompt(self, input_ids: list[int], given_as: str) -> None:

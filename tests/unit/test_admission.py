@@ -44,9 +44,18 @@ def test_prompts_past_the_running_slots_must_fit_the_token_queue():
     prompts run, the first queued one is taken whatever its length, the others only within
     --max-total-queued-tokens."""
     args = ServerArgs(max_running_requests=2, max_total_queued_tokens=64)
-    check_fits_in_token_queue([40, 40, 30, 30], args, "text")
-    check_fits_in_token_queue([500, 500, 500], args, "text")
+    check_fits_in_token_queue([40, 40, 30, 30], args, "text", one_replica=False)
+    check_fits_in_token_queue([500, 500, 500], args, "text", one_replica=False)
     with pytest.raises(ClientError, match="hold 80: more than the server queues") as refused:
-        check_fits_in_token_queue([1, 1, 40, 40], args, "n")
+        check_fits_in_token_queue([1, 1, 40, 40], args, "n", one_replica=True)
     assert refused.value.param == "n"
-    check_fits_in_token_queue([1, 1, 40, 40], ServerArgs(max_running_requests=2), "n")
+    check_fits_in_token_queue([1, 1, 40, 40], ServerArgs(max_running_requests=2), "n", one_replica=True)
+
+
+def test_with_replicas_only_the_samples_of_one_prompt_are_checked():
+    """A batch's prompts are spread over the replicas (an idle pair runs 4 of them at once);
+    one prompt's n samples all go to one."""
+    args = ServerArgs(max_running_requests=2, max_total_queued_tokens=64, dp_size=2)
+    check_fits_in_token_queue([40, 40, 40, 40], args, "text", one_replica=False)
+    with pytest.raises(ClientError, match="run at once on each replica"):
+        check_fits_in_token_queue([40, 40, 40, 40], args, "n", one_replica=True)
