@@ -68,7 +68,7 @@ async def one_request(
         result = RequestResult(ok=False, retried=attempt > 1)
         try:
             return await _stream(session, url, body, result, start)
-        except aiohttp.ClientConnectionError as e:  # closed, reset, or refused the request's write
+        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as e:  # closed or reset, or the write failed
             elapsed_s = time.perf_counter() - start
             result.error = f"{e!r} after {elapsed_s:.1f} s"
             if result.responded or elapsed_s >= 1.0:
@@ -147,8 +147,10 @@ async def run(args) -> dict:
     prompts = [prefix + make_prompt(rng, args.prompt_words) for _ in range(args.num_prompts)]
     url = args.base_url.rstrip("/") + "/v1/completions"
     connector = aiohttp.TCPConnector(limit=args.concurrency + 8)
-    timeout = aiohttp.ClientTimeout(total=args.timeout_s)
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as client:
+    # Per connect and per read, as httpx's were: a long stream or a long queue is no timeout.
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=args.timeout_s, sock_read=args.timeout_s)
+    # Lines up to 2 MiB (a chunk with logprobs through --extra-body), 4x aiohttp's default.
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout, read_bufsize=2**20) as client:
         if not args.model:
             async with client.get(args.base_url.rstrip("/") + "/v1/models") as response:
                 model = (await response.json())["data"][0]["id"]
