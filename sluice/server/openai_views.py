@@ -294,11 +294,9 @@ class ChatView(OpenAIView):
                 return []
             return [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": None}]
         _, final_content, calls, reason = self.answer(text, chunk)
-        # What was sent is the start of the content, or of it before leading whitespace was
-        # stripped (the whole answer's content around calls is): the rest goes out now.
+        # What was sent is the start of the whole answer's content (parse_tool_calls keeps
+        # what _may_send lets out): the rest goes out now.
         final_content, already = final_content or "", content[:sent]
-        if not final_content.startswith(already):
-            already = already.lstrip()
         if final_content.startswith(already) and len(final_content) > len(already):
             delta["content"] = final_content[len(already) :]
         choices = [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": None}]
@@ -321,4 +319,9 @@ class ChatView(OpenAIView):
         if self.parser == "llama3":
             stripped = content.lstrip()
             return sent if not stripped or stripped[0] in "{<" else len(content)
-        return may_start_call(content)
+        # Whitespace before a call waits with it: the whole answer's content around calls is
+        # stripped, so what went out must not end in whitespace the answer drops.
+        safe = may_start_call(content)
+        while safe > sent and content[safe - 1].isspace():
+            safe -= 1
+        return safe

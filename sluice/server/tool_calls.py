@@ -124,18 +124,34 @@ def parse_tool_calls(text: str, parser: str, known: set[str]) -> tuple[str, list
         position = match.end()
         calls.append(call)
     kept.append(text[position:])
-    return "".join(kept).strip() if calls else text, calls
+    if not calls:
+        return text, calls
+    # As a stream sends it: the text before the first call as written, unless it is only
+    # whitespace; no whitespace at the end.
+    content = "".join(kept)
+    return (content if kept[0].strip() else content.lstrip()).rstrip(), calls
 
 
 def _call_of(body: str, arguments_key: str, known: set[str]) -> ToolCall | None:
+    """The call a block's JSON makes: a function offered, with its arguments an object (or a
+    string holding one) under `arguments_key` or "arguments", or no other key than the name.
+    Anything else is text (None), as vLLM's parsers leave it."""
     try:
         call = json.loads(body)
     except (json.JSONDecodeError, RecursionError):  # not JSON, or nested past Python's stack
         return None
     if not isinstance(call, dict) or call.get("name") not in known:
         return None
-    arguments = call.get(arguments_key, call.get("arguments", {}))
-    return ToolCall(call["name"], arguments if isinstance(arguments, str) else json.dumps(arguments))
+    key = next((key for key in (arguments_key, "arguments") if key in call), None)
+    if key is None:
+        return ToolCall(call["name"], "{}") if call.keys() == {"name"} else None
+    arguments = call[key]
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except (json.JSONDecodeError, RecursionError):
+            return None
+    return ToolCall(call["name"], json.dumps(arguments)) if isinstance(arguments, dict) else None
 
 
 def may_start_call(text: str) -> int:

@@ -4,6 +4,7 @@ hold even for a 135 M model, streamed deltas, tool-result turns, and every refus
 from __future__ import annotations
 
 import json
+import re
 
 import httpx
 import jsonschema
@@ -138,6 +139,35 @@ def test_a_forced_call_cut_by_a_stop_string_is_text(client, model_name, stream):
             calls += choice.delta.tool_calls or []
     assert finish == "stop" and not calls
     assert content.startswith("[") and "}" not in content
+
+
+@pytest.mark.parametrize(
+    "answer, call",
+    [
+        ('Sure. <tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}</tool_call>', True),
+        ('Sure. <tool_call>{"name": "get_time", "arguments": "notjson"}</tool_call>', False),
+        ('Sure. <tool_call>{"name": "get_time", "parameters": {"zone": "UTC"}}</tool_call>', False),
+    ],
+)
+def test_only_a_call_with_an_object_of_arguments_is_a_call_and_streams_as_it_answers(http, model_name, answer, call):
+    """The answer forced by a regex: a call whose arguments are not an object, or sit under
+    another key, stays text; stream and whole answer have the same content."""
+    body = {"model": model_name, "messages": ASK, "tools": TOOLS, "regex": re.escape(answer), "max_tokens": 60}
+    whole = http.post("/v1/chat/completions", json={**body, "temperature": 0}).json()["choices"][0]
+    assert whole["finish_reason"] == ("tool_calls" if call else "stop"), whole
+    if call:
+        assert whole["message"]["content"] == "Sure."
+        assert json.loads(whole["message"]["tool_calls"][0]["function"]["arguments"]) == {"zone": "UTC"}
+    else:
+        assert whole["message"]["content"] == answer and "tool_calls" not in whole["message"]
+    content, calls = "", []
+    with http.stream("POST", "/v1/chat/completions", json={**body, "temperature": 0, "stream": True}) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                for choice in json.loads(line[6:])["choices"]:
+                    content += choice["delta"].get("content") or ""
+                    calls += choice["delta"].get("tool_calls") or []
+    assert content == (whole["message"]["content"] or "") and bool(calls) == call
 
 
 STRICT_TOOLS = [{**tool, "function": {**tool["function"], "strict": True}} for tool in TOOLS]

@@ -265,6 +265,31 @@ def test_a_stream_sends_the_content_after_a_call_when_the_content_began_with_whi
     assert content == "\n\nSure. \nBye." and len(calls) == 2  # the call's head, then its arguments
 
 
+@pytest.mark.parametrize(
+    "pieces",
+    [
+        ["Sure. ", '<tool_call>{"name": "f", "arguments": {}}</tool_call>'],
+        ["Sure.", " ", "<tool", '_call>{"name": "f", "arguments": {}}</tool_call>', "\n"],
+        ["\n", "\n", '<tool_call>{"name": "f", "arguments": {}}</tool_call>', "\nBye."],
+        ["Hi", " there ", "friend. "],
+    ],
+)
+def test_a_streamed_answer_with_tools_has_the_content_of_the_whole_answer(pieces):
+    """Whitespace before a call waits with it, so a stream never sends what the whole
+    answer's content drops."""
+    tool = ToolDefinition("function", FunctionDefinition("f", parameters={"type": "object"}))
+    view = chat_view(tools=[tool], tool_choice="auto", stream=True)
+    streamed = ""
+    for position, piece in enumerate(pieces):
+        c = chunk(0, [], "stop" if position == len(pieces) - 1 else None)
+        c.text = piece
+        streamed += "".join(choice["delta"].get("content") or "" for choice in view.stream_choices(0, c))
+    whole = chunk(0, [], "stop")
+    whole.text = "".join(pieces)
+    content = chat_view(tools=[tool], tool_choice="auto").final_choice(0, whole)["message"]["content"]
+    assert streamed == (content or "")
+
+
 def test_text_offsets_count_a_character_split_over_tokens_once():
     """ "a🦙 b" as byte tokens "a", two pieces of the llama, " b": the pieces share the
     llama's offset and " b" starts right after it (each piece alone would be "�")."""

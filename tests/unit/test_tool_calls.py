@@ -39,10 +39,40 @@ def test_hermes_blocks_become_calls_and_the_rest_stays_content():
         "<tool_call> unfinished",
         "plain text",
         "<tool_call>" + "[" * 5000 + "</tool_call>",  # nested past Python's stack (was a 500)
+        # Arguments that are not an object (the call's arguments must be JSON of one).
+        '<tool_call>{"name": "get_time", "arguments": "notjson"}</tool_call>',
+        '<tool_call>{"name": "get_time", "arguments": 5}</tool_call>',
+        '<tool_call>{"name": "get_time", "arguments": null}</tool_call>',
+        '<tool_call>{"name": "get_time", "arguments": "[1]"}</tool_call>',
+        # Arguments under another key: they would be lost.
+        '<tool_call>{"name": "get_weather", "parameters": {"city": "X"}}</tool_call>',
     ],
 )
 def test_what_is_not_a_call_of_an_offered_function_stays_text(text):
     assert parse_tool_calls(text, "hermes", KNOWN) == (text, [])
+
+
+def test_arguments_given_as_a_string_of_json_or_not_at_all_make_a_call():
+    text = '<tool_call>{"name": "get_weather", "arguments": "{\\"city\\": \\"Oslo\\"}"}</tool_call>'
+    assert json.loads(parse_tool_calls(text, "hermes", KNOWN)[1][0].arguments) == {"city": "Oslo"}
+    assert parse_tool_calls('<tool_call>{"name": "get_time"}</tool_call>', "hermes", KNOWN)[1][0].arguments == "{}"
+    for body in ('{"name": "get_time", "params": {"zone": "UTC"}}', '{"name": "get_time", "parameters": "x"}'):
+        assert parse_tool_calls(body, "llama3", KNOWN) == (body, [])
+
+
+@pytest.mark.parametrize(
+    "text, content",
+    [
+        ('Sure. <tool_call>{"name": "get_time", "arguments": {}}</tool_call>', "Sure."),
+        ('\n\nSure. <tool_call>{"name": "get_time", "arguments": {}}</tool_call>\nBye.', "\n\nSure. \nBye."),
+        ('\n<tool_call>{"name": "get_time", "arguments": {}}</tool_call>\nBye.\n', "Bye."),
+        ('<tool_call>{"name": "get_time", "arguments": {}}</tool_call>\n', ""),
+    ],
+)
+def test_the_content_around_calls_is_what_a_stream_sends(text, content):
+    """Text before the first call as written (a stream sends it before the call comes), unless
+    it is only whitespace; no whitespace at the end."""
+    assert parse_tool_calls(text, "hermes", KNOWN)[0] == content
 
 
 def test_llama3_answers_are_one_json_object():
