@@ -77,6 +77,8 @@ def _template_message(
         raise ClientError(f"{where}.tool_calls is for assistant messages", f"{where}.tool_calls")
     if role == "tool" and not message.tool_call_id:
         raise ClientError(f"{where}.tool_call_id is required for a tool's result", f"{where}.tool_call_id")
+    if role != "tool" and message.tool_call_id is not None:
+        raise ClientError(f"{where}.tool_call_id is for tool messages", f"{where}.tool_call_id")
     if content is None:
         if role != "assistant":
             raise ClientError(f"{where}.content is required for role '{message.role}'", f"{where}.content")

@@ -349,9 +349,13 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
                 )
             if not self.messages or self.messages[-1].role != "assistant":
                 raise ClientError("continue_final_message needs an assistant message last", "continue_final_message")
-        reserved = {"messages", "add_generation_prompt", "tools"} & set(self.chat_template_kwargs or {})
-        if reserved:
-            raise ClientError(f"chat_template_kwargs may not set {sorted(reserved)[0]}", "chat_template_kwargs")
+        # The request's own fields: in the kwargs they would be ignored (the prompt's end is
+        # not the template's to continue) or clash.
+        reserved = {"messages", "add_generation_prompt", "continue_final_message", "tools"}
+        if given := sorted(reserved & set(self.chat_template_kwargs or {})):
+            raise ClientError(
+                f"chat_template_kwargs may not set {given[0]}: it is a field of the request", "chat_template_kwargs"
+            )
 
     @property
     def tools_offered(self) -> list[ToolDefinition]:

@@ -47,6 +47,8 @@ def test_chat_template_kwargs_reach_the_template(http):
             "continue_final_message",
         ),
         ({"messages": COUNT[:1], "chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
+        # The request's own field, which the template would not act on.
+        ({"messages": COUNT, "chat_template_kwargs": {"continue_final_message": True}}, "chat_template_kwargs"),
         ({"messages": COUNT[:1], "chat_template_kwargs": [1]}, "chat_template_kwargs"),
     ],
 )

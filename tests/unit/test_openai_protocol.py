@@ -301,6 +301,13 @@ def test_content_parts_join_with_one_image_token_per_image_in_order():
     [
         (ChatMessage(role="function", content="x"), IMAGE, "messages[0].role", "'function' is not supported"),
         (ChatMessage(role="tool", content="x"), IMAGE, "messages[0].tool_call_id", "tool_call_id is required"),
+        # The template would drop it without a word.
+        (
+            ChatMessage(role="user", content="x", tool_call_id="c1"),
+            IMAGE,
+            "messages[0].tool_call_id",
+            "is for tool messages",
+        ),
         (ChatMessage(role="user"), IMAGE, "messages[0].content", "is required for role 'user'"),
         (ChatMessage(role="user", content=[ContentPart(type="text")]), IMAGE, "messages[0].content[0].text", "text"),
         (
