@@ -22,6 +22,8 @@ MAX_TOP_LOGPROBS: Final = 20
 # OpenAI's range for a logit bias, and a bound on how many tokens one request may bias.
 MAX_LOGIT_BIAS: Final = 100.0
 MAX_LOGIT_BIAS_TOKENS: Final = 1024
+MIN_REPETITION_PENALTY: Final = 0.01
+MAX_REPETITION_PENALTY: Final = 100.0
 
 
 class ClientError(ValueError):
@@ -51,10 +53,12 @@ def validate_sampling_params(p: SamplingParams, vocab_size: int | None = None) -
     _check(0 < p.top_p <= 1, "top_p", "must be in (0, 1]", p.top_p)
     _check(-1 <= p.top_k <= MAX_TOP_K, "top_k", f"must be -1 or 0 (disabled) or in [1, {MAX_TOP_K}]", p.top_k)
     _check(0 <= p.min_p <= 1, "min_p", "must be in [0, 1]", p.min_p)
+    # Bounded so that a logit divided or multiplied by it stays a float32 number: 1e-45
+    # became 0 there, and the logits it divided, inf (garbage, or a grammar's dead end).
     _check(
-        math.isfinite(p.repetition_penalty) and p.repetition_penalty > 0,
+        MIN_REPETITION_PENALTY <= p.repetition_penalty <= MAX_REPETITION_PENALTY,
         "repetition_penalty",
-        "must be a finite number > 0",
+        f"must be in [{MIN_REPETITION_PENALTY}, {MAX_REPETITION_PENALTY}]",
         p.repetition_penalty,
     )
     _check(-2 <= p.frequency_penalty <= 2, "frequency_penalty", "must be in [-2, 2]", p.frequency_penalty)

@@ -176,6 +176,7 @@ def test_skip_special_tokens_and_the_stop_token_trimmed(base_url):
         ({"text": "hi", "sampling_params": {"top_p": 1.5}}, "top_p"),
         ({"text": "hi", "sampling_params": {"max_new_tokens": "many"}}, "max_new_tokens"),
         ({"text": "hi", "sampling_params": {"top_k": 2**100}}, "top_k"),  # once a 500 and a leaked state
+        ({"text": "hi", "sampling_params": {"repetition_penalty": 1e-45}}, "repetition_penalty"),  # once garbage
         ({"text": "hi", "input_ids": [1, 2]}, "text"),
         ({}, "text"),
         ({"input_ids": [99999999]}, "input_ids"),

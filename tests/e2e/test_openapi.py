@@ -14,7 +14,7 @@ from schemathesis.checks import not_a_server_error
 from schemathesis.config import SchemathesisConfig
 from schemathesis.specs.openapi.checks import response_schema_conformance
 
-from sluice.sampling import MAX_TOP_K
+from sluice.sampling import MAX_REPETITION_PENALTY, MAX_TOP_K, MIN_REPETITION_PENALTY
 from sluice.server.guard import ADMIN_PATHS
 from tests.helpers import wait_until_drained
 
@@ -81,7 +81,7 @@ SAMPLING = {
     "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
     "top_k": {"type": "integer", "minimum": -1, "maximum": MAX_TOP_K},
     "min_p": {"type": "number", "minimum": 0, "maximum": 1},
-    "repetition_penalty": {"type": "number", "exclusiveMinimum": 0},
+    "repetition_penalty": {"type": "number", "minimum": MIN_REPETITION_PENALTY, "maximum": MAX_REPETITION_PENALTY},
     "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2},
     "presence_penalty": {"type": "number", "minimum": -2, "maximum": 2},
     "seed": nullable({"type": "integer", "minimum": 0, "maximum": 2**63 - 1}),

@@ -317,6 +317,8 @@ def test_top_logprobs_are_sorted_and_match_log_softmax():
         ("min_p", 1.1),
         ("repetition_penalty", 0.0),
         ("repetition_penalty", math.nan),
+        ("repetition_penalty", 1e-45),  # 0 as a float32: the logits it divides become inf
+        ("repetition_penalty", 1e39),
         ("frequency_penalty", 2.5),
         ("presence_penalty", -2.5),
         ("seed", -1),
