@@ -40,6 +40,7 @@ from sluice.server.errors import (
     failure_message,
     failure_response,
     failure_status,
+    finals_until_failure,
     install_error_handlers,
 )
 from sluice.server.guard import RequestGuard
@@ -304,10 +305,10 @@ async def serve_generate(tm: TokenizerManager, obj: GenerateReqInput, request: R
         return await stream_response(generator, NativeStreamFormat())
     if obj.is_single and obj.sample_count() == 1:
         return finished_response(await _last(generator))
-    results = sorted([chunk async for chunk in generator], key=lambda chunk: chunk.index or 0)
-    for result in results:
-        if failure_status(result):
-            return failure_response(result, native_error_message(result))
+    results, failed = await finals_until_failure(generator)
+    if failed is not None:
+        return failure_response(failed, native_error_message(failed))
+    results.sort(key=lambda chunk: chunk.index or 0)
     return JSONResponse([native_json(result) for result in results])
 
 

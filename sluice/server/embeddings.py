@@ -11,7 +11,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from sluice.server.client_watch import ClientWatch
-from sluice.server.errors import error_response, failure_message, failure_response, failure_status
+from sluice.server.errors import error_response, failure_message, failure_response, finals_until_failure
 from sluice.tokenizer.io_struct import EmbeddingReqInput
 from sluice.tokenizer.manager import TokenizerManager
 from sluice.tokenizer.result import GenerateChunk
@@ -21,14 +21,15 @@ async def embedding_chunks(
     tm: TokenizerManager, obj: EmbeddingReqInput, request: Request
 ) -> list[GenerateChunk] | Response:
     """Every prompt's final chunk in input order, or the error answer of the first that failed."""
-    chunks = [chunk async for chunk in tm.generate_request(obj, ClientWatch(request))]
+    chunks, failed = await finals_until_failure(tm.generate_request(obj, ClientWatch(request)))
+    if failed is not None:
+        where = "" if failed.index is None else f"item {failed.index}: "
+        return failure_response(failed, where + failure_message(failed))
     chunks.sort(key=lambda c: c.index or 0)
     if not chunks:
         return error_response(400, "the client disconnected")  # no one reads this
     for chunk in chunks:
         where = "" if chunk.index is None else f"item {chunk.index}: "
-        if failure_status(chunk):
-            return failure_response(chunk, where + failure_message(chunk))
         if not chunk.embedding:
             return error_response(503, f"{where}the request was aborted before its embedding was computed")
     return chunks

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import AsyncGenerator
 
 import msgspec
 from fastapi import FastAPI, Request
@@ -58,6 +59,21 @@ def failure_status(chunk: GenerateChunk) -> int | None:
     """The HTTP status of a request the back end refused or lost (not a client's abort)."""
     reason = chunk.finish_reason
     return reason.status_code if reason is not None and reason.type == "abort" else None
+
+
+async def finals_until_failure(
+    chunks: AsyncGenerator[GenerateChunk, None],
+) -> tuple[list[GenerateChunk], GenerateChunk | None]:
+    """The final chunks of a request's items as they come, or, at the first whose item
+    failed, those so far and it: the generator is closed then, which aborts the other items
+    rather than running them on for an answer that will be the failure's."""
+    finals: list[GenerateChunk] = []
+    async for chunk in chunks:
+        if failure_status(chunk):
+            await chunks.aclose()
+            return finals, chunk
+        finals.append(chunk)
+    return finals, None
 
 
 def failure_message(chunk: GenerateChunk) -> str:

@@ -31,7 +31,7 @@ from sluice.server.api_types import (
 )
 from sluice.server.client_watch import ClientWatch
 from sluice.server.embeddings import embedding_chunks, openai_response
-from sluice.server.errors import NotFoundError, error_response, failure_response, failure_status
+from sluice.server.errors import NotFoundError, error_response, failure_response, finals_until_failure
 from sluice.server.json_body import decode_json
 from sluice.server.logprobs import TokenTexts
 from sluice.server.openai_protocol import (
@@ -282,16 +282,15 @@ async def serve(
     try:
         if obj.stream:
             return await stream_response(generator, view, openai_names)  # the rule for errors on streams
-        # One final chunk per choice; reading them all lets the generator let go of its lock.
-        finals = [chunk async for chunk in generator]
+        # One final chunk per choice; the generator lets go of its lock once they are read.
+        finals, failed = await finals_until_failure(generator)
     except ClientError as e:
         raise openai_client_error(e, prompt_param, names) from None
+    if failed is not None:
+        return failure_response(failed, view.error_message(failed), openai_names)
     if not finals:
         return error_response(400, "the client disconnected")  # no one reads this
     finals.sort(key=choice_index)
-    for chunk in finals:
-        if failure_status(chunk):
-            return failure_response(chunk, view.error_message(chunk), openai_names)
     return JSONResponse(view.response(finals))
 
 

@@ -536,3 +536,17 @@ def test_rid_to_state_is_empty_after_every_ending(base_url):
     generate(base_url, text="Hi", sampling_params={"top_k": -5})  # error before dispatch
     generate(base_url, input_ids=[100] * 9000)  # refused by validation
     wait_until_drained(base_url)
+
+
+def test_a_batch_item_that_fails_ends_the_others_at_once(base_url):
+    """Without streaming the answer is the first failure, so the batch's other items are
+    aborted rather than run on for nothing (a stream's error event ends them too)."""
+    before = scrape(base_url)
+    failing = {"regex": "a", "min_new_tokens": 3, "max_new_tokens": 8}
+    body = {"text": ["Once upon a time", "Answer:"], "sampling_params": [greedy(1500, ignore_eos=True), failing]}
+    response = httpx.post(base_url + "/generate", json=body, timeout=300)
+    assert response.status_code == 400 and response.json()["error"]["message"].startswith("item 1: "), response.text
+    wait_until_drained(base_url)
+    after = scrape(base_url)
+    assert moved(before, after, "sluice:requests_total{finish_reason=length}") == 0
+    assert moved(before, after, "sluice:requests_total{finish_reason=abort}") == 2
