@@ -108,13 +108,13 @@ class GenerateReqInput(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
 
     def normalize_batch(self, max_items: int) -> None:
         """Check a list request's shape, cheaply, before any per-item work."""
-        size = self.batch_size
+        size, prompts = self.batch_size, "text" if self.text is not None else "input_ids"
         if size == 0:
-            raise ClientError("the list of prompts is empty", "text")
+            raise ClientError("the list of prompts is empty", prompts)
         if self.image_data is not None and (not isinstance(self.image_data, list) or len(self.image_data) != size):
             raise ClientError(f"'image_data' must have one entry per prompt ({size})", "image_data")
         if size > max_items:
-            raise ClientError(f"the request has {size} items, more than max_batch_items={max_items}", "text")
+            raise ClientError(f"the request has {size} items, more than max_batch_items={max_items}", prompts)
         if isinstance(self.sampling_params, list) and len(self.sampling_params) != size:
             raise ClientError(
                 f"'sampling_params' has {len(self.sampling_params)} entries for {size} prompts", "sampling_params"

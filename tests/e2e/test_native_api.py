@@ -210,6 +210,12 @@ def test_bad_input_is_400(base_url, body, field):
     assert field in r.json()["error"]["message"]
 
 
+@pytest.mark.parametrize("prompts", [[], [[1]] * 257])  # empty, more than max_batch_items
+def test_a_bad_list_of_input_ids_names_input_ids(base_url, prompts):
+    r = generate(base_url, input_ids=prompts)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input_ids", r.text
+
+
 def test_too_long_input_names_both_numbers(base_url):
     info = httpx.get(base_url + "/get_model_info").json()
     limit, context = info["max_req_input_len"], info["context_len"]
