@@ -140,7 +140,7 @@ def install_openai_routes(app: FastAPI, state: ServerState, docs: ApiDocs) -> No
         input_ids, image_urls = await chat_prompt_ids(tm, body, state.model_name)
         max_new_tokens = body.requested_max_tokens
         if max_new_tokens is None:
-            max_new_tokens = max(tm.context_len - len(input_ids), 0)
+            max_new_tokens = max(tm.context_len - tm.inputs.expanded_length(input_ids, len(image_urls)), 0)
         sampling_params = body.sampling_params(max_new_tokens)
         parameters = {tool.function.name: tool.function.parameters for tool in body.tools_offered}
         strict = {tool.function.name for tool in body.tools_offered if tool.function.strict}

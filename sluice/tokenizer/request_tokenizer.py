@@ -166,7 +166,11 @@ class RequestTokenizer:
     def scheduled_length(self, req: TokenizedGenerateReqInput) -> int:
         """The prompt's length in the Scheduler, which expands each image's token to
         num_image_tokens."""
-        return len(req.input_ids) + (len(req.images) * (self._limits().num_image_tokens - 1) if req.images else 0)
+        return self.expanded_length(req.input_ids, len(req.images))
+
+    def expanded_length(self, input_ids: list[int], num_images: int) -> int:
+        """A prompt's length with each of its images' tokens expanded to num_image_tokens."""
+        return len(input_ids) + (num_images * (self._limits().num_image_tokens - 1) if num_images else 0)
 
     def _text_with_placeholders(self, text: str, num_images: int) -> str:
         return self._images().prompt_with_placeholders(text, num_images) if num_images else text
@@ -174,17 +178,20 @@ class RequestTokenizer:
     def _tokenized(
         self, obj: GenerateReqInput, input_ids: list[int], images: list[ImageInput], received_at: float
     ) -> TokenizedGenerateReqInput:
-        if images:
+        if images or self.mm_processor is not None:  # an image token needs its image too
             self._images().check_tokens(input_ids, len(images))
         params = parse_sampling_params(obj.single_sampling_params)
-        self._check_lengths(input_ids, params, "text" if obj.input_ids is None else "input_ids")
+        # The prompt as the Scheduler runs it, each image token expanded: its length is the
+        # one that meets the context and that logprob positions count in (as prompt_tokens).
+        num_input = self.expanded_length(input_ids, len(images))
+        self._check_lengths(input_ids, num_input, params, "text" if obj.input_ids is None else "input_ids")
         self._check_params(params)
-        if obj.return_logprob and obj.logprob_start_len > len(input_ids):
+        if obj.return_logprob and obj.logprob_start_len > num_input:
             raise ClientError(
-                f"logprob_start_len {obj.logprob_start_len} is past the prompt's {len(input_ids)} tokens",
+                f"logprob_start_len {obj.logprob_start_len} is past the prompt's {num_input} tokens",
                 "logprob_start_len",
             )
-        if obj.return_logprob and obj.logprob_start_len == len(input_ids):
+        if obj.return_logprob and obj.logprob_start_len == num_input:
             obj.logprob_start_len = -1  # from the prompt's end: none of it
         return TokenizedGenerateReqInput(
             rid=obj.single_rid,
@@ -291,11 +298,13 @@ class RequestTokenizer:
                 given_as,
             )
 
-    def _check_lengths(self, input_ids: list[int], params: SamplingParams, given_as: str) -> None:
+    def _check_lengths(self, input_ids: list[int], num_input: int, params: SamplingParams, given_as: str) -> None:
+        """num_input: the prompt's length as the Scheduler runs it (image tokens expanded).
+        A prompt too long once expanded is the Scheduler's to refuse (its own message)."""
         self._check_prompt(input_ids, given_as)
-        num_input = len(input_ids)
-        context_len = self._limits().context_len
-        if num_input + params.max_new_tokens > context_len:
+        limits = self._limits()
+        context_len = limits.context_len
+        if num_input <= limits.max_req_input_len and num_input + params.max_new_tokens > context_len:
             raise ClientError(
                 f"The input has {num_input} tokens and max_new_tokens is {params.max_new_tokens}: "
                 f"together {num_input + params.max_new_tokens}, more than the context length {context_len}",

@@ -261,3 +261,42 @@ def test_prompt_logprobs_of_a_prompt_with_an_image(vlm):
     assert set(unscored) == {0, *image}
     assert all(entries[i][0] <= 0 and len(tops[i]) == 2 for i in range(len(entries)) if i not in unscored)
     assert generate(vlm.base_url, text="Hi", image_data=b64(5), sampling_params=greedy(2)).status_code == 200
+
+
+def test_an_image_counts_its_expanded_tokens_against_the_context(vlm):
+    """The image is one token in the request and many in the Scheduler: the room left for
+    max_new_tokens is the context less the expanded prompt (it was the unexpanded one, and
+    the output was cut short with finish_reason length)."""
+    probe = generate(vlm.base_url, text="Hi", image_data=b64(8), sampling_params=greedy(1)).json()["meta_info"]
+    room = MAX_TOTAL_TOKENS - probe["prompt_tokens"]
+    over = generate(vlm.base_url, text="Hi", image_data=b64(8), sampling_params=greedy(room + 1))
+    assert over.status_code == 400 and over.json()["error"]["param"] == "max_new_tokens", over.text
+    fits = generate(vlm.base_url, text="Hi", image_data=b64(8), sampling_params=greedy(room, ignore_eos=True))
+    assert fits.status_code == 200 and fits.json()["meta_info"]["completion_tokens"] == room, fits.text
+    # Chat's default max_tokens is the room left too.
+    image_part = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + b64(8)}}
+    body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}, image_part]}], "ignore_eos": True}
+    chat = httpx.post(vlm.base_url + "/v1/chat/completions", json=body, timeout=120)
+    assert chat.status_code == 200, chat.text
+    assert chat.json()["usage"]["total_tokens"] == MAX_TOTAL_TOKENS
+
+
+def test_an_image_token_without_its_image_is_400(vlm):
+    r = generate(vlm.base_url, text=f"{IMAGE_TOKEN} what is this?", sampling_params=greedy(2))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "image_data", r.text
+
+
+def test_logprob_start_len_counts_the_expanded_prompt(vlm):
+    """As prompt_tokens does: the last two prompt tokens' logprobs are from prompt_tokens - 2."""
+    probe = generate(vlm.base_url, text="Describe it.", image_data=b64(9), sampling_params=greedy(1))
+    prompt_tokens = probe.json()["meta_info"]["prompt_tokens"]
+    r = generate(
+        vlm.base_url,
+        text="Describe it.",
+        image_data=b64(9),
+        sampling_params=greedy(1),
+        return_logprob=True,
+        logprob_start_len=prompt_tokens - 2,
+    )
+    assert r.status_code == 200, r.text
+    assert len(r.json()["meta_info"]["input_token_logprobs"]) == 2
