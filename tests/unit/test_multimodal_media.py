@@ -83,6 +83,19 @@ def test_rgba_and_palette_images_decode_to_rgb():
     assert decode_image(encode(rgba.convert("P")), MediaLimits()).mode == "RGB"
 
 
+def test_an_image_with_an_orientation_tag_decodes_upright():
+    """A phone's photo stored sideways with EXIF Orientation 6 (rotate 90 degrees clockwise to
+    view), as transformers' load_image turns it."""
+    stored = sample_image(48, 40)
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    buffer = io.BytesIO()
+    stored.save(buffer, format="JPEG", exif=exif, quality=100)
+    decoded = decode_image(buffer.getvalue(), MediaLimits())
+    assert decoded.size == (40, 48)
+    assert decoded.size == stored.transpose(Image.Transpose.ROTATE_270).size
+
+
 def test_bad_inline_data_is_refused():
     with refused("image 0: is neither valid base64"):
         load_image_bytes("not base64 at all!", MediaLimits())
@@ -129,6 +142,9 @@ def test_paths_escaping_the_allowed_folder_are_refused(tmp_path):
         load_image_bytes(str(allowed / "missing.png"), limits)
     with refused("not a regular file"):
         load_image_bytes(str(allowed), limits)
+    os.mkfifo(allowed / "fifo.png")  # opening it to read would wait for a writer, for ever
+    with refused("not a regular file"):
+        load_image_bytes(str(allowed / "fifo.png"), limits)
 
 
 # --- size and content limits ------------------------------------------------------------

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from urllib.parse import SplitResult, unquote, urlsplit
 
 import httpx
-from PIL import Image, UnidentifiedImageError
+from PIL import Image, ImageOps, UnidentifiedImageError
 
 from sluice.sampling import ClientError
 
@@ -99,10 +99,12 @@ def decode_image(data: bytes, limits: MediaLimits, index: int = 0) -> Image.Imag
         raise refuse(index, f"is {width}x{height}, an aspect ratio above the limit of {limit:g}")
     try:
         image.load()  # the first frame of an animation
-        if image.mode == "RGB":
-            return image
+        # Upright as the camera's orientation tag says, as transformers' load_image does.
+        upright: Image.Image = ImageOps.exif_transpose(image)
+        if upright.mode == "RGB":
+            return upright
         # PIL converts palette transparency via RGBA only.
-        opaque = image.convert("RGBA") if "transparency" in image.info else image
+        opaque = upright.convert("RGBA") if "transparency" in upright.info else upright
         return opaque.convert("RGB")
     except Image.DecompressionBombError as error:
         raise refuse(index, f"has too many pixels: {error}") from None
@@ -164,7 +166,8 @@ def _load_local(ref: str, limits: MediaLimits, index: int) -> bytes:
     if os.path.commonpath([root, real]) != root:
         raise refuse(index, "local file is outside the allowed media folder")
     try:
-        with open(real, "rb") as file:
+        # Without blocking: opening a FIFO for reading waits for a writer, for ever.
+        with os.fdopen(os.open(real, os.O_RDONLY | os.O_NONBLOCK), "rb") as file:
             info = os.fstat(file.fileno())
             if not stat.S_ISREG(info.st_mode):
                 raise refuse(index, "local path is not a regular file")
