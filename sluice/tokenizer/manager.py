@@ -241,6 +241,10 @@ class TokenizerManager:
         self, obj: GenerateReqInput, request: ClientConnection | None, received_at: float
     ) -> AsyncIterator[GenerateChunk]:
         [tokenized] = await self.inputs.tokenize([obj], self.live_rids, received_at=received_at)
+        if request is not None and await request.is_disconnected():  # gone while its images were read
+            if obj.log_metrics:
+                self.metrics.on_ended_unrun(1)
+            return
         state = self.add_req_state(tokenized, "single", log_metrics=obj.log_metrics)
         self.send_new([tokenized], [state])
         async for response in self.wait_response(state, request):

@@ -89,8 +89,8 @@ class RequestMetrics:
                 self.itl.observe((now - state.first_token_at) / (output.completion_tokens - 1))
 
     def on_ended_unrun(self, count: int) -> None:
-        """Requests (items, samples) that an abort, or their client leaving, ended while the gate
-        held them."""
+        """Requests (items, samples) that an abort, or their client leaving, ended before they
+        were sent: while the gate held them, or while they were tokenized."""
         self.requests.labels("abort").inc(count)
 
     def on_rejected(self, reason: str) -> None:

@@ -24,6 +24,7 @@ from sluice.sampling import ClientError
 from sluice.tokenizer import manager as manager_module
 from sluice.tokenizer import request_tokenizer
 from sluice.tokenizer.control import BackendError
+from sluice.tokenizer.io_struct import GenerateReqInput
 from sluice.tokenizer.manager import TokenizerManager
 from sluice.tokenizer.request_tokenizer import RequestTokenizer
 
@@ -181,3 +182,19 @@ async def test_each_grammar_text_is_compiled_once_and_its_verdict_kept(monkeypat
         with pytest.raises(ClientError, match="unclosed"):
             await inputs._check_grammar(SamplingParams(regex="["))
     assert compiled == ["[0-9]+", "["]
+
+
+async def test_a_request_whose_client_left_while_it_was_tokenized_is_not_sent(tm, monkeypatch):
+    """Reading its images can take a second or more: a client gone by then gets nothing run."""
+    tm.send_to_scheduler = sender = RecordingSender()
+
+    async def tokenize(objs, live_rids, **kwargs):
+        return [request("slow")]
+
+    monkeypatch.setattr(tm.inputs, "tokenize", tokenize)
+    aborted = {"finish_reason": "abort"}
+    before = tm.metrics.registry.get_sample_value("sluice:requests_total", aborted) or 0.0
+    single = tm._single_request(GenerateReqInput(text="Hi"), GoneClient(), 0.0)
+    chunks = await asyncio.wait_for(_collect(single), 5)  # the old code waited for outputs
+    assert chunks == [] and sender.sent == [] and tm.rid_to_state == {}
+    assert tm.metrics.registry.get_sample_value("sluice:requests_total", aborted) == before + 1
