@@ -3,6 +3,7 @@ folder (hf_config.py), and what both readers share."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from dataclasses import field as dataclass_field
 from pathlib import Path
@@ -137,6 +138,22 @@ class ModelConfig:
     vision: VisionConfig | None = None
     image_token_id: int | None = None  # the placeholder token an image stands for in a prompt
 
+    def __post_init__(self) -> None:
+        """Refuse numbers no model has, naming the field: such a model would load, pass its
+        shape checks and answer garbage (NaN logits become token 0) or fail every step."""
+        for name in _POSITIVE_COUNTS:
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"the model's {name} is {value!r}: it must be a positive whole number")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"the model's num_heads {self.num_heads} is not a multiple of its num_kv_heads {self.num_kv_heads}"
+            )
+        for name in ("rope_theta", "rms_norm_eps", "local_rope_theta"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
+                raise ValueError(f"the model's {name} is {value!r}: it must be a finite number > 0")
+
     @property
     def attention_scale(self) -> float:
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
@@ -190,6 +207,18 @@ class ModelConfig:
 
             return config_from_hf_folder(path)
         raise FileNotFoundError(f"model path {str(path)!r} is neither a .gguf file nor a folder with config.json")
+
+
+_POSITIVE_COUNTS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_layers",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "context_len",
+)
 
 
 def check_servable(path: str | Path) -> None:

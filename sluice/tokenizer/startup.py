@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING, Final
 
 from sluice.config import ServerArgs
 from sluice.messages import SchedulerReady
+from sluice.sampling import ClientError
+from sluice.tokenizer.control import BackendError
 from sluice.tokenizer.io_struct import GenerateReqInput
 from sluice.tokenizer.manager import TokenizerManager
 from sluice.tokenizer.multimodal.media import MediaLimits
@@ -63,6 +65,16 @@ async def warm_up(tm: TokenizerManager, rid: str = "WARMUP") -> None:
         log_metrics=False,  # not a client's request
     )
     # Not held by a pause: a worker slower to start than the others warms up while they pause.
-    async for chunk in tm.generate_request(obj, hold_at_gate=False):
-        last = chunk
+    # One that fails means the model cannot serve (a step that raises, limits that refuse
+    # every prompt): the server must not report ready.
+    last = None
+    try:
+        async for chunk in tm.generate_request(obj, hold_at_gate=False):
+            last = chunk
+    except ClientError as e:
+        raise BackendError(f"the warm-up request was refused: {e.message}") from None
+    reason = last.finish_reason if last is not None else None
+    if last is None or (reason is not None and reason.type == "abort"):
+        why = reason.message if reason is not None and reason.message else "it got no answer"
+        raise BackendError(f"the warm-up request failed: {why}")
     logger.info("warm-up generated %r", last.text)

@@ -327,6 +327,12 @@ def edited(**changes):
         ),
         (edited(rope_parameters={"rope_type": "linear", "rope_theta": 10000.0}), "rope_type 'linear' has no factor"),
         (edited(eos_token_id="2"), "eos_token_id must be a token id or a list of them, got '2'"),
+        # Numbers no model has: they loaded and answered token 0 (NaN logits) or failed every step.
+        (edited(rms_norm_eps=-1.0), "the model's rms_norm_eps is -1.0: it must be a finite number > 0"),
+        (
+            edited(num_attention_heads=4, num_key_value_heads=3),
+            "the model's num_heads 4 is not a multiple of its num_kv_heads 3",
+        ),
     ],
 )
 def test_config_values_of_the_wrong_kind_are_refused_naming_the_key(edit, message, tmp_path):
@@ -335,6 +341,13 @@ def test_config_values_of_the_wrong_kind_are_refused_naming_the_key(edit, messag
     folder = write_folder_with_config(tmp_path / "hf", edit)
     with pytest.raises(ValueError, match=re.escape(message)):
         ModelConfig.from_path(folder)
+
+
+def test_a_gguf_rope_base_that_is_not_a_number_is_refused(tmp_path):
+    hf_model = save_random_model(qwen3_with_qk_norm, tmp_path / "hf")
+    path = write_gguf(hf_model, tmp_path / "model.gguf", "qwen3", metadata={"qwen3.rope.freq_base": float("nan")})
+    with pytest.raises(ValueError, match=re.escape("the model's rope_theta is nan")):
+        config_from_gguf(path)
 
 
 def test_a_gguf_head_count_of_zero_is_refused_naming_the_key(tmp_path):

@@ -27,6 +27,8 @@ from sluice.tokenizer.control import BackendError
 from sluice.tokenizer.io_struct import GenerateReqInput
 from sluice.tokenizer.manager import TokenizerManager
 from sluice.tokenizer.request_tokenizer import RequestTokenizer
+from sluice.tokenizer.result import GenerateChunk
+from sluice.tokenizer.startup import warm_up
 
 
 class RecordingSender:
@@ -198,3 +200,16 @@ async def test_a_request_whose_client_left_while_it_was_tokenized_is_not_sent(tm
     chunks = await asyncio.wait_for(_collect(single), 5)  # the old code waited for outputs
     assert chunks == [] and sender.sent == [] and tm.rid_to_state == {}
     assert tm.metrics.registry.get_sample_value("sluice:requests_total", aborted) == before + 1
+
+
+class FailingWarmUp:
+    """A TokenizerManager whose one request ends as the Scheduler ends a step that raised."""
+
+    async def generate_request(self, obj, hold_at_gate=True):
+        reason = FinishReason(type="abort", message="q heads 4 x 16 do not fit pools of 3 x 16", status_code=500)
+        yield GenerateChunk(rid=obj.rid, path="single", text="", output_ids=[], finish_reason=reason)
+
+
+async def test_a_warm_up_that_fails_stops_the_start():
+    with pytest.raises(BackendError, match="the warm-up request failed: q heads 4 x 16 do not fit"):
+        await warm_up(FailingWarmUp())
