@@ -340,7 +340,7 @@ class ServerArgs:
                 self.reasoning_parser in ("none", "qwen3", "deepseek-r1"),
                 "reasoning_parser must be none, qwen3 or deepseek-r1",
             ),
-            (self.soft_watchdog_timeout > 0, "soft_watchdog_timeout must be > 0"),
+            (0 < self.soft_watchdog_timeout < math.inf, "soft_watchdog_timeout must be a number > 0"),
             (self.max_request_body_bytes >= 1024, "max_request_body_bytes must be >= 1024"),
             (
                 self.log_level in ("debug", "info", "warning", "error"),

@@ -296,6 +296,7 @@ def test_a_chat_template_that_does_not_compile_is_refused_in_a_line(workers, tmp
     [
         (["--context-length", "8"], "context_length must be 0 (the model's own) or at least 32"),
         (["--kv-cache-memory-gb", "inf"], "kv_cache_memory_gb must be a number > 0"),
+        (["--soft-watchdog-timeout", "inf"], "soft_watchdog_timeout must be a number > 0"),  # JSON made it null
         (["--max-total-tokens", str(10**12)], f"--max-total-tokens {10**12} makes a KV cache of"),
         (
             ["--kv-cache-memory-gb", "100000", "--max-running-requests", "100000"],
