@@ -23,16 +23,19 @@ async def embedding_chunks(
     """Every prompt's final chunk in input order, or the error answer of the first that failed."""
     chunks, failed = await finals_until_failure(tm.generate_request(obj, ClientWatch(request)))
     if failed is not None:
-        where = "" if failed.index is None else f"item {failed.index}: "
-        return failure_response(failed, where + failure_message(failed))
+        return failure_response(failed, _item(failed) + failure_message(failed))
     chunks.sort(key=lambda c: c.index or 0)
     if not chunks:
         return error_response(400, "the client disconnected")  # no one reads this
     for chunk in chunks:
-        where = "" if chunk.index is None else f"item {chunk.index}: "
         if not chunk.embedding:
-            return error_response(503, f"{where}the request was aborted before its embedding was computed")
+            return error_response(503, f"{_item(chunk)}the request was aborted before its embedding was computed")
     return chunks
+
+
+def _item(chunk: GenerateChunk) -> str:
+    """Which prompt of a list an error is about ("" for a single one)."""
+    return "" if chunk.index is None else f"item {chunk.index}: "
 
 
 def native_json(chunk: GenerateChunk) -> dict[str, Any]:

@@ -24,7 +24,7 @@ def check_request_size(obj: GenerateReqInput, args: ServerArgs) -> int:
     what = f"{obj.batch_size} prompts x n={n} is {items} items"
     if items > args.max_batch_items:
         raise ClientError(f"{what}, more than max_batch_items={args.max_batch_items}", "n")
-    check_fits_in_queue(items, args, "n" if n > 1 else "text" if obj.text is not None else "input_ids", what)
+    check_fits_in_queue(items, args, "n" if n > 1 else obj.prompt_field, what)
     return n
 
 

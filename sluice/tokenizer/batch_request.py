@@ -61,8 +61,8 @@ async def handle_batch_request(
     n = obj.sample_count()
     tokenized = await tm.inputs.tokenize(items, tm.live_rids, label_items=not obj.is_single, received_at=received_at)
     # Every sample of a prompt is a request of its length in the Scheduler's queue.
-    lens = [tm.inputs.scheduled_length(t) for t in tokenized for _ in range(n)]
-    param = "n" if n > 1 else "text" if obj.text is not None else "input_ids"
+    lens = [tm.inputs.expanded_length(t.input_ids, len(t.images)) for t in tokenized for _ in range(n)]
+    param = "n" if n > 1 else obj.prompt_field
     check_fits_in_token_queue(lens, tm.inputs.server_args, param, one_replica=len(tokenized) == 1)
     if n == 1:
         path = "batch" if tm.inputs.can_send_as_one_batch(items) else "batch_sequential"

@@ -54,6 +54,11 @@ class GenerateReqInput(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
             return 1
         return len(self.text) if self.text is not None else len(self.input_ids or [])
 
+    @property
+    def prompt_field(self) -> str:
+        """The field that holds the prompts, for errors."""
+        return "text" if self.text is not None else "input_ids"
+
     # A single request's fields (the request itself when is_single, or an item()), in the
     # shape normalize() and item() give them.
 
@@ -108,13 +113,13 @@ class GenerateReqInput(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
 
     def normalize_batch(self, max_items: int) -> None:
         """Check a list request's shape, cheaply, before any per-item work."""
-        size, prompts = self.batch_size, "text" if self.text is not None else "input_ids"
+        size = self.batch_size
         if size == 0:
-            raise ClientError("the list of prompts is empty", prompts)
+            raise ClientError("the list of prompts is empty", self.prompt_field)
         if self.image_data is not None and (not isinstance(self.image_data, list) or len(self.image_data) != size):
             raise ClientError(f"'image_data' must have one entry per prompt ({size})", "image_data")
         if size > max_items:
-            raise ClientError(f"the request has {size} items, more than max_batch_items={max_items}", prompts)
+            raise ClientError(f"the request has {size} items, more than max_batch_items={max_items}", self.prompt_field)
         if isinstance(self.sampling_params, list) and len(self.sampling_params) != size:
             raise ClientError(
                 f"'sampling_params' has {len(self.sampling_params)} entries for {size} prompts", "sampling_params"
@@ -207,6 +212,11 @@ class EmbeddingReqInput(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
             return isinstance(self.text, str)
         return not self.input_ids or isinstance(self.input_ids[0], int)
 
+    @property
+    def prompt_field(self) -> str:
+        """The field that holds the prompts, for errors."""
+        return "text" if self.text is not None else "input_ids"
+
     def prompts(self, max_items: int) -> list[str] | list[list[int]]:
         """Every prompt, checked for shape (a single prompt is a list of one); fills in rids."""
         if (self.text is None) == (self.input_ids is None):
@@ -224,7 +234,7 @@ class EmbeddingReqInput(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
                 prompts = [item for item in ids if isinstance(item, list)]
             else:
                 raise ClientError("'input_ids' must be a non-empty list of token ids or of such lists", "input_ids")
-        field = "text" if self.text is not None else "input_ids"
+        field = self.prompt_field
         if not prompts:
             raise ClientError(f"'{field}' is an empty list", field)
         if len(prompts) > max_items:

@@ -163,11 +163,6 @@ class RequestTokenizer:
             raise RuntimeError("the back end has not reported the model's limits yet")
         return self.scheduler_info
 
-    def scheduled_length(self, req: TokenizedGenerateReqInput) -> int:
-        """The prompt's length in the Scheduler, which expands each image's token to
-        num_image_tokens."""
-        return self.expanded_length(req.input_ids, len(req.images))
-
     def expanded_length(self, input_ids: list[int], num_images: int) -> int:
         """A prompt's length with each of its images' tokens expanded to num_image_tokens."""
         return len(input_ids) + (num_images * (self._limits().num_image_tokens - 1) if num_images else 0)
@@ -184,7 +179,7 @@ class RequestTokenizer:
         # The prompt as the Scheduler runs it, each image token expanded: its length is the
         # one that meets the context and that logprob positions count in (as prompt_tokens).
         num_input = self.expanded_length(input_ids, len(images))
-        self._check_lengths(input_ids, num_input, params, "text" if obj.input_ids is None else "input_ids")
+        self._check_lengths(input_ids, num_input, params, obj.prompt_field)
         self._check_params(params)
         if obj.return_logprob and obj.logprob_start_len > num_input:
             raise ClientError(
@@ -263,7 +258,7 @@ class RequestTokenizer:
         """Every prompt of an embedding request, tokenized in one call and checked; the first
         bad one fails them all (a ClientError naming the item of a list)."""
         prompts = obj.prompts(self.server_args.max_batch_items)
-        field = "text" if obj.text is not None else "input_ids"
+        field = obj.prompt_field
         check_fits_in_queue(len(prompts), self.server_args, field, f"the request has {len(prompts)} items")
         texts = [prompt for prompt in prompts if isinstance(prompt, str)]
         encoded = await self.encode(texts)
