@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import os
+import socket
 import sys
 
-from sluice.config import ServerArgs
+from sluice.config import CACHE_DIR_ENV, ServerArgs, cache_root
+from sluice.kernels.cpu import disabled_isas
 from sluice.model.model_config import check_servable
 from sluice.tokenizer_files import check_folder_has_a_tokenizer
 
@@ -22,6 +25,7 @@ def main(argv: list[str] | None = None) -> None:
     ns = build_parser().parse_args(argv)
     try:
         server_args = ServerArgs.from_cli_args(ns)
+        check_surroundings(server_args)
         check_servable(server_args.resolved_model_path())
         check_folder_has_a_tokenizer(server_args.resolved_model_path())
     except (ValueError, OSError) as e:
@@ -29,6 +33,44 @@ def main(argv: list[str] | None = None) -> None:
     from sluice.launch import launch_server
 
     launch_server(server_args)
+
+
+def check_surroundings(server_args: ServerArgs) -> None:
+    """ValueError naming what the flags and the environment ask of this machine that it cannot
+    give, before the model loads: the address to listen on, the cache folder, the threads,
+    the local media folder, SLUICE_DISABLE_ISA."""
+    disabled_isas()
+    cpus = len(os.sched_getaffinity(0))
+    if server_args.num_threads > cpus:
+        raise ValueError(
+            f"--num-threads {server_args.num_threads} is more than the {cpus} CPUs this process may run on "
+            "(threads past them only wait on each other)"
+        )
+    media = server_args.allowed_local_media_path
+    if media and not os.path.isdir(media):
+        raise ValueError(f"--allowed-local-media-path {media!r} is not a folder")
+    cache = cache_root()
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"cannot make sluice's cache folder {cache} (set {CACHE_DIR_ENV} to move it): {e}") from None
+    check_can_listen(server_args.host, server_args.port)
+
+
+def check_can_listen(host: str, port: int) -> None:
+    """ValueError where --host/--port cannot be listened on (in use, not this machine's), found
+    now rather than once the model has loaded. The HTTP server binds again itself."""
+    try:
+        addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise ValueError(f"--host {host!r}: {e.strerror}") from None
+    family, kind, proto, _, address = addresses[0]
+    with socket.socket(family, kind, proto) as listener:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn and granian bind
+        try:
+            listener.bind(address)
+        except OSError as e:
+            raise ValueError(f"cannot listen on --host {host} --port {port}: {e.strerror}") from None
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ import math
 import os
 import tempfile
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -17,6 +18,15 @@ SECRET_FIELDS = frozenset({"api_key", "admin_api_key"})
 # The fewest tokens a request may hold (--context-length, --max-total-tokens): the warm-up
 # generation needs about 10, and a server that takes less serves nothing.
 MIN_CONTEXT_TOKENS = 32
+# The largest --kv-cache-memory-gb: its bytes must stay a finite float.
+MAX_KV_CACHE_MEMORY_GB = 1_000_000
+CACHE_DIR_ENV = "SLUICE_CACHE_DIR"
+
+
+def cache_root() -> Path:
+    """Where sluice keeps what it builds once (kernels, converted GGUF tokenizers):
+    $SLUICE_CACHE_DIR, else ~/.cache/sluice."""
+    return Path(os.environ.get(CACHE_DIR_ENV) or Path.home() / ".cache" / "sluice")
 
 
 @dataclass(slots=True)
@@ -312,7 +322,10 @@ class ServerArgs:
                 self.load_balance_method in ("round_robin", "shortest_queue", "cache_aware"),
                 "load_balance_method must be round_robin, shortest_queue or cache_aware",
             ),
-            (0 < self.kv_cache_memory_gb < math.inf, "kv_cache_memory_gb must be a number > 0"),
+            (
+                0 < self.kv_cache_memory_gb <= MAX_KV_CACHE_MEMORY_GB,
+                f"kv_cache_memory_gb must be a number > 0 and at most {MAX_KV_CACHE_MEMORY_GB:,}",
+            ),
             (self.max_running_requests >= 1, "max_running_requests must be >= 1"),
             (self.chunked_prefill_size >= 1, "chunked_prefill_size must be >= 1"),
             (self.max_prefill_tokens >= 1, "max_prefill_tokens must be >= 1"),

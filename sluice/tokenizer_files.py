@@ -28,6 +28,7 @@ import jinja2.ext
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from sluice.config import cache_root
 from sluice.model.gguf_file import read_gguf
 from sluice.procutil import keep_torch_out
 
@@ -40,14 +41,15 @@ _GGUF_CHAT_TEMPLATE_KEY = "tokenizer.chat_template"
 
 
 def default_tokenizer_cache_dir() -> Path:
-    return Path.home() / ".cache" / "sluice" / "tokenizers"
+    return cache_root() / "tokenizers"
 
 
 def load_tokenizer(model_path: str, cache_dir: str | None = None) -> PreTrainedTokenizerBase:
     """The fast tokenizer of a `.gguf` file or a HF folder.
 
     Converting a GGUF vocabulary takes seconds, so the result is saved under `cache_dir`
-    (default ~/.cache/sluice/tokenizers) and later loads read that copy.
+    (default the `tokenizers` folder of sluice's cache, ~/.cache/sluice) and later loads read
+    that copy.
     """
     from transformers import AutoTokenizer
 

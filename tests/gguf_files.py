@@ -254,10 +254,18 @@ def _gguf_reader(source: Path) -> gguf.GGUFReader:
     return gguf.GGUFReader(source)
 
 
-def copy_gguf(source: Path, path: Path, replace: dict[str, tuple[np.ndarray, str]]) -> Path:
+def copy_gguf(
+    source: Path,
+    path: Path,
+    replace: dict[str, tuple[np.ndarray, str]] | None = None,
+    metadata: dict[str, tuple[object, gguf.GGUFValueType]] | None = None,
+) -> Path:
     """`source` written again at `path`, its metadata and tensors as they are except those
-    named in `replace` (GGUF name -> (blocks in the file's row order, block type))."""
+    named in `replace` (GGUF name -> (blocks in the file's row order, block type)) and the
+    keys in `metadata` (key -> (value, its GGUF type)), which are set or added."""
     import gguf
+
+    replace, metadata = replace or {}, metadata or {}
 
     reader = _gguf_reader(Path(source))
     arch = reader.fields["general.architecture"].contents()
@@ -265,8 +273,12 @@ def copy_gguf(source: Path, path: Path, replace: dict[str, tuple[np.ndarray, str
     for key, field in reader.fields.items():
         if key.startswith("GGUF.") or key == "general.architecture":
             continue
+        if key in metadata:
+            continue
         sub_type = field.types[1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(key, field.contents(), field.types[0], sub_type)
+    for key, (value, value_type) in metadata.items():
+        writer.add_key_value(key, value, value_type)
     for tensor in reader.tensors:
         data, kind = replace.get(tensor.name, (tensor.data, tensor.tensor_type.name))
         writer.add_tensor(tensor.name, data, raw_shape=data.shape, raw_dtype=gguf.GGMLQuantizationType[kind])

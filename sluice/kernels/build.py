@@ -15,6 +15,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from sluice.config import cache_root
 from sluice.kernels.cpu import Isa
 
 KERNEL_DIR = Path(__file__).parent
@@ -28,7 +29,7 @@ class KernelUnavailable(RuntimeError):
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("SLUICE_CACHE_DIR", Path.home() / ".cache" / "sluice")) / "kernels"
+    return cache_root() / "kernels"
 
 
 def built_library(isa: Isa) -> Path:

@@ -87,7 +87,13 @@ def cpu_model() -> str:
 
 
 def disabled_isas() -> frozenset[str]:
+    """The builds SLUICE_DISABLE_ISA takes out; ValueError naming a name it does not know
+    (a misspelt switch would leave the path it meant to avoid running)."""
     names = {name.strip() for name in os.environ.get(DISABLE_ENV, "").split(",") if name.strip()}
+    unknown = sorted(names - {*ISA_NAMES, "avx512", "amx"})
+    if unknown:
+        known = ", ".join([*ISA_NAMES, "avx512", "amx"])
+        raise ValueError(f"{DISABLE_ENV} names {', '.join(unknown)}, which it does not know; known: {known}")
     # Short names users reach for: "avx512" covers every AVX-512 build (AMX's included), "amx" the AMX ones.
     if "avx512" in names:
         names |= {isa for isa in ISA_NAMES if isa != "avx2"}

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
-from sluice.model.gguf_file import GGUFFile, read_gguf
+from sluice.model.gguf_file import GGUFFile, StringArray, read_gguf
 from sluice.model.model_config import (
     ARCHITECTURE_BY_GGUF_NAME,
     GEMMA_ARCHITECTURES,
@@ -14,28 +14,62 @@ from sluice.model.model_config import (
     layer_windows,
 )
 
+# Sizes past this fit no kernel's int (and no machine's memory).
+_MAX_COUNT = 2**31 - 1
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+class _Metadata:
+    """A GGUF file's metadata, each value checked for the kind of thing its key holds: a
+    value of the wrong kind is a ValueError naming the key, not a TypeError from deep in
+    the model's set-up."""
+
+    def __init__(self, reader: GGUFFile, path: Path):
+        self.fields, self.file_name = reader.fields, path.name
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.fields.get(key, default)
+
+    def count(self, key: str, default: int | None = None, zero: bool = False) -> int:
+        """A shape field: there, or its default; one value for every layer (a per-layer array
+        of equal values, which llama.cpp also takes, counts as one). zero: 0 may stand for
+        none (and a missing key without a default reads as 0)."""
+        value = self.get(key, default)
+        if value is None and zero:
+            return 0
+        if value is None:
+            raise ValueError(f"{self.file_name}: {key} is missing")
+        if isinstance(value, list) and value and all(_is_number(item) for item in value):
+            if len(set(value)) != 1:
+                raise ValueError(f"{self.file_name}: {key} differs between layers ({value}); sluice takes one for all")
+            value = value[0]
+        least = 0 if zero else 1
+        if not _is_number(value) or not least <= value <= _MAX_COUNT or value != int(value):
+            raise ValueError(
+                f"{self.file_name}: {key} must be a whole number from {least} to {_MAX_COUNT:,}, got {value!r}"
+            )
+        return int(value)
+
+    @overload
+    def number(self, key: str, default: float) -> float: ...
+    @overload
+    def number(self, key: str, default: float | None = None) -> float | None: ...
+    def number(self, key: str, default: float | None = None) -> float | None:
+        value = self.get(key, default)
+        if value is not None and not _is_number(value):
+            raise ValueError(f"{self.file_name}: {key} must be a number, got {value!r}")
+        return None if value is None else float(value)
+
 
 def config_from_gguf(path: Path) -> ModelConfig:
     reader = read_gguf(path)
+    metadata = _Metadata(reader, path)
+    count, number = metadata.count, metadata.number
 
-    def field(key: str, default: Any = None) -> Any:
-        return reader.fields.get(key, default)
-
-    def count(key: str, default: int | None = None) -> int:
-        """A shape field: there, or its default; one value for every layer (a per-layer array
-        of equal values, which llama.cpp also takes, counts as one)."""
-        value = field(key, default)
-        if value is None:
-            raise ValueError(f"{path.name}: {key} is missing")
-        if isinstance(value, list):
-            if len(set(value)) != 1:
-                raise ValueError(f"{path.name}: {key} differs between layers ({value}); sluice takes one for all")
-            value = value[0]
-        if isinstance(value, bool) or not isinstance(value, int | float) or value != int(value) or value <= 0:
-            raise ValueError(f"{path.name}: {key} must be a positive whole number, got {value!r}")
-        return int(value)
-
-    arch_name = field("general.architecture")
+    arch_name = metadata.get("general.architecture")
     architecture = ARCHITECTURE_BY_GGUF_NAME.get(arch_name)
     if architecture is None:
         raise ValueError(
@@ -50,45 +84,53 @@ def config_from_gguf(path: Path) -> ModelConfig:
         raise ValueError(
             f"{path.name}: attention.value_length differs from key_length {head_dim}; sluice takes them equal"
         )
-    rotary_dims = field(f"{arch_name}.rope.dimension_count")
-    rotary_dim = checked_rotary_dim(None if rotary_dims is None else int(rotary_dims), head_dim)
+    rotary_dims_key = f"{arch_name}.rope.dimension_count"
+    rotary_dim = checked_rotary_dim(
+        count(rotary_dims_key) if metadata.get(rotary_dims_key) is not None else None, head_dim
+    )
     num_layers = count(f"{arch_name}.block_count")
-    eos_token_ids = [
-        int(token_id)
-        for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
-        if (token_id := field(key)) is not None
-    ]
+    eos_token_ids = []
+    for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id"):
+        if (token_id := metadata.get(key)) is not None:
+            if not _is_number(token_id) or token_id != int(token_id) or token_id < 0:
+                raise ValueError(f"{path.name}: {key} must be a token id, got {token_id!r}")
+            eos_token_ids.append(int(token_id))
+    tokens = metadata.get("tokenizer.ggml.tokens")
+    if not isinstance(tokens, StringArray) or not tokens:
+        raise ValueError(f"{path.name}: tokenizer.ggml.tokens must be a list of strings, got {tokens!r:.40}")
+    sliding_window = metadata.count(
+        f"{arch_name}.attention.sliding_window", 4096 if architecture == "Gemma2ForCausalLM" else None, zero=True
+    )
     return ModelConfig(
         architecture=architecture,
-        vocab_size=len(reader.fields["tokenizer.ggml.tokens"]),
+        vocab_size=len(tokens),
         hidden_size=hidden_size,
         intermediate_size=count(f"{arch_name}.feed_forward_length"),
         num_layers=num_layers,
         num_heads=num_heads,
         num_kv_heads=count(f"{arch_name}.attention.head_count_kv", num_heads),
         head_dim=head_dim,
-        rope_theta=float(field(f"{arch_name}.rope.freq_base", 10000.0)),
-        rope_scaling=_gguf_rope_scaling(field, arch_name, reader),
-        rms_norm_eps=float(field(f"{arch_name}.attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=number(f"{arch_name}.rope.freq_base", 10000.0),
+        rope_scaling=_gguf_rope_scaling(metadata, arch_name, reader),
+        rms_norm_eps=number(f"{arch_name}.attention.layer_norm_rms_epsilon", 1e-5),
         tie_word_embeddings="output.weight" not in tensor_names,
         attention_bias="blk.0.attn_q.bias" in tensor_names,
         qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
-        context_len=int(field(f"{arch_name}.context_length", 2048)),
+        context_len=count(f"{arch_name}.context_length", 2048),
         eos_token_ids=list(dict.fromkeys(eos_token_ids)),
         rotary_dim=rotary_dim,
         layer_windows=layer_windows(
             architecture,
             num_layers,
-            field(f"{arch_name}.attention.sliding_window", 4096 if architecture == "Gemma2ForCausalLM" else None)
-            or None,
-            field(f"{arch_name}.attention.sliding_window_pattern"),
+            sliding_window or None,
+            metadata.get(f"{arch_name}.attention.sliding_window_pattern"),
         ),
-        **(_gemma_gguf_fields(field, arch_name, architecture, num_layers, hidden_size, num_heads)),
+        **(_gemma_gguf_fields(metadata, arch_name, architecture, num_layers, hidden_size, num_heads)),
     )
 
 
 def _gemma_gguf_fields(
-    field, arch_name: str, architecture: str, num_layers: int, hidden_size: int, num_heads: int
+    metadata: _Metadata, arch_name: str, architecture: str, num_layers: int, hidden_size: int, num_heads: int
 ) -> dict[str, Any]:
     """Gemma's ModelConfig fields from a GGUF, read as llama.cpp reads them: its converter
     stores norm weights as 1 + w already, and the 27 B models (46 or 62 layers) scale
@@ -103,33 +145,33 @@ def _gemma_gguf_fields(
         embedding_multiplier=hidden_size**0.5,
         query_pre_attn_scalar=hidden_size / num_heads if big else None,
         # Gemma 2 files written before llama.cpp stored the caps lack them: its defaults.
-        attn_logit_softcap=field(f"{arch_name}.attn_logit_softcapping", 50.0 if gemma2 else None),
-        final_logit_softcap=field(f"{arch_name}.final_logit_softcapping", 30.0 if gemma2 else None),
-        local_rope_theta=_gemma_local_rope_theta(field, arch_name, architecture),
+        attn_logit_softcap=metadata.number(f"{arch_name}.attn_logit_softcapping", 50.0 if gemma2 else None),
+        final_logit_softcap=metadata.number(f"{arch_name}.final_logit_softcapping", 30.0 if gemma2 else None),
+        local_rope_theta=_gemma_local_rope_theta(metadata, arch_name, architecture),
     )
 
 
-def _gemma_local_rope_theta(field, arch_name: str, architecture: str) -> float | None:
+def _gemma_local_rope_theta(metadata: _Metadata, arch_name: str, architecture: str) -> float | None:
     """The RoPE base of the sliding layers, as llama.cpp reads it: rope.freq_base_swa, else
     10,000 for Gemma 3 and the global base for Gemma 2 (None: the global base)."""
-    local = field(f"{arch_name}.rope.freq_base_swa")
+    local = metadata.number(f"{arch_name}.rope.freq_base_swa")
     if architecture == "Gemma3ForCausalLM":
-        return float(local) if local is not None else 10000.0
-    if local is None or float(local) == float(field(f"{arch_name}.rope.freq_base", 10000.0)):
+        return local if local is not None else 10000.0
+    if local is None or local == metadata.number(f"{arch_name}.rope.freq_base", 10000.0):
         return None
-    return float(local)
+    return local
 
 
-def _gguf_rope_scaling(field, arch_name: str, reader: GGUFFile) -> dict[str, Any] | None:
+def _gguf_rope_scaling(metadata: _Metadata, arch_name: str, reader: GGUFFile) -> dict[str, Any] | None:
     factors = {tensor.name: tensor for tensor in reader.tensors if tensor.name.startswith("rope_factors_")}
     if "rope_factors_long.weight" in factors and "rope_factors_short.weight" in factors:
         # Phi-3's LongRoPE, as llama.cpp's converter writes it: the factors as tensors.
-        original = int(field(f"{arch_name}.rope.scaling.original_context_length"))
+        original = metadata.count(f"{arch_name}.rope.scaling.original_context_length")
         return {
             "rope_type": "longrope",
             "original_max_position_embeddings": original,
-            "factor": int(field(f"{arch_name}.context_length")) / original,
-            "attention_factor": field(f"{arch_name}.rope.scaling.attn_factor"),
+            "factor": metadata.count(f"{arch_name}.context_length") / original,
+            "attention_factor": metadata.number(f"{arch_name}.rope.scaling.attn_factor"),
             "long_factor": [float(x) for x in factors["rope_factors_long.weight"].data],
             "short_factor": [float(x) for x in factors["rope_factors_short.weight"].data],
         }
@@ -139,36 +181,38 @@ def _gguf_rope_scaling(field, arch_name: str, reader: GGUFFile) -> dict[str, Any
         # rotary frequency (inv_freq / factor).
         return {"rope_type": "frequency_factors", "factors": [float(x) for x in frequency_factors.data]}
     key = f"{arch_name}.rope.scaling."
-    scaling_type = field(key + "type", "linear")  # llama.cpp's default
+    scaling_type = metadata.get(key + "type", "linear")  # llama.cpp's default
     if scaling_type == "yarn":
-        return _gguf_yarn(field, arch_name)
+        return _gguf_yarn(metadata, arch_name)
     if scaling_type == "none":
         return None
     if scaling_type == "longrope":
         raise ValueError(f"{key}type is longrope but the file has no rope_factors_long and rope_factors_short tensors")
     if scaling_type != "linear":
         raise ValueError(f"{key}type {scaling_type!r} is not supported; supported: none, linear, yarn, longrope")
-    factor = float(field(key + "factor") or field(f"{arch_name}.rope.scale_linear") or 1.0)  # and its old name
+    # And its old name.
+    factor = metadata.number(key + "factor") or metadata.number(f"{arch_name}.rope.scale_linear") or 1.0
     return None if factor == 1.0 else {"rope_type": "linear", "factor": factor}
 
 
-def _gguf_yarn(field, arch_name: str) -> dict[str, Any]:
+def _gguf_yarn(metadata: _Metadata, arch_name: str) -> dict[str, Any]:
     """YaRN as transformers' rope_parameters, from the keys llama.cpp's converter writes. An
     attention factor the file gives replaces YaRN's own, as in transformers (llama.cpp
     computes its own regardless)."""
     key = f"{arch_name}.rope.scaling."
     for name, neutral in (("yarn_ext_factor", 1.0), ("yarn_log_multiplier", 0.0), ("attn_factor", 1.0)):
-        value = field(key + name)
-        if value is not None and float(value) != neutral:
+        value = metadata.number(key + name)
+        if value is not None and value != neutral:
             raise ValueError(f"{key}{name} {value:g} is not supported with YaRN (only {neutral:g})")
-    factor = field(key + "factor")
+    factor = metadata.number(key + "factor")
     if factor is None:
         raise ValueError(f"{key}type is yarn but {key}factor is missing")
+    original_key = key + "original_context_length"
     scaling: dict[str, Any] = {
         "rope_type": "yarn",
-        "factor": float(factor),
-        "original_max_position_embeddings": int(
-            field(key + "original_context_length") or field(f"{arch_name}.context_length")
+        "factor": factor,
+        "original_max_position_embeddings": metadata.count(
+            original_key if metadata.get(original_key) else f"{arch_name}.context_length"
         ),
     }
     for name, hf_name in (
@@ -176,6 +220,6 @@ def _gguf_yarn(field, arch_name: str) -> dict[str, Any]:
         ("yarn_beta_slow", "beta_slow"),
         ("yarn_attn_factor", "attention_factor"),
     ):
-        if (value := field(key + name)) is not None:
-            scaling[hf_name] = float(value)
+        if (value := metadata.number(key + name)) is not None:
+            scaling[hf_name] = value
     return scaling

@@ -132,7 +132,9 @@ def read_gguf(path: str | Path) -> GGUFFile:
             except ValueError:
                 raise GGUFHeaderError(f"{path}: tensor {name} has an unknown block type {type_id}") from None
             table.append((name, tensor_type, dims, start))
-        alignment = int(fields.get("general.alignment", _DEFAULT_ALIGNMENT))
+        alignment = fields.get("general.alignment", _DEFAULT_ALIGNMENT)
+        if type(alignment) is not int or alignment <= 0 or alignment & (alignment - 1):
+            raise GGUFHeaderError(f"{path}: general.alignment must be a power of two, got {alignment!r}")
         data_start = -(-offset // alignment) * alignment
         tensors = [_tensor(data, data_start, *entry, path=path) for entry in table]
     except struct.error:

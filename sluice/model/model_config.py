@@ -224,7 +224,7 @@ _POSITIVE_COUNTS = (
 def check_servable(path: str | Path) -> None:
     """Refuse a model this server cannot load, with one line naming what is wrong (a missing
     path, an unsupported architecture, a broken weights file), before any process starts.
-    Cheap: a GGUF's first metadata, or a folder's config.json and safetensors headers."""
+    Cheap: a GGUF's metadata, or a folder's config.json and safetensors headers."""
     path = Path(path)
     if path.suffix == ".gguf":
         if not path.is_file():
@@ -233,9 +233,11 @@ def check_servable(path: str | Path) -> None:
         if arch_name not in ARCHITECTURE_BY_GGUF_NAME:
             supported = sorted(ARCHITECTURE_BY_GGUF_NAME)
             raise ValueError(f"{path}: GGUF architecture {arch_name!r} is not supported; supported: {supported}")
-        return
+    # The model's numbers before its tokenizer: transformers builds a GGUF's tokenizer from
+    # the same metadata and would blame the tokenizer for a head count it cannot take.
     ModelConfig.from_path(path)
-    check_safetensors(path)
+    if not is_gguf(path):
+        check_safetensors(path)
 
 
 def is_gguf(path: str | Path) -> bool:

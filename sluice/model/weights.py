@@ -217,9 +217,9 @@ def _gguf_weights(path: Path, config: ModelConfig, dtype: torch.dtype, format_of
             array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
             weight = torch.from_numpy(np.require(array, requirements=["C", "W"])).to(dtype)
         if unpermute_qk and name.endswith(("q_proj.weight", "q_proj.bias")):
-            weight = _undo_rotary_permutation(weight, config.num_heads, config.head_dim)
+            weight = _undo_rotary_permutation(name, weight, config.num_heads, config.head_dim)
         elif unpermute_qk and name.endswith(("k_proj.weight", "k_proj.bias")):
-            weight = _undo_rotary_permutation(weight, config.num_kv_heads, config.head_dim)
+            weight = _undo_rotary_permutation(name, weight, config.num_kv_heads, config.head_dim)
         # Converting a tensor frees float copies tens of MB large, which glibc keeps (its mmap
         # threshold rises past them): hand them back now and then, or they add up to
         # gigabytes at 1 B parameters. Trimming after every tensor costs seconds.
@@ -282,8 +282,12 @@ def _hf_name(gguf_name: str, config: ModelConfig) -> str | None:
     return None if hf_stem is None else f"{hf_stem}.{suffix}"
 
 
-def _undo_rotary_permutation(weight: Weight, num_heads: int, head_dim: int) -> Weight:
-    """Inverse of llama.cpp's per-head row interleaving of a Q or K projection."""
+def _undo_rotary_permutation(name: str, weight: Weight, num_heads: int, head_dim: int) -> Weight:
+    """Inverse of llama.cpp's per-head row interleaving of a Q or K projection (the weight
+    `name`); a ValueError where its rows are not the config's heads."""
+    if len(weight) != num_heads * head_dim:
+        rows, implied = len(weight), num_heads * head_dim
+        raise ValueError(f"{name} has {rows} rows: the config implies {num_heads} heads of {head_dim} = {implied}")
     order = torch.arange(len(weight)).reshape(num_heads, head_dim // 2, 2).transpose(1, 2).reshape(-1)
     return _take_rows(weight, order)
 

@@ -4,7 +4,9 @@ names what is wrong, with a non-zero exit."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +21,7 @@ from sluice.model.gguf_file import GGUFHeaderError, read_architecture
 from sluice.model.model_config import check_servable
 from sluice.model.model_runner import ModelRunner
 from tests.gguf_files import write_gguf
+from tests.helpers import free_port
 from tests.tiny_lms import build_tiny_model
 from tests.unit.test_model_tiny import qwen3_with_qk_norm, save_random_model
 
@@ -64,13 +67,15 @@ def without_hidden_size(text: str) -> str:
     return json.dumps({key: value for key, value in json.loads(text).items() if key != "hidden_size"})
 
 
-def serve(model_path: Path, *flags: str) -> subprocess.CompletedProcess:
+def serve(model_path: Path, *flags: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """`sluice serve` of `model_path` on a free port (flags after it, environment `env` added)."""
     return subprocess.run(
-        [sys.executable, "-m", "sluice", "serve", "--model-path", str(model_path), "--port", "1", *flags],
+        [sys.executable, "-m", "sluice", "serve", "--model-path", str(model_path), "--port", str(free_port()), *flags],
         capture_output=True,
         text=True,
         timeout=120,
         check=False,
+        env={**os.environ, **(env or {})},
     )
 
 
@@ -351,10 +356,97 @@ def test_a_gguf_rope_base_that_is_not_a_number_is_refused(tmp_path):
         config_from_gguf(path)
 
 
+@pytest.mark.parametrize(
+    "metadata, message",
+    [
+        ({"qwen3.context_length": "x"}, "qwen3.context_length must be a whole number from 1 to 2,147,483,647, got 'x'"),
+        (
+            {"qwen3.embedding_length": float(2**40)},
+            "qwen3.embedding_length must be a whole number from 1 to 2,147,483,647, got 1099511627776.0",
+        ),
+        ({"qwen3.rope.freq_base": "x"}, "qwen3.rope.freq_base must be a number, got 'x'"),
+        ({"qwen3.rope.dimension_count": float("nan")}, "qwen3.rope.dimension_count must be a whole number"),
+        ({"tokenizer.ggml.eos_token_id": "2"}, "tokenizer.ggml.eos_token_id must be a token id, got '2'"),
+        ({"qwen3.rope.scaling.type": "yarn", "qwen3.rope.scaling.factor": "4"}, "rope.scaling.factor must be a number"),
+        ({"general.alignment": 0.0}, "general.alignment must be a power of two, got 0.0"),
+    ],
+    ids=["context-string", "huge-width", "rope-base-string", "nan-count", "eos-string", "yarn-factor", "alignment"],
+)
+def test_gguf_metadata_of_the_wrong_kind_is_refused_naming_the_key(metadata, message, tmp_path):
+    """They were a TypeError or ZeroDivisionError traceback, or were blamed on the tokenizer
+    (transformers builds a GGUF's tokenizer from the same metadata)."""
+    hf_model = save_random_model(qwen3_with_qk_norm, tmp_path / "hf")
+    path = write_gguf(hf_model, tmp_path / "model.gguf", "qwen3", metadata=metadata)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        config_from_gguf(path)
+    result = serve(path)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    assert message in result.stderr and "its tokenizer cannot be read" not in result.stderr, result.stderr
+
+
+def test_llama_gguf_heads_the_rows_do_not_hold_are_refused_naming_the_weight(tmp_path):
+    """llama.cpp's converter interleaves a Llama's Q/K rows head by head; undoing that for a
+    head count the rows do not hold raised a reshape's RuntimeError, a traceback."""
+    from tests.unit.test_model_tiny import llama_linear_rope_tied
+
+    hf_model = save_random_model(llama_linear_rope_tied, tmp_path / "hf")
+    heads = hf_model.config.num_attention_heads
+    path = write_gguf(
+        hf_model,
+        tmp_path / "model.gguf",
+        "llama",
+        metadata={
+            "llama.attention.head_count": float(2 * heads),
+            **dict.fromkeys(("llama.attention.key_length", "llama.attention.value_length"), 4.0),
+            "llama.rope.dimension_count": 4.0,
+        },
+    )
+    with pytest.raises(ValueError, match=r"self_attn\.q_proj\.weight has \d+ rows: the config implies"):
+        ModelRunner(str(path), torch.float32)
+
+
+def test_a_head_count_that_does_not_divide_is_refused_before_any_process_starts(tmp_path):
+    hf_model = save_random_model(qwen3_with_qk_norm, tmp_path / "hf")
+    path = write_gguf(hf_model, tmp_path / "model.gguf", "qwen3", metadata={"qwen3.attention.head_count_kv": 3.0})
+    result = serve(path)
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [result.stderr.strip()], result.stderr
+    assert "is not a multiple of its num_kv_heads 3" in result.stderr
+
+
+def test_what_the_machine_cannot_give_is_refused_before_the_model_loads(tmp_path):
+    """Each found at once, in a line: before, an address in use was found once the model had
+    loaded (after "ready"), a cache path that is a file was a traceback, and an unknown
+    SLUICE_DISABLE_ISA name, a missing media folder and a thousand threads were taken."""
+    model = Path(ServerArgs().resolved_model_path())
+    (tmp_path / "a-file").write_text("")
+    cpus = len(os.sched_getaffinity(0))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        cases = [
+            ((), {"SLUICE_DISABLE_ISA": "amx,avx-512"}, "SLUICE_DISABLE_ISA names avx-512, which it does not know"),
+            (("--allowed-local-media-path", str(tmp_path / "none")), {}, "--allowed-local-media-path"),
+            (("--num-threads", str(cpus + 1)), {}, f"--num-threads {cpus + 1} is more than the {cpus} CPUs"),
+            ((), {"SLUICE_CACHE_DIR": str(tmp_path / "a-file")}, "cannot make sluice's cache folder"),
+            (("--port", str(port)), {}, f"cannot listen on --host 127.0.0.1 --port {port}"),
+            (("--kv-cache-memory-gb", "1e300"), {}, "kv_cache_memory_gb must be a number > 0 and at most 1,000,000"),
+        ]
+        for flags, env, message in cases:
+            result = serve(model, *flags, env=env)
+            assert result.returncode == 1, (flags, env, result.stderr)
+            assert result.stderr.strip().splitlines() == [result.stderr.strip()], result.stderr
+            assert message in result.stderr, result.stderr
+
+
 def test_a_gguf_head_count_of_zero_is_refused_naming_the_key(tmp_path):
     hf_model = save_random_model(qwen3_with_qk_norm, tmp_path / "hf")
     path = write_gguf(hf_model, tmp_path / "model.gguf", "qwen3", metadata={"qwen3.attention.head_count": 0.0})
-    with pytest.raises(ValueError, match=re.escape("qwen3.attention.head_count must be a positive whole number")):
+    with pytest.raises(
+        ValueError,
+        match=re.escape("qwen3.attention.head_count must be a whole number from 1 to 2,147,483,647, got 0.0"),
+    ):
         config_from_gguf(path)
 
 
