@@ -83,6 +83,18 @@ def test_rgba_and_palette_images_decode_to_rgb():
     assert decode_image(encode(rgba.convert("P")), MediaLimits()).mode == "RGB"
 
 
+@pytest.mark.parametrize("file_format", ["PNG", "TIFF"])
+def test_a_16_bit_grey_image_keeps_its_shades(file_format):
+    """PIL's convert() clipped 16-bit grey samples at 255: all but the darkest 1/256th of
+    the range came out white."""
+    ramp = (np.arange(64, dtype=np.uint16).reshape(8, 8) * 1024).astype(np.uint16)  # 0 .. 64,512
+    buffer = io.BytesIO()
+    Image.fromarray(ramp).save(buffer, format=file_format)
+    decoded = np.asarray(decode_image(buffer.getvalue(), MediaLimits()))
+    assert decoded.shape == (8, 8, 3)
+    assert (decoded == (ramp >> 8).astype(np.uint8)[..., None]).all()
+
+
 def test_an_image_with_an_orientation_tag_decodes_upright():
     """A phone's photo stored sideways with EXIF Orientation 6 (rotate 90 degrees clockwise to
     view), as transformers' load_image turns it."""

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from urllib.parse import SplitResult, unquote, urlsplit
 
 import httpx
+import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from sluice.sampling import ClientError
@@ -103,6 +104,8 @@ def decode_image(data: bytes, limits: MediaLimits, index: int = 0) -> Image.Imag
         upright: Image.Image = ImageOps.exif_transpose(image)
         if upright.mode == "RGB":
             return upright
+        if upright.mode in _SIXTEEN_BIT_GRAY_MODES:
+            upright = _to_eight_bits(upright)
         # PIL converts palette transparency via RGBA only.
         opaque = upright.convert("RGBA") if "transparency" in upright.info else upright
         return opaque.convert("RGB")
@@ -110,6 +113,17 @@ def decode_image(data: bytes, limits: MediaLimits, index: int = 0) -> Image.Imag
         raise refuse(index, f"has too many pixels: {error}") from None
     except Exception as error:  # noqa: BLE001
         raise refuse(index, f"could not be decoded: {_reason(error)}") from None
+
+
+# Grey of 16 bits a sample (a 16-bit PNG or TIFF; PIL reads some as 32-bit "I"), which PIL's
+# convert() clips at 255, all but the darkest 1/256th of the range turning white.
+_SIXTEEN_BIT_GRAY_MODES = ("I;16", "I;16L", "I;16B", "I")
+
+
+def _to_eight_bits(image: Image.Image) -> Image.Image:
+    """A 16-bit grey image scaled to 8 bits (its top byte), as PIL reduces 16-bit RGB."""
+    samples = np.asarray(image).astype(np.int64)
+    return Image.fromarray((np.clip(samples, 0, 65535) >> 8).astype(np.uint8))
 
 
 def _reason(error: Exception) -> str:
