@@ -68,7 +68,12 @@ class RequestTokenizer:
     ) -> list[TokenizedGenerateReqInput]:
         """Tokenize and check every item; the first bad one fails them all (a ClientError
         that names the item when `label_items`). `received_at`: when the request came in."""
-        images = await asyncio.gather(*(self._process_images(item) for item in items))
+
+        async def images_of(i: int, item: GenerateReqInput) -> list[ImageInput]:
+            with naming_the_item(i if label_items else None):
+                return await self._process_images(item)
+
+        images = await asyncio.gather(*(images_of(i, item) for i, item in enumerate(items)))
         texts = [
             self._text_with_placeholders(item.single_text or "", len(imgs))
             for item, imgs in zip(items, images, strict=True)

@@ -193,6 +193,18 @@ def test_batch_mixing_text_and_images_takes_the_sequential_path(vlm):
     assert results[0]["meta_info"]["image_tokens"] == 0 and results[1]["meta_info"]["image_tokens"] > 0
 
 
+def test_a_bad_image_in_a_batch_names_its_item(vlm):
+    """Every item numbers its images from 0: "image 0" alone did not say which prompt's."""
+    r = generate(
+        vlm.base_url,
+        text=["With a picture.", "With a broken one."],
+        image_data=[[b64(6)], ["data:image/png;base64,AAAA"]],
+        sampling_params=greedy(3),
+    )
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"].startswith("item 1: image 0: "), r.text
+
+
 def test_parallel_sampling_with_an_image_reuses_the_image_prefix(vlm):
     r = generate(
         vlm.base_url,
