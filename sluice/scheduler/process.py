@@ -116,24 +116,29 @@ def check_fits_in_memory(
     memory = usable_memory_bytes()
     window_slots = args.window_slots_needed(window, max_total_tokens) if window is not None else 0
     kv_bytes = max_total_tokens * (kv_bytes_per_token - window_bytes) + window_slots * window_bytes
-    if kv_bytes > memory:
+    # Every replica of --dp-size allocates its own, in the same memory.
+    if kv_bytes * args.dp_size > memory:
         flag = (
             f"--max-total-tokens {args.max_total_tokens}"
             if args.max_total_tokens
             else f"--kv-cache-memory-gb {args.kv_cache_memory_gb}"
         )
         raise ValueError(
-            f"{flag} makes a KV cache of {max_total_tokens} tokens, {kv_bytes / 2**30:.1f} GiB: "
+            f"{flag} makes a KV cache of {max_total_tokens} tokens, {kv_bytes / 2**30:.1f} GiB{_each_replica(args)}: "
             f"more than the {memory / 2**30:.1f} GiB of memory this process may use"
         )
     positions = min(context_len, max_total_tokens)
     table_bytes = args.max_running_requests * positions * 8  # req_to_token, int64
-    if table_bytes > memory // 4:
+    if table_bytes * args.dp_size > memory // 4:
         raise ValueError(
             f"--max-running-requests {args.max_running_requests} needs a token table of {table_bytes / 2**30:.1f} GiB "
-            f"({positions} positions each), more than a quarter of the {memory / 2**30:.1f} GiB of memory "
-            "this process may use"
+            f"({positions} positions each){_each_replica(args)}, more than a quarter of the "
+            f"{memory / 2**30:.1f} GiB of memory this process may use"
         )
+
+
+def _each_replica(args: ServerArgs) -> str:
+    return f" in each of --dp-size {args.dp_size} replicas" if args.dp_size > 1 else ""
 
 
 def watch_forward_threads() -> ForwardThreads | None:

@@ -316,6 +316,25 @@ def test_sizes_the_server_cannot_serve_or_allocate_are_refused_in_a_line(flags, 
     assert message in result.stderr and "Traceback" not in result.stderr, result.stderr
 
 
+def test_every_replica_s_kv_cache_counts_against_the_memory(monkeypatch):
+    """--dp-size replicas each allocate their own KV cache and token table: two that each fit
+    alone but not together were let through (the kernel would kill one as they filled)."""
+    from sluice.scheduler import process
+
+    monkeypatch.setattr(process, "usable_memory_bytes", lambda: 10 * 2**30)
+    kv_bytes_per_token = 2**20  # 6 GiB of KV for 6,144 tokens
+    one = ServerArgs(max_total_tokens=6144)
+    process.check_fits_in_memory(one, 6144, kv_bytes_per_token, context_len=4096)
+    two = ServerArgs(max_total_tokens=6144, dp_size=2)
+    with pytest.raises(ValueError, match=re.escape("6.0 GiB in each of --dp-size 2 replicas: more than the 10.0 GiB")):
+        process.check_fits_in_memory(two, 6144, kv_bytes_per_token, context_len=4096)
+    # 1.5 GiB of token table each: under a quarter of memory alone, over it for two.
+    tables = {"max_running_requests": 49152, "max_total_tokens": 4096}
+    process.check_fits_in_memory(ServerArgs(**tables), 4096, 1024, context_len=4096)
+    with pytest.raises(ValueError, match=re.escape("in each of --dp-size 2 replicas, more than a quarter")):
+        process.check_fits_in_memory(ServerArgs(**tables, dp_size=2), 4096, 1024, context_len=4096)
+
+
 def edited(**changes):
     return lambda text: json.dumps({**json.loads(text), **changes})
 
