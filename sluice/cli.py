@@ -8,7 +8,6 @@ import socket
 import sys
 
 from sluice.config import CACHE_DIR_ENV, ServerArgs, cache_root
-from sluice.kernels.cpu import disabled_isas
 from sluice.model.model_config import check_servable
 from sluice.tokenizer_files import check_folder_has_a_tokenizer
 
@@ -38,8 +37,7 @@ def main(argv: list[str] | None = None) -> None:
 def check_surroundings(server_args: ServerArgs) -> None:
     """ValueError naming what the flags and the environment ask of this machine that it cannot
     give, before the model loads: the address to listen on, the cache folder, the threads,
-    the local media folder, SLUICE_DISABLE_ISA."""
-    disabled_isas()
+    the local media folder."""
     cpus = len(os.sched_getaffinity(0))
     if server_args.num_threads > cpus:
         raise ValueError(

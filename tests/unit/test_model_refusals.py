@@ -434,9 +434,9 @@ def test_a_head_count_that_does_not_divide_is_refused_before_any_process_starts(
 
 
 def test_what_the_machine_cannot_give_is_refused_before_the_model_loads(tmp_path):
-    """Each found at once, in a line: before, an address in use was found once the model had
-    loaded (after "ready"), a cache path that is a file was a traceback, and an unknown
-    SLUICE_DISABLE_ISA name, a missing media folder and a thousand threads were taken."""
+    """Each found before the model loads, in a line: before, an address in use was found once
+    the model had loaded (after "ready"), a cache path that is a file was a traceback, and an
+    unknown SLUICE_DISABLE_ISA name, a missing media folder and a thousand threads were taken."""
     model = Path(ServerArgs().resolved_model_path())
     (tmp_path / "a-file").write_text("")
     cpus = len(os.sched_getaffinity(0))
@@ -445,7 +445,6 @@ def test_what_the_machine_cannot_give_is_refused_before_the_model_loads(tmp_path
         taken.listen()
         port = taken.getsockname()[1]
         cases = [
-            ((), {"SLUICE_DISABLE_ISA": "amx,avx-512"}, "SLUICE_DISABLE_ISA names avx-512, which it does not know"),
             (("--allowed-local-media-path", str(tmp_path / "none")), {}, "--allowed-local-media-path"),
             (("--num-threads", str(cpus + 1)), {}, f"--num-threads {cpus + 1} is more than the {cpus} CPUs"),
             ((), {"SLUICE_CACHE_DIR": str(tmp_path / "a-file")}, "cannot make sluice's cache folder"),
@@ -457,6 +456,10 @@ def test_what_the_machine_cannot_give_is_refused_before_the_model_loads(tmp_path
             assert result.returncode == 1, (flags, env, result.stderr)
             assert result.stderr.strip().splitlines() == [result.stderr.strip()], result.stderr
             assert message in result.stderr, result.stderr
+    # Read where the kernels load (the Scheduler, as it loads the model): a line, status 1.
+    result = serve(model, env={"SLUICE_DISABLE_ISA": "amx,avx-512"})
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    assert "SLUICE_DISABLE_ISA names avx-512, which it does not know" in result.stderr, result.stderr
 
 
 def test_a_gguf_head_count_of_zero_is_refused_naming_the_key(tmp_path):
