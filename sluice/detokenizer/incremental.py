@@ -23,6 +23,8 @@ from collections import deque
 from collections.abc import Sequence
 from typing import NamedTuple
 
+from sluice.special_tokens import special_token_roles
+
 _REPLACEMENT_CHAR = "\ufffd"
 # Text ending in a broken character waits for the tokens that complete it. A UTF-8 character
 # spans at most 4 bytes, so ids that still end broken after this many are invalid bytes, as
@@ -43,15 +45,8 @@ class _TokenDecoder:
     def __init__(self, tokenizer, skip_special_tokens: bool, spaces_between_special_tokens: bool):
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
-        added_tokens = tokenizer.added_tokens_decoder
-        self._skipped_ids = frozenset(
-            token_id for token_id, token in added_tokens.items() if skip_special_tokens and token.special
-        )
-        self._standalone: dict[int, str] = {}
-        if spaces_between_special_tokens:
-            self._standalone = {
-                token_id: token.content for token_id, token in added_tokens.items() if token_id not in self._skipped_ids
-            }
+        roles = special_token_roles(tokenizer, skip_special_tokens, spaces_between_special_tokens)
+        self._skipped_ids, self._standalone = roles.skipped, roles.standalone
 
     def decode(self, token_ids: Sequence[int]) -> str:
         """The text of token_ids."""

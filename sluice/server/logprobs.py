@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from sluice.messages import TokenLogprob
 from sluice.server.token_bytes import TokenBytes
+from sluice.special_tokens import SpecialTokenRoles, special_token_roles
 from sluice.tokenizer.result import GenerateChunk
 
 if TYPE_CHECKING:
@@ -26,10 +27,19 @@ class TokenTexts:
         self._tokenizer: PreTrainedTokenizerBase | None = None
         self._token_bytes: TokenBytes | None = None
         self._texts: dict[int, tuple[str, bytes]] = {}
+        self._roles: dict[tuple[bool, bool], SpecialTokenRoles] = {}
 
     def bind(self, tokenizer: PreTrainedTokenizerBase) -> None:
         if tokenizer is not self._tokenizer:
             self._tokenizer, self._token_bytes, self._texts = tokenizer, TokenBytes(tokenizer), {}
+            self._roles = {}
+
+    def special_token_roles(self, skip_special_tokens: bool, spaces_between_special_tokens: bool) -> SpecialTokenRoles:
+        """What the output's text makes of added tokens, with these settings (see special_tokens)."""
+        key = (skip_special_tokens, spaces_between_special_tokens)
+        if key not in self._roles:
+            self._roles[key] = special_token_roles(self._tokenizer, *key)
+        return self._roles[key]
 
     def __call__(self, token_id: int) -> str:
         return self._text_and_bytes(token_id)[0]
@@ -87,21 +97,47 @@ class TextOffsets:
     """Where each token starts in a choice's text, in characters, streamed token by token.
     Counted over the tokens' bytes, so the pieces of one character (a CJK character is often
     two or three byte-level tokens, each "�" alone) take one character of the text, not one
-    each; a token that ends a character begun before it starts at that character."""
+    each; a token that ends a character begun before it starts at that character. Output
+    tokens count as the detokenizer writes them (`roles`): a skipped special token takes no
+    characters, a standalone one stands one space from its neighbours."""
 
-    def __init__(self) -> None:
+    def __init__(self, roles: SpecialTokenRoles | None = None) -> None:
         self.chars = 0
         self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+        self._roles = roles or SpecialTokenRoles()
+        self._output_shown = False  # the output's text so far holds a piece
+        self._in_run = False  # and the last piece is a run of ordinary tokens, still going
 
-    def next(self, token_bytes: bytes) -> int:
+    def next(self, token_id: int, token_bytes: bytes, output: bool = True) -> int:
+        """The start of token `token_id` (of the prompt where not `output`: the prompt's text
+        is shown as written)."""
+        if not output:
+            return self._count(token_bytes)
+        if token_id in self._roles.skipped:
+            return self.chars
+        standalone = self._roles.standalone.get(token_id)
+        # A piece after another starts one space on: a standalone token, or the run of
+        # ordinary tokens after one.
+        if (standalone is not None or not self._in_run) and self._output_shown:
+            self.chars += 1
+        self._output_shown, self._in_run = True, standalone is None
+        if standalone is not None:
+            start = self.chars
+            self.chars += len(standalone)
+            return start
+        return self._count(token_bytes)
+
+    def _count(self, token_bytes: bytes) -> int:
         start = self.chars
         self.chars += len(self._utf8.decode(token_bytes))
         return start
 
 
-def completion_logprobs(entries: list[LogprobEntry], texts: TokenTexts, offsets: TextOffsets) -> dict[str, Any]:
+def completion_logprobs(
+    entries: list[LogprobEntry], texts: TokenTexts, offsets: TextOffsets, prompt_entries: int = 0
+) -> dict[str, Any]:
     """OpenAI's completions format; text_offset indexes the choice's text, `offsets` goes on
-    from the choice's earlier chunks."""
+    from the choice's earlier chunks. The first `prompt_entries` are the prompt's (echo)."""
     tokens: list[str] = []
     top_logprobs: list[dict[str, float] | None] = []
     for entry in entries:
@@ -118,7 +154,10 @@ def completion_logprobs(entries: list[LogprobEntry], texts: TokenTexts, offsets:
         "tokens": tokens,
         "token_logprobs": [e.logprob for e in entries],
         "top_logprobs": top_logprobs,
-        "text_offset": [offsets.next(texts.bytes_of(e.token_id)) for e in entries],
+        "text_offset": [
+            offsets.next(e.token_id, texts.bytes_of(e.token_id), output=i >= prompt_entries)
+            for i, e in enumerate(entries)
+        ],
     }
 
 

@@ -149,6 +149,10 @@ class CompletionView(OpenAIView):
         # text_offset counts it (the tokens before it): text held back from the stream (a
         # possible stop string) counts too.
         self.stream_offsets: dict[int, TextOffsets] = {}
+        # The output's text leaves skipped special tokens out and spaces standalone ones.
+        self.roles = texts.special_token_roles(
+            body.skip_special_tokens is not False, body.spaces_between_special_tokens is not False
+        )
 
     def prompt_text(self, index: int) -> str:
         prompt_index = index // self.n
@@ -161,21 +165,27 @@ class CompletionView(OpenAIView):
     def choice(
         self, index: int, text: str, entries: list[LogprobEntry], chunk: GenerateChunk, echo: bool, offsets: TextOffsets
     ) -> dict[str, Any]:
+        prompt_entries = logprob_entries(chunk, "input") if echo else []
         if echo:
             text = self.prompt_text(index) + text
-            entries = logprob_entries(chunk, "input") + entries
-        logprobs = completion_logprobs(entries, self.texts, offsets) if self.wants_logprobs else None
+        logprobs = (
+            completion_logprobs(prompt_entries + entries, self.texts, offsets, len(prompt_entries))
+            if self.wants_logprobs
+            else None
+        )
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason(chunk)}
 
     def final_choice(self, index: int, chunk: GenerateChunk) -> dict[str, Any]:
-        return self.choice(index, chunk.text, logprob_entries(chunk, "output"), chunk, self.echo, TextOffsets())
+        return self.choice(
+            index, chunk.text, logprob_entries(chunk, "output"), chunk, self.echo, TextOffsets(self.roles)
+        )
 
     def stream_choice(self, index: int, chunk: GenerateChunk) -> dict[str, Any] | None:
         echo = self.echo and index not in self.stream_offsets  # the prompt goes before the first chunk
         entries = logprob_entries(chunk, "output")
         if not (chunk.text or entries or echo or chunk.finished):
             return None
-        offsets = self.stream_offsets.setdefault(index, TextOffsets())
+        offsets = self.stream_offsets.setdefault(index, TextOffsets(self.roles))
         return self.choice(index, chunk.text, entries, chunk, echo, offsets)
 
 

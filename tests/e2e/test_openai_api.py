@@ -174,6 +174,38 @@ def test_completion_text_offsets_place_tokens_that_split_characters(client, mode
             assert prompt[offset:].startswith(token), (offset, token)
 
 
+CHAT_TURN = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [{}, {"skip_special_tokens": False}, {"skip_special_tokens": False, "spaces_between_special_tokens": False}],
+    ids=["skipped", "spaced", "joined"],
+)
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_completion_text_offsets_count_special_tokens_as_the_text_shows_them(client, model, settings, stream):
+    """The answer ends its turn (<|im_end|>) and goes on (ignore_eos): a skipped special token
+    takes no characters of the text, a kept one stands a space from its neighbours unless
+    spaces_between_special_tokens is off. Counted by its bytes, each token after the first
+    <|im_end|> pointed 10 or more characters past where it is."""
+    args = dict(model=model, prompt=CHAT_TURN, max_tokens=12, temperature=0, logprobs=0)
+    extra_body = {"ignore_eos": True, **settings}
+    if stream:
+        chunks = list(client.completions.create(**args, stream=True, extra_body=extra_body))
+        text = "".join(c.choices[0].text for c in chunks)
+        tokens = [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+        offsets = [o for c in chunks if c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset]
+    else:
+        choice = client.completions.create(**args, extra_body=extra_body).choices[0]
+        text, tokens, offsets = choice.text, choice.logprobs.tokens, choice.logprobs.text_offset
+    assert "<|im_end|>" in tokens[:-1], tokens  # an end of turn with tokens after it
+    assert offsets == sorted(offsets) and offsets[-1] <= len(text)
+    for offset, token in zip(offsets, tokens, strict=True):
+        special = token.startswith("<|") and token.endswith("|>")  # SmolLM2's are all spelt so
+        shown = "" if special and not settings else token
+        assert text[offset : offset + len(shown)] == shown, (offset, token, text)
+
+
 def test_completion_echo_scores_the_prompt_with_max_tokens_0(client, model):
     result = client.completions.create(model=model, prompt=PROMPT, max_tokens=0, echo=True, logprobs=0)
     choice = result.choices[0]

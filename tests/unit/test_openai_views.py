@@ -3,6 +3,8 @@ logprobs with their text offsets, echo, usage, and the finish reasons OpenAI nam
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import pytest
 
 from sluice.messages import FinishReason, TokenLogprob
@@ -16,6 +18,7 @@ from sluice.server.openai_protocol import (
     ToolDefinition,
 )
 from sluice.server.openai_views import ChatView, CompletionView, finish_reason
+from sluice.special_tokens import SpecialTokenRoles
 from sluice.tokenizer.control import BackendError
 from sluice.tokenizer.result import GenerateChunk
 
@@ -24,6 +27,8 @@ WORDS = {1: "The", 2: " cat", 3: " sat", 4: " on", 5: " é", 6: " mat"}
 
 class Words:
     """A tokenizer whose tokens are whole words."""
+
+    added_tokens_decoder: ClassVar[dict] = {}  # none
 
     def decode(self, ids: list[int]) -> str:
         return "".join(WORDS[i] for i in ids)
@@ -294,4 +299,18 @@ def test_text_offsets_count_a_character_split_over_tokens_once():
     """ "a🦙 b" as byte tokens "a", two pieces of the llama, " b": the pieces share the
     llama's offset and " b" starts right after it (each piece alone would be "�")."""
     offsets = TextOffsets()
-    assert [offsets.next(piece) for piece in (b"a", b"\xf0\x9f", b"\xa6\x99", b" b")] == [0, 1, 1, 2]
+    assert [offsets.next(0, piece) for piece in (b"a", b"\xf0\x9f", b"\xa6\x99", b" b")] == [0, 1, 1, 2]
+
+
+def test_text_offsets_place_special_tokens_as_the_detokenizer_writes_them():
+    """ "Hi", a kept added token (2), a newline, a skipped special token (4), the kept one
+    again: with spaces between special tokens the text is "Hi <|e|> \n <|e|>" (the skipped
+    one takes nothing, where the next character would be); without, "Hi<|e|>\n<|e|>"."""
+    tokens = [(1, b"Hi"), (2, b"<|e|>"), (3, b"\n"), (4, b"<|s|>"), (2, b"<|e|>")]
+    spaced = TextOffsets(SpecialTokenRoles(skipped=frozenset({4}), standalone={2: "<|e|>"}))
+    assert [spaced.next(*token) for token in tokens] == [0, 3, 9, 10, 11]
+    joined = TextOffsets(SpecialTokenRoles(skipped=frozenset({4})))
+    assert [joined.next(*token) for token in tokens] == [0, 2, 7, 8, 8]
+    # The prompt's tokens (echo) count as written, before the output's.
+    echoed = TextOffsets(SpecialTokenRoles(skipped=frozenset({4}), standalone={2: "<|e|>"}))
+    assert [echoed.next(4, b"<|s|>", output=False), echoed.next(2, b"<|e|>"), echoed.next(1, b"Hi")] == [0, 5, 11]
