@@ -327,6 +327,14 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
             if not tool.function.name or tool.function.name in names:
                 raise ClientError(f"tools[{index}].function.name must be a new, non-empty name", f"tools[{index}]")
             names.append(tool.function.name)
+            parameters = tool.function.parameters
+            if parameters is not None and parameters.get("type", "object") != "object":
+                # A call's arguments are a JSON object (OpenAI refuses other schemas too).
+                raise ClientError(
+                    f"tools[{index}].function.parameters must be a JSON Schema of type 'object', "
+                    f"got type {parameters['type']!r}",
+                    f"tools[{index}].function.parameters",
+                )
         choice = self.tool_choice
         if isinstance(choice, NamedToolChoice):
             if choice.type != "function":

@@ -54,9 +54,12 @@ class ToolCall:
 
 
 def call_schema(name: str, parameters: dict[str, Any] | None) -> dict[str, Any]:
+    # Arguments are an object, also where the schema leaves its type out (openai_protocol
+    # refuses any other type).
+    arguments = {**(parameters or {}), "type": "object"}
     return {
         "type": "object",
-        "properties": {"name": {"const": name}, "arguments": parameters or {"type": "object"}},
+        "properties": {"name": {"const": name}, "arguments": arguments},
         "required": ["name", "arguments"],
         "additionalProperties": False,
     }
@@ -85,7 +88,7 @@ def strict_calls_tag(functions: dict[str, dict[str, Any] | None], strict: set[st
     section show them)."""
     structures = []
     for name, parameters in functions.items():
-        schema = (parameters or {"type": "object"}) if name in strict else {"type": "object"}
+        schema = {**(parameters or {}), "type": "object"} if name in strict else {"type": "object"}
         if parser == "llama3":
             begin, end = f'{{"name": {json.dumps(name)}, "parameters": ', "}"
         else:

@@ -234,6 +234,11 @@ def http(base_url):
         ),
         ({"messages": [{"role": "tool", "content": "21"}]}, "messages[0].tool_call_id"),
         ({"tools": STRICT_TOOLS, "response_format": {"type": "json_object"}}, "tools"),
+        # Forced, such a function was called with arguments '""' or '[1, 2]' (a 200).
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]},
+            "tools[0].function.parameters",
+        ),
     ],
 )
 def test_bad_tool_requests_are_400_naming_the_field(http, base_url, fields, param):

@@ -90,6 +90,13 @@ def test_streamed_text_waits_only_where_a_call_may_begin():
     assert may_start_call("a < b") == len("a < b")
 
 
+def test_arguments_are_an_object_where_the_schema_leaves_the_type_out():
+    """{"properties": ...} alone also matches a string or a list: a call's arguments must be
+    an object all the same."""
+    schema = json.loads(forced_schema({"f": {"properties": {"x": {"type": "integer"}}}}, ["f"], parallel=False))
+    assert schema["items"]["properties"]["arguments"] == {"properties": {"x": {"type": "integer"}}, "type": "object"}
+
+
 def test_the_forced_schema_takes_only_calls_of_the_named_functions():
     parameters = {"get_time": {"type": "object", "properties": {"zone": {"enum": ["UTC"]}}, "required": ["zone"]}}
     schema = json.loads(forced_schema(parameters, ["get_time"], parallel=False))
