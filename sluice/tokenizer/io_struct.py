@@ -195,6 +195,11 @@ class GenerateReqInput(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
                 raise ClientError(f"{unsupported}: true is not supported (only false)", unsupported)
         if self.logprob_start_len < -1:
             raise ClientError(f"logprob_start_len must be >= -1, got {self.logprob_start_len}", "logprob_start_len")
+        if not self.return_logprob:
+            # Each would change the answer's logprobs, of which there are none without it.
+            for name, default in (("top_logprobs_num", 0), ("logprob_start_len", -1)):
+                if getattr(self, name) != default:
+                    raise ClientError(f"{name} needs return_logprob: true", name)
 
 
 class EmbeddingReqInput(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

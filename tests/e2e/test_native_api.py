@@ -186,6 +186,9 @@ def test_skip_special_tokens_and_the_stop_token_trimmed(base_url):
         ({"text": "hi", "sampling_params": {"sampling_seed": 3}}, "sampling_params.sampling_seed"),
         ({"text": "hi", "sampling_params": {"structural_tag": "{}"}}, "structural_tag must be"),
         ({"input_ids": [1, 2, 3], "return_logprob": True, "logprob_start_len": 4}, "logprob_start_len"),
+        # Without return_logprob there are no logprobs for them to shape: refused, not ignored.
+        ({"text": "hi", "top_logprobs_num": 5}, "top_logprobs_num needs return_logprob: true"),
+        ({"text": "hi", "logprob_start_len": 0}, "logprob_start_len needs return_logprob: true"),
         ({"text": "hi", "sampling_params": {"logit_bias": {"x": 5}}}, "logit_bias"),
         # Other spellings of token 10: refused, or two keys could name one token.
         ({"text": "hi", "sampling_params": {"logit_bias": {"010": 1}}}, "logit_bias"),
