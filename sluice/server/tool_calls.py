@@ -113,9 +113,8 @@ def parse_tool_calls(text: str, parser: str, known: set[str]) -> tuple[str, list
     """(the content left, the calls) of a free answer. Calls of functions not offered, or
     whose JSON does not parse, stay text: nothing the model said is lost."""
     if parser == "llama3":
-        body = text.strip().removeprefix(_PYTHON_TAG).strip()
-        call = _call_of(body, "parameters", known)
-        return ("", [call]) if call is not None else (text, [])
+        llama3_calls = _llama3_calls(text.strip().removeprefix(_PYTHON_TAG).strip(), known)
+        return ("", llama3_calls) if llama3_calls else (text, [])
     calls: list[ToolCall] = []
     kept: list[str] = []
     position = 0
@@ -135,14 +134,40 @@ def parse_tool_calls(text: str, parser: str, known: set[str]) -> tuple[str, list
     return (content if kept[0].strip() else content.lstrip()).rstrip(), calls
 
 
+def _llama3_calls(body: str, known: set[str]) -> list[ToolCall] | None:
+    """The calls of a Llama 3 answer: JSON objects, one after another with "; " between them
+    (as Llama 3.x writes several, and vLLM reads them); None unless every one is a call."""
+    decoder, calls, position = json.JSONDecoder(), [], 0
+    while True:
+        try:
+            parsed, position = decoder.raw_decode(body, position)
+        except (json.JSONDecodeError, RecursionError):
+            return None
+        call = _call_from(parsed, "parameters", known)
+        if call is None:
+            return None
+        calls.append(call)
+        rest = body[position:].lstrip()
+        if not rest:
+            return calls
+        if not rest.startswith(";"):
+            return None
+        position = len(body) - len(rest[1:].lstrip())
+
+
 def _call_of(body: str, arguments_key: str, known: set[str]) -> ToolCall | None:
-    """The call a block's JSON makes: a function offered, with its arguments an object (or a
-    string holding one) under `arguments_key` or "arguments", or no other key than the name.
-    Anything else is text (None), as vLLM's parsers leave it."""
+    """The call a block's JSON makes (see _call_from); None where it is not JSON."""
     try:
         call = json.loads(body)
     except (json.JSONDecodeError, RecursionError):  # not JSON, or nested past Python's stack
         return None
+    return _call_from(call, arguments_key, known)
+
+
+def _call_from(call: Any, arguments_key: str, known: set[str]) -> ToolCall | None:
+    """The call a parsed block makes: a function offered, with its arguments an object (or a
+    string holding one) under `arguments_key` or "arguments", or no other key than the name.
+    Anything else is text (None), as vLLM's parsers leave it."""
     if not isinstance(call, dict) or call.get("name") not in known:
         return None
     key = next((key for key in (arguments_key, "arguments") if key in call), None)

@@ -11,7 +11,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.helpers import wait_until_drained
+from tests.helpers import RunningServer, wait_until_drained
 
 WEATHER = {
     "type": "function",
@@ -248,3 +248,33 @@ def test_bad_tool_requests_are_400_naming_the_field(http, base_url, fields, para
     error = result.json()["error"]
     assert error["param"] == param, error
     wait_until_drained(base_url)
+
+
+@pytest.fixture(scope="module")
+def llama3_http():
+    server = RunningServer("--max-total-tokens", "4000", "--tool-call-parser", "llama3")
+    try:
+        with httpx.Client(base_url=server.base_url, timeout=120) as c:
+            yield c
+    finally:
+        server.stop()
+
+
+def test_llama3_calls_with_semicolons_between_are_each_a_call(llama3_http):
+    """--tool-call-parser llama3: an answer of JSON calls with "; " between them (as Llama 3.x
+    writes several) is that many calls, whole and streamed; one that is not a call leaves
+    the answer text. The answers are forced with a regex."""
+    first, second = '{"name": "get_time", "parameters": {"zone": "UTC"}}', '{"name": "get_time", "parameters": {}}'
+    model_name = llama3_http.get("/v1/models").json()["data"][0]["id"]
+    for answer, names in ((f"{first}; {second}", ["get_time"] * 2), (f'{first}; {{"name": "nope"}}', [])):
+        body = {"model": model_name, "messages": ASK, "tools": TOOLS, "regex": re.escape(answer), "max_tokens": 60}
+        whole = llama3_http.post("/v1/chat/completions", json={**body, "temperature": 0}).json()["choices"][0]
+        assert [call["function"]["name"] for call in whole["message"].get("tool_calls") or []] == names, whole
+        assert whole["message"]["content"] == (None if names else answer)
+        streamed = []
+        with llama3_http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: {"):
+                    for choice in json.loads(line[6:])["choices"]:
+                        streamed += [call["function"].get("name") for call in choice["delta"].get("tool_calls") or []]
+        assert [name for name in streamed if name] == names

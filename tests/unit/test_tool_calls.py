@@ -75,12 +75,20 @@ def test_the_content_around_calls_is_what_a_stream_sends(text, content):
     assert parse_tool_calls(text, "hermes", KNOWN)[0] == content
 
 
-def test_llama3_answers_are_one_json_object():
+def test_llama3_answers_are_json_objects_with_semicolons_between():
     content, calls = parse_tool_calls(
         '<|python_tag|>{"name": "get_time", "parameters": {"zone": "UTC"}}', "llama3", KNOWN
     )
     assert content == "" and json.loads(calls[0].arguments) == {"zone": "UTC"}
     assert parse_tool_calls("The time is noon.", "llama3", KNOWN) == ("The time is noon.", [])
+    # Several calls as Llama 3.x writes them (and vLLM reads them): they stayed text.
+    two = '{"name": "get_time", "parameters": {"zone": "UTC"}}; {"name": "get_weather", "parameters": {"city": "Oslo"}}'
+    content, calls = parse_tool_calls(two, "llama3", KNOWN)
+    assert content == "" and [call.name for call in calls] == ["get_time", "get_weather"]
+    assert json.loads(calls[1].arguments) == {"city": "Oslo"}
+    # Any part that is not a call leaves the whole answer text.
+    for text in (two + "; and more", two.replace(";", ""), two + ";", '{"name": "nope", "parameters": {}}; ' + two):
+        assert parse_tool_calls(text, "llama3", KNOWN) == (text, [])
 
 
 def test_streamed_text_waits_only_where_a_call_may_begin():
