@@ -340,6 +340,10 @@ class ServerArgs:
             (self.max_queued_requests >= 0, "max_queued_requests must be >= 0"),
             (self.max_total_queued_tokens >= 0, "max_total_queued_tokens must be >= 0"),
             (bool(self.weight_version.strip()), "weight_version must not be empty"),
+            (
+                self.served_model_name == self.served_model_name.strip(),
+                "served_model_name must not begin or end with spaces (empty: the model's own name)",
+            ),
             (self.max_n >= 1, "max_n must be >= 1"),
             (self.max_batch_items >= 1, "max_batch_items must be >= 1"),
             (1 <= self.tokenizer_worker_num <= 64, "tokenizer_worker_num must be in 1..64"),

@@ -223,7 +223,12 @@ def _folder_chat_template(folder: Path) -> str | None:
     for config_name in ("chat_template.json", "tokenizer_config.json"):
         config_file = folder / config_name
         if config_file.is_file():
-            config = json.loads(config_file.read_text(encoding="utf-8"))
+            try:
+                config = json.loads(config_file.read_text(encoding="utf-8"))
+            except (ValueError, UnicodeDecodeError) as e:
+                raise TokenizerUnreadable(f"{config_file} is not JSON: {e}") from None
+            if not isinstance(config, dict):
+                raise TokenizerUnreadable(f"{config_file} is not a JSON object")
             if template := _named_default(config.get("chat_template")):
                 return template
     return None

@@ -89,15 +89,22 @@ def config_from_gguf(path: Path) -> ModelConfig:
         count(rotary_dims_key) if metadata.get(rotary_dims_key) is not None else None, head_dim
     )
     num_layers = count(f"{arch_name}.block_count")
-    eos_token_ids = []
-    for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id"):
-        if (token_id := metadata.get(key)) is not None:
-            if not _is_number(token_id) or token_id != int(token_id) or token_id < 0:
-                raise ValueError(f"{path.name}: {key} must be a token id, got {token_id!r}")
-            eos_token_ids.append(int(token_id))
     tokens = metadata.get("tokenizer.ggml.tokens")
     if not isinstance(tokens, StringArray) or not tokens:
         raise ValueError(f"{path.name}: tokenizer.ggml.tokens must be a list of strings, got {tokens!r:.40}")
+    # Every special token the file names (bos, eos, eot, padding, ...) is one of its tokens:
+    # transformers, building the tokenizer, would fail on one that is not, blaming the tokenizer.
+    for key in sorted(
+        key for key in metadata.fields if key.startswith("tokenizer.ggml.") and key.endswith("_token_id")
+    ):
+        token_id = metadata.get(key)
+        if not _is_number(token_id) or not 0 <= token_id < len(tokens) or token_id != int(token_id):
+            raise ValueError(f"{path.name}: {key} must be a token id below {len(tokens)}, got {token_id!r}")
+    eos_token_ids = [
+        int(metadata.get(key))
+        for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
+        if metadata.get(key) is not None
+    ]
     sliding_window = metadata.count(
         f"{arch_name}.attention.sliding_window", 4096 if architecture == "Gemma2ForCausalLM" else None, zero=True
     )

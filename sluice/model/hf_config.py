@@ -90,8 +90,77 @@ def _check_shape_fields(config: dict[str, Any]) -> None:
             raise ValueError(f"config.json: {key} must be a positive integer, got {value!r}")
 
 
+# The fields of config.json (and of its RoPE parameters) that are numbers, whole numbers,
+# true/false or lists of numbers where given: another kind is refused naming the field,
+# before anything computes with it (a string factor made "0.50.50.5..." of a head size).
+_NUMBER_KEYS = (
+    "rope_theta",
+    "rms_norm_eps",
+    "partial_rotary_factor",
+    "query_pre_attn_scalar",
+    "attn_logit_softcapping",
+    "final_logit_softcapping",
+    "rope_local_base_freq",
+)
+_WHOLE_NUMBER_KEYS = ("sliding_window", "original_max_position_embeddings", "max_window_layers")
+_BOOL_KEYS = ("tie_word_embeddings", "attention_bias", "use_sliding_window")
+_ROPE_NUMBER_KEYS = (
+    "rope_theta",
+    "factor",
+    "low_freq_factor",
+    "high_freq_factor",
+    "attention_factor",
+    "beta_fast",
+    "beta_slow",
+    "mscale",
+    "mscale_all_dim",
+    "partial_rotary_factor",
+)
+_ROPE_LIST_KEYS = ("long_factor", "short_factor")
+
+
+def _check_value_kinds(config: dict[str, Any]) -> None:
+    def number(value: Any) -> bool:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+
+    def check(where: str, key: str, value: Any, kind: str, ok: bool) -> None:
+        if value is not None and not ok:
+            raise ValueError(f"config.json: {where}{key} must be {kind}, got {value!r}")
+
+    for key in _NUMBER_KEYS:
+        check("", key, config.get(key), "a number", number(config.get(key)))
+    for key in _WHOLE_NUMBER_KEYS:
+        value = config.get(key)
+        check("", key, value, "a whole number", isinstance(value, int) and not isinstance(value, bool))
+    for key in _BOOL_KEYS:
+        check("", key, config.get(key), "true or false", isinstance(config.get(key), bool))
+    architectures = config.get("architectures")
+    is_names = isinstance(architectures, list) and all(isinstance(name, str) for name in architectures)
+    check("", "architectures", architectures, "a list of class names", is_names)
+    layer_types = config.get("layer_types")
+    check("", "layer_types", layer_types, "a list of layer kinds", isinstance(layer_types, list))
+    rope = config.get("rope_parameters") or config.get("rope_scaling")
+    if not isinstance(rope, dict):
+        return  # _text_fields names it
+    for where, parameters in (("", rope), *((f"{kind}.", rope.get(kind)) for kind in _ROPE_LAYER_KINDS)):
+        if not isinstance(parameters, dict):
+            continue
+        for key in _ROPE_NUMBER_KEYS:
+            check(f"rope_scaling.{where}", key, parameters.get(key), "a number", number(parameters.get(key)))
+        value = parameters.get("original_max_position_embeddings")
+        check(f"rope_scaling.{where}", "original_max_position_embeddings", value, "a whole number", number(value))
+        for key in _ROPE_LIST_KEYS:
+            values = parameters.get(key)
+            is_numbers = isinstance(values, list) and all(number(value) for value in values)
+            check(f"rope_scaling.{where}", key, values, "a list of numbers", is_numbers)
+
+
+_ROPE_LAYER_KINDS = ("full_attention", "sliding_attention")  # Gemma 3: a set of RoPE parameters for each
+
+
 def _text_fields(config: dict[str, Any]) -> dict[str, Any]:
     """The ModelConfig fields of a causal LM's `config.json` (or a VLM's `text_config`)."""
+    _check_value_kinds(config)
     architectures = config.get("architectures") or [_ARCHITECTURE_BY_MODEL_TYPE.get(config.get("model_type", ""), "")]
     architecture = architectures[0]
     if architecture not in SUPPORTED_ARCHITECTURES:

@@ -149,10 +149,23 @@ class ModelConfig:
             raise ValueError(
                 f"the model's num_heads {self.num_heads} is not a multiple of its num_kv_heads {self.num_kv_heads}"
             )
-        for name in ("rope_theta", "rms_norm_eps", "local_rope_theta"):
+        for name in ("rope_theta", "rms_norm_eps", "local_rope_theta", "query_pre_attn_scalar", "embedding_multiplier"):
             value = getattr(self, name)
-            if value is not None and not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
+            if value is not None and not _is_positive_number(value):
                 raise ValueError(f"the model's {name} is {value!r}: it must be a finite number > 0")
+        for name in ("attn_logit_softcap", "final_logit_softcap"):  # 0: none
+            value = getattr(self, name)
+            if value is not None and not (_is_positive_number(value) or value == 0):
+                raise ValueError(f"the model's {name} is {value!r}: it must be a finite number >= 0")
+        if bad := [token_id for token_id in self.eos_token_ids if not 0 <= token_id < self.vocab_size]:
+            raise ValueError(
+                f"the model's end-of-sequence token id {bad[0]} is not in its vocabulary of {self.vocab_size} "
+                "(it would never end an answer)"
+            )
+        if bad_windows := [window for window in self.layer_windows if window is not None and window <= 0]:
+            raise ValueError(f"the model's sliding window is {bad_windows[0]}: it must be a positive number of tokens")
+        if self.rope_scaling is not None:
+            _check_rope_scaling(self.rope_scaling, (self.rotary_dim or self.head_dim) // 2)
 
     @property
     def attention_scale(self) -> float:
@@ -256,13 +269,59 @@ def layer_windows(
     if layer_types is not None:
         if len(layer_types) != num_layers:
             raise ValueError(f"layer_types lists {len(layer_types)} layers, not num_hidden_layers = {num_layers}")
+        if unknown := sorted({str(kind) for kind in layer_types} - {"sliding_attention", "full_attention"}):
+            raise ValueError(
+                f"layer_types holds {unknown[0]!r}; sluice serves sliding_attention and full_attention layers"
+            )
         sliding = [kind == "sliding_attention" for kind in layer_types]
     elif isinstance(pattern, list):
+        if len(pattern) < num_layers:
+            raise ValueError(f"sliding_window_pattern lists {len(pattern)} layers, fewer than the {num_layers}")
         sliding = [bool(flag) for flag in pattern][:num_layers]
     else:
         every = int(pattern or _GEMMA_WINDOW_PATTERNS.get(architecture, 0))
         sliding = [every == 0 or (layer + 1) % every != 0 for layer in range(num_layers)]
     return [int(sliding_window) if flag else None for flag in sliding] if any(sliding) else []
+
+
+def _is_positive_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+
+
+# The RoPE scaling parameters that are numbers > 0 where given (rope_type's own), and the
+# lists of them, one for each rotating pair of a head's dimensions.
+_ROPE_SCALING_NUMBERS = (
+    "factor",
+    "low_freq_factor",
+    "high_freq_factor",
+    "original_max_position_embeddings",
+    "attention_factor",
+    "beta_fast",
+    "beta_slow",
+)
+_ROPE_SCALING_LISTS = ("long_factor", "short_factor", "factors")
+
+
+def _check_rope_scaling(rope_scaling: dict[str, Any], rotary_pairs: int) -> None:
+    """ValueError naming a RoPE scaling parameter no model has: a factor of 0, NaN or inf
+    divides the rotation's frequencies into NaN (the model answers token 0), a list of the
+    wrong length fails every step."""
+    kind = rope_scaling.get("rope_type")
+    for name in _ROPE_SCALING_NUMBERS:
+        value = rope_scaling.get(name)
+        if value is not None and not _is_positive_number(value):
+            raise ValueError(f"the model's rope_scaling {name} ({kind}) is {value!r}: it must be a finite number > 0")
+    for name in _ROPE_SCALING_LISTS:
+        values = rope_scaling.get(name)
+        if values is None:
+            continue
+        if not isinstance(values, list) or not all(_is_positive_number(value) for value in values):
+            raise ValueError(f"the model's rope_scaling {name} ({kind}) must be a list of finite numbers > 0")
+        if len(values) != rotary_pairs:
+            raise ValueError(
+                f"the model's rope_scaling {name} ({kind}) has {len(values)} values: its heads rotate "
+                f"{rotary_pairs} pairs of dimensions"
+            )
 
 
 def checked_rotary_dim(rotary_dim: int | None, head_dim: int) -> int | None:

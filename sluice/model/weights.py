@@ -21,7 +21,7 @@ from sluice.model.gguf_blocks import block_rows
 from sluice.model.gguf_file import GGUFTensor, read_gguf
 from sluice.model.lazy_weights import LazyWeights
 from sluice.model.model_config import ModelConfig, is_gguf
-from sluice.model.safetensors_files import safetensors_shards
+from sluice.model.safetensors_files import safetensors_shards, safetensors_weight_map
 from sluice.procutil import drop_mapped_pages, release_freed_memory
 
 Weight = torch.Tensor | BlockRows
@@ -215,7 +215,8 @@ def _gguf_weights(path: Path, config: ModelConfig, dtype: torch.dtype, format_of
             # dequantize returns the array in row-major HF order ([out, in] for a linear);
             # unquantized tensors come back as read-only views of the file: copy those.
             array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-            weight = torch.from_numpy(np.require(array, requirements=["C", "W"])).to(dtype)
+            weight = torch.from_numpy(np.require(array, requirements=["C", "W"]))
+            weight = _checked_values(weight, f"tensor {tensor.name} of {path.name}", dtype)
         if unpermute_qk and name.endswith(("q_proj.weight", "q_proj.bias")):
             weight = _undo_rotary_permutation(name, weight, config.num_heads, config.head_dim)
         elif unpermute_qk and name.endswith(("k_proj.weight", "k_proj.bias")):
@@ -292,12 +293,34 @@ def _undo_rotary_permutation(name: str, weight: Weight, num_heads: int, head_dim
     return _take_rows(weight, order)
 
 
+def _checked_values(tensor: torch.Tensor, what: str, dtype: torch.dtype) -> torch.Tensor:
+    """`tensor` in `dtype`, or a ValueError naming `what` where it holds values no model serves
+    from: NaN or infinities (every answer would be token 0), or integers (a quantized
+    checkpoint's packed weights, which cast to floats would be noise)."""
+    if not tensor.is_floating_point():
+        raise ValueError(f"{what} is {tensor.dtype}: sluice reads floating-point weights (or GGUF blocks)")
+    converted = tensor.to(dtype)
+    if not torch.isfinite(converted).all():
+        raise ValueError(f"{what} holds NaN or infinite values")
+    return converted
+
+
 def _load_safetensors_folder(folder: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     weights: dict[str, torch.Tensor] = {}
+    shard_of: dict[str, str] = {}
+    weight_map = safetensors_weight_map(folder) or {}
     for shard_name in safetensors_shards(folder):
         for name, tensor in load_file(str(folder / shard_name)).items():
+            # A weight in two shards is not read from whichever came last.
+            if weight_map.get(name, shard_name) != shard_name:
+                raise ValueError(
+                    f"{name} is in {shard_name}, but model.safetensors.index.json puts it in {weight_map[name]}"
+                )
+            if name in shard_of:
+                raise ValueError(f"{name} is in both {shard_of[name]} and {shard_name}")
+            shard_of[name] = shard_name
             if "rotary_emb" not in name:  # precomputed inv_freq buffers of old checkpoints
-                weights[name] = tensor.to(dtype)
+                weights[name] = _checked_values(tensor, f"{name} in {shard_name}", dtype)
     return weights

@@ -3,6 +3,7 @@ names what is wrong, with a non-zero exit."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -18,7 +19,7 @@ import torch
 from sluice.config import ServerArgs
 from sluice.model.gguf_config import config_from_gguf
 from sluice.model.gguf_file import GGUFHeaderError, read_architecture
-from sluice.model.model_config import check_servable
+from sluice.model.model_config import ModelConfig, check_servable
 from sluice.model.model_runner import ModelRunner
 from tests.gguf_files import write_gguf
 from tests.helpers import free_port
@@ -368,6 +369,137 @@ def test_config_values_of_the_wrong_kind_are_refused_naming_the_key(edit, messag
         ModelConfig.from_path(folder)
 
 
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128}
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        # Values of the wrong kind were tracebacks, or a string times a head size.
+        (edited(rope_theta="abc", rope_parameters=None), "config.json: rope_theta must be a number, got 'abc'"),
+        (edited(rope_theta=[10000.0], rope_parameters=None), "config.json: rope_theta must be a number, got [10000.0]"),
+        (edited(partial_rotary_factor="0.5"), "config.json: partial_rotary_factor must be a number, got '0.5'"),
+        (
+            edited(rope_parameters={**YARN, "original_max_position_embeddings": "128"}),
+            "config.json: rope_scaling.original_max_position_embeddings must be a whole number, got '128'",
+        ),
+        (
+            edited(rope_parameters={**YARN, "factor": "4"}),
+            "config.json: rope_scaling.factor must be a number, got '4'",
+        ),
+        # Blamed on the tokenizer (transformers checks config.json as it builds one).
+        (edited(sliding_window="16"), "config.json: sliding_window must be a whole number, got '16'"),
+        (edited(tie_word_embeddings="false"), "config.json: tie_word_embeddings must be true or false, got 'false'"),
+        (edited(architectures="Qwen3ForCausalLM"), "config.json: architectures must be a list of class names"),
+        # Numbers no model has: each loaded and answered token 0 to everything, or never stopped.
+        (edited(rope_parameters={**YARN, "factor": 0.0}), "rope_scaling factor (yarn) is 0.0: it must be a finite"),
+        (
+            edited(rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": float("inf")}),
+            "rope_scaling factor (linear) is inf",
+        ),
+        (
+            edited(rope_parameters={"rope_type": "longrope", "long_factor": [1.0] * 16, "short_factor": [0.0] * 16}),
+            "rope_scaling short_factor (longrope) must be a list of finite numbers > 0",
+        ),
+        (
+            edited(rope_parameters={"rope_type": "longrope", "long_factor": [1.0] * 16, "short_factor": [1.0] * 3}),
+            "rope_scaling short_factor (longrope) has 3 values: its heads rotate 16 pairs of dimensions",
+        ),
+        (edited(eos_token_id=-1), "end-of-sequence token id -1 is not in its vocabulary"),
+        (edited(eos_token_id=[2, 10**6]), f"end-of-sequence token id {10**6} is not in its vocabulary"),
+        (edited(sliding_window=0, layer_types=["sliding_attention"] * 2), "sliding window is 0"),
+        (
+            edited(layer_types=["sliding_attention", "chunked_attention"], sliding_window=16),
+            "layer_types holds 'chunked_attention'",
+        ),
+    ],
+)
+def test_config_values_no_model_has_are_refused_naming_the_field(edit, message, tmp_path):
+    folder = write_folder_with_config(tmp_path / "hf", edit)
+    (folder / "generation_config.json").unlink()  # its eos would hide config.json's
+    with pytest.raises(ValueError, match=re.escape(message)):
+        ModelConfig.from_path(folder)
+
+
+def test_rope_factors_and_token_ids_are_checked_whichever_file_gave_them():
+    """As a GGUF gives them too (rope_freqs.weight, Phi-3's factor tensors): zeros divided the
+    rotation's frequencies into NaN; a list of the wrong length failed every step."""
+    config = config_from_gguf(Path(ServerArgs().resolved_model_path()))
+    pairs = config.head_dim // 2
+    for scaling, message in [
+        ({"rope_type": "frequency_factors", "factors": [0.0] * pairs}, "factors (frequency_factors) must be a list"),
+        ({"rope_type": "frequency_factors", "factors": [1.0] * 3}, f"has 3 values: its heads rotate {pairs} pairs"),
+        ({"rope_type": "linear", "factor": float("nan")}, "rope_scaling factor (linear) is nan"),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            dataclasses.replace(config, rope_scaling=scaling)
+    for field, value, message in [
+        ("query_pre_attn_scalar", -16.0, "query_pre_attn_scalar is -16.0: it must be a finite number > 0"),
+        ("attn_logit_softcap", float("nan"), "attn_logit_softcap is nan"),
+        ("eos_token_ids", [config.vocab_size], f"token id {config.vocab_size} is not in its vocabulary"),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            dataclasses.replace(config, **{field: value})
+
+
+@pytest.mark.parametrize(
+    "spoil, message",
+    [
+        (lambda w: w["model.layers.0.self_attn.q_proj.weight"].view(-1).__setitem__(0, float("nan")), "holds NaN"),
+        (lambda w: w["model.norm.weight"].fill_(float("inf")), "model.norm.weight in model.safetensors holds NaN"),
+        (lambda w: w.__setitem__("model.norm.weight", w["model.norm.weight"].to(torch.int32)), "is torch.int32"),
+    ],
+    ids=["nan", "inf", "int32"],
+)
+def test_weights_no_model_serves_from_are_refused_naming_the_tensor(spoil, message, tmp_path):
+    """Each loaded, warmed up ('' generated) and answered token 0 to everything, or was cast
+    to floats."""
+    from safetensors.torch import load_file, save_file
+
+    folder = write_folder_with_config(tmp_path / "hf", lambda text: text)
+    weights = load_file(str(folder / "model.safetensors"))
+    spoil(weights)
+    save_file(weights, str(folder / "model.safetensors"))
+    with pytest.raises(ValueError, match=re.escape(message)):
+        ModelRunner(str(folder), torch.float32)
+
+
+def test_shards_are_read_as_the_index_maps_them(tmp_path):
+    """A weight in two shards was read from whichever came last (a zeroed copy: token 0 for
+    everything), and an index could name a shard outside the model's folder."""
+    from safetensors.torch import load_file, save_file
+
+    folder = write_folder_with_config(tmp_path / "hf", lambda text: text)
+    weights = load_file(str(folder / "model.safetensors"))
+    (folder / "model.safetensors").rename(folder / "a.safetensors")
+    save_file({name: torch.zeros_like(weight) for name, weight in weights.items()}, str(folder / "b.safetensors"))
+    index = {"weight_map": {**dict.fromkeys(weights, "a.safetensors"), "x": "b.safetensors"}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    message = "is in b.safetensors, but model.safetensors.index.json puts it in a.safetensors"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        ModelRunner(str(folder), torch.float32)
+    (folder / "model.safetensors.index.json").unlink()  # no index: every shard, each weight in one
+    with pytest.raises(ValueError, match=r"is in both a\.safetensors and b\.safetensors"):
+        ModelRunner(str(folder), torch.float32)
+    index = {"weight_map": dict.fromkeys(weights, "../elsewhere/model.safetensors")}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    result = serve(folder)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    assert "names the shard '../elsewhere/model.safetensors', which is not a file of the model" in result.stderr
+
+
+def test_a_broken_chat_template_json_and_a_blank_served_name_are_refused_in_a_line(tmp_path):
+    folder = write_folder_with_config(tmp_path / "hf", lambda text: text)
+    (folder / "chat_template.jinja").unlink()
+    (folder / "chat_template.json").write_text("{not json")
+    for workers in ("1", "2"):  # was a traceback and exit status 3 with one HTTP worker
+        result = serve(folder, "--tokenizer-worker-num", workers)
+        assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+        assert "chat_template.json is not JSON" in result.stderr, result.stderr
+    result = serve(Path(ServerArgs().resolved_model_path()), "--served-model-name", " ")
+    assert result.returncode == 1 and "served_model_name must not begin or end with spaces" in result.stderr
+
+
 def test_a_gguf_rope_base_that_is_not_a_number_is_refused(tmp_path):
     hf_model = save_random_model(qwen3_with_qk_norm, tmp_path / "hf")
     path = write_gguf(hf_model, tmp_path / "model.gguf", "qwen3", metadata={"qwen3.rope.freq_base": float("nan")})
@@ -385,11 +517,23 @@ def test_a_gguf_rope_base_that_is_not_a_number_is_refused(tmp_path):
         ),
         ({"qwen3.rope.freq_base": "x"}, "qwen3.rope.freq_base must be a number, got 'x'"),
         ({"qwen3.rope.dimension_count": float("nan")}, "qwen3.rope.dimension_count must be a whole number"),
-        ({"tokenizer.ggml.eos_token_id": "2"}, "tokenizer.ggml.eos_token_id must be a token id, got '2'"),
+        ({"tokenizer.ggml.eos_token_id": "2"}, "tokenizer.ggml.eos_token_id must be a token id below"),
         ({"qwen3.rope.scaling.type": "yarn", "qwen3.rope.scaling.factor": "4"}, "rope.scaling.factor must be a number"),
         ({"general.alignment": 0.0}, "general.alignment must be a power of two, got 0.0"),
+        ({"tokenizer.ggml.bos_token_id": 1e6}, "tokenizer.ggml.bos_token_id must be a token id below"),
+        ({"qwen3.rope.scaling.type": "yarn", "qwen3.rope.scaling.factor": 0.0}, "rope_scaling factor (yarn) is 0.0"),
     ],
-    ids=["context-string", "huge-width", "rope-base-string", "nan-count", "eos-string", "yarn-factor", "alignment"],
+    ids=[
+        "context-string",
+        "huge-width",
+        "rope-base-string",
+        "nan-count",
+        "eos-string",
+        "yarn-factor",
+        "alignment",
+        "bos-out-of-range",
+        "yarn-factor-0",
+    ],
 )
 def test_gguf_metadata_of_the_wrong_kind_is_refused_naming_the_key(metadata, message, tmp_path):
     """They were a TypeError or ZeroDivisionError traceback, or were blamed on the tokenizer

@@ -452,7 +452,9 @@ def test_a_rotary_dimension_count_that_does_not_fit_a_head_is_refused(tmp_path: 
     config_path = tmp_path / "config.json"
     config = json.loads(config_path.read_text())
     assert ModelConfig.from_path(tmp_path).rotary_dim is None
-    rope = config["rope_parameters"]
+    # A factor for each rotating pair of dimensions: 6 of a head of 16 (Phi-4-mini: 48 of 128).
+    rope = {**config["rope_parameters"]}
+    rope.update({name: rope[name][:6] for name in ("long_factor", "short_factor")})
     config_path.write_text(json.dumps({**config, "rope_parameters": {**rope, "partial_rotary_factor": 0.75}}))
     assert ModelConfig.from_path(tmp_path).rotary_dim == 12
     # transformers 4 wrote it at the top level (Phi-4-mini's own config.json).
