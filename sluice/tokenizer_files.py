@@ -106,7 +106,10 @@ def _unreadable_tokenizer_refused(path: Path) -> Iterator[None]:
     try:
         yield
     except KeyError as e:
-        missing = f"tokenizer.ggml.{e.args[0]}" if path.suffix == ".gguf" else e.args[0]
+        key = str(e.args[0]) if e.args else ""
+        if not key or any(c.isspace() for c in key):  # a sentence, not a missing key's name
+            raise TokenizerUnreadable(f"{path}: its tokenizer cannot be read: {key or 'KeyError'}") from e
+        missing = f"tokenizer.ggml.{key}" if path.suffix == ".gguf" else key
         raise TokenizerUnreadable(f"{path}: its tokenizer cannot be read: it has no {missing}") from e
     except Exception as e:
         raise TokenizerUnreadable(f"{path}: its tokenizer cannot be read: {type(e).__name__}: {e}") from e

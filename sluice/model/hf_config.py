@@ -132,6 +132,8 @@ def _check_value_kinds(config: dict[str, Any]) -> None:
     for key in _WHOLE_NUMBER_KEYS:
         value = config.get(key)
         check("", key, value, "a whole number", isinstance(value, int) and not isinstance(value, bool))
+    original = config.get("original_max_position_embeddings")
+    check("", "original_max_position_embeddings", original, "a whole number > 0", original is None or original > 0)
     for key in _BOOL_KEYS:
         check("", key, config.get(key), "true or false", isinstance(config.get(key), bool))
     architectures = config.get("architectures")
@@ -148,7 +150,8 @@ def _check_value_kinds(config: dict[str, Any]) -> None:
         for key in _ROPE_NUMBER_KEYS:
             check(f"rope_scaling.{where}", key, parameters.get(key), "a number", number(parameters.get(key)))
         value = parameters.get("original_max_position_embeddings")
-        check(f"rope_scaling.{where}", "original_max_position_embeddings", value, "a whole number", number(value))
+        is_length = isinstance(value, int | float) and not isinstance(value, bool) and 0 < value == int(value)
+        check(f"rope_scaling.{where}", "original_max_position_embeddings", value, "a whole number > 0", is_length)
         for key in _ROPE_LIST_KEYS:
             values = parameters.get(key)
             is_numbers = isinstance(values, list) and all(number(value) for value in values)

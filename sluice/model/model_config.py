@@ -162,6 +162,8 @@ class ModelConfig:
                 f"the model's end-of-sequence token id {bad[0]} is not in its vocabulary of {self.vocab_size} "
                 "(it would never end an answer)"
             )
+        if (self.rotary_dim or self.head_dim) % 2:
+            raise ValueError(f"the model's head_dim {self.head_dim} is odd: RoPE rotates pairs of dimensions")
         if bad_windows := [window for window in self.layer_windows if window is not None and window <= 0]:
             raise ValueError(f"the model's sliding window is {bad_windows[0]}: it must be a positive number of tokens")
         if self.rope_scaling is not None:

@@ -381,7 +381,7 @@ YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max
         (edited(partial_rotary_factor="0.5"), "config.json: partial_rotary_factor must be a number, got '0.5'"),
         (
             edited(rope_parameters={**YARN, "original_max_position_embeddings": "128"}),
-            "config.json: rope_scaling.original_max_position_embeddings must be a whole number, got '128'",
+            "config.json: rope_scaling.original_max_position_embeddings must be a whole number > 0, got '128'",
         ),
         (
             edited(rope_parameters={**YARN, "factor": "4"}),
@@ -408,6 +408,11 @@ YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max
         (edited(eos_token_id=-1), "end-of-sequence token id -1 is not in its vocabulary"),
         (edited(eos_token_id=[2, 10**6]), f"end-of-sequence token id {10**6} is not in its vocabulary"),
         (edited(sliding_window=0, layer_types=["sliding_attention"] * 2), "sliding window is 0"),
+        (edited(head_dim=15), "the model's head_dim 15 is odd: RoPE rotates pairs of dimensions"),
+        (
+            edited(rope_parameters={**YARN, "original_max_position_embeddings": 0}),
+            "rope_scaling.original_max_position_embeddings must be a whole number > 0, got 0",
+        ),
         (
             edited(layer_types=["sliding_attention", "chunked_attention"], sliding_window=16),
             "layer_types holds 'chunked_attention'",
