@@ -11,15 +11,13 @@ from sluice.model.model_config import (
     GEMMA_ARCHITECTURES,
     ModelConfig,
     checked_rotary_dim,
+    is_number,
     layer_windows,
 )
 
+_CHECKED_TOKEN_KEYS = tuple(f"tokenizer.ggml.{name}_token_id" for name in ("bos", "eos", "eot", "unknown", "padding"))
 # Sizes past this fit no kernel's int (and no machine's memory).
 _MAX_COUNT = 2**31 - 1
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 class _Metadata:
@@ -42,12 +40,12 @@ class _Metadata:
             return 0
         if value is None:
             raise ValueError(f"{self.file_name}: {key} is missing")
-        if isinstance(value, list) and value and all(_is_number(item) for item in value):
+        if isinstance(value, list) and value and all(is_number(item) for item in value):
             if len(set(value)) != 1:
                 raise ValueError(f"{self.file_name}: {key} differs between layers ({value}); sluice takes one for all")
             value = value[0]
         least = 0 if zero else 1
-        if not _is_number(value) or not least <= value <= _MAX_COUNT or value != int(value):
+        if not is_number(value) or not least <= value <= _MAX_COUNT or value != int(value):
             raise ValueError(
                 f"{self.file_name}: {key} must be a whole number from {least} to {_MAX_COUNT:,}, got {value!r}"
             )
@@ -59,7 +57,7 @@ class _Metadata:
     def number(self, key: str, default: float | None = None) -> float | None: ...
     def number(self, key: str, default: float | None = None) -> float | None:
         value = self.get(key, default)
-        if value is not None and not _is_number(value):
+        if value is not None and not is_number(value):
             raise ValueError(f"{self.file_name}: {key} must be a number, got {value!r}")
         return None if value is None else float(value)
 
@@ -92,13 +90,14 @@ def config_from_gguf(path: Path) -> ModelConfig:
     tokens = metadata.get("tokenizer.ggml.tokens")
     if not isinstance(tokens, StringArray) or not tokens:
         raise ValueError(f"{path.name}: tokenizer.ggml.tokens must be a list of strings, got {tokens!r:.40}")
-    # Every special token the file names (bos, eos, eot, padding, ...) is one of its tokens:
-    # transformers, building the tokenizer, would fail on one that is not, blaming the tokenizer.
-    for key in sorted(
-        key for key in metadata.fields if key.startswith("tokenizer.ggml.") and key.endswith("_token_id")
-    ):
+    # The special tokens transformers builds the tokenizer with (it would fail on one outside
+    # the vocabulary, blaming the tokenizer) and the ends of an answer are among the tokens.
+    # Others (cls, mask, fim_*, ...) go unused, as llama.cpp leaves an out-of-range one.
+    for key in _CHECKED_TOKEN_KEYS:
         token_id = metadata.get(key)
-        if not _is_number(token_id) or not 0 <= token_id < len(tokens) or token_id != int(token_id):
+        if token_id is None:
+            continue
+        if not is_number(token_id) or not 0 <= token_id < len(tokens) or token_id != int(token_id):
             raise ValueError(f"{path.name}: {key} must be a token id below {len(tokens)}, got {token_id!r}")
     eos_token_ids = [
         int(metadata.get(key))

@@ -4,17 +4,22 @@ checkpoint, transformers' own config classes)."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
 from sluice.model.model_config import (
     GEMMA_ARCHITECTURES,
+    ROPE_SCALING_LISTS,
+    ROPE_SCALING_NUMBERS,
     SUPPORTED_ARCHITECTURES,
     SUPPORTED_VLM_ARCHITECTURES,
     TEXT_OF_VLM_ARCHITECTURES,
     ModelConfig,
     VisionConfig,
     checked_rotary_dim,
+    is_number,
+    is_positive_number,
     layer_windows,
 )
 
@@ -48,6 +53,7 @@ def config_from_hf_folder(folder: Path) -> ModelConfig:
 
 
 def _config_of(folder: Path, config: dict[str, Any]) -> ModelConfig:
+    _check_value_kinds(config)
     architectures = config.get("architectures") or [_ARCHITECTURE_BY_MODEL_TYPE.get(config.get("model_type", ""), "")]
     if architectures[0] in SUPPORTED_VLM_ARCHITECTURES:
         return _llava_config(folder, config)
@@ -104,31 +110,20 @@ _NUMBER_KEYS = (
 )
 _WHOLE_NUMBER_KEYS = ("sliding_window", "original_max_position_embeddings", "max_window_layers")
 _BOOL_KEYS = ("tie_word_embeddings", "attention_bias", "use_sliding_window")
-_ROPE_NUMBER_KEYS = (
-    "rope_theta",
-    "factor",
-    "low_freq_factor",
-    "high_freq_factor",
-    "attention_factor",
-    "beta_fast",
-    "beta_slow",
-    "mscale",
-    "mscale_all_dim",
-    "partial_rotary_factor",
-)
-_ROPE_LIST_KEYS = ("long_factor", "short_factor")
+# Every RoPE parameter sluice reads that is a number (ROPE_SCALING_NUMBERS are also > 0).
+_ROPE_NUMBER_KEYS = (*ROPE_SCALING_NUMBERS, "rope_theta", "mscale", "mscale_all_dim", "partial_rotary_factor")
 
 
 def _check_value_kinds(config: dict[str, Any]) -> None:
-    def number(value: Any) -> bool:
-        return isinstance(value, int | float) and not isinstance(value, bool)
+    def number(value: Any) -> bool:  # finite: an inf or NaN would overflow int() before any check
+        return is_number(value) and math.isfinite(value)
 
     def check(where: str, key: str, value: Any, kind: str, ok: bool) -> None:
         if value is not None and not ok:
             raise ValueError(f"config.json: {where}{key} must be {kind}, got {value!r}")
 
     for key in _NUMBER_KEYS:
-        check("", key, config.get(key), "a number", number(config.get(key)))
+        check("", key, config.get(key), "a finite number", number(config.get(key)))
     for key in _WHOLE_NUMBER_KEYS:
         value = config.get(key)
         check("", key, value, "a whole number", isinstance(value, int) and not isinstance(value, bool))
@@ -141,21 +136,23 @@ def _check_value_kinds(config: dict[str, Any]) -> None:
     check("", "architectures", architectures, "a list of class names", is_names)
     layer_types = config.get("layer_types")
     check("", "layer_types", layer_types, "a list of layer kinds", isinstance(layer_types, list))
-    rope = config.get("rope_parameters") or config.get("rope_scaling")
+    rope_key = "rope_parameters" if config.get("rope_parameters") else "rope_scaling"
+    rope = config.get(rope_key)
     if not isinstance(rope, dict):
         return  # _text_fields names it
-    for where, parameters in (("", rope), *((f"{kind}.", rope.get(kind)) for kind in _ROPE_LAYER_KINDS)):
+    for kind, parameters in ((None, rope), *((kind, rope.get(kind)) for kind in _ROPE_LAYER_KINDS)):
         if not isinstance(parameters, dict):
             continue
+        where = f"{rope_key}.{kind}." if kind else f"{rope_key}."
         for key in _ROPE_NUMBER_KEYS:
-            check(f"rope_scaling.{where}", key, parameters.get(key), "a number", number(parameters.get(key)))
+            check(where, key, parameters.get(key), "a finite number", number(parameters.get(key)))
         value = parameters.get("original_max_position_embeddings")
-        is_length = isinstance(value, int | float) and not isinstance(value, bool) and 0 < value == int(value)
-        check(f"rope_scaling.{where}", "original_max_position_embeddings", value, "a whole number > 0", is_length)
-        for key in _ROPE_LIST_KEYS:
+        is_length = is_positive_number(value) and value == int(value)
+        check(where, "original_max_position_embeddings", value, "a whole number > 0", is_length)
+        for key in ROPE_SCALING_LISTS:
             values = parameters.get(key)
             is_numbers = isinstance(values, list) and all(number(value) for value in values)
-            check(f"rope_scaling.{where}", key, values, "a list of numbers", is_numbers)
+            check(where, key, values, "a list of finite numbers", is_numbers)
 
 
 _ROPE_LAYER_KINDS = ("full_attention", "sliding_attention")  # Gemma 3: a set of RoPE parameters for each
@@ -163,7 +160,7 @@ _ROPE_LAYER_KINDS = ("full_attention", "sliding_attention")  # Gemma 3: a set of
 
 def _text_fields(config: dict[str, Any]) -> dict[str, Any]:
     """The ModelConfig fields of a causal LM's `config.json` (or a VLM's `text_config`)."""
-    _check_value_kinds(config)
+    _check_value_kinds(config)  # a VLM's text_config too
     architectures = config.get("architectures") or [_ARCHITECTURE_BY_MODEL_TYPE.get(config.get("model_type", ""), "")]
     architecture = architectures[0]
     if architecture not in SUPPORTED_ARCHITECTURES:

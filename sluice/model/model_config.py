@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass, replace
 from dataclasses import field as dataclass_field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 from sluice.model.gguf_file import read_architecture
 from sluice.model.safetensors_files import check_safetensors
@@ -151,11 +151,11 @@ class ModelConfig:
             )
         for name in ("rope_theta", "rms_norm_eps", "local_rope_theta", "query_pre_attn_scalar", "embedding_multiplier"):
             value = getattr(self, name)
-            if value is not None and not _is_positive_number(value):
+            if value is not None and not is_positive_number(value):
                 raise ValueError(f"the model's {name} is {value!r}: it must be a finite number > 0")
         for name in ("attn_logit_softcap", "final_logit_softcap"):  # 0: none
             value = getattr(self, name)
-            if value is not None and not (_is_positive_number(value) or value == 0):
+            if value is not None and not (is_positive_number(value) or value == 0):
                 raise ValueError(f"the model's {name} is {value!r}: it must be a finite number >= 0")
         if bad := [token_id for token_id in self.eos_token_ids if not 0 <= token_id < self.vocab_size]:
             raise ValueError(
@@ -266,33 +266,40 @@ def layer_windows(
     `sliding_window_pattern` (every how many layers one is global, or a bool per layer,
     True = sliding), else the architecture's default: Gemma's interleaving, every layer
     for the rest (Mistral v0.1)."""
+    if layer_types is not None and (
+        unknown := sorted({str(kind) for kind in layer_types} - {"sliding_attention", "full_attention"})
+    ):
+        raise ValueError(f"layer_types holds {unknown[0]!r}; sluice serves sliding_attention and full_attention layers")
     if sliding_window is None:
         return []
     if layer_types is not None:
         if len(layer_types) != num_layers:
             raise ValueError(f"layer_types lists {len(layer_types)} layers, not num_hidden_layers = {num_layers}")
-        if unknown := sorted({str(kind) for kind in layer_types} - {"sliding_attention", "full_attention"}):
-            raise ValueError(
-                f"layer_types holds {unknown[0]!r}; sluice serves sliding_attention and full_attention layers"
-            )
         sliding = [kind == "sliding_attention" for kind in layer_types]
     elif isinstance(pattern, list):
         if len(pattern) < num_layers:
             raise ValueError(f"sliding_window_pattern lists {len(pattern)} layers, fewer than the {num_layers}")
         sliding = [bool(flag) for flag in pattern][:num_layers]
     else:
+        if pattern is not None and not (is_number(pattern) and pattern == int(pattern) and pattern >= 0):
+            raise ValueError(f"sliding_window_pattern must be a whole number or a list of flags, got {pattern!r:.40}")
         every = int(pattern or _GEMMA_WINDOW_PATTERNS.get(architecture, 0))
         sliding = [every == 0 or (layer + 1) % every != 0 for layer in range(num_layers)]
     return [int(sliding_window) if flag else None for flag in sliding] if any(sliding) else []
 
 
-def _is_positive_number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+def is_number(value: Any) -> TypeGuard[int | float]:
+    """An int or a float, not a bool (which Python counts as an int)."""
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def is_positive_number(value: Any) -> TypeGuard[int | float]:
+    return is_number(value) and math.isfinite(value) and value > 0
 
 
 # The RoPE scaling parameters that are numbers > 0 where given (rope_type's own), and the
 # lists of them, one for each rotating pair of a head's dimensions.
-_ROPE_SCALING_NUMBERS = (
+ROPE_SCALING_NUMBERS = (
     "factor",
     "low_freq_factor",
     "high_freq_factor",
@@ -301,7 +308,7 @@ _ROPE_SCALING_NUMBERS = (
     "beta_fast",
     "beta_slow",
 )
-_ROPE_SCALING_LISTS = ("long_factor", "short_factor", "factors")
+ROPE_SCALING_LISTS = ("long_factor", "short_factor", "factors")
 
 
 def _check_rope_scaling(rope_scaling: dict[str, Any], rotary_pairs: int) -> None:
@@ -309,15 +316,15 @@ def _check_rope_scaling(rope_scaling: dict[str, Any], rotary_pairs: int) -> None
     divides the rotation's frequencies into NaN (the model answers token 0), a list of the
     wrong length fails every step."""
     kind = rope_scaling.get("rope_type")
-    for name in _ROPE_SCALING_NUMBERS:
+    for name in ROPE_SCALING_NUMBERS:
         value = rope_scaling.get(name)
-        if value is not None and not _is_positive_number(value):
+        if value is not None and not is_positive_number(value):
             raise ValueError(f"the model's rope_scaling {name} ({kind}) is {value!r}: it must be a finite number > 0")
-    for name in _ROPE_SCALING_LISTS:
+    for name in ROPE_SCALING_LISTS:
         values = rope_scaling.get(name)
         if values is None:
             continue
-        if not isinstance(values, list) or not all(_is_positive_number(value) for value in values):
+        if not isinstance(values, list) or not all(is_positive_number(value) for value in values):
             raise ValueError(f"the model's rope_scaling {name} ({kind}) must be a list of finite numbers > 0")
         if len(values) != rotary_pairs:
             raise ValueError(

@@ -321,6 +321,9 @@ def _load_safetensors_folder(folder: Path, dtype: torch.dtype) -> dict[str, torc
             if name in shard_of:
                 raise ValueError(f"{name} is in both {shard_of[name]} and {shard_name}")
             shard_of[name] = shard_name
-            if "rotary_emb" not in name:  # precomputed inv_freq buffers of old checkpoints
-                weights[name] = _checked_values(tensor, f"{name} in {shard_name}", dtype)
+            # Precomputed buffers of old checkpoints (rotary inv_freq, a vision tower's
+            # position_ids) are no weights.
+            if "rotary_emb" in name or (not tensor.is_floating_point() and not name.endswith((".weight", ".bias"))):
+                continue
+            weights[name] = _checked_values(tensor, f"{name} in {shard_name}", dtype)
     return weights

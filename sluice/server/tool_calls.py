@@ -152,6 +152,8 @@ def _llama3_calls(body: str, known: set[str]) -> list[ToolCall] | None:
             return calls
         if not rest.startswith(";"):
             return None
+        if not rest[1:].strip():  # a ";" after the last call, as vLLM takes it
+            return calls
         position = len(body) - len(rest[1:].lstrip())
 
 

@@ -376,26 +376,37 @@ YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max
     "edit, message",
     [
         # Values of the wrong kind were tracebacks, or a string times a head size.
-        (edited(rope_theta="abc", rope_parameters=None), "config.json: rope_theta must be a number, got 'abc'"),
-        (edited(rope_theta=[10000.0], rope_parameters=None), "config.json: rope_theta must be a number, got [10000.0]"),
-        (edited(partial_rotary_factor="0.5"), "config.json: partial_rotary_factor must be a number, got '0.5'"),
+        (edited(rope_theta="abc", rope_parameters=None), "config.json: rope_theta must be a finite number, got 'abc'"),
+        (
+            edited(rope_theta=[10000.0], rope_parameters=None),
+            "config.json: rope_theta must be a finite number, got [10000.0]",
+        ),
+        (edited(partial_rotary_factor="0.5"), "config.json: partial_rotary_factor must be a finite number, got '0.5'"),
         (
             edited(rope_parameters={**YARN, "original_max_position_embeddings": "128"}),
-            "config.json: rope_scaling.original_max_position_embeddings must be a whole number > 0, got '128'",
+            "config.json: rope_parameters.original_max_position_embeddings must be a finite number, got '128'",
         ),
         (
             edited(rope_parameters={**YARN, "factor": "4"}),
-            "config.json: rope_scaling.factor must be a number, got '4'",
+            "config.json: rope_parameters.factor must be a finite number, got '4'",
         ),
         # Blamed on the tokenizer (transformers checks config.json as it builds one).
         (edited(sliding_window="16"), "config.json: sliding_window must be a whole number, got '16'"),
         (edited(tie_word_embeddings="false"), "config.json: tie_word_embeddings must be true or false, got 'false'"),
         (edited(architectures="Qwen3ForCausalLM"), "config.json: architectures must be a list of class names"),
+        (edited(architectures=7), "config.json: architectures must be a list of class names, got 7"),  # TypeError
+        # Infinity is JSON to Python: int() of it overflowed, a traceback.
+        (edited(partial_rotary_factor=float("inf")), "config.json: partial_rotary_factor must be a finite number"),
+        (
+            edited(rope_parameters={**YARN, "factor": float("inf")}),
+            "config.json: rope_parameters.factor must be a finite number, got inf",
+        ),
+        (edited(layer_types=["full_attention", "chunked_attention"]), "layer_types holds 'chunked_attention'"),
         # Numbers no model has: each loaded and answered token 0 to everything, or never stopped.
         (edited(rope_parameters={**YARN, "factor": 0.0}), "rope_scaling factor (yarn) is 0.0: it must be a finite"),
         (
-            edited(rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": float("inf")}),
-            "rope_scaling factor (linear) is inf",
+            edited(rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 0.0}),
+            "rope_scaling factor (linear) is 0.0",
         ),
         (
             edited(rope_parameters={"rope_type": "longrope", "long_factor": [1.0] * 16, "short_factor": [0.0] * 16}),
@@ -411,7 +422,7 @@ YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max
         (edited(head_dim=15), "the model's head_dim 15 is odd: RoPE rotates pairs of dimensions"),
         (
             edited(rope_parameters={**YARN, "original_max_position_embeddings": 0}),
-            "rope_scaling.original_max_position_embeddings must be a whole number > 0, got 0",
+            "rope_parameters.original_max_position_embeddings must be a whole number > 0, got 0",
         ),
         (
             edited(layer_types=["sliding_attention", "chunked_attention"], sliding_window=16),
@@ -467,6 +478,16 @@ def test_weights_no_model_serves_from_are_refused_naming_the_tensor(spoil, messa
     save_file(weights, str(folder / "model.safetensors"))
     with pytest.raises(ValueError, match=re.escape(message)):
         ModelRunner(str(folder), torch.float32)
+
+
+def test_integer_buffers_that_are_no_weights_are_left_out(tmp_path):
+    """A vision tower's position_ids (int64) of an older checkpoint: not a weight, not refused."""
+    from safetensors.torch import load_file, save_file
+
+    folder = write_folder_with_config(tmp_path / "hf", lambda text: text)
+    weights = load_file(str(folder / "model.safetensors"))
+    save_file({**weights, "model.embed_positions.position_ids": torch.arange(8)}, str(folder / "model.safetensors"))
+    ModelRunner(str(folder), torch.float32)
 
 
 def test_shards_are_read_as_the_index_maps_them(tmp_path):
@@ -527,6 +548,10 @@ def test_a_gguf_rope_base_that_is_not_a_number_is_refused(tmp_path):
         ({"general.alignment": 0.0}, "general.alignment must be a power of two, got 0.0"),
         ({"tokenizer.ggml.bos_token_id": 1e6}, "tokenizer.ggml.bos_token_id must be a token id below"),
         ({"qwen3.rope.scaling.type": "yarn", "qwen3.rope.scaling.factor": 0.0}, "rope_scaling factor (yarn) is 0.0"),
+        (
+            {"qwen3.attention.sliding_window": 16.0, "qwen3.attention.sliding_window_pattern": "x"},
+            "sliding_window_pattern must be a whole number or a list of flags, got 'x'",
+        ),
     ],
     ids=[
         "context-string",
@@ -538,6 +563,7 @@ def test_a_gguf_rope_base_that_is_not_a_number_is_refused(tmp_path):
         "alignment",
         "bos-out-of-range",
         "yarn-factor-0",
+        "pattern-string",
     ],
 )
 def test_gguf_metadata_of_the_wrong_kind_is_refused_naming_the_key(metadata, message, tmp_path):
@@ -596,6 +622,11 @@ def test_what_the_machine_cannot_give_is_refused_before_the_model_loads(tmp_path
         cases = [
             (("--allowed-local-media-path", str(tmp_path / "none")), {}, "--allowed-local-media-path"),
             (("--num-threads", str(cpus + 1)), {}, f"--num-threads {cpus + 1} is more than the {cpus} CPUs"),
+            (
+                ("--num-threads", "1", "--dp-size", str(cpus + 1)),
+                {},
+                f"--num-threads 1 x --dp-size {cpus + 1} is more than the {cpus} CPUs",
+            ),
             ((), {"SLUICE_CACHE_DIR": str(tmp_path / "a-file")}, "cannot make sluice's cache folder"),
             (("--port", str(port)), {}, f"cannot listen on --host 127.0.0.1 --port {port}"),
             (("--kv-cache-memory-gb", "1e300"), {}, "kv_cache_memory_gb must be a number > 0 and at most 1,000,000"),
