@@ -149,9 +149,14 @@ class CompletionView(OpenAIView):
         # text_offset counts it (the tokens before it): text held back from the stream (a
         # possible stop string) counts too.
         self.stream_offsets: dict[int, TextOffsets] = {}
-        # The output's text leaves skipped special tokens out and spaces standalone ones.
-        self.roles = texts.special_token_roles(
-            body.skip_special_tokens is not False, body.spaces_between_special_tokens is not False
+        # The output's text leaves skipped special tokens out and spaces standalone ones (asked
+        # for only with logprobs: text_offset counts by them).
+        self.roles = (
+            texts.special_token_roles(
+                body.skip_special_tokens is not False, body.spaces_between_special_tokens is not False
+            )
+            if self.wants_logprobs
+            else None
         )
 
     def prompt_text(self, index: int) -> str:
