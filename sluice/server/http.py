@@ -41,6 +41,9 @@ def serve_http(server_args: ServerArgs, app, workers: int = 1) -> None:
         # stalls the Scheduler's kernel threads.
         loop="uvloop",
         http="httptools",
+        # Streams still open then are closed: without a limit, one streaming near the context
+        # length held a SIGTERM off for minutes (the multi-worker supervisor kills at the same time).
+        timeout_graceful_shutdown=int(WORKER_STOP_GRACE_S),
     )
     # What uvicorn.run does, with a bounded wait for the workers to stop.
     if workers > 1:
@@ -74,6 +77,9 @@ def _serve_granian(server_args: ServerArgs, app_factory: str, workers: int) -> N
         factory=True,
         log_level=LogLevels.warning,
         workers_kill_timeout=int(WORKER_STOP_GRACE_S),
+        # As uvicorn's supervisor: a worker that dies is replaced (it registers with the router;
+        # /health says one died), not the end of the whole server. One worker is the server.
+        respawn_failed_workers=workers > 1,
     ).serve()
 
 

@@ -127,3 +127,26 @@ def test_only_the_scheduler_loads_torch(server):
     with_torch = sorted(process.name() for process in tree if loads_torch(process))
     assert with_torch == ["sluice-schedule"], [(p.name(), " ".join(p.cmdline())[-60:]) for p in tree]
     assert len(tree) >= 3 + server.tokenizer_worker_num - 1  # main, scheduler, detokenizer (+ workers, router)
+
+
+def test_sigterm_stops_the_server_while_a_long_stream_runs():
+    """One HTTP process (the default): uvicorn waited for every open stream before it
+    stopped, so a client streaming thousands of tokens held a SIGTERM off for minutes. Now
+    the streams still open WORKER_STOP_GRACE_S after it are closed, as with HTTP workers."""
+    from sluice.server.http import WORKER_STOP_GRACE_S
+
+    server = RunningServer("--max-total-tokens", "8000")
+    try:
+        children = psutil.Process(server.process.pid).children(recursive=True)
+        body = {"max_new_tokens": 7000, "ignore_eos": True}
+        stream = {"text": "Tell me a story.", "sampling_params": body, "stream": True}
+        reader = StreamReader(server.base_url + "/generate", stream)
+        reader.start()
+        assert reader.first_event.wait(60)
+        server.process.send_signal(signal.SIGTERM)
+        server.process.wait(WORKER_STOP_GRACE_S + 30)  # TimeoutExpired fails the test
+        _, alive = psutil.wait_procs([c for c in children if c.is_running()], timeout=10)
+        assert not alive, [c.cmdline() for c in alive]
+        reader.join(30)
+    finally:
+        server.stop()

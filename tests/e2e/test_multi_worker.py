@@ -159,6 +159,27 @@ def test_dead_worker_turns_health_503_and_its_replacement_keeps_the_pause():
         server.stop()
 
 
+def test_a_dead_granian_worker_is_replaced_not_the_end_of_the_server():
+    """Granian stopped the whole server (exit 1) when one of its workers died; as under
+    uvicorn, /health now says one died and a replacement serves."""
+    server = RunningServer("--max-total-tokens", "4000", "--tokenizer-worker-num", "2", "--http-server", "granian")
+    url = server.base_url
+    try:
+        wait_for_log(server, "registered (2 workers)")
+        workers = [
+            c for c in psutil.Process(server.process.pid).children(recursive=True) if c.name().startswith("sluice-http")
+        ]
+        assert len(workers) == 2
+        workers[0].kill()
+        wait_for_log(server, "worker ready in", count=3, timeout_s=120)
+        assert server.process.poll() is None
+        assert httpx.get(url + "/health").status_code == 503 and "died" in server.read_log()
+        for _ in range(4):  # fresh connections reach both workers
+            assert generate(url, text="The capital of France is", sampling_params=greedy(4)).status_code == 200
+    finally:
+        server.stop()
+
+
 def test_a_replacement_serves_at_once_behind_a_busy_scheduler():
     """A replacement's warm-up would queue behind every request waiting in the Scheduler and,
     past WARMUP_TIMEOUT_S, make uvicorn stop the whole server: a replacement skips it."""
