@@ -21,6 +21,7 @@ MIN_CONTEXT_TOKENS = 32
 # The largest --kv-cache-memory-gb: its bytes must stay a finite float.
 MAX_KV_CACHE_MEMORY_GB = 1_000_000
 CACHE_DIR_ENV = "SLUICE_CACHE_DIR"
+_HTTP_WORKER_INBOX = "tokenizer-worker-"  # PortArgs.http_worker_inbox
 
 
 def cache_root() -> Path:
@@ -439,6 +440,14 @@ class PortArgs:
             detokenizer_input=f"ipc://{ipc_dir}/detokenizer",
             tokenizer_input=f"ipc://{ipc_dir}/tokenizer",
         )
+
+    def http_worker_inbox(self, pid: int, tag: str) -> str:
+        """The inbox of HTTP worker `pid` (`tag` tells apart a pid used again)."""
+        return f"ipc://{self.ipc_dir}/{_HTTP_WORKER_INBOX}{pid}-{tag}"
+
+    def http_worker_inboxes(self) -> list[str]:
+        """Every HTTP worker inbox made so far (those of dead workers too)."""
+        return [f"ipc://{path}" for path in sorted(Path(self.ipc_dir).glob(f"{_HTTP_WORKER_INBOX}*"))]
 
     def encode(self) -> bytes:
         return msgspec.json.encode(dataclasses.asdict(self))

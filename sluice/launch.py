@@ -255,6 +255,10 @@ def _launch_worker_processes_server(server_args: ServerArgs) -> None:
         sys.exit(1)
 
 
+# How long the failure sent to the HTTP workers when the router dies has to reach them.
+ROUTER_DEATH_NOTICE_S = 1.0
+
+
 def _report_dead_backend(backend: Backend) -> None:
     """With HTTP in worker processes, the main process watches the back end: a child that
     dies is reported to the tokenizer inbox (the router passes it to every worker), which
@@ -266,16 +270,24 @@ def _report_dead_backend(backend: Backend) -> None:
     if name == ROUTER_PROCESS and backend.exit_code(name) == 0:
         return  # it stopped for a SIGTERM to the whole process group, which this process gets too
     backend.log_death(name)
+    failure = ProcessFailed(process=name, error=f"{name} died")
     if name == ROUTER_PROCESS:
         # It owned the inbox a failure would be reported to, and every request and reply
-        # passed through it: no worker can serve or be told. Stop, for a supervisor to restart.
+        # passed through it: no worker can serve. Each is told in its own inbox, so that its
+        # requests fail now (they waited out the workers' 15 s stop, then were cut without an
+        # error), and the server stops, for a supervisor to restart.
         logger.error("the HTTP workers cannot reach the Scheduler without the router: stopping the server")
         backend.router_died = True
+        context = zmq.Context(1)
+        senders = [Sender(context, inbox) for inbox in backend.port_args.http_worker_inboxes()]
+        for sender in senders:
+            sender.send(failure)
+        time.sleep(ROUTER_DEATH_NOTICE_S)
         os.kill(os.getpid(), signal.SIGTERM)
-        return
-    sender = Sender(zmq.Context(1), backend.port_args.tokenizer_input)
-    sender.send(ProcessFailed(process=name, error=f"{name} died"))
-    # The socket does not linger: keep it open until the message is surely delivered.
+    else:
+        senders = [Sender(zmq.Context(1), backend.port_args.tokenizer_input)]
+        senders[0].send(failure)
+    # The sockets do not linger: keep them open until the messages are surely delivered.
     while not backend.stopping:
         time.sleep(1.0)
 

@@ -39,7 +39,7 @@ def init_multi_tokenizer():
         remove_shared_args(os.getppid())  # read by its only reader, and no router to clean up
         tm = TokenizerManager(server_args, port_args, tokenizer, chat_template)
     else:
-        tokenizer_ipc_name = f"ipc://{port_args.ipc_dir}/tokenizer-worker-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        tokenizer_ipc_name = port_args.http_worker_inbox(os.getpid(), uuid.uuid4().hex[:6])
         tm = TokenizerManager(server_args, port_args, tokenizer, chat_template, http_worker_ipc=tokenizer_ipc_name)
     tm.scheduler_info = scheduler_info
     tm.mm_processor = load_multimodal_processor(server_args, scheduler_info, tokenizer)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -214,7 +215,24 @@ def test_a_dead_router_stops_the_server():
         main = psutil.Process(server.process.pid)
         children = main.children(recursive=True)
         [router] = [c for c in children if c.name().startswith("sluice-router")]
+        # A stream in flight ends with an error event at once: it waited out the workers'
+        # 15 s stop and was then cut without one.
+        events: list[str] = []
+        body = {"text": "Tell me a story.", "stream": True, "sampling_params": {**greedy(3000), "ignore_eos": True}}
+
+        def read_stream() -> None:
+            with httpx.stream("POST", server.base_url + "/generate", json=body, timeout=60) as response:
+                events.extend(line for line in response.iter_lines() if line.startswith("data: "))
+
+        reader = threading.Thread(target=read_stream)
+        reader.start()
+        deadline = time.monotonic() + 60
+        while not events and time.monotonic() < deadline:
+            time.sleep(0.1)
         router.kill()
+        reader.join(WORKER_STOP_GRACE_S - 5)
+        assert not reader.is_alive(), (events[-3:], server.read_log()[-3000:])
+        assert '"error"' in events[-2] and "sluice-router" in events[-2], events[-3:]
         assert server.process.wait(60) == 1
         assert "stopping the server" in server.read_log()
         _, alive = psutil.wait_procs(children, timeout=10)
