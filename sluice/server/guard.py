@@ -78,6 +78,12 @@ class RequestGuard:
             shown = (content_type or b"").decode("latin-1")  # every POST body is JSON, as FastAPI's are
             message = f"Content-Type must be application/json, got {shown!r}"
             return await self._reject(scope, receive, send, 415, message)
+        encoding = headers.get(b"content-encoding", b"identity").decode("latin-1").strip().lower()
+        if scope["method"] == "POST" and encoding != "identity":
+            # Read as it is, a gzip body was "not valid JSON", and a plain one sent with the
+            # header was taken: neither says what was wrong.
+            message = f"Content-Encoding {encoding!r} is not supported: send the body uncompressed"
+            return await self._reject(scope, receive, send, 415, message)
         return await self.app(scope, self._limited(receive), send)
 
     def _required_keys(self, path: str) -> list[bytes]:

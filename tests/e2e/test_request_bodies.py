@@ -64,6 +64,20 @@ def test_a_post_that_is_not_json_or_comes_from_another_site_is_refused(base_url,
     assert httpx.post(base_url + "/generate", json={"text": "Hi", "sampling_params": {"max_new_tokens": 1}}).is_success
 
 
+@pytest.mark.parametrize("compressed", [True, False])
+def test_a_compressed_body_is_415_naming_the_encoding(base_url, compressed):
+    """A gzip body was a 400 saying it is not valid JSON; a plain one sent with the header was taken."""
+    import gzip
+
+    body = b'{"text": "Hi", "sampling_params": {"max_new_tokens": 1}}'
+    headers = {"content-type": "application/json", "content-encoding": "gzip"}
+    r = httpx.post(base_url + "/generate", content=gzip.compress(body) if compressed else body, headers=headers)
+    assert r.status_code == 415, r.text
+    assert r.json()["error"]["message"] == "Content-Encoding 'gzip' is not supported: send the body uncompressed"
+    identity = {"content-type": "application/json", "content-encoding": "identity"}
+    assert httpx.post(base_url + "/generate", content=body, headers=identity, timeout=30).is_success
+
+
 def test_a_cache_flush_by_get_from_another_site_is_refused(base_url):
     """GET /flush_cache (as SGLang has it) from another site's page: an <img src> would do."""
     r = httpx.get(base_url + "/flush_cache", headers={"sec-fetch-site": "cross-site"}, timeout=30)
