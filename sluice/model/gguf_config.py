@@ -100,9 +100,9 @@ def config_from_gguf(path: Path) -> ModelConfig:
         if not is_number(token_id) or not 0 <= token_id < len(tokens) or token_id != int(token_id):
             raise ValueError(f"{path.name}: {key} must be a token id below {len(tokens)}, got {token_id!r}")
     eos_token_ids = [
-        int(metadata.get(key))
+        int(token_id)
         for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
-        if metadata.get(key) is not None
+        if (token_id := metadata.get(key)) is not None
     ]
     sliding_window = metadata.count(
         f"{arch_name}.attention.sliding_window", 4096 if architecture == "Gemma2ForCausalLM" else None, zero=True

@@ -112,6 +112,7 @@ _WHOLE_NUMBER_KEYS = ("sliding_window", "original_max_position_embeddings", "max
 _BOOL_KEYS = ("tie_word_embeddings", "attention_bias", "use_sliding_window")
 # Every RoPE parameter sluice reads that is a number (ROPE_SCALING_NUMBERS are also > 0).
 _ROPE_NUMBER_KEYS = (*ROPE_SCALING_NUMBERS, "rope_theta", "mscale", "mscale_all_dim", "partial_rotary_factor")
+_ROPE_LAYER_KINDS = ("full_attention", "sliding_attention")  # Gemma 3: a set of RoPE parameters for each
 
 
 def _check_value_kinds(config: dict[str, Any]) -> None:
@@ -153,9 +154,6 @@ def _check_value_kinds(config: dict[str, Any]) -> None:
             values = parameters.get(key)
             is_numbers = isinstance(values, list) and all(number(value) for value in values)
             check(where, key, values, "a list of finite numbers", is_numbers)
-
-
-_ROPE_LAYER_KINDS = ("full_attention", "sliding_attention")  # Gemma 3: a set of RoPE parameters for each
 
 
 def _text_fields(config: dict[str, Any]) -> dict[str, Any]:

@@ -7,10 +7,11 @@ import json
 from pathlib import Path
 
 
-def safetensors_shards(folder: Path) -> list[str]:
+def safetensors_shards(folder: Path, weight_map: dict[str, str] | None = None) -> list[str]:
     """The folder's safetensors files, as its index names them (else every one there);
-    ValueError naming what is missing or broken."""
-    weight_map = safetensors_weight_map(folder)
+    ValueError naming what is missing or broken. `weight_map`: the index, where the caller
+    has read it already."""
+    weight_map = weight_map or safetensors_weight_map(folder)
     if weight_map is not None:
         shard_names = sorted(set(weight_map.values()))
     else:

@@ -311,7 +311,7 @@ def _load_safetensors_folder(folder: Path, dtype: torch.dtype) -> dict[str, torc
     weights: dict[str, torch.Tensor] = {}
     shard_of: dict[str, str] = {}
     weight_map = safetensors_weight_map(folder) or {}
-    for shard_name in safetensors_shards(folder):
+    for shard_name in safetensors_shards(folder, weight_map):
         for name, tensor in load_file(str(folder / shard_name)).items():
             # A weight in two shards is not read from whichever came last.
             if weight_map.get(name, shard_name) != shard_name:
