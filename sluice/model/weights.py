@@ -207,16 +207,17 @@ def _gguf_weights(path: Path, config: ModelConfig, dtype: torch.dtype, format_of
         type_name = tensor.tensor_type.name
         format = format_of(name) if format_of is not None and type_name not in FLOAT_TYPES else None
         weight: Weight
+        what = f"tensor {tensor.name} of {path.name}"
         if format is not None and len(tensor.shape) == 2:
             # GGUF lists dimensions innermost first: [in, out] for a linear.
             shape = (int(tensor.shape[1]), int(tensor.shape[0]))
-            weight = block_rows(tensor.data, type_name, shape, format)
+            weight = _checked_scales(block_rows(tensor.data, type_name, shape, format), what)
         else:
             # dequantize returns the array in row-major HF order ([out, in] for a linear);
             # unquantized tensors come back as read-only views of the file: copy those.
             array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
             weight = torch.from_numpy(np.require(array, requirements=["C", "W"]))
-            weight = _checked_values(weight, f"tensor {tensor.name} of {path.name}", dtype)
+            weight = _checked_values(weight, what, dtype)
         if unpermute_qk and name.endswith(("q_proj.weight", "q_proj.bias")):
             weight = _undo_rotary_permutation(name, weight, config.num_heads, config.head_dim)
         elif unpermute_qk and name.endswith(("k_proj.weight", "k_proj.bias")):
@@ -303,6 +304,15 @@ def _checked_values(tensor: torch.Tensor, what: str, dtype: torch.dtype) -> torc
     if not torch.isfinite(converted).all():
         raise ValueError(f"{what} holds NaN or infinite values")
     return converted
+
+
+def _checked_scales(rows: BlockRows, what: str) -> BlockRows:
+    """`rows`, or a ValueError naming `what` where a block's scale or minimum is NaN or
+    infinite (in the file, or past float16 once a Q4_K block's d sc is rounded to it): the
+    kernels would answer token 0 to everything, as with a NaN weight."""
+    if not all(torch.isfinite(part).all() for part in rows.scales if part.is_floating_point()):
+        raise ValueError(f"{what} holds NaN or infinite block scales")
+    return rows
 
 
 def _load_safetensors_folder(folder: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:

@@ -21,7 +21,7 @@ from sluice.model.gguf_config import config_from_gguf
 from sluice.model.gguf_file import GGUFHeaderError, read_architecture
 from sluice.model.model_config import ModelConfig, check_servable
 from sluice.model.model_runner import ModelRunner
-from tests.gguf_files import write_gguf
+from tests.gguf_files import copy_gguf, write_gguf
 from tests.helpers import free_port
 from tests.tiny_lms import build_tiny_model
 from tests.unit.test_model_tiny import qwen3_with_qk_norm, save_random_model
@@ -656,3 +656,20 @@ def test_an_explicit_quantization_that_cannot_apply_is_refused_not_run_dense(tmp
     save_random_model(qwen3_with_qk_norm, tmp_path / "hf")
     with pytest.raises(ValueError, match=re.escape("--quantization gguf keeps a GGUF file's blocks")):
         ModelRunner(str(tmp_path / "hf"), torch.float32, "gguf")
+
+
+@pytest.mark.parametrize("block_type", ["Q8_0", "Q4_1"])
+def test_gguf_blocks_with_a_nan_scale_are_refused_naming_the_tensor(block_type, tmp_path):
+    """The float scan covered dense and dequantized tensors; blocks kept as blocks were served
+    with a NaN scale: token 0 for everything."""
+    import gguf
+
+    hf_model = save_random_model(qwen3_with_qk_norm, tmp_path / "hf")
+    path = write_gguf(hf_model, tmp_path / "model.gguf", "qwen3", block_type)
+    tensor = next(t for t in gguf.GGUFReader(path).tensors if t.name == "blk.0.attn_q.weight")
+    blocks = np.array(tensor.data, dtype=np.uint8)
+    blocks.reshape(-1)[:2] = np.array([np.nan], dtype=np.float16).view(np.uint8)  # the first block's d
+    spoiled = copy_gguf(path, tmp_path / "spoiled.gguf", replace={tensor.name: (blocks, block_type)})
+    message = "tensor blk.0.attn_q.weight of spoiled.gguf holds NaN or infinite block scales"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        ModelRunner(str(spoiled), torch.float32, quantization="auto")
