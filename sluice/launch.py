@@ -58,6 +58,7 @@ class Backend:
 
         self.server_args = server_args
         self.port_args = port_args
+        self.ipc_dir_lock = port_args.hold_ipc_dir()
         self.processes: list = []
         # With --dp-size > 1 the DataParallelController watches the replicas: one that dies
         # fails only its own requests.
@@ -135,6 +136,9 @@ class Backend:
                 process.kill()
                 process.join(1)
         shutil.rmtree(self.port_args.ipc_dir, ignore_errors=True)
+        if self.ipc_dir_lock >= 0:  # shutdown may run twice (the app's lifespan, then serving's end)
+            os.close(self.ipc_dir_lock)
+            self.ipc_dir_lock = -1
 
 
 async def start_tokenizer_manager(server_args: ServerArgs, backend: Backend):
