@@ -28,11 +28,25 @@ class TokenTexts:
         self._token_bytes: TokenBytes | None = None
         self._texts: dict[int, tuple[str, bytes]] = {}
         self._roles: dict[tuple[bool, bool], SpecialTokenRoles] = {}
+        self._strips_first_space: bool | None = None
 
     def bind(self, tokenizer: PreTrainedTokenizerBase) -> None:
         if tokenizer is not self._tokenizer:
             self._tokenizer, self._token_bytes, self._texts = tokenizer, TokenBytes(tokenizer), {}
-            self._roles = {}
+            self._roles, self._strips_first_space = {}, None
+
+    @property
+    def strips_first_space(self) -> bool:
+        """Whether decoding drops the space that a text's first token spells (SentencePiece
+        tokenizers whose decoder strips it: Llama 2, Mistral, Phi-3), so that an output's text,
+        decoded a run of ordinary tokens at a time, starts each run without it."""
+        if self._strips_first_space is None:
+            if self._tokenizer is None:
+                raise RuntimeError("TokenTexts.bind() names the tokenizer before any text is asked for")
+            ids = self._tokenizer.encode(" a", add_special_tokens=False)
+            spaced = next((i for i in ids if self.bytes_of(i).startswith(b" ")), None)
+            self._strips_first_space = spaced is not None and not self.decode([spaced]).startswith(" ")
+        return self._strips_first_space
 
     def special_token_roles(self, skip_special_tokens: bool, spaces_between_special_tokens: bool) -> SpecialTokenRoles:
         """What the output's text makes of added tokens, with these settings (see special_tokens)."""
@@ -99,12 +113,15 @@ class TextOffsets:
     two or three byte-level tokens, each "�" alone) take one character of the text, not one
     each; a token that ends a character begun before it starts at that character. Output
     tokens count as the detokenizer writes them (`roles`): a skipped special token takes no
-    characters, a standalone one stands one space from its neighbours."""
+    characters, a standalone one stands one space from its neighbours; where decoding strips
+    the space a text's first token spells (`strips_first_space`, SentencePiece's Llama 2),
+    a run of ordinary tokens starts without it."""
 
-    def __init__(self, roles: SpecialTokenRoles | None = None) -> None:
+    def __init__(self, roles: SpecialTokenRoles | None = None, strips_first_space: bool = False) -> None:
         self.chars = 0
         self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
         self._roles = roles or SpecialTokenRoles()
+        self._strips_first_space = strips_first_space
         self._output_shown = False  # the output's text so far holds a piece
         self._in_run = False  # and the last piece is a run of ordinary tokens, still going
 
@@ -120,11 +137,14 @@ class TextOffsets:
         # ordinary tokens after one.
         if (standalone is not None or not self._in_run) and self._output_shown:
             self.chars += 1
+        starts_run = standalone is None and not self._in_run
         self._output_shown, self._in_run = True, standalone is None
         if standalone is not None:
             start = self.chars
             self.chars += len(standalone)
             return start
+        if starts_run and self._strips_first_space and token_bytes.startswith(b" "):
+            token_bytes = token_bytes[1:]
         return self._count(token_bytes)
 
     def _count(self, token_bytes: bytes) -> int:

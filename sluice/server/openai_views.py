@@ -158,6 +158,7 @@ class CompletionView(OpenAIView):
             if self.wants_logprobs
             else None
         )
+        self.strips_first_space = self.wants_logprobs and texts.strips_first_space
 
     def prompt_text(self, index: int) -> str:
         prompt_index = index // self.n
@@ -182,7 +183,12 @@ class CompletionView(OpenAIView):
 
     def final_choice(self, index: int, chunk: GenerateChunk) -> dict[str, Any]:
         return self.choice(
-            index, chunk.text, logprob_entries(chunk, "output"), chunk, self.echo, TextOffsets(self.roles)
+            index,
+            chunk.text,
+            logprob_entries(chunk, "output"),
+            chunk,
+            self.echo,
+            TextOffsets(self.roles, self.strips_first_space),
         )
 
     def stream_choice(self, index: int, chunk: GenerateChunk) -> dict[str, Any] | None:
@@ -190,7 +196,7 @@ class CompletionView(OpenAIView):
         entries = logprob_entries(chunk, "output")
         if not (chunk.text or entries or echo or chunk.finished):
             return None
-        offsets = self.stream_offsets.setdefault(index, TextOffsets(self.roles))
+        offsets = self.stream_offsets.setdefault(index, TextOffsets(self.roles, self.strips_first_space))
         return self.choice(index, chunk.text, entries, chunk, echo, offsets)
 
 

@@ -33,6 +33,9 @@ class Words:
     def decode(self, ids: list[int]) -> str:
         return "".join(WORDS[i] for i in ids)
 
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [i for i, word in WORDS.items() if word == text]
+
 
 def texts() -> TokenTexts:
     token_texts = TokenTexts()

@@ -7,9 +7,13 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, normalizers
 from transformers import PreTrainedTokenizerFast
 
+from sluice.messages import FinishReason
 from sluice.model_files import default_model_path
 from sluice.server.logprobs import LogprobEntry, TokenTexts, chat_logprobs
+from sluice.server.openai_protocol import CompletionRequest
+from sluice.server.openai_views import CompletionView
 from sluice.server.token_bytes import byte_level_alphabet
+from sluice.tokenizer.result import GenerateChunk
 from sluice.tokenizer_files import load_tokenizer
 
 TEXT = "I like 🦙, 世界 and naïve cafés."
@@ -70,3 +74,28 @@ def test_sentencepiece_tokens_keep_their_space_and_bytes(sentencepiece_tokenizer
     assert [texts(i) for i in ids[:4]] == [" I", " like", " cat", " "]  # decoded alone, " I" would be "I"
     assert b"".join(texts.bytes_of(i) for i in ids) == " I like cat 🦙".encode()
     assert [texts.bytes_of(i) for i in ids[4:]] == [bytes([b]) for b in "🦙".encode()]
+
+
+def test_text_offsets_start_where_the_text_does_when_decoding_drops_the_first_space(sentencepiece_tokenizer):
+    """A Llama-2 tokenizer decodes "▁I▁like▁cat" to "I like cat": counted by their bytes the
+    offsets ran a character ahead of the text from the first token on."""
+    tokenizer = sentencepiece_tokenizer
+    texts = texts_of(tokenizer)
+    assert texts.strips_first_space and not texts_of(load_tokenizer(default_model_path())).strips_first_space
+    ids = tokenizer.encode("I like cat", add_special_tokens=False)
+    request = CompletionRequest(prompt="Hi", logprobs=0)
+    view = CompletionView("model-x", "abc", texts, request, ["Hi"])
+    answer = GenerateChunk(
+        rid="r0",
+        path="batch",
+        index=0,
+        text=tokenizer.decode(ids),
+        output_ids=ids,
+        finish_reason=FinishReason(type="length"),
+        return_logprob=True,
+        output_logprobs=[-0.5] * len(ids),
+        output_top_logprobs=[[]] * len(ids),
+    )
+    choice = view.final_choice(0, answer)
+    assert choice["text"] == "I like cat"
+    assert choice["logprobs"]["text_offset"] == [0, 1, 6]
