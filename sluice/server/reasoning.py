@@ -26,9 +26,11 @@ def split_reasoning(text: str, parser: str, final: bool = True) -> tuple[str, st
         return "", text, True
     stripped = text.lstrip()
     opened = stripped.startswith(THINK_START)
+    if not opened and not final and THINK_START.startswith(stripped):
+        # "<thi" or only whitespace: it may still open, and what is sent now cannot be taken
+        # back (deepseek-r1 sent "<thi" as reasoning, then cut as much off the real one).
+        return "", "", False
     if parser == "qwen3" and not opened:
-        if not final and THINK_START.startswith(stripped):
-            return "", "", False  # "<thi": may still open
         return "", text, True
     body = stripped[len(THINK_START) :] if opened else text
     end = body.find(THINK_END)

@@ -34,6 +34,28 @@ def test_a_partial_end_tag_is_held_back_while_streaming():
     assert split_reasoning("<thi", "qwen3", final=False) == ("", "", False)
 
 
+@pytest.mark.parametrize("parser", ["qwen3", "deepseek-r1"])
+@pytest.mark.parametrize(
+    "answer", [" <think>a</think>b", "<think>hmm</think>", "\n<think>x y</think>\nz", "a</think>b"]
+)
+def test_any_split_of_the_stream_reassembles_to_the_whole_answer(parser, answer):
+    """deepseek-r1 sent a `<think>` that came over several chunks ("<", "think", ">") as
+    reasoning, then cut as many characters off the real reasoning."""
+    body = ChatCompletionRequest(messages=[ChatMessage(role="user", content="2+2?")], stream=True)
+    whole = ChatView("m", "id", TokenTexts(), body, reasoning_parser=parser).final_choice(0, piece(answer, "stop"))
+    for size in (1, 2, 3):
+        view = ChatView("m", "id", TokenTexts(), body, reasoning_parser=parser)
+        pieces = [answer[i : i + size] for i in range(0, len(answer), size)]
+        last = len(pieces) - 1
+        events = [e for i, p in enumerate(pieces) for e in view.stream_chunk(piece(p, "stop" if i == last else None))]
+        deltas = [event["choices"][0]["delta"] for event in events]
+        streamed = (
+            "".join(d.get("reasoning_content") or "" for d in deltas),
+            "".join(d.get("content") or "" for d in deltas),
+        )
+        assert streamed == (whole["message"].get("reasoning_content") or "", whole["message"]["content"] or ""), size
+
+
 def piece(text: str, reason: str | None = None) -> GenerateChunk:
     return GenerateChunk(
         rid="r",
