@@ -218,13 +218,20 @@ def install_openai_routes(app: FastAPI, state: ServerState, docs: ApiDocs) -> No
         return {"text": await asyncio.to_thread(tm.tokenizer.decode, body.tokens)}
 
 
-def _continued(rendered: str, final_content: str) -> str:
-    """The prompt cut right after the last message's text, so the model goes on with it
-    (what the template writes after it, its end-of-turn marker, is dropped)."""
-    end = rendered.rfind(final_content) if final_content else -1
-    if end < 0:
+# Put after the last message's text where continue_final_message cuts the prompt: looking for
+# the text itself found it again in what the template writes after it ("end" in <|im_end|>).
+# Its space tells whether the template trimmed the message, as transformers marks it.
+_CONTINUE_TAG = "SLUICE_CONTINUE_FINAL_MESSAGE "
+
+
+def _continued(rendered: str) -> str:
+    """The prompt cut right after the last message's text (marked with _CONTINUE_TAG), so the
+    model goes on with it: what the template writes after it, its end-of-turn marker, is
+    dropped, and where the template trims a message, its trailing whitespace too."""
+    at = rendered.rfind(_CONTINUE_TAG.strip())
+    if at < 0:
         raise ClientError("the chat template does not write the last message's text", "continue_final_message")
-    return rendered[: end + len(final_content)]
+    return rendered[:at] if rendered.startswith(_CONTINUE_TAG, at) else rendered[:at].rstrip()
 
 
 def tool_call_parser(tm: TokenizerManager) -> str:
@@ -258,6 +265,8 @@ def chat_prompt(tm: TokenizerManager, body: ChatCompletionRequest, model_name: s
         template_kwargs["tools"] = tools
     elif tools or any("tool_calls" in message for message in messages):
         messages = with_tools_in_text(messages, tools)
+    if body.continue_final_message:
+        messages[-1]["content"] += _CONTINUE_TAG
     try:
         rendered = tm.chat_template.render(
             messages, add_generation_prompt=body.add_generation_prompt, **template_kwargs
@@ -265,7 +274,7 @@ def chat_prompt(tm: TokenizerManager, body: ChatCompletionRequest, model_name: s
     except ValueError as e:
         raise ClientError(str(e), "messages") from None
     if body.continue_final_message:
-        rendered = _continued(rendered, messages[-1]["content"])
+        rendered = _continued(rendered)
     return rendered, image_urls
 
 

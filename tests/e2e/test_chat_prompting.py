@@ -91,3 +91,15 @@ def test_a_schema_still_holds_with_a_reasoning_parser(thinking_server):
     with httpx.Client(base_url=thinking_server.base_url, timeout=120) as http:
         message = http.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
     assert isinstance(json.loads(message["content"])["n"], int)
+
+
+@pytest.mark.parametrize("content", ["4, 5,", "end", "m", "\n", "trailing space "])
+def test_continue_final_message_cuts_the_prompt_right_after_the_message(http, content):
+    """The cut was made where the message's text last appeared: "end" and "m" are in the
+    <|im_end|> the template writes after it, so the prompt kept half the marker."""
+    messages = [COUNT[0], {"role": "assistant", "content": content}]
+    tokens = http.post(
+        "/tokenize", json={"messages": messages, "add_generation_prompt": False, "continue_final_message": True}
+    ).json()["tokens"]
+    text = http.post("/detokenize", json={"tokens": tokens}).json()["text"]
+    assert text.endswith("<|im_start|>assistant\n" + content), text
