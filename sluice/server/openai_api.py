@@ -259,12 +259,14 @@ def chat_prompt(tm: TokenizerManager, body: ChatCompletionRequest, model_name: s
         raise ClientError("this model has no chat template; use /v1/completions", "messages")
     image_token = tm.mm_processor.image_token if tm.mm_processor is not None else None
     messages, image_urls = body.template_messages(image_token, model_name)
-    tools = [msgspec.to_builtins(tool) for tool in body.tools_offered]
     template_kwargs = dict(body.chat_template_kwargs or {})
-    if tools and template_knows_tools(tm.chat_template.source):
-        template_kwargs["tools"] = tools
-    elif tools or any("tool_calls" in message for message in messages):
-        messages = with_tools_in_text(messages, tools)
+    offered = [msgspec.to_builtins(tool) for tool in body.tools_offered]
+    if body.tools and template_knows_tools(tm.chat_template.source):
+        # With tool_choice "none" too, as vLLM and OpenAI: the model still sees the tools
+        # (nothing is read as a call); only sluice's own tools block is left out then.
+        template_kwargs["tools"] = [msgspec.to_builtins(tool) for tool in body.tools]
+    elif offered or any("tool_calls" in message for message in messages):
+        messages = with_tools_in_text(messages, offered)
     if body.continue_final_message:
         messages[-1]["content"] += _CONTINUE_TAG
     try:

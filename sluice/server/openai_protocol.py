@@ -367,7 +367,7 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
 
     @property
     def tools_offered(self) -> list[ToolDefinition]:
-        """The tools the model is told of: none with tool_choice 'none' (as vLLM does)."""
+        """The tools a call may be read for: none with tool_choice 'none'."""
         return [] if self.tool_choice == "none" else list(self.tools or [])
 
     @property

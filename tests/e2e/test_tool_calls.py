@@ -205,7 +205,7 @@ def test_a_tool_result_turn_is_accepted(client, model_name):
     ]
     result = client.chat.completions.create(model=model_name, messages=messages, tools=TOOLS, max_tokens=16)
     assert result.choices[0].message.content is not None or result.choices[0].message.tool_calls
-    # tool_choice "none": the tools are not offered, and nothing is read as a call.
+    # tool_choice "none": nothing is read as a call (SmolLM2's template has no tools section: no tools block).
     result = client.chat.completions.create(
         model=model_name, messages=messages, tools=TOOLS, tool_choice="none", max_tokens=8
     )

@@ -354,3 +354,26 @@ def test_content_parts_join_with_one_image_token_per_image_in_order():
 def test_bad_messages_name_where_they_are_wrong(message, image_token, param, text):
     with refused(param, text):
         chat(message).template_messages(image_token, "m")
+
+
+@pytest.mark.parametrize("tool_choice", ["auto", "none"])
+def test_a_template_with_a_tools_section_gets_the_tools_whatever_the_choice(tool_choice):
+    """tool_choice "none" left them out of the prompt; vLLM (by default) and OpenAI keep them
+    before the model, which is told nothing: only what is read from the answer differs.
+    sluice's own tools block (for templates without a tools section) is left out with it."""
+    from types import SimpleNamespace
+
+    from sluice.server.openai_api import chat_prompt
+    from sluice.server.openai_protocol import ToolDefinition
+    from sluice.tokenizer_files import ChatTemplate
+
+    tool = msgspec.convert(
+        {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}, ToolDefinition
+    )
+    body = chat(ChatMessage(role="user", content="Hi"), tools=[tool], tool_choice=tool_choice)
+    knows = ChatTemplate("{% if tools %}[{{ tools[0].function.name }}]{% endif %}{{ messages[0].content }}")
+    prompt, _ = chat_prompt(SimpleNamespace(chat_template=knows, mm_processor=None), body, "m")
+    assert prompt == "[f]Hi"
+    plain = ChatTemplate("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}")
+    prompt, _ = chat_prompt(SimpleNamespace(chat_template=plain, mm_processor=None), body, "m")
+    assert ('"name": "f"' in prompt) == (tool_choice == "auto"), prompt
