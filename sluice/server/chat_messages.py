@@ -84,7 +84,8 @@ def _template_message(
             raise ClientError(f"{where}.content is required for role '{message.role}'", f"{where}.content")
         content = ""
     elif isinstance(content, list):
-        content = "".join(
+        # One part a line, as vLLM joins them ("Hello" and "world" made "Helloworld").
+        content = "\n".join(
             _part_text(part, f"{where}.content[{i}]", image_token, model_name, image_urls)
             for i, part in enumerate(content)
         )

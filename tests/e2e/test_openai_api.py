@@ -374,15 +374,18 @@ def test_chat_answers_the_capital_of_france(client, model):
     assert result.usage.total_tokens == result.usage.prompt_tokens + result.usage.completion_tokens
 
 
-def test_chat_content_parts_equal_a_string(client, model):
-    as_string = chat(client, model, "Say hello.", max_tokens=8)
+def test_chat_content_parts_equal_a_string_of_their_lines(client, model):
+    """Joined a line each, as vLLM joins them (they were joined with nothing: "Say" and
+    "hello." made "Sayhello.")."""
+    as_string = chat(client, model, "Say\nhello.", max_tokens=8)
     parts = client.chat.completions.create(
         model=model,
         temperature=0,
         max_tokens=8,
-        messages=[{"role": "user", "content": [{"type": "text", "text": "Say "}, {"type": "text", "text": "hello."}]}],
+        messages=[{"role": "user", "content": [{"type": "text", "text": "Say"}, {"type": "text", "text": "hello."}]}],
     )
     assert parts.choices[0].message.content == as_string.choices[0].message.content
+    assert parts.usage.prompt_tokens == as_string.usage.prompt_tokens
 
 
 def test_chat_stream_deltas_join_to_the_full_text(client, model):

@@ -284,7 +284,7 @@ def test_earlier_call_arguments_go_to_the_template_as_objects_or_else_as_text():
         assert arguments_of(text) == text
 
 
-def test_content_parts_join_with_one_image_token_per_image_in_order():
+def test_content_parts_join_a_line_each_with_one_image_token_per_image_in_order():
     parts = [
         ContentPart(type="text", text="Compare "),
         ContentPart(type="image_url", image_url=ImageURL(url="data:image/png;base64,AAA", detail="high")),
@@ -292,7 +292,7 @@ def test_content_parts_join_with_one_image_token_per_image_in_order():
         ContentPart(type="input_image", image_url="https://example.com/b.png"),
     ]
     messages, images = chat(ChatMessage(role="user", content=parts)).template_messages(IMAGE, "m")
-    assert messages == [{"role": "user", "content": f"Compare {IMAGE} and {IMAGE}"}]
+    assert messages == [{"role": "user", "content": f"Compare \n{IMAGE}\n and \n{IMAGE}"}]
     assert images == ["data:image/png;base64,AAA", "https://example.com/b.png"]
 
 
