@@ -43,7 +43,9 @@ class TokenTexts:
         if self._strips_first_space is None:
             if self._tokenizer is None:
                 raise RuntimeError("TokenTexts.bind() names the tokenizer before any text is asked for")
-            ids = self._tokenizer.encode(" a", add_special_tokens=False)
+            # "a" alone: a SentencePiece tokenizer puts its own space in front ("▁a"), where
+            # " a" may begin with a piece of spaces ("▁▁", which decodes to one).
+            ids = self._tokenizer.encode("a", add_special_tokens=False)
             spaced = next((i for i in ids if self.bytes_of(i).startswith(b" ")), None)
             self._strips_first_space = spaced is not None and not self.decode([spaced]).startswith(" ")
         return self._strips_first_space

@@ -46,8 +46,10 @@ def test_byte_level_tokens_join_to_the_text():
 
 @pytest.fixture(scope="module")
 def sentencepiece_tokenizer():
-    """A Llama-2-style tokenizer: "▁" for spaces, bytes as <0xXX> where no piece fits."""
-    merges = [("▁", "I"), ("▁", "l"), ("▁l", "i"), ("▁li", "k"), ("▁lik", "e"), ("▁", "c"), ("▁c", "a"), ("▁ca", "t")]
+    """A Llama-2-style tokenizer: "▁" for spaces, bytes as <0xXX> where no piece fits, and a
+    piece of two spaces ("▁▁") merged first, as Llama 2's vocabulary has it."""
+    merges = [("▁", "▁"), ("▁", "I"), ("▁", "l"), ("▁l", "i"), ("▁li", "k"), ("▁lik", "e"), ("▁", "c"), ("▁c", "a")]
+    merges += [("▁ca", "t"), ("▁", "a")]
     letters = ["▁", *"Ilikecat"]
     pieces = [
         "<unk>",
