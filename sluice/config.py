@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import fcntl
 import math
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import msgspec
+
+from sluice.ipc_dirs import make_ipc_dir
 
 # The fields of ServerArgs that must never be shown (server info, logs).
 SECRET_FIELDS = frozenset({"api_key", "admin_api_key"})
@@ -24,8 +23,6 @@ MIN_CONTEXT_TOKENS = 32
 MAX_KV_CACHE_MEMORY_GB = 1_000_000
 CACHE_DIR_ENV = "SLUICE_CACHE_DIR"
 _HTTP_WORKER_INBOX = "tokenizer-worker-"  # PortArgs.http_worker_inbox
-_IPC_DIR_PREFIX = "sluice-ipc-"
-_OWNER_LOCK = "owner.lock"  # PortArgs.hold_ipc_dir
 
 
 def cache_root() -> Path:
@@ -436,26 +433,13 @@ class PortArgs:
 
     @classmethod
     def create(cls) -> PortArgs:
-        remove_abandoned_ipc_dirs()
-        ipc_dir = tempfile.mkdtemp(prefix=_IPC_DIR_PREFIX)
-        os.chmod(ipc_dir, 0o700)
+        ipc_dir = make_ipc_dir()
         return cls(
             ipc_dir=ipc_dir,
             scheduler_input=f"ipc://{ipc_dir}/scheduler",
             detokenizer_input=f"ipc://{ipc_dir}/detokenizer",
             tokenizer_input=f"ipc://{ipc_dir}/tokenizer",
         )
-
-    def hold_ipc_dir(self) -> int:
-        """Locks the folder for this process until the returned descriptor is closed or the
-        process ends, however it ends: a server killed before it could remove its folder
-        leaves it unlocked, and the next server to start removes it."""
-        staging = os.path.join(self.ipc_dir, _OWNER_LOCK + ".new")
-        fd = os.open(staging, os.O_CREAT | os.O_RDWR, 0o600)
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        # Named for remove_abandoned_ipc_dirs only once locked.
-        os.rename(staging, os.path.join(self.ipc_dir, _OWNER_LOCK))
-        return fd
 
     def http_worker_inbox(self, pid: int, tag: str) -> str:
         """The inbox of HTTP worker `pid` (`tag` tells apart a pid used again)."""
@@ -471,21 +455,3 @@ class PortArgs:
     @classmethod
     def decode(cls, data: bytes) -> PortArgs:
         return cls(**msgspec.json.decode(data))
-
-
-def remove_abandoned_ipc_dirs() -> None:
-    """Removes the IPC folders whose server died without removing them (SIGKILL): their
-    owner lock (PortArgs.hold_ipc_dir) is free. A running server's, another user's and a
-    folder not yet locked are left alone."""
-    for lock_path in Path(tempfile.gettempdir()).glob(f"{_IPC_DIR_PREFIX}*/{_OWNER_LOCK}"):
-        try:
-            fd = os.open(lock_path, os.O_RDWR)
-        except OSError:  # another user's, or removed meanwhile
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:  # its server runs
-            os.close(fd)
-            continue
-        shutil.rmtree(lock_path.parent, ignore_errors=True)
-        os.close(fd)

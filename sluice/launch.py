@@ -21,6 +21,7 @@ import zmq.asyncio
 
 from sluice.config import PortArgs, ServerArgs
 from sluice.ipc import AsyncReceiver, Sender
+from sluice.ipc_dirs import hold_ipc_dir, remove_abandoned_ipc_dirs
 from sluice.messages import ProcessFailed, SchedulerReady
 from sluice.sampling import ClientError
 from sluice.server.app import ServerState, create_app
@@ -58,24 +59,29 @@ class Backend:
 
         self.server_args = server_args
         self.port_args = port_args
-        self.ipc_dir_lock = port_args.hold_ipc_dir()
+        remove_abandoned_ipc_dirs()
+        self.ipc_dir_lock = hold_ipc_dir(port_args.ipc_dir)
         self.processes: list = []
         # With --dp-size > 1 the DataParallelController watches the replicas: one that dies
         # fails only its own requests.
         self.replicas: list = []
         self.stopping = False
         self.router_died = False  # the workers' only way to the Scheduler: the server stops
-        if server_args.dp_size == 1:
-            self.start(run_scheduler_process, "sluice-scheduler")
-        else:
-            for rank in range(server_args.dp_size):
-                replica = self.start(
-                    run_scheduler_process, f"sluice-scheduler-{rank}", replica_port_args(port_args, rank), rank
-                )
-                self.replicas.append(replica)
-            pids = msgspec.json.encode([replica.pid for replica in self.replicas])
-            self.start(run_dp_controller_process, "sluice-dp-controller", port_args, pids)
-        self.start(run_detokenizer_process, "sluice-detokenizer")
+        try:
+            if server_args.dp_size == 1:
+                self.start(run_scheduler_process, "sluice-scheduler")
+            else:
+                for rank in range(server_args.dp_size):
+                    replica = self.start(
+                        run_scheduler_process, f"sluice-scheduler-{rank}", replica_port_args(port_args, rank), rank
+                    )
+                    self.replicas.append(replica)
+                pids = msgspec.json.encode([replica.pid for replica in self.replicas])
+                self.start(run_dp_controller_process, "sluice-dp-controller", port_args, pids)
+            self.start(run_detokenizer_process, "sluice-detokenizer")
+        except BaseException:
+            self.shutdown()  # the processes started so far, the folder and its lock
+            raise
 
     def start(self, target, name: str, port_args: PortArgs | None = None, *extra: Any) -> Any:
         # Arguments cross as msgspec JSON bytes (and plain ints): no object of ours is pickled.
@@ -136,9 +142,9 @@ class Backend:
                 process.kill()
                 process.join(1)
         shutil.rmtree(self.port_args.ipc_dir, ignore_errors=True)
-        if self.ipc_dir_lock >= 0:  # shutdown may run twice (the app's lifespan, then serving's end)
+        if self.ipc_dir_lock is not None:  # shutdown may run twice (the app's lifespan, then serving's end)
             os.close(self.ipc_dir_lock)
-            self.ipc_dir_lock = -1
+            self.ipc_dir_lock = None
 
 
 async def start_tokenizer_manager(server_args: ServerArgs, backend: Backend):

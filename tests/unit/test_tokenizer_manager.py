@@ -4,6 +4,7 @@ sent, and how a waiting request notices that its client left."""
 from __future__ import annotations
 
 import asyncio
+import shutil
 from concurrent.futures import Future
 
 import msgspec
@@ -50,9 +51,11 @@ class RecordingSender:
 
 @pytest.fixture
 def tm():
-    tm = TokenizerManager(ServerArgs(), PortArgs.create(), tokenizer=None)
+    port_args = PortArgs.create()
+    tm = TokenizerManager(ServerArgs(), port_args, tokenizer=None)
     yield tm
     tm.close()  # open ZMQ sockets would keep the interpreter from exiting
+    shutil.rmtree(port_args.ipc_dir, ignore_errors=True)
 
 
 def request(rid: str) -> TokenizedGenerateReqInput:

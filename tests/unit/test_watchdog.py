@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import shutil
 
 import pytest
 
@@ -49,11 +50,13 @@ async def test_tokenizer_manager_reports_a_stalled_detokenizer(caplog):
     """Inject a stall: a request is in flight and the detokenizer sends nothing."""
     clock = FakeClock()
     args = ServerArgs(soft_watchdog_timeout=2.0)
-    tm = TokenizerManager(args, PortArgs.create(), tokenizer=None)
+    port_args = PortArgs.create()
+    tm = TokenizerManager(args, port_args, tokenizer=None)
     try:
         _check_stall_is_reported(tm, clock, caplog)
     finally:
         tm.close()  # open ZMQ sockets would keep the interpreter from exiting
+        shutil.rmtree(port_args.ipc_dir, ignore_errors=True)
 
 
 def _check_stall_is_reported(tm, clock, caplog) -> None:
