@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from typing import Final
 
 import msgspec
 from fastapi import FastAPI, Request
@@ -221,7 +222,7 @@ def install_openai_routes(app: FastAPI, state: ServerState, docs: ApiDocs) -> No
 # Put after the last message's text where continue_final_message cuts the prompt: looking for
 # the text itself found it again in what the template writes after it ("end" in <|im_end|>).
 # Its space tells whether the template trimmed the message, as transformers marks it.
-_CONTINUE_TAG = "SLUICE_CONTINUE_FINAL_MESSAGE "
+_CONTINUE_TAG: Final = "SLUICE_CONTINUE_FINAL_MESSAGE "
 
 
 def _continued(rendered: str) -> str:
@@ -260,13 +261,15 @@ def chat_prompt(tm: TokenizerManager, body: ChatCompletionRequest, model_name: s
     image_token = tm.mm_processor.image_token if tm.mm_processor is not None else None
     messages, image_urls = body.template_messages(image_token, model_name)
     template_kwargs = dict(body.chat_template_kwargs or {})
-    offered = [msgspec.to_builtins(tool) for tool in body.tools_offered]
-    if body.tools and template_knows_tools(tm.chat_template.source):
+    tools = [msgspec.to_builtins(tool) for tool in body.tools or []]
+    if tools and template_knows_tools(tm.chat_template.source):
         # With tool_choice "none" too, as vLLM and OpenAI: the model still sees the tools
         # (nothing is read as a call); only sluice's own tools block is left out then.
-        template_kwargs["tools"] = [msgspec.to_builtins(tool) for tool in body.tools]
-    elif offered or any("tool_calls" in message for message in messages):
-        messages = with_tools_in_text(messages, offered)
+        template_kwargs["tools"] = tools
+    else:
+        offered = tools if body.tools_offered else []
+        if offered or any("tool_calls" in message for message in messages):
+            messages = with_tools_in_text(messages, offered)
     if body.continue_final_message:
         messages[-1]["content"] += _CONTINUE_TAG
     try:

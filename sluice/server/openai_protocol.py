@@ -357,6 +357,12 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
                 )
             if not self.messages or self.messages[-1].role != "assistant":
                 raise ClientError("continue_final_message needs an assistant message last", "continue_final_message")
+            if self.messages[-1].tool_calls:
+                # The template writes calls after the text, where the continued prompt ends.
+                raise ClientError(
+                    "continue_final_message continues the last message's text: it may not carry tool_calls",
+                    f"messages[{len(self.messages) - 1}].tool_calls",
+                )
         # The request's own fields: in the kwargs they would be ignored (the prompt's end is
         # not the template's to continue) or clash.
         reserved = {"messages", "add_generation_prompt", "continue_final_message", "tools"}

@@ -377,3 +377,32 @@ def test_a_template_with_a_tools_section_gets_the_tools_whatever_the_choice(tool
     plain = ChatTemplate("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}")
     prompt, _ = chat_prompt(SimpleNamespace(chat_template=plain, mm_processor=None), body, "m")
     assert ('"name": "f"' in prompt) == (tool_choice == "auto"), prompt
+
+
+def test_continue_final_message_cuts_after_the_text_a_trimming_template_wrote():
+    """A template that trims (Llama 3's, Qwen's) drops the tag's space and the message's own
+    trailing whitespace; the cut follows the text as written. A final message with calls is
+    a 400: the template writes them after the text, where the prompt ends."""
+    from types import SimpleNamespace
+
+    from sluice.server.openai_api import chat_prompt
+    from sluice.tokenizer_files import ChatTemplate
+
+    trims = ChatTemplate("{% for m in messages %}<{{ m.role }}>{{ m.content | trim }}</{{ m.role }}>{% endfor %}")
+    tm = SimpleNamespace(chat_template=trims, mm_processor=None)
+    for content in ("4, 5,", "4, 5, "):
+        body = chat(
+            ChatMessage(role="user", content="Hi"),
+            ChatMessage(role="assistant", content=content),
+            add_generation_prompt=False,
+            continue_final_message=True,
+        )
+        assert chat_prompt(tm, body, "m")[0] == "<user>Hi</user><assistant>4, 5,"
+    call = MessageToolCall(id="c", function=FunctionCall(name="f", arguments="{}"))
+    with refused("messages[1].tool_calls", "may not carry tool_calls"):
+        chat(
+            ChatMessage(role="user", content="Hi"),
+            ChatMessage(role="assistant", content="a", tool_calls=[call]),
+            add_generation_prompt=False,
+            continue_final_message=True,
+        ).check()
