@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import errno
-import ipaddress
 import os
 import socket
 import sys
@@ -56,18 +55,7 @@ def check_surroundings(server_args: ServerArgs) -> None:
         cache.mkdir(parents=True, exist_ok=True)
     except (OSError, RuntimeError) as e:  # RuntimeError: no home folder to put it in
         raise ValueError(f"cannot make sluice's cache folder (set {CACHE_DIR_ENV} to choose it): {e}") from None
-    if server_args.http_server == "granian" and not _is_ip_address(server_args.host):
-        host = server_args.host
-        raise ValueError(f"--host {host!r}: Granian listens on an IP address, not a name (127.0.0.1, 0.0.0.0, ::)")
     check_can_listen(server_args.host, server_args.port)
-
-
-def _is_ip_address(host: str) -> bool:
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    return True
 
 
 def check_can_listen(host: str, port: int) -> None:

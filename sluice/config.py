@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import ipaddress
 import math
 import os
 from dataclasses import dataclass, field
@@ -350,6 +351,10 @@ class ServerArgs:
             (self.max_batch_items >= 1, "max_batch_items must be >= 1"),
             (1 <= self.tokenizer_worker_num <= 64, "tokenizer_worker_num must be in 1..64"),
             (self.http_server in ("uvicorn", "granian"), "http_server must be uvicorn or granian"),
+            (
+                self.http_server != "granian" or _is_ip_address(self.host),
+                "with http_server granian, host must be an IP address (127.0.0.1, 0.0.0.0, ::): Granian takes no names",
+            ),
             (self.max_images_per_request >= 1, "max_images_per_request must be >= 1"),
             (self.max_image_bytes >= 1024, "max_image_bytes must be >= 1024"),
             (self.max_image_pixels >= 1, "max_image_pixels must be >= 1"),
@@ -420,6 +425,15 @@ class ServerArgs:
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> ServerArgs:
         return cls(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(cls)})
+
+
+def _is_ip_address(host: str) -> bool:
+    """An IP literal Granian binds: no name, no IPv6 scope ("fe80::1%lo")."""
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return "%" not in host
 
 
 @dataclass(slots=True)

@@ -629,7 +629,8 @@ def test_what_the_machine_cannot_give_is_refused_before_the_model_loads(tmp_path
             ),
             ((), {"SLUICE_CACHE_DIR": str(tmp_path / "a-file")}, "cannot make sluice's cache folder"),
             (("--port", str(port)), {}, f"cannot listen on --host 127.0.0.1 --port {port}"),
-            (("--http-server", "granian", "--host", "localhost"), {}, "Granian listens on an IP address, not a name"),
+            (("--http-server", "granian", "--host", "localhost"), {}, "host must be an IP address"),
+            (("--http-server", "granian", "--host", "fe80::1%lo"), {}, "host must be an IP address"),
             (("--kv-cache-memory-gb", "1e300"), {}, "kv_cache_memory_gb must be a number > 0 and at most 1,000,000"),
         ]
         for flags, env, message in cases:
