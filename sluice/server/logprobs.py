@@ -63,6 +63,9 @@ class TokenTexts:
     def bytes_of(self, token_id: int) -> bytes:
         return self._text_and_bytes(token_id)[1]
 
+    def is_added(self, token_id: int) -> bool:
+        return self._token_bytes is not None and self._token_bytes.is_added(token_id)
+
     def _text_and_bytes(self, token_id: int) -> tuple[str, bytes]:
         known = self._texts.get(token_id)
         if known is None:
@@ -127,11 +130,28 @@ class TextOffsets:
         self._output_shown = False  # the output's text so far holds a piece
         self._in_run = False  # and the last piece is a run of ordinary tokens, still going
 
-    def next(self, token_id: int, token_bytes: bytes, output: bool = True) -> int:
-        """The start of token `token_id` (of the prompt where not `output`: the prompt's text
-        is shown as written)."""
-        if not output:
-            return self._count(token_bytes)
+    def prompt(self, token_ids: list[int], text: str, texts: TokenTexts) -> list[int]:
+        """Where each prompt token (echo) starts in the prompt's text as written; the output's
+        tokens then count from its end. A token the text does not hold where the count stands
+        takes no characters (the BOS the tokenizer put in: Llama 3's pointed every offset 17
+        characters on), or one fewer (the space a SentencePiece tokenizer puts before the
+        first word); one the tokenizer normalised counts as it is spelt."""
+        utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+        at, starts = 0, []
+        for token_id in token_ids:
+            piece = utf8.decode(texts.bytes_of(token_id))
+            starts.append(min(at, len(text)))
+            if text.startswith(piece, at):
+                at += len(piece)
+            elif piece.startswith(" ") and text.startswith(piece[1:], at):
+                at += len(piece) - 1
+            elif not texts.is_added(token_id):
+                at += len(piece)
+        self.chars = len(text)
+        return starts
+
+    def next(self, token_id: int, token_bytes: bytes) -> int:
+        """The start of output token `token_id`."""
         if token_id in self._roles.skipped:
             return self.chars
         standalone = self._roles.standalone.get(token_id)
@@ -156,12 +176,20 @@ class TextOffsets:
 
 
 def completion_logprobs(
-    entries: list[LogprobEntry], texts: TokenTexts, offsets: TextOffsets, prompt_entries: int = 0
+    entries: list[LogprobEntry],
+    texts: TokenTexts,
+    offsets: TextOffsets,
+    prompt_entries: int = 0,
+    prompt_text: str = "",
 ) -> dict[str, Any]:
     """OpenAI's completions format; text_offset indexes the choice's text, `offsets` goes on
-    from the choice's earlier chunks. The first `prompt_entries` are the prompt's (echo)."""
+    from the choice's earlier chunks. The first `prompt_entries` are the prompt's (echo), whose
+    text is `prompt_text`."""
     tokens: list[str] = []
     top_logprobs: list[dict[str, float] | None] = []
+    prompt_ids = [e.token_id for e in entries[:prompt_entries]]
+    starts = offsets.prompt(prompt_ids, prompt_text, texts) if prompt_ids else []
+    starts += [offsets.next(e.token_id, texts.bytes_of(e.token_id)) for e in entries[prompt_entries:]]
     for entry in entries:
         text = texts(entry.token_id)
         tokens.append(text)
@@ -176,10 +204,7 @@ def completion_logprobs(
         "tokens": tokens,
         "token_logprobs": [e.logprob for e in entries],
         "top_logprobs": top_logprobs,
-        "text_offset": [
-            offsets.next(e.token_id, texts.bytes_of(e.token_id), output=i >= prompt_entries)
-            for i, e in enumerate(entries)
-        ],
+        "text_offset": starts,
     }
 
 

@@ -172,13 +172,13 @@ class CompletionView(OpenAIView):
         self, index: int, text: str, entries: list[LogprobEntry], chunk: GenerateChunk, echo: bool, offsets: TextOffsets
     ) -> dict[str, Any]:
         prompt_entries = logprob_entries(chunk, "input") if echo else []
-        if echo:
-            text = self.prompt_text(index) + text
+        prompt_text = self.prompt_text(index) if echo else ""
         logprobs = (
-            completion_logprobs(prompt_entries + entries, self.texts, offsets, len(prompt_entries))
+            completion_logprobs(prompt_entries + entries, self.texts, offsets, len(prompt_entries), prompt_text)
             if self.wants_logprobs
             else None
         )
+        text = prompt_text + text
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason(chunk)}
 
     def final_choice(self, index: int, chunk: GenerateChunk) -> dict[str, Any]:

@@ -46,6 +46,10 @@ class TokenBytes:
         added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
         self._added = {token_id: token.content for token_id, token in added.items()}
 
+    def is_added(self, token_id: int) -> bool:
+        """An added token (`<s>`, `<|im_end|>`): one the tokenizer may put in by itself."""
+        return token_id in self._added
+
     def __call__(self, token_id: int) -> bytes | None:
         if token_id in self._added:
             return self._added[token_id].encode("utf-8")

@@ -316,4 +316,26 @@ def test_text_offsets_place_special_tokens_as_the_detokenizer_writes_them():
     assert [joined.next(*token) for token in tokens] == [0, 2, 7, 8, 8]
     # The prompt's tokens (echo) count as written, before the output's.
     echoed = TextOffsets(SpecialTokenRoles(skipped=frozenset({4}), standalone={2: "<|e|>"}))
-    assert [echoed.next(4, b"<|s|>", output=False), echoed.next(2, b"<|e|>"), echoed.next(1, b"Hi")] == [0, 5, 11]
+    assert [*echoed.prompt([4], "<|s|>", Spelled()), echoed.next(2, b"<|e|>"), echoed.next(1, b"Hi")] == [0, 5, 11]
+
+
+class Spelled:
+    """Token bytes from a table; `<s>` (0) and `<|s|>` (4) are added tokens."""
+
+    SPELLING: ClassVar[dict[int, bytes]] = {0: b"<s>", 1: b"Hi", 4: b"<|s|>", 7: b" I", 8: b" like", 9: b"\xef\xac\x81"}
+
+    def bytes_of(self, token_id: int) -> bytes:
+        return self.SPELLING[token_id]
+
+    def is_added(self, token_id: int) -> bool:
+        return token_id in (0, 4)
+
+
+def test_echoed_prompt_tokens_start_where_the_prompt_s_text_has_them():
+    """The BOS a tokenizer puts in is not in the text (Llama 3's pointed every offset 17
+    characters on), nor the space SentencePiece puts before the first word; a token the
+    tokenizer normalised ("ﬁ" for "fi") counts as spelt. The output counts on from the text's end."""
+    offsets = TextOffsets()
+    assert offsets.prompt([0, 7, 8], "I like", Spelled()) == [0, 0, 1]
+    assert offsets.next(1, b"Hi") == 6
+    assert TextOffsets().prompt([4, 9, 1], "<|s|>fiHi", Spelled()) == [0, 5, 6]
