@@ -92,7 +92,8 @@ class GenerateReqInput(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     def sample_count(self) -> int:
         """`n` of the request: one value for every item, or a ClientError."""
         params = self.sampling_params if isinstance(self.sampling_params, list) else [self.sampling_params or {}]
-        counts = [p.get("n", 1) if isinstance(p, dict) else 1 for p in params]
+        # null is the default, as for every sampling parameter.
+        counts = [_n_of(p) for p in params]
         for n in counts:
             if not isinstance(n, int) or isinstance(n, bool) or n < 1:
                 raise ClientError(f"n must be an integer >= 1, got {n!r}", "n")
@@ -282,6 +283,11 @@ def check_priority(priority: int | None) -> None:
         raise ClientError(f"priority must be an integer in [0, 2**63) (higher runs sooner), got {priority}", "priority")
 
 
+def _n_of(params: Any) -> Any:
+    n = params.get("n") if isinstance(params, dict) else None
+    return 1 if n is None else n
+
+
 def parse_sampling_params(raw: dict[str, Any] | None) -> SamplingParams:
     """Build SamplingParams from a client's dict; wrong types and unknown keys (none may be
     silently ignored) are a ClientError."""
@@ -293,13 +299,11 @@ def parse_sampling_params(raw: dict[str, Any] | None) -> SamplingParams:
             f"sampling_params.{unknown[0]} is not supported by this server; leave it out",
             f"sampling_params.{unknown[0]}",
         )
-    if raw.get("max_new_tokens", 0) is None:
-        raw.pop("max_new_tokens")
+    # null is the parameter's default, for every one of them (max_new_tokens: see
+    # RequestTokenizer, which gives it the room the context leaves).
+    raw = {key: value for key, value in raw.items() if value is not None}
     if isinstance(raw.get("stop"), str):
         raw["stop"] = [raw["stop"]]
-    for key in ("stop", "stop_token_ids", "logit_bias"):
-        if raw.get(key) is None:
-            raw.pop(key, None)
     if isinstance(raw.get("logit_bias"), dict):
         raw["logit_bias"] = _token_id_keys(raw["logit_bias"])
     try:

@@ -180,10 +180,16 @@ class RequestTokenizer:
     ) -> TokenizedGenerateReqInput:
         if images or self.mm_processor is not None:  # an image token needs its image too
             self._images().check_tokens(input_ids, len(images))
-        params = parse_sampling_params(obj.single_sampling_params)
+        raw_params = obj.single_sampling_params or {}
+        params = parse_sampling_params(raw_params)
         # The prompt as the Scheduler runs it, each image token expanded: its length is the
         # one that meets the context and that logprob positions count in (as prompt_tokens).
         num_input = self.expanded_length(input_ids, len(images))
+        if raw_params.get("max_new_tokens") is None:
+            # As SGLang: null runs up to the context, and the default (left out) is cut to
+            # the room the context leaves; only a limit the client gave is refused past it.
+            room = max(self._limits().context_len - num_input, 0)
+            params.max_new_tokens = room if "max_new_tokens" in raw_params else min(params.max_new_tokens, room)
         self._check_lengths(input_ids, num_input, params, obj.prompt_field)
         self._check_params(params)
         if obj.return_logprob and obj.logprob_start_len > num_input:

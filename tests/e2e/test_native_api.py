@@ -559,3 +559,15 @@ def test_a_batch_item_that_fails_ends_the_others_at_once(base_url):
     after = scrape(base_url)
     assert moved(before, after, "sluice:requests_total{finish_reason=length}") == 0
     assert moved(before, after, "sluice:requests_total{finish_reason=abort}") == 2
+
+
+def test_max_new_tokens_left_out_or_null_takes_the_room_the_context_leaves(capped):
+    """As SGLang: null ran 128 tokens (the default) where the client asked for no limit; left
+    out, the default of 128 was a 400 against a 64-token context. Every other null is the
+    parameter's default (temperature, top_p and n were 400s)."""
+    nulls = {"temperature": None, "top_p": None, "n": None, "ignore_eos": True}
+    for params in ({"max_new_tokens": None, **nulls}, {"ignore_eos": True}):
+        r = generate(capped.base_url, input_ids=[100] * 40, sampling_params=params)
+        assert r.status_code == 200, (params, r.text)
+        meta = r.json()["meta_info"]
+        assert meta["completion_tokens"] == 24 and meta["finish_reason"]["type"] == "length", (params, meta)
