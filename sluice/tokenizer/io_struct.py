@@ -293,6 +293,12 @@ def parse_sampling_params(raw: dict[str, Any] | None) -> SamplingParams:
     silently ignored) are a ClientError."""
     raw = dict(raw or {})
     raw.pop("n", None)  # expanded by the TokenizerManager, never sent on
+    if "sampling_seed" in raw:  # SGLang's name of seed
+        seed = raw.pop("sampling_seed")
+        if raw.get("seed") is not None and seed is not None and raw["seed"] != seed:
+            raise ClientError("sampling_seed is SGLang's name of seed: give one", "sampling_params.sampling_seed")
+        if seed is not None:
+            raw["seed"] = seed
     unknown = sorted(set(raw) - set(SamplingParams.__struct_fields__))
     if unknown:
         raise ClientError(

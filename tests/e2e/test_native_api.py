@@ -183,7 +183,7 @@ def test_skip_special_tokens_and_the_stop_token_trimmed(base_url):
         ({"text": ""}, "prompt"),
         ({"text": 5}, "text"),
         # Never silently ignored: unknown fields.
-        ({"text": "hi", "sampling_params": {"sampling_seed": 3}}, "sampling_params.sampling_seed"),
+        ({"text": "hi", "sampling_params": {"random_seed": 3}}, "sampling_params.random_seed"),
         ({"text": "hi", "sampling_params": {"structural_tag": "{}"}}, "structural_tag must be"),
         ({"input_ids": [1, 2, 3], "return_logprob": True, "logprob_start_len": 4}, "logprob_start_len"),
         # Without return_logprob there are no logprobs for them to shape: refused, not ignored.
@@ -571,3 +571,15 @@ def test_max_new_tokens_left_out_or_null_takes_the_room_the_context_leaves(cappe
         assert r.status_code == 200, (params, r.text)
         meta = r.json()["meta_info"]
         assert meta["completion_tokens"] == 24 and meta["finish_reason"]["type"] == "length", (params, meta)
+
+
+def test_sglang_s_sampling_seed_is_the_seed(base_url):
+    """SGLang's name of the field was refused as unsupported ("leave it out")."""
+    params = {"max_new_tokens": 8, "temperature": 1.0}
+    texts = [
+        generate(base_url, text="Tell me a story:", sampling_params={**params, key: 7}).json()["text"]
+        for key in ("seed", "sampling_seed")
+    ]
+    assert texts[0] == texts[1]
+    r = generate(base_url, text="Hi", sampling_params={**params, "seed": 1, "sampling_seed": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "sampling_params.sampling_seed", r.text
