@@ -74,6 +74,9 @@ logger = logging.getLogger(__name__)
 
 # A weight update waits for the running requests to finish, then loads: it may take long.
 WEIGHT_UPDATE_TIMEOUT_S = 3600.0
+# How long a /metrics scrape waits for the Scheduler's gauges: a step (one prefill chunk) is
+# well under it, Prometheus' default scrape timeout (10 s) is above it.
+METRICS_SCHEDULER_WAIT_S = 5.0
 
 
 class TokenizerManager:
@@ -468,7 +471,15 @@ class TokenizerManager:
         return await self.control.call(GetInternalStateReq(), InternalState)
 
     async def render_metrics(self) -> bytes:
-        return self.metrics.render(await self.get_internal_state())
+        """The request metrics always; the Scheduler's gauges when it answers within
+        METRICS_SCHEDULER_WAIT_S: a scrape neither fails nor outwaits Prometheus' 10 s scrape
+        timeout (it waited 30 s, then lost every counter in a 503) because the Scheduler is
+        stuck; `scheduler_up` says whether they are there."""
+        try:
+            state = await self.control.call(GetInternalStateReq(), InternalState, METRICS_SCHEDULER_WAIT_S)
+        except BackendError:
+            state = None
+        return self.metrics.render(state)
 
     async def flush_cache(self) -> FlushCacheReqOutput:
         # No writer lock, as in SGLang: the Scheduler refuses the flush while requests run,

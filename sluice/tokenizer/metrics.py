@@ -96,8 +96,9 @@ class RequestMetrics:
     def on_rejected(self, reason: str) -> None:
         self.rejected.labels(reason).inc()
 
-    def render(self, scheduler: InternalState) -> bytes:
-        """The exposition text: the request metrics (every worker's) and the Scheduler's gauges."""
+    def render(self, scheduler: InternalState | None) -> bytes:
+        """The exposition text: the request metrics (every worker's) and the Scheduler's gauges
+        (None: it did not answer; only `scheduler_up` 0 then)."""
         registry = CollectorRegistry()
         registry.register(_SchedulerGauges(scheduler))
         if self.multiprocess:
@@ -108,13 +109,16 @@ class RequestMetrics:
 
 
 class _SchedulerGauges:
-    """The Scheduler's state at scrape time."""
+    """The Scheduler's state at scrape time (None: it did not answer in time)."""
 
-    def __init__(self, state: InternalState) -> None:
+    def __init__(self, state: InternalState | None) -> None:
         self.state = state
 
     def collect(self) -> Iterator[Metric]:
         s = self.state
+        yield _gauge("scheduler_up", "1 when the Scheduler answered this scrape, else 0.", int(s is not None))
+        if s is None:
+            return
         yield _gauge("num_requests_running", "Requests in the running batch.", s.num_running_reqs)
         yield _gauge("num_requests_waiting", "Requests waiting to run.", s.num_waiting_reqs)
         usage = s.kv_tokens_in_use / s.kv_tokens_total

@@ -11,7 +11,7 @@ import time
 import httpx
 import psutil
 
-from tests.helpers import RunningServer, wait_until_running
+from tests.helpers import RunningServer, scrape, wait_until_running
 
 LONG = {"max_new_tokens": 3000, "ignore_eos": True}
 STREAMS = {
@@ -84,7 +84,13 @@ def test_dead_scheduler_fails_requests_then_sigterm_stops_everything():
         scheduler.suspend()
         waiting = StreamReader(server.base_url + "/v1/completions", STREAMS["/v1/completions"])
         waiting.start()
-        time.sleep(1.0)
+        # A scrape of the stuck Scheduler's server keeps the request metrics and comes back
+        # well within Prometheus' 10 s scrape timeout (it was a 503 after 30 s).
+        started = time.monotonic()
+        samples = scrape(server.base_url)
+        assert time.monotonic() - started < 9
+        assert samples["sluice:scheduler_up"] == 0 and "sluice:num_requests_running" not in samples
+        assert any(name.startswith("sluice:prompt_tokens_total") for name in samples), samples
         scheduler.kill()
 
         thread.join(60)

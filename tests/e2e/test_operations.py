@@ -39,6 +39,7 @@ def test_metrics_count_exactly_what_was_served(base_url):
     wait_until_drained(base_url)
     after = scrape(base_url)
     assert moved(before, after, "sluice:generation_tokens_total") == 48
+    assert after["sluice:scheduler_up"] == 1
     assert moved(before, after, "sluice:prompt_tokens_total") == prompt_tokens
     assert moved(before, after, "sluice:cached_tokens_total") == cached_tokens
     assert moved(before, after, "sluice:requests_total{finish_reason=length}") == 6
