@@ -10,6 +10,7 @@ and parallel-sampling paths.
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from typing import Final
 
@@ -80,7 +81,7 @@ def install_openai_routes(app: FastAPI, state: ServerState, docs: ApiDocs) -> No
         return {
             "id": state.model_name,
             "object": "model",
-            "created": 0,
+            "created": int(time.time()),  # as SGLang and vLLM write it
             "owned_by": "sluice",
             "max_model_len": state.tm.context_len,
         }

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 
 import httpx
 import openai
@@ -39,6 +40,7 @@ def test_models_lists_the_served_model(client):
     models = client.models.list().data
     assert len(models) == 1
     assert models[0].id and models[0].owned_by == "sluice"
+    assert abs(models[0].created - time.time()) < 600  # a Unix time, as SGLang and vLLM give (was 0)
 
 
 # ------------------------------------------------------------------ completions
