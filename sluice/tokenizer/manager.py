@@ -218,7 +218,7 @@ class TokenizerManager:
                 self.metrics.on_ended_unrun(held_items(obj, n))
             raise
         if aborted:
-            ended = aborted_while_held(obj, n)
+            ended = aborted_while_held(obj, n, received_at)
             if log_metrics:
                 self.metrics.on_ended_unrun(len(ended))
             for chunk in ended:

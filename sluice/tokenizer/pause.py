@@ -6,6 +6,7 @@ requests here (they are not at the Scheduler yet): each one it names ends at the
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -133,9 +134,13 @@ def _prompt_count(obj: GenerateReqInput | EmbeddingReqInput) -> int:
     return 1 if obj.is_single else len(obj.text if obj.text is not None else obj.input_ids or [])
 
 
-def aborted_while_held(obj: GenerateReqInput | EmbeddingReqInput, n: int = 1) -> list[GenerateChunk]:
+def aborted_while_held(
+    obj: GenerateReqInput | EmbeddingReqInput, n: int = 1, received_at: float | None = None
+) -> list[GenerateChunk]:
     """The final chunk of each item (each of its `n` samples) of a request an abort ended
-    at the gate, as the Scheduler ends a request aborted before it ran."""
+    at the gate, as the Scheduler ends a request aborted before it ran; its e2e_latency is
+    the time it waited since `received_at` (time.time())."""
+    waited = 0.0 if received_at is None else max(time.time() - received_at, 0.0)
     size = _prompt_count(obj)
     rids = client_rids(obj) or [""] * size
     reason = FinishReason(type="abort", message="aborted while the server held it (paused or updating weights)")
@@ -153,6 +158,7 @@ def aborted_while_held(obj: GenerateReqInput | EmbeddingReqInput, n: int = 1) ->
             output_ids=[],
             finish_reason=reason,
             return_logprob=return_logprob,
+            e2e_latency=waited,
         )
         for i in range(size)
         for j in range(n)

@@ -4,6 +4,7 @@ generation continues, and end at the gate when /abort_request names them."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 from sluice.tokenizer.io_struct import GenerateReqInput
 from sluice.tokenizer.pause import PauseGate, aborted_while_held
@@ -43,8 +44,9 @@ def test_each_item_and_sample_of_a_request_ended_at_the_gate_has_its_final_chunk
     chunks = aborted_while_held(obj, 2)
     assert [(c.rid, c.index) for c in chunks] == [("p::0", 0), ("p::1", 1), ("q::0", 2), ("q::1", 3)]
     assert all(c.finish_reason.type == "abort" and c.return_logprob and c.output_ids == [] for c in chunks)
-    [single] = aborted_while_held(GenerateReqInput(text="one", rid="r"))
+    [single] = aborted_while_held(GenerateReqInput(text="one", rid="r"), received_at=time.time() - 2)
     assert (single.rid, single.index, single.path) == ("r", None, "single")
+    assert 2 <= single.e2e_latency < 60  # the time it waited (was 0)
 
 
 async def test_a_weight_update_closes_the_gate_until_it_and_any_pause_are_over():
