@@ -467,8 +467,8 @@ class TokenizerManager:
         self.arriving.abort(rid, abort_all)
         self.send(AbortReq(rid=rid, abort_all=abort_all))
 
-    async def get_internal_state(self) -> InternalState:
-        return await self.control.call(GetInternalStateReq(), InternalState)
+    async def get_internal_state(self, timeout_s: float = 30.0) -> InternalState:
+        return await self.control.call(GetInternalStateReq(), InternalState, timeout_s)
 
     async def render_metrics(self) -> bytes:
         """The request metrics always; the Scheduler's gauges when it answers within
@@ -476,7 +476,7 @@ class TokenizerManager:
         timeout (it waited 30 s, then lost every counter in a 503) because the Scheduler is
         stuck; `scheduler_up` says whether they are there."""
         try:
-            state = await self.control.call(GetInternalStateReq(), InternalState, METRICS_SCHEDULER_WAIT_S)
+            state = await self.get_internal_state(METRICS_SCHEDULER_WAIT_S)
         except BackendError:
             state = None
         return self.metrics.render(state)
