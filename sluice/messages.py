@@ -222,6 +222,10 @@ class TokenIDOutput(msgspec.Struct, kw_only=True):
     min_new_tokens: int = 0  # a stop string matches only in text of the tokens after these
     no_stop_trim: bool = False
     stream: bool = False
+    # In the outputs before the first token is sent: the prompt's last few tokens. The text
+    # is decoded after them, as SGLang and vLLM decode it, so that a SentencePiece model's
+    # completion of "The" starts " cat", not "cat".
+    prompt_tail: list[int] = []
 
 
 class BatchTokenIDOutput(Message):
@@ -233,6 +237,9 @@ class StrOutput(msgspec.Struct, kw_only=True):
 
     output: ReqOutput
     text: str
+    # The text goes on from the prompt's last word (TokenIDOutput.prompt_tail): decoding did
+    # not start it afresh, so it keeps the space a first token spells (text_offset counts so).
+    continues_prompt: bool = False
 
 
 class BatchStrOutput(Message):

@@ -15,6 +15,12 @@ neighbours with one space ("Hi <|im_end|>"); when False the text is exactly
 `tokenizer.decode` ("Hi<|im_end|>"). With skip_special_tokens=True and no non-special
 added tokens the two agree. `decode_tokens` is the whole-sequence form; the stream
 always adds up to it.
+
+The output goes on from the prompt: its first run of ordinary tokens is decoded after the
+prompt's last ones (`prompt_tail`, the ordinary tokens after the last standalone one), as
+SGLang and vLLM decode it, so that the space a SentencePiece first token spells stays
+(the completion of "The" is " cat", not "cat"). An output whose first shown token stands
+alone starts afresh.
 """
 
 from __future__ import annotations
@@ -72,12 +78,41 @@ class _TokenDecoder:
     def _decode_run(self, run: list[int]) -> str:
         return self._tokenizer.decode(run, skip_special_tokens=self._skip_special_tokens)
 
+    def prompt_context(self, prompt_tail: Sequence[int]) -> list[int]:
+        """The prompt's last tokens an output's first run of ordinary tokens goes on from: those
+        after the last standalone one. None where none shows, or where their text ends inside
+        a character (the output's first tokens would end it: text of neither)."""
+        start = max((i + 1 for i, token_id in enumerate(prompt_tail) if token_id in self._standalone), default=0)
+        context = list(prompt_tail[start:])
+        if all(token_id in self._skipped_ids for token_id in context) or self.decode(context).endswith(
+            _REPLACEMENT_CHAR
+        ):
+            return []
+        return context
+
+    def shows(self, token_id: int) -> bool:
+        return token_id not in self._skipped_ids
+
+    def stands_alone(self, token_id: int) -> bool:
+        return token_id in self._standalone
+
 
 def decode_tokens(
-    tokenizer, token_ids: Sequence[int], *, skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True
+    tokenizer,
+    token_ids: Sequence[int],
+    *,
+    skip_special_tokens: bool = True,
+    spaces_between_special_tokens: bool = True,
+    prompt_tail: Sequence[int] = (),
 ) -> str:
-    """The whole text of token_ids, as IncrementalDetokenizer streams it."""
-    return _TokenDecoder(tokenizer, skip_special_tokens, spaces_between_special_tokens).decode(token_ids)
+    """The whole text of token_ids after a prompt ending in prompt_tail, as
+    IncrementalDetokenizer streams it."""
+    decoder = _TokenDecoder(tokenizer, skip_special_tokens, spaces_between_special_tokens)
+    context = decoder.prompt_context(prompt_tail)
+    first_shown = next((token_id for token_id in token_ids if decoder.shows(token_id)), None)
+    if first_shown is not None and decoder.stands_alone(first_shown):
+        context = []
+    return decoder.decode([*context, *token_ids])[len(decoder.decode(context)) :]
 
 
 class _StopStringFilter:
@@ -137,7 +172,8 @@ class IncrementalDetokenizer:
     length of the output. After the request has finished (a stop string matched, or
     `finished=True` was passed) further steps return no text and stop_matched=None. A stop
     string ends the output only once it is `min_new_tokens` tokens long, as EOS and stop
-    tokens do: the match must end in the text of a later token (as in vLLM).
+    tokens do: the match must end in the text of a later token (as in vLLM). `prompt_tail`: the
+    prompt's last tokens, which the text goes on from (`continues_prompt`; see the module's doc).
     """
 
     def __init__(
@@ -150,16 +186,20 @@ class IncrementalDetokenizer:
         min_new_tokens: int = 0,
         no_stop_trim: bool = False,
         stream: bool = True,
+        prompt_tail: Sequence[int] = (),
     ):
         self._min_new_tokens = min_new_tokens
         self._decoder = _TokenDecoder(tokenizer, skip_special_tokens, spaces_between_special_tokens)
         self._stop_filter = _StopStringFilter(stop, keep_stop=no_stop_trim)
         self._stream = stream
         # The window: ids from the last shown piece on (the prefix), then the ids not yet
-        # shown from read_offset on.
-        self._window_ids: list[int] = []
-        self._read_offset = 0
-        self._prefix_text = ""
+        # shown from read_offset on. It starts with the prompt's tokens the text goes on from,
+        # kept until the first shown output token says whether it does.
+        self._window_ids = self._decoder.prompt_context(prompt_tail)
+        self.continues_prompt = bool(self._window_ids)
+        self._context_len = len(self._window_ids)
+        self._read_offset = len(self._window_ids)
+        self._prefix_text = self._decoder.decode(self._window_ids)
         # Accounting, in characters of decoded output text and in output tokens.
         self._output_tokens = 0
         self._decoded_chars = 0
@@ -195,6 +235,11 @@ class IncrementalDetokenizer:
 
     def _decode_next(self, token_id: int) -> str:
         """The text token_id completes; "" while it ends inside a character."""
+        if self._context_len and self._decoder.shows(token_id):
+            if self._decoder.stands_alone(token_id):  # the output starts afresh
+                del self._window_ids[: self._context_len]
+                self._read_offset, self._prefix_text = 0, ""
+            self._context_len = 0
         self._window_ids.append(token_id)
         window_text = self._decode_window(len(self._window_ids))
         held = len(self._window_ids) - self._read_offset

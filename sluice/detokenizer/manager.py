@@ -75,6 +75,7 @@ class DetokenizerManager:
                 min_new_tokens=out.min_new_tokens,
                 no_stop_trim=out.no_stop_trim,
                 stream=out.stream,
+                prompt_tail=out.prompt_tail,
             )
             self.decoders[output.rid] = decoder
         step = decoder.step(_answer_ids(out), output.finish_reason is not None)
@@ -87,7 +88,7 @@ class DetokenizerManager:
             )
         if output.finish_reason is not None:
             del self.decoders[output.rid]
-        return StrOutput(output=output, text=step.text)
+        return StrOutput(output=output, text=step.text, continues_prompt=decoder.continues_prompt)
 
 
 def _answer_ids(out: TokenIDOutput) -> list[int]:

@@ -14,6 +14,10 @@ from sluice.scheduler.req import Req
 
 SchedulerOutput = TokenIDOutput | EmbeddingOutput
 
+# How many of the prompt's last tokens the output's text is decoded after (SGLang's and
+# vLLM's 5).
+PROMPT_TAIL_TOKENS = 5
+
 
 def make_output(req: Req, weight_version: str) -> SchedulerOutput:
     """`weight_version`: the weights that computed the request (they change only while no
@@ -56,6 +60,7 @@ def make_output(req: Req, weight_version: str) -> SchedulerOutput:
         min_new_tokens=params.min_new_tokens,
         no_stop_trim=params.no_stop_trim,
         stream=req.stream,
+        prompt_tail=req.prompt_ids_as_sent(max(len(req.prompt_ids) - PROMPT_TAIL_TOKENS, 0)) if start == 0 else [],
     )
 
 

@@ -120,15 +120,19 @@ class TextOffsets:
     tokens count as the detokenizer writes them (`roles`): a skipped special token takes no
     characters, a standalone one stands one space from its neighbours; where decoding strips
     the space a text's first token spells (`strips_first_space`, SentencePiece's Llama 2),
-    a run of ordinary tokens starts without it."""
+    a run of ordinary tokens starts without it, unless it goes on from the prompt's
+    (`continues_prompt`: the detokenizer decoded it after the prompt's last tokens)."""
 
-    def __init__(self, roles: SpecialTokenRoles | None = None, strips_first_space: bool = False) -> None:
+    def __init__(
+        self, roles: SpecialTokenRoles | None = None, strips_first_space: bool = False, continues_prompt: bool = False
+    ) -> None:
         self.chars = 0
         self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
         self._roles = roles or SpecialTokenRoles()
         self._strips_first_space = strips_first_space
-        self._output_shown = False  # the output's text so far holds a piece
-        self._in_run = False  # and the last piece is a run of ordinary tokens, still going
+        self._output_shown = continues_prompt  # the output's text so far holds a piece (or the prompt's)
+        self._in_run = continues_prompt  # and the last piece is a run of ordinary tokens, still going
+        self._before_first_shown = continues_prompt  # the prompt's run is still there to go on from
 
     def prompt(self, token_ids: list[int], text: str, texts: TokenTexts) -> list[int]:
         """Where each prompt token (echo) starts in the prompt's text as written; the output's
@@ -155,6 +159,10 @@ class TextOffsets:
         if token_id in self._roles.skipped:
             return self.chars
         standalone = self._roles.standalone.get(token_id)
+        if self._before_first_shown:  # an output that starts with a standalone token starts afresh
+            self._before_first_shown = False
+            if standalone is not None:
+                self._output_shown = self._in_run = False
         # A piece after another starts one space on: a standalone token, or the run of
         # ordinary tokens after one.
         if (standalone is not None or not self._in_run) and self._output_shown:

@@ -188,7 +188,7 @@ class CompletionView(OpenAIView):
             logprob_entries(chunk, "output"),
             chunk,
             self.echo,
-            TextOffsets(self.roles, self.strips_first_space),
+            TextOffsets(self.roles, self.strips_first_space, chunk.continues_prompt),
         )
 
     def stream_choice(self, index: int, chunk: GenerateChunk) -> dict[str, Any] | None:
@@ -196,7 +196,11 @@ class CompletionView(OpenAIView):
         entries = logprob_entries(chunk, "output")
         if not (chunk.text or entries or echo or chunk.finished):
             return None
-        offsets = self.stream_offsets.setdefault(index, TextOffsets(self.roles, self.strips_first_space))
+        offsets = self.stream_offsets.get(index)
+        if offsets is None:
+            offsets = self.stream_offsets[index] = TextOffsets(
+                self.roles, self.strips_first_space, chunk.continues_prompt
+            )
         return self.choice(index, chunk.text, entries, chunk, echo, offsets)
 
 

@@ -125,6 +125,7 @@ class ReqState:
     new_logprobs: list[float] = field(default_factory=list)
     new_top_logprobs: list[list[TokenLogprob]] = field(default_factory=list)
     input_output: ReqOutput | None = None  # the output that brought the prompt's logprobs
+    continues_prompt: bool = False
 
     def absorb(self, out: StrOutput) -> GenerateChunk | None:
         """Add one output of the detokenizer; returns the chunk it makes, if one is due."""
@@ -138,6 +139,7 @@ class ReqState:
             self.last_token_at = now
         if out.text:
             self.new_text.append(out.text)
+        self.continues_prompt = self.continues_prompt or out.continues_prompt
         self.new_ids.extend(output.new_token_ids)
         self.num_output_ids += len(output.new_token_ids)
         if self.return_logprob:
@@ -204,6 +206,7 @@ class ReqState:
             e2e_latency=now - self.received_at,
             ttft=self.first_token_at - self.received_at if self.first_token_at else None,
             return_logprob=self.return_logprob,
+            continues_prompt=self.continues_prompt,
         )
         if self.return_timings:
             chunk.timings = self.timings(now if finish_reason is not None else 0.0)

@@ -48,6 +48,8 @@ class GenerateChunk(msgspec.Struct, kw_only=True):
     input_token_ids: list[int] = []
     input_logprobs: list[float | None] = []
     input_top_logprobs: list[list[TokenLogprob]] = []
+    # The text goes on from the prompt's last word (StrOutput.continues_prompt).
+    continues_prompt: bool = False
 
     @property
     def finished(self) -> bool:

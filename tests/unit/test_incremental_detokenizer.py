@@ -1,4 +1,5 @@
-"""Incremental detokenization with the real SmolLM2 tokenizer: whole characters, stop strings."""
+"""Incremental detokenization with the real SmolLM2 tokenizer: whole characters, stop strings;
+with a Llama-2-style one, text that goes on from the prompt's."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 from sluice.detokenizer.incremental import DetokStep, IncrementalDetokenizer, decode_tokens
 from sluice.model_files import default_model_path
 from sluice.tokenizer_files import load_tokenizer
+from tests.llama2_tokenizer import encode_marked, llama2_style_tokenizer
 
 IM_START, IM_END = 1, 2
 
@@ -70,6 +72,64 @@ def test_stream_adds_up_to_the_whole_decode(tokenizer, seed, skip_special_tokens
     if not spaces_between_special_tokens or skip_special_tokens:
         assert expected == tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
     assert steps[-1].num_tokens == len(ids)
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_after_a_prompt_a_byte_level_text_is_what_it_was_alone(tokenizer, seed, skip_special_tokens):
+    """Decoded after the prompt's last tokens, the stream still adds up to the whole decode
+    (of the prompt's tail and the output, less the tail's), and a byte-level tokenizer's
+    text is the output's alone: nothing changes for SmolLM2 but standalone spacing."""
+    rng = random.Random(seed)
+    prompt_tail = [rng.randrange(len(tokenizer)) for _ in range(5)]
+    ids = [rng.randrange(len(tokenizer)) for _ in range(200)]
+    for position in rng.sample(range(len(ids)), 10):
+        ids[position] = rng.randrange(17)
+    options = dict(skip_special_tokens=skip_special_tokens, spaces_between_special_tokens=False)
+    steps = feed(IncrementalDetokenizer(tokenizer, prompt_tail=prompt_tail, **options), ids, rng.choice([1, 3]))
+    assert joined(steps) == decode_tokens(tokenizer, ids, prompt_tail=prompt_tail, **options)
+    assert joined(steps) == tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+@pytest.fixture(scope="module")
+def llama2_tokenizer():
+    return llama2_style_tokenizer()
+
+
+@pytest.mark.parametrize(
+    "prompt, output, skip_special_tokens, expected, continues",  # encoded as written: "cat" is "▁cat"
+    [
+        # The space "▁cat" spells stays: "I like" + " cat cat" (decoded alone: "cat cat").
+        ("I like", "cat cat", True, " cat cat", True),
+        ("like", "cat", True, " cat", True),
+        # A prompt whose last tokens show nothing (a skipped EOS): the text starts afresh.
+        ("</s>", "cat", True, "cat", False),
+        # An output that starts with a token standing alone starts afresh, as it did.
+        ("I like", "</s>cat", False, "</s> cat", True),
+        # After a standalone token at the prompt's end, nothing to go on from.
+        ("I like</s>", "cat", False, "cat", False),
+    ],
+)
+def test_the_text_goes_on_from_the_prompt(llama2_tokenizer, prompt, output, skip_special_tokens, expected, continues):
+    tokenizer = llama2_tokenizer
+    prompt_tail, output_ids = encode_marked(tokenizer, prompt)[-5:], encode_marked(tokenizer, output)
+    options = dict(skip_special_tokens=skip_special_tokens, spaces_between_special_tokens=True)
+    for chunk_size in (1, 2, len(output_ids)):
+        detokenizer = IncrementalDetokenizer(tokenizer, prompt_tail=prompt_tail, **options)
+        assert joined(feed(detokenizer, output_ids, chunk_size)) == expected
+        assert detokenizer.continues_prompt is continues
+    assert decode_tokens(tokenizer, output_ids, prompt_tail=prompt_tail, **options) == expected
+
+
+def test_a_prompt_that_ends_inside_a_character_leaves_the_output_decoded_alone(llama2_tokenizer):
+    """The output's first bytes end the prompt's last character: text of neither. The output
+    is decoded alone, as the whole decode shows its bytes (nothing of its own text is lost)."""
+    tokenizer = llama2_tokenizer
+    split = encode_marked(tokenizer, "I 🦙")
+    prompt_tail, output_ids = split[:-2], split[-2:] + encode_marked(tokenizer, "cat")
+    detokenizer = IncrementalDetokenizer(tokenizer, prompt_tail=prompt_tail)
+    assert joined(feed(detokenizer, output_ids)) == tokenizer.decode(output_ids) == "\ufffd\ufffd cat"
+    assert not detokenizer.continues_prompt
 
 
 def test_special_tokens_skipped_or_shown(tokenizer):

@@ -4,9 +4,8 @@ tokens give back its text even where a character is split over tokens."""
 from __future__ import annotations
 
 import pytest
-from tokenizers import Tokenizer, decoders, models, normalizers
-from transformers import PreTrainedTokenizerFast
 
+from sluice.detokenizer.incremental import IncrementalDetokenizer
 from sluice.messages import FinishReason
 from sluice.model_files import default_model_path
 from sluice.server.logprobs import LogprobEntry, TokenTexts, chat_logprobs
@@ -15,6 +14,7 @@ from sluice.server.openai_views import CompletionView
 from sluice.server.token_bytes import byte_level_alphabet
 from sluice.tokenizer.result import GenerateChunk
 from sluice.tokenizer_files import load_tokenizer
+from tests.llama2_tokenizer import encode_marked, llama2_style_tokenizer
 
 TEXT = "I like 🦙, 世界 and naïve cafés."
 
@@ -46,27 +46,7 @@ def test_byte_level_tokens_join_to_the_text():
 
 @pytest.fixture(scope="module")
 def sentencepiece_tokenizer():
-    """A Llama-2-style tokenizer: "▁" for spaces, bytes as <0xXX> where no piece fits, and a
-    piece of two spaces ("▁▁") merged first, as Llama 2's vocabulary has it."""
-    merges = [("▁", "▁"), ("▁", "I"), ("▁", "l"), ("▁l", "i"), ("▁li", "k"), ("▁lik", "e"), ("▁", "c"), ("▁c", "a")]
-    merges += [("▁ca", "t"), ("▁", "a")]
-    letters = ["▁", *"Ilikecat"]
-    pieces = [
-        "<unk>",
-        "<s>",
-        "</s>",
-        *(f"<0x{byte:02X}>" for byte in range(256)),
-        *letters,
-        *(a + b for a, b in merges),
-    ]
-    vocab = {piece: i for i, piece in enumerate(dict.fromkeys(pieces))}
-    model = models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True)
-    backend = Tokenizer(model)
-    backend.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
-    backend.decoder = decoders.Sequence(
-        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
-    )
-    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    return llama2_style_tokenizer()
 
 
 def test_sentencepiece_tokens_keep_their_space_and_bytes(sentencepiece_tokenizer):
@@ -101,3 +81,44 @@ def test_text_offsets_start_where_the_text_does_when_decoding_drops_the_first_sp
     choice = view.final_choice(0, answer)
     assert choice["text"] == "I like cat"
     assert choice["logprobs"]["text_offset"] == [0, 1, 6]
+
+
+@pytest.mark.parametrize(
+    "prompt, output_text, skip_special_tokens, text, offsets",
+    [
+        ("I", "like cat", True, " like cat", [0, 5]),  # goes on from the prompt: " like" keeps its space
+        ("", "like cat", True, "like cat", [0, 4]),  # nothing shown before it: decoded afresh
+        ("I", "</s>like cat", False, "</s> like cat", [0, 5, 9]),  # a standalone start: afresh
+        ("I", "like</s>cat", False, " like </s> cat", [0, 6, 11]),
+    ],
+)
+def test_text_offsets_follow_an_output_that_goes_on_from_the_prompt(
+    sentencepiece_tokenizer, prompt, output_text, skip_special_tokens, text, offsets
+):
+    """The detokenizer decodes the output after the prompt's last tokens ("I" + " like cat");
+    text_offset counts the space the first token keeps, and the standalone starts it does not."""
+    tokenizer = sentencepiece_tokenizer
+    prompt_ids = tokenizer.encode(prompt)
+    ids = encode_marked(tokenizer, output_text)
+    detokenizer = IncrementalDetokenizer(
+        tokenizer, skip_special_tokens=skip_special_tokens, prompt_tail=prompt_ids[-5:]
+    )
+    streamed = detokenizer.step(ids, True).text
+    assert streamed == text
+    request = CompletionRequest(prompt=prompt, logprobs=0, skip_special_tokens=skip_special_tokens)
+    view = CompletionView("model-x", "abc", texts_of(tokenizer), request, [prompt])
+    answer = GenerateChunk(
+        rid="r0",
+        path="batch",
+        index=0,
+        text=streamed,
+        output_ids=ids,
+        finish_reason=FinishReason(type="length"),
+        return_logprob=True,
+        output_logprobs=[-0.5] * len(ids),
+        output_top_logprobs=[[]] * len(ids),
+        continues_prompt=detokenizer.continues_prompt,
+    )
+    choice = view.final_choice(0, answer)
+    assert choice["text"] == text
+    assert choice["logprobs"]["text_offset"] == offsets
