@@ -27,6 +27,7 @@ from sluice.sampling import ClientError
 from sluice.server.app import ServerState, create_app
 from sluice.server.errors import failure_status
 from sluice.server.http import serve_http
+from sluice.server.logprobs import TokenTexts
 from sluice.tokenizer.control import BackendError, wait_for_backend
 from sluice.tokenizer.io_struct import GenerateReqInput
 from sluice.tokenizer.manager import TokenizerManager
@@ -350,10 +351,10 @@ class Engine:
         /generate's (one BatchTokenizedGenerateReqInput where it can be). `sampling_params`
         is one dict or one per prompt; `n` in it samples each prompt n times. `fields` are
         /generate's other fields (`rid`, `return_logprob`, `top_logprobs_num`,
-        `logprob_start_len`, `image_data`). Returns /generate's JSON: one result for one
-        prompt with n = 1, else a list in input order, each with `index` (prompt_index * n
-        + sample_index). A request the server refuses raises ClientError (what /generate
-        answers with 400) or BackendError (503).
+        `logprob_start_len`, `return_text_in_logprobs`, `image_data`). Returns /generate's
+        JSON: one result for one prompt with n = 1, else a list in input order, each with
+        `index` (prompt_index * n + sample_index). A request the server refuses raises
+        ClientError (what /generate answers with 400) or BackendError (503).
         """
         return self._run(self._generate(prompts, sampling_params, fields))
 
@@ -372,7 +373,11 @@ class Engine:
             if status_code := failure_status(chunk):
                 message = chunk.finish_reason.message if one else f"item {chunk.index}: {chunk.finish_reason.message}"
                 raise ClientError(message) if status_code < 500 else BackendError(message)
-        results = [native_json(chunk) for chunk in chunks]
+        token_text = None
+        if obj.return_text_in_logprobs:
+            token_text = TokenTexts()
+            token_text.bind(self.tokenizer_manager.tokenizer)
+        results = [native_json(chunk, token_text) for chunk in chunks]
         return results[0] if one else results
 
     def shutdown(self) -> None:

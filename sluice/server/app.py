@@ -53,7 +53,7 @@ from sluice.tokenizer.admission import ServerBusy
 from sluice.tokenizer.io_struct import EmbeddingReqInput, GenerateReqInput
 from sluice.tokenizer.manager import TokenizerManager
 from sluice.tokenizer.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from sluice.tokenizer.result import GenerateChunk, NativeStream, native_json
+from sluice.tokenizer.result import GenerateChunk, NativeStream, TokenText, native_json
 
 logger = logging.getLogger(__name__)
 
@@ -119,7 +119,7 @@ def create_app(state: ServerState, lifespan=None) -> FastAPI:
         obj = decode_json(await request.body(), GenerateReqInput)
         if obj.model not in (None, "", GATEWAY_UNNAMED_MODEL, state.model_name):
             raise NotFoundError(f"The model `{obj.model}` does not exist.", "model")
-        return await serve_generate(state.tm, obj, request)
+        return await serve_generate(state.tm, obj, request, state.token_texts if obj.return_text_in_logprobs else None)
 
     @app.post(
         "/encode",
@@ -299,25 +299,27 @@ def _public_states(internal: InternalState) -> dict[str, Any]:
     return states
 
 
-async def serve_generate(tm: TokenizerManager, obj: GenerateReqInput, request: Request):
+async def serve_generate(
+    tm: TokenizerManager, obj: GenerateReqInput, request: Request, token_text: TokenText | None = None
+):
     generator = tm.generate_request(obj, ClientWatch(request))
     if obj.stream:
-        return await stream_response(generator, NativeStreamFormat())
+        return await stream_response(generator, NativeStreamFormat(token_text))
     if obj.is_single and obj.sample_count() == 1:
-        return finished_response(await _last(generator))
+        return finished_response(await _last(generator), token_text)
     results, failed = await finals_until_failure(generator)
     if failed is not None:
         return failure_response(failed, native_error_message(failed))
     results.sort(key=lambda chunk: chunk.index or 0)
-    return JSONResponse([native_json(result) for result in results])
+    return JSONResponse([native_json(result, token_text) for result in results])
 
 
-def finished_response(result: GenerateChunk | None) -> Response:
+def finished_response(result: GenerateChunk | None, token_text: TokenText | None = None) -> Response:
     if result is None:  # the client went away first: the request is aborted, no one reads this
         return error_response(400, "the client disconnected")
     if failure_status(result):
         return failure_response(result, native_error_message(result))
-    return JSONResponse(native_json(result))
+    return JSONResponse(native_json(result, token_text))
 
 
 def native_error_message(chunk: GenerateChunk) -> str:
@@ -329,8 +331,8 @@ def native_error_message(chunk: GenerateChunk) -> str:
 class NativeStreamFormat:
     """/generate streams each chunk as its item's result so far."""
 
-    def __init__(self) -> None:
-        self._events = NativeStream()
+    def __init__(self, token_text: TokenText | None = None) -> None:
+        self._events = NativeStream(token_text)
 
     def stream_start(self) -> list[dict[str, Any]]:
         return []

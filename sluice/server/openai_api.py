@@ -35,7 +35,6 @@ from sluice.server.client_watch import ClientWatch
 from sluice.server.embeddings import embedding_chunks, openai_response
 from sluice.server.errors import NotFoundError, error_response, failure_response, finals_until_failure
 from sluice.server.json_body import decode_json
-from sluice.server.logprobs import TokenTexts
 from sluice.server.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -65,8 +64,6 @@ _ERRORS = (400, 401, 403, 404, 413, 415, 503)  # 403, 415: RequestGuard's refusa
 
 
 def install_openai_routes(app: FastAPI, state: ServerState, docs: ApiDocs) -> None:
-    token_texts = TokenTexts()
-
     def checked_tm(model: str | None) -> TokenizerManager:
         # As on the native routes: refused while starting or once the back end is gone, not
         # for what /health reports besides (another HTTP worker died: this one serves on).
@@ -74,7 +71,6 @@ def install_openai_routes(app: FastAPI, state: ServerState, docs: ApiDocs) -> No
             raise BackendError(state.tm.backend_error)
         if model and model != state.model_name:
             raise NotFoundError(f"The model `{model}` does not exist.", "model")
-        token_texts.bind(state.tm.tokenizer)
         return state.tm
 
     def model_card() -> dict:
@@ -123,7 +119,7 @@ def install_openai_routes(app: FastAPI, state: ServerState, docs: ApiDocs) -> No
             obj.text = prompts[0] if len(prompts) == 1 else prompts
         else:
             obj.input_ids = [*prompts[0]] if len(prompts) == 1 else [*prompts]
-        view = CompletionView(state.model_name, request_id, token_texts, body, prompts)
+        view = CompletionView(state.model_name, request_id, state.token_texts, body, prompts)
         return await serve(tm, obj, request, view, "prompt", body.grammar_names)
 
     @app.post(
@@ -169,7 +165,7 @@ def install_openai_routes(app: FastAPI, state: ServerState, docs: ApiDocs) -> No
             priority=body.priority,
         )
         view = ChatView(
-            state.model_name, obj.rid, token_texts, body, tool_call_parser(tm), tm.server_args.reasoning_parser
+            state.model_name, obj.rid, state.token_texts, body, tool_call_parser(tm), tm.server_args.reasoning_parser
         )
         # Errors name the fields the client set: the newer name of the limit, the tools
         # whose parameters gave the grammar.

@@ -4,6 +4,7 @@ started, and whether the server is ready. Both the native and the OpenAI routes 
 from __future__ import annotations
 
 from sluice.config import ServerArgs
+from sluice.server.logprobs import TokenTexts
 from sluice.tokenizer.control import BackendError
 from sluice.tokenizer.manager import TokenizerManager
 
@@ -13,6 +14,7 @@ class ServerState:
         self.server_args = server_args
         self.model_name = server_args.model_name()
         self._tm: TokenizerManager | None = None
+        self._token_texts = TokenTexts()
 
     def serve_with(self, tm: TokenizerManager) -> None:
         """The TokenizerManager is started: the routes may use it."""
@@ -29,6 +31,12 @@ class ServerState:
         if self._tm is None:
             raise BackendError("the server is starting")
         return self._tm
+
+    @property
+    def token_texts(self) -> TokenTexts:
+        """The text of single tokens, which logprobs name, by the tokenizer now served."""
+        self._token_texts.bind(self.tm.tokenizer)
+        return self._token_texts
 
     def unavailable(self) -> str | None:
         if self._tm is None:

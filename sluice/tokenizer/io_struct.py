@@ -23,13 +23,16 @@ class GenerateReqInput(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     image_data: str | list[str | list[str]] | None = None
     rid: str | list[str] | None = None
     stream: bool = False
-    return_logprob: bool = False
-    top_logprobs_num: int = 0
-    logprob_start_len: int = -1
+    # One value for every prompt or, for a batch, one per prompt (as SGLang takes them).
+    return_logprob: bool | list[bool] = False
+    top_logprobs_num: int | list[int] = 0
+    logprob_start_len: int | list[int] = -1
     # Higher runs sooner under --schedule-policy priority (every item of a batch alike).
     priority: int | None = None
     # meta_info gets `timings`: each stage in seconds since the request was received.
     return_timings: bool = False
+    # Logprobs name each token's text (SGLang's [logprob, token_id, text]; else the text is null).
+    return_text_in_logprobs: bool = False
     # Fields the SGLang Model Gateway adds to every /generate it forwards. `model` names the
     # served model ("unknown" when the gateway's client named none; the route checks it);
     # log_metrics false leaves the request out of /metrics; no_logs changes nothing (prompts
@@ -37,7 +40,6 @@ class GenerateReqInput(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     model: str | None = None
     log_metrics: bool = True
     no_logs: bool = False
-    return_text_in_logprobs: bool = False
     return_bytes: bool = False
     return_entropy: bool = False
     background: bool = False
@@ -82,6 +84,19 @@ class GenerateReqInput(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
         if len(ids) != len(self.input_ids):
             raise TypeError("a single request has one list of token ids, not a list of lists")
         return ids
+
+    def logprob_params(self, item: int | None = None) -> tuple[bool, int, int]:
+        """return_logprob, top_logprobs_num and logprob_start_len of a single request (item
+        None) or of item `item` of a batch."""
+
+        def of_item(value: Any) -> Any:
+            if not isinstance(value, list):
+                return value
+            if item is None:
+                raise TypeError("a single request has one value of each logprob field, not a list")
+            return value[item]
+
+        return of_item(self.return_logprob), of_item(self.top_logprobs_num), of_item(self.logprob_start_len)
 
     @property
     def single_sampling_params(self) -> dict[str, Any] | None:
@@ -152,6 +167,7 @@ class GenerateReqInput(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
         if isinstance(image_data, list):
             image = image_data[i]
             image_data = image if isinstance(image, str) else [*image]
+        return_logprob, top_logprobs_num, logprob_start_len = self.logprob_params(i)
         return GenerateReqInput(
             text=self.text[i] if self.text is not None else None,
             input_ids=input_ids,
@@ -159,9 +175,10 @@ class GenerateReqInput(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
             image_data=image_data,
             rid=self.rid[i],
             stream=self.stream,
-            return_logprob=self.return_logprob,
-            top_logprobs_num=self.top_logprobs_num,
-            logprob_start_len=self.logprob_start_len,
+            return_logprob=return_logprob,
+            top_logprobs_num=top_logprobs_num,
+            logprob_start_len=logprob_start_len,
+            return_text_in_logprobs=self.return_text_in_logprobs,
             priority=self.priority,
             return_timings=self.return_timings,
         )
@@ -184,23 +201,38 @@ class GenerateReqInput(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
             elif not self.rid:
                 raise ClientError("'rid' must not be empty", "rid")
             check_client_rids([self.rid])
-        if self.top_logprobs_num < 0:
-            raise ClientError(f"top_logprobs_num must be >= 0, got {self.top_logprobs_num}", "top_logprobs_num")
-        if self.top_logprobs_num > MAX_TOP_LOGPROBS:
-            raise ClientError(
-                f"top_logprobs_num must be <= {MAX_TOP_LOGPROBS}, got {self.top_logprobs_num}", "top_logprobs_num"
-            )
         check_priority(self.priority)
-        for unsupported in ("return_text_in_logprobs", "return_bytes", "return_entropy", "background"):
+        for unsupported in ("return_bytes", "return_entropy", "background"):
             if getattr(self, unsupported):
                 raise ClientError(f"{unsupported}: true is not supported (only false)", unsupported)
-        if self.logprob_start_len < -1:
-            raise ClientError(f"logprob_start_len must be >= -1, got {self.logprob_start_len}", "logprob_start_len")
-        if not self.return_logprob:
+        self._check_logprob_params()
+
+    def _check_logprob_params(self) -> None:
+        size = self.batch_size
+        for name in ("return_logprob", "top_logprobs_num", "logprob_start_len"):
+            value = getattr(self, name)
+            if isinstance(value, list) and self.is_single:
+                raise ClientError(f"'{name}' must be one value for a single prompt, not a list", name)
+            if isinstance(value, list) and len(value) != size:
+                raise ClientError(f"'{name}' has {len(value)} entries for {size} prompts", name)
+        items = [None] if self.is_single else range(size)
+        options = [self.logprob_params(item) for item in items]
+        for return_logprob, top_logprobs_num, logprob_start_len in options:
+            if top_logprobs_num < 0:
+                raise ClientError(f"top_logprobs_num must be >= 0, got {top_logprobs_num}", "top_logprobs_num")
+            if top_logprobs_num > MAX_TOP_LOGPROBS:
+                raise ClientError(
+                    f"top_logprobs_num must be <= {MAX_TOP_LOGPROBS}, got {top_logprobs_num}", "top_logprobs_num"
+                )
+            if logprob_start_len < -1:
+                raise ClientError(f"logprob_start_len must be >= -1, got {logprob_start_len}", "logprob_start_len")
             # Each would change the answer's logprobs, of which there are none without it.
-            for name, default in (("top_logprobs_num", 0), ("logprob_start_len", -1)):
-                if getattr(self, name) != default:
-                    raise ClientError(f"{name} needs return_logprob: true", name)
+            if not return_logprob and top_logprobs_num != 0:
+                raise ClientError("top_logprobs_num needs return_logprob: true", "top_logprobs_num")
+            if not return_logprob and logprob_start_len != -1:
+                raise ClientError("logprob_start_len needs return_logprob: true", "logprob_start_len")
+        if self.return_text_in_logprobs and not any(return_logprob for return_logprob, _, _ in options):
+            raise ClientError("return_text_in_logprobs needs return_logprob: true", "return_text_in_logprobs")
 
 
 class EmbeddingReqInput(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

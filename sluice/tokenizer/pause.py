@@ -144,7 +144,6 @@ def aborted_while_held(
     size = _prompt_count(obj)
     rids = client_rids(obj) or [""] * size
     reason = FinishReason(type="abort", message="aborted while the server held it (paused or updating weights)")
-    return_logprob = isinstance(obj, GenerateReqInput) and obj.return_logprob
     if isinstance(obj, EmbeddingReqInput):
         path = "embedding"
     else:
@@ -157,7 +156,7 @@ def aborted_while_held(
             text="",
             output_ids=[],
             finish_reason=reason,
-            return_logprob=return_logprob,
+            return_logprob=isinstance(obj, GenerateReqInput) and obj.logprob_params(None if obj.is_single else i)[0],
             e2e_latency=waited,
         )
         for i in range(size)

@@ -192,21 +192,21 @@ class RequestTokenizer:
             params.max_new_tokens = room if "max_new_tokens" in raw_params else min(params.max_new_tokens, room)
         self._check_lengths(input_ids, num_input, params, obj.prompt_field)
         self._check_params(params)
-        if obj.return_logprob and obj.logprob_start_len > num_input:
+        return_logprob, top_logprobs_num, logprob_start_len = obj.logprob_params()
+        if return_logprob and logprob_start_len > num_input:
             raise ClientError(
-                f"logprob_start_len {obj.logprob_start_len} is past the prompt's {num_input} tokens",
-                "logprob_start_len",
+                f"logprob_start_len {logprob_start_len} is past the prompt's {num_input} tokens", "logprob_start_len"
             )
-        if obj.return_logprob and obj.logprob_start_len == num_input:
-            obj.logprob_start_len = -1  # from the prompt's end: none of it
+        if logprob_start_len == num_input:
+            logprob_start_len = -1  # from the prompt's end: none of it
         return TokenizedGenerateReqInput(
             rid=obj.single_rid,
             input_ids=input_ids,
             sampling_params=params,
             stream=obj.stream,
-            return_logprob=obj.return_logprob,
-            top_logprobs_num=obj.top_logprobs_num if obj.return_logprob else 0,
-            logprob_start_len=obj.logprob_start_len if obj.return_logprob else -1,
+            return_logprob=return_logprob,
+            top_logprobs_num=top_logprobs_num if return_logprob else 0,
+            logprob_start_len=logprob_start_len if return_logprob else -1,
             input_text=obj.text if isinstance(obj.text, str) else "",
             images=list(images),
             priority=self._priority(obj.priority),

@@ -8,12 +8,15 @@ request gets a single chunk with everything. /generate's JSON (`native_json`,
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgspec
 
 from sluice.messages import FinishReason, TokenLogprob
+
+# A token's text, for logprobs that name it (return_text_in_logprobs).
+TokenText = Callable[[int], str]
 
 
 class GenerateChunk(msgspec.Struct, kw_only=True):
@@ -56,16 +59,17 @@ class GenerateChunk(msgspec.Struct, kw_only=True):
         return self.finish_reason is not None
 
 
-def native_json(chunk: GenerateChunk) -> dict[str, Any]:
+def native_json(chunk: GenerateChunk, token_text: TokenText | None = None) -> dict[str, Any]:
     """/generate's JSON for a request's only chunk (a non-streaming result): text,
-    output_ids and meta_info, plus index on the batch paths."""
+    output_ids and meta_info, plus index on the batch paths. With `token_text`, logprobs
+    name each token's text (return_text_in_logprobs)."""
     logprobs: dict[str, Any] = {}
     if chunk.return_logprob:
         logprobs = {
-            "output_token_logprobs": _token_logprobs(chunk.output_logprobs, chunk.output_ids),
-            "output_top_logprobs": _top_logprobs(chunk.output_top_logprobs),
-            "input_token_logprobs": _token_logprobs(chunk.input_logprobs, chunk.input_token_ids),
-            "input_top_logprobs": _top_logprobs(chunk.input_top_logprobs),
+            "output_token_logprobs": _token_logprobs(chunk.output_logprobs, chunk.output_ids, token_text),
+            "output_top_logprobs": _top_logprobs(chunk.output_top_logprobs, token_text),
+            "input_token_logprobs": _token_logprobs(chunk.input_logprobs, chunk.input_token_ids, token_text),
+            "input_top_logprobs": _top_logprobs(chunk.input_top_logprobs, token_text),
         }
     return _result(chunk, chunk.text, chunk.output_ids, logprobs)
 
@@ -74,14 +78,15 @@ class NativeStream:
     """The events of a streamed /generate: each repeats its item's text, ids and logprobs
     so far. They are kept per rid already encoded, so a chunk encodes only what it brings
     and an event only copies bytes. Its dicts hold msgspec.Raw values: encode them with
-    msgspec."""
+    msgspec. With `token_text`, logprobs name each token's text (return_text_in_logprobs)."""
 
-    def __init__(self) -> None:
+    def __init__(self, token_text: TokenText | None = None) -> None:
         self._so_far: dict[str, _EncodedSoFar] = {}
+        self._token_text = token_text
 
     def add(self, chunk: GenerateChunk) -> dict[str, Any]:
         so_far = self._so_far.setdefault(chunk.rid, _EncodedSoFar())
-        so_far.add(chunk)
+        so_far.add(chunk, self._token_text)
         if chunk.finished:
             del self._so_far[chunk.rid]
         logprobs: dict[str, Any] = {}
@@ -155,18 +160,18 @@ class _EncodedSoFar:
         self.input_token_logprobs = msgspec.Raw(b"[]")
         self.input_top_logprobs = msgspec.Raw(b"[]")
 
-    def add(self, chunk: GenerateChunk) -> None:
+    def add(self, chunk: GenerateChunk, token_text: TokenText | None) -> None:
         # JSON escapes character by character: the pieces' escapes add up to the whole's.
         self.text += _encode(chunk.text)[1:-1]
         self.output_ids.extend(chunk.output_ids)
         if chunk.return_logprob:
-            self.output_token_logprobs.extend(_token_logprobs(chunk.output_logprobs, chunk.output_ids))
-            self.output_top_logprobs.extend(_top_logprobs(chunk.output_top_logprobs))
+            self.output_token_logprobs.extend(_token_logprobs(chunk.output_logprobs, chunk.output_ids, token_text))
+            self.output_top_logprobs.extend(_top_logprobs(chunk.output_top_logprobs, token_text))
             if chunk.input_logprobs:
                 self.input_token_logprobs = msgspec.Raw(
-                    _encode(_token_logprobs(chunk.input_logprobs, chunk.input_token_ids))
+                    _encode(_token_logprobs(chunk.input_logprobs, chunk.input_token_ids, token_text))
                 )
-                self.input_top_logprobs = msgspec.Raw(_encode(_top_logprobs(chunk.input_top_logprobs)))
+                self.input_top_logprobs = msgspec.Raw(_encode(_top_logprobs(chunk.input_top_logprobs, token_text)))
         # A stop string ended the text before tokens already streamed: they do not count.
         for encoded in (self.output_ids, self.output_token_logprobs, self.output_top_logprobs):
             encoded.truncate(chunk.completion_tokens)
@@ -175,10 +180,18 @@ class _EncodedSoFar:
 _encode = msgspec.json.Encoder().encode
 
 
-def _token_logprobs(logprobs: Sequence[float | None], token_ids: list[int]) -> list[list[Any]]:
-    # SGLang's [logprob, token_id, token_text]; the text is never filled in.
-    return [[logprob, token_id, None] for logprob, token_id in zip(logprobs, token_ids, strict=False)]
+def _token_logprobs(
+    logprobs: Sequence[float | None], token_ids: list[int], token_text: TokenText | None
+) -> list[list[Any]]:
+    # SGLang's [logprob, token_id, token_text]; the text only with return_text_in_logprobs.
+    return [
+        [logprob, token_id, token_text(token_id) if token_text else None]
+        for logprob, token_id in zip(logprobs, token_ids, strict=False)
+    ]
 
 
-def _top_logprobs(tops: list[list[TokenLogprob]]) -> list[list[list[Any]]]:
-    return [[[t.logprob, t.token_id, None] for t in alternatives] for alternatives in tops]
+def _top_logprobs(tops: list[list[TokenLogprob]], token_text: TokenText | None) -> list[list[list[Any]]]:
+    return [
+        [[t.logprob, t.token_id, token_text(t.token_id) if token_text else None] for t in alternatives]
+        for alternatives in tops
+    ]

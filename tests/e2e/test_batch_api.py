@@ -55,6 +55,42 @@ def test_batch_of_input_ids_with_per_item_params_and_rids(base_url):
     assert [res["meta_info"]["completion_tokens"] for res in results] == [3, 5]
 
 
+def test_batch_with_per_item_logprob_fields(base_url):
+    """As SGLang takes them: return_logprob, top_logprobs_num and logprob_start_len may be
+    one value per prompt."""
+    ids = [[1, 9690, 198, 2683], [504, 3575, 282, 4649, 314], [504, 3575]]
+    r = generate(
+        base_url,
+        input_ids=ids,
+        sampling_params=greedy(3, ignore_eos=True),
+        return_logprob=[True, False, True],
+        top_logprobs_num=[2, 0, 0],
+        logprob_start_len=[0, -1, 1],
+    )
+    assert r.status_code == 200, r.text
+    first, second, third = (res["meta_info"] for res in r.json())
+    assert len(first["output_token_logprobs"]) == 3 and [len(tops) for tops in first["output_top_logprobs"]] == [2] * 3
+    assert len(first["input_token_logprobs"]) == 4
+    assert "output_token_logprobs" not in second
+    assert len(third["output_token_logprobs"]) == 3 and third["output_top_logprobs"] == []
+    assert len(third["input_token_logprobs"]) == 1  # from position 1 of 2
+
+
+def test_per_item_logprob_fields_are_checked(base_url):
+    ids = [[1, 9690, 198], [504, 3575]]
+    cases = [
+        (dict(input_ids=ids[0], return_logprob=[True]), "return_logprob", "one value for a single prompt"),
+        (dict(input_ids=ids, return_logprob=[True, False, True]), "return_logprob", "3 entries for 2 prompts"),
+        (dict(input_ids=ids, return_logprob=[True, False], top_logprobs_num=[0, 2]), "top_logprobs_num", "needs"),
+        (dict(input_ids=ids, return_logprob=True, top_logprobs_num=[1, 50]), "top_logprobs_num", "<= 20"),
+        (dict(input_ids=ids, return_logprob=True, logprob_start_len=[0, 9]), "logprob_start_len", "past the prompt"),
+    ]
+    for body, param, message in cases:
+        r = generate(base_url, sampling_params=greedy(2), **body)
+        assert r.status_code == 400, (body, r.text)
+        assert r.json()["error"]["param"] == param and message in r.json()["error"]["message"], r.text
+
+
 def test_parallel_sampling_reuses_the_prefix(base_url):
     prompt = "Write a short poem about the sea, the sky and the wind." * 3
     r = generate(base_url, text=prompt, sampling_params={"n": 4, "max_new_tokens": 8, "temperature": 1.0})

@@ -67,6 +67,11 @@ def test_logprobs_and_other_fields_as_in_generate(engine):
     assert all(len(tops) == 2 for tops in out["meta_info"]["output_top_logprobs"])
 
 
+def test_return_text_in_logprobs_as_in_generate(engine):
+    out = engine.generate("The capital of France is", greedy(3), return_logprob=True, return_text_in_logprobs=True)
+    assert "".join(text for _, _, text in out["meta_info"]["output_token_logprobs"]) == out["text"]
+
+
 def test_async_generate(engine):
     out = asyncio.run(engine.async_generate("1, 2, 3,", {"max_new_tokens": 4, "temperature": 0}))
     assert out["text"].strip().startswith("4")

@@ -110,6 +110,37 @@ def test_logprobs(base_url):
     assert len(meta["input_token_logprobs"]) == meta["prompt_tokens"] == len(meta["input_top_logprobs"])
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_return_text_in_logprobs_names_each_token(base_url, stream):
+    """SGLang's [logprob, token_id, text]: the token's text, the same as the OpenAI routes'
+    logprobs name it; the output's add up to its text."""
+    body = dict(
+        text="The capital of France is",
+        sampling_params=greedy(6),
+        return_logprob=True,
+        top_logprobs_num=2,
+        logprob_start_len=0,
+        return_text_in_logprobs=True,
+        stream=stream,
+    )
+    r = generate(base_url, **body)
+    assert r.status_code == 200, r.text
+    answer = sse_events(r)[-2] if stream else r.json()  # a stream's last event is [DONE]
+    meta = answer["meta_info"]
+    assert "".join(text for _, _, text in meta["output_token_logprobs"]) == answer["text"]
+    assert "".join(text for _, _, text in meta["input_token_logprobs"]) == "The capital of France is"
+    tops = [top for alternatives in meta["output_top_logprobs"] + meta["input_top_logprobs"] for top in alternatives]
+    assert tops and all(isinstance(text, str) and text for _, _, text in tops)
+    r = generate(base_url, **{**body, "return_text_in_logprobs": False})
+    plain = sse_events(r)[-2] if stream else r.json()
+    assert [text for _, _, text in plain["meta_info"]["output_token_logprobs"]] == [None] * 6
+
+
+def test_return_text_in_logprobs_needs_return_logprob(base_url):
+    r = generate(base_url, text="Hi", sampling_params=greedy(2), return_text_in_logprobs=True)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "return_text_in_logprobs"
+
+
 def test_prompt_logprobs_without_top_logprobs_have_no_top_lists(base_url):
     body = generate(
         base_url, text="The capital of France is", sampling_params=greedy(2), return_logprob=True, logprob_start_len=0
