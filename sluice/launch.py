@@ -332,6 +332,7 @@ class Engine:
     def __init__(self, **kwargs: Any):
         self.server_args = ServerArgs(**kwargs)
         self.backend = Backend(self.server_args, PortArgs.create())
+        self._token_texts = TokenTexts()  # logprobs' token texts (return_text_in_logprobs)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="sluice-engine", daemon=True)
         self._thread.start()
@@ -375,7 +376,7 @@ class Engine:
                 raise ClientError(message) if status_code < 500 else BackendError(message)
         token_text = None
         if obj.return_text_in_logprobs:
-            token_text = TokenTexts()
+            token_text = self._token_texts
             token_text.bind(self.tokenizer_manager.tokenizer)
         results = [native_json(chunk, token_text) for chunk in chunks]
         return results[0] if one else results

@@ -215,23 +215,32 @@ class GenerateReqInput(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
                 raise ClientError(f"'{name}' must be one value for a single prompt, not a list", name)
             if isinstance(value, list) and len(value) != size:
                 raise ClientError(f"'{name}' has {len(value)} entries for {size} prompts", name)
-        items = [None] if self.is_single else range(size)
+        items: list[int | None] = [None] if self.is_single else list(range(size))
         options = [self.logprob_params(item) for item in items]
-        for return_logprob, top_logprobs_num, logprob_start_len in options:
+        any_logprobs = any(return_logprob for return_logprob, _, _ in options)
+        for item, (return_logprob, top_logprobs_num, logprob_start_len) in zip(items, options, strict=True):
+            where = "" if item is None else f"item {item}: "
             if top_logprobs_num < 0:
-                raise ClientError(f"top_logprobs_num must be >= 0, got {top_logprobs_num}", "top_logprobs_num")
+                raise ClientError(f"{where}top_logprobs_num must be >= 0, got {top_logprobs_num}", "top_logprobs_num")
             if top_logprobs_num > MAX_TOP_LOGPROBS:
                 raise ClientError(
-                    f"top_logprobs_num must be <= {MAX_TOP_LOGPROBS}, got {top_logprobs_num}", "top_logprobs_num"
+                    f"{where}top_logprobs_num must be <= {MAX_TOP_LOGPROBS}, got {top_logprobs_num}",
+                    "top_logprobs_num",
                 )
             if logprob_start_len < -1:
-                raise ClientError(f"logprob_start_len must be >= -1, got {logprob_start_len}", "logprob_start_len")
-            # Each would change the answer's logprobs, of which there are none without it.
-            if not return_logprob and top_logprobs_num != 0:
-                raise ClientError("top_logprobs_num needs return_logprob: true", "top_logprobs_num")
-            if not return_logprob and logprob_start_len != -1:
-                raise ClientError("logprob_start_len needs return_logprob: true", "logprob_start_len")
-        if self.return_text_in_logprobs and not any(return_logprob for return_logprob, _, _ in options):
+                raise ClientError(
+                    f"{where}logprob_start_len must be >= -1, got {logprob_start_len}", "logprob_start_len"
+                )
+            # Each would change the answer's logprobs, of which there are none without it: a
+            # value of the item's own, or one for every item where no item has logprobs.
+            for name, value, default in (
+                ("top_logprobs_num", top_logprobs_num, 0),
+                ("logprob_start_len", logprob_start_len, -1),
+            ):
+                own = isinstance(getattr(self, name), list)
+                if value != default and not return_logprob and (own or not any_logprobs):
+                    raise ClientError(f"{where if own else ''}{name} needs return_logprob: true", name)
+        if self.return_text_in_logprobs and not any_logprobs:
             raise ClientError("return_text_in_logprobs needs return_logprob: true", "return_text_in_logprobs")
 
 

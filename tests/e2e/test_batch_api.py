@@ -74,6 +74,12 @@ def test_batch_with_per_item_logprob_fields(base_url):
     assert "output_token_logprobs" not in second
     assert len(third["output_token_logprobs"]) == 3 and third["output_top_logprobs"] == []
     assert len(third["input_token_logprobs"]) == 1  # from position 1 of 2
+    # One value for every item is taken where some item has logprobs, and holds for those.
+    body = dict(input_ids=ids[:2], sampling_params=greedy(2), return_logprob=[False, True], top_logprobs_num=3)
+    r = generate(base_url, **body)
+    assert r.status_code == 200, r.text
+    first, second = (res["meta_info"] for res in r.json())
+    assert "output_top_logprobs" not in first and [len(tops) for tops in second["output_top_logprobs"]] == [3, 3]
 
 
 def test_per_item_logprob_fields_are_checked(base_url):
@@ -81,7 +87,8 @@ def test_per_item_logprob_fields_are_checked(base_url):
     cases = [
         (dict(input_ids=ids[0], return_logprob=[True]), "return_logprob", "one value for a single prompt"),
         (dict(input_ids=ids, return_logprob=[True, False, True]), "return_logprob", "3 entries for 2 prompts"),
-        (dict(input_ids=ids, return_logprob=[True, False], top_logprobs_num=[0, 2]), "top_logprobs_num", "needs"),
+        (dict(input_ids=ids, return_logprob=[True, False], top_logprobs_num=[0, 2]), "top_logprobs_num", "item 1:"),
+        (dict(input_ids=ids, return_logprob=False, top_logprobs_num=2), "top_logprobs_num", "needs return_logprob"),
         (dict(input_ids=ids, return_logprob=True, top_logprobs_num=[1, 50]), "top_logprobs_num", "<= 20"),
         (dict(input_ids=ids, return_logprob=True, logprob_start_len=[0, 9]), "logprob_start_len", "past the prompt"),
     ]
