@@ -25,6 +25,26 @@ def texts_of(tokenizer) -> TokenTexts:
     return texts
 
 
+def final_completion_choice(
+    texts: TokenTexts, request: CompletionRequest, text: str, ids: list[int], continues_prompt: bool = False
+) -> dict:
+    """The completions choice of a finished answer `text` of tokens `ids`, with logprobs."""
+    view = CompletionView("model-x", "abc", texts, request, [request.prompt])
+    answer = GenerateChunk(
+        rid="r0",
+        path="batch",
+        index=0,
+        text=text,
+        output_ids=ids,
+        finish_reason=FinishReason(type="length"),
+        return_logprob=True,
+        output_logprobs=[-0.5] * len(ids),
+        output_top_logprobs=[[]] * len(ids),
+        continues_prompt=continues_prompt,
+    )
+    return view.final_choice(0, answer)
+
+
 def test_the_byte_level_alphabet_spells_every_byte_once():
     alphabet = byte_level_alphabet()
     assert sorted(alphabet.values()) == list(range(256))
@@ -65,20 +85,7 @@ def test_text_offsets_start_where_the_text_does_when_decoding_drops_the_first_sp
     texts = texts_of(tokenizer)
     assert texts.strips_first_space and not texts_of(load_tokenizer(default_model_path())).strips_first_space
     ids = tokenizer.encode("I like cat", add_special_tokens=False)
-    request = CompletionRequest(prompt="Hi", logprobs=0)
-    view = CompletionView("model-x", "abc", texts, request, ["Hi"])
-    answer = GenerateChunk(
-        rid="r0",
-        path="batch",
-        index=0,
-        text=tokenizer.decode(ids),
-        output_ids=ids,
-        finish_reason=FinishReason(type="length"),
-        return_logprob=True,
-        output_logprobs=[-0.5] * len(ids),
-        output_top_logprobs=[[]] * len(ids),
-    )
-    choice = view.final_choice(0, answer)
+    choice = final_completion_choice(texts, CompletionRequest(prompt="Hi", logprobs=0), tokenizer.decode(ids), ids)
     assert choice["text"] == "I like cat"
     assert choice["logprobs"]["text_offset"] == [0, 1, 6]
 
@@ -106,19 +113,6 @@ def test_text_offsets_follow_an_output_that_goes_on_from_the_prompt(
     streamed = detokenizer.step(ids, True).text
     assert streamed == text
     request = CompletionRequest(prompt=prompt, logprobs=0, skip_special_tokens=skip_special_tokens)
-    view = CompletionView("model-x", "abc", texts_of(tokenizer), request, [prompt])
-    answer = GenerateChunk(
-        rid="r0",
-        path="batch",
-        index=0,
-        text=streamed,
-        output_ids=ids,
-        finish_reason=FinishReason(type="length"),
-        return_logprob=True,
-        output_logprobs=[-0.5] * len(ids),
-        output_top_logprobs=[[]] * len(ids),
-        continues_prompt=detokenizer.continues_prompt,
-    )
-    choice = view.final_choice(0, answer)
+    choice = final_completion_choice(texts_of(tokenizer), request, streamed, ids, detokenizer.continues_prompt)
     assert choice["text"] == text
     assert choice["logprobs"]["text_offset"] == offsets
