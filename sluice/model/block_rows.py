@@ -22,8 +22,8 @@ __all__ = [
     "BlockRows",
     "fused_format",
     "pack_five_bits",
+    "pack_nibble_runs",
     "pack_nibbles",
-    "pack_six_bits",
     "unpack_five_bits",
     "unpack_nibbles",
     "unpack_six_bits",
@@ -48,7 +48,7 @@ class BlockRows:
     a float16 scale d and minimum m (w = d * q + m). q5_1: as q4_1 with 5-bit quants, the
     bytes as q5_k's (see pack_five_bits). The super-block formats come only from a
     GGUF's blocks of the same name, their numbers kept: q6_k, 6-bit quants as q4_1's 16 bytes
-    of low nibbles and 8 of high bits (see pack_six_bits), an int8 scale per 16 weights and a
+    of low nibbles and 8 of high bits (see unpack_six_bits), an int8 scale per 16 weights and a
     float16 d per 256 (w = d * sc * (q - 32)); q4_k, q4_1's nibbles, a 6-bit scale and minimum
     per 32 (as uint8) and a float16 d and dmin per 256 (w = d * sc * q - dmin * mn); q5_k, as
     q4_k with 5-bit quants, the nibbles followed by 4 bytes of fifth bits (see pack_five_bits).
@@ -139,6 +139,26 @@ def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
     return q[..., : BLOCK // 2] | (q[..., BLOCK // 2 :] << 4)
 
 
+def pack_nibble_runs(runs: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., 32] runs, each holding one block's 32 weights in its low nibbles and the
+    next block's in its high ones (GGUF's Q4_K and Q6_K), -> [..., 2, 16]: those two blocks
+    as pack_nibbles packs them. Eight bytes a step (`runs` contiguous in its last dimension):
+    loading a 1 B model took seconds a byte at a time."""
+    words = runs.view(torch.int64).view(-1, 2, 2)  # [run, weights 0-15 / 16-31 of both blocks, word]
+    first, second = words[:, 0], words[:, 1]
+    blocks = torch.empty_like(words)  # [run, low / high block, word]
+    # A shift moves a nibble into the next byte's half that the mask then drops. Two scratch
+    # tensors, each used twice: a fresh one's pages fault in as it is first written.
+    own, other = first & _LOW_NIBBLES, second << 4
+    torch.bitwise_or(own, other.bitwise_and_(~_LOW_NIBBLES), out=blocks[:, 0])
+    torch.bitwise_right_shift(first, 4, out=own).bitwise_and_(_LOW_NIBBLES)
+    torch.bitwise_or(own, torch.bitwise_and(second, ~_LOW_NIBBLES, out=other), out=blocks[:, 1])
+    return blocks.view(torch.uint8).view(*runs.shape[:-1], 2, BLOCK // 2)
+
+
+_LOW_NIBBLES = 0x0F0F_0F0F_0F0F_0F0F  # each byte's low nibble in a 64-bit word
+
+
 def unpack_nibbles(quants: torch.Tensor) -> torch.Tensor:
     """The inverse of pack_nibbles: uint8 [..., 16] -> [..., 32] values in [0, 16)."""
     return torch.cat((quants & 0x0F, quants >> 4), dim=-1)
@@ -160,15 +180,6 @@ SUPER_QUANT_BYTES = {BlockFormat.Q6_K: 24, BlockFormat.Q4_K: 16, BlockFormat.Q5_
 HIGH_BIT_SHIFTS = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(4, 1)
 
 
-def pack_six_bits(q: torch.Tensor) -> torch.Tensor:
-    """uint8 [..., 32] values in [0, 64) -> [..., 24] bytes: the low nibbles as pack_nibbles,
-    then 8 bytes of the high two bits, byte 4h + t holding those of weight 16h + 4g + t at
-    bits 2g..2g+1 (qgemm.c's q6_k words)."""
-    high = (q >> 4).reshape(*q.shape[:-1], 2, 4, 4) << HIGH_BIT_SHIFTS  # [..., half, g, t]
-    packed_high = high[..., 0, :] | high[..., 1, :] | high[..., 2, :] | high[..., 3, :]
-    return torch.cat((pack_nibbles(q & 0x0F), packed_high.reshape(*q.shape[:-1], 8)), dim=-1)
-
-
 # Bit g of a q5_k fifth-bit byte t belongs to weight 4g + t (qgemm.c's q5_k words).
 _FIFTH_BIT_SHIFTS = torch.arange(8, dtype=torch.uint8).view(8, 1)
 
@@ -187,7 +198,9 @@ def unpack_five_bits(quants: torch.Tensor) -> torch.Tensor:
 
 
 def unpack_six_bits(quants: torch.Tensor) -> torch.Tensor:
-    """The inverse of pack_six_bits: uint8 [..., 24] -> [..., 32] values in [0, 64)."""
+    """q6_k's 24 bytes a block, uint8 [..., 24] -> [..., 32] values in [0, 64): the low nibbles
+    as pack_nibbles packs them, then 8 bytes of the high two bits, byte 4h + t holding those of
+    weight 16h + 4g + t at bits 2g..2g+1 (qgemm.c's q6_k words)."""
     low = unpack_nibbles(quants[..., :16])
     high = (quants[..., 16:].reshape(*quants.shape[:-1], 2, 1, 4) >> HIGH_BIT_SHIFTS) & 3  # [..., half, g, t]
     return low | (high.reshape(*quants.shape[:-1], BLOCK) << 4)

@@ -26,12 +26,10 @@ import torch
 from sluice.kernels.contract import SUPER_BLOCK  # weights per K-quant super-block
 from sluice.model.block_rows import (
     BLOCK,
-    HIGH_BIT_SHIFTS,
     BlockFormat,
     BlockRows,
     pack_five_bits,
-    pack_nibbles,
-    pack_six_bits,
+    pack_nibble_runs,
     unpack_nibbles,
 )
 
@@ -102,11 +100,11 @@ def _k_quant_rows(supers: np.ndarray, rows: int, columns: int) -> BlockRows:
         for part in Q4_K.get_scale_min(np.array(supers[:, 4:16]))
     )
     # 128 bytes: four runs of 32, run j holding block 2j in its low nibbles and 2j + 1 in its high ones.
-    runs = _bytes(supers[:, nibbles_start:]).reshape(-1, 4, 1, BLOCK)
-    q = torch.cat((runs & 0x0F, runs >> 4), dim=2).reshape(-1, 8, BLOCK)  # [super, block, weight]
+    runs = _bytes(supers[:, nibbles_start:]).reshape(-1, 4, BLOCK)
     scales = [sc, mn, d, dmin]
     if not five_bits:
-        return BlockRows(BlockFormat.Q4_K, pack_nibbles(q.reshape(rows, -1, BLOCK)), scales)
+        return BlockRows(BlockFormat.Q4_K, pack_nibble_runs(runs).reshape(rows, -1, BLOCK // 2), scales)
+    q = unpack_nibbles(pack_nibble_runs(runs)).reshape(-1, 8, BLOCK)  # [super, block, weight]
     # Bit b of byte l of the fifth bits is weight l's of block b.
     fifth = (_bytes(supers[:, 16:48]).reshape(-1, 1, BLOCK) >> _BLOCK_BITS) & 1
     return BlockRows(BlockFormat.Q5_K, pack_five_bits((q | fifth << 4).reshape(rows, -1, BLOCK)), scales)
@@ -141,15 +139,30 @@ def _q6_k_rows(supers: np.ndarray, rows: int, columns: int) -> BlockRows:
     # (weights 32i .. 32i + 31) takes the low (i = 0, 1) or high (2, 3) nibbles of bytes
     # 0..31 (i even) or 32..63 (i odd), and bits 2i..2i+1 of the 32 high bytes.
     low = _bytes(supers[:, :128]).reshape(-1, 2, 2, BLOCK)  # [super, half, first/second 32 bytes, byte]
-    high = _bytes(supers[:, 128:192]).reshape(-1, 2, 1, BLOCK)
-    nibbles = torch.cat((low & 0x0F, low >> 4), dim=2)  # [super, half, quarter, weight]
-    q = nibbles | (((high >> HIGH_BIT_SHIFTS) & 3) << 4)
+    quants = torch.empty(len(supers), 2, 4, 24, dtype=torch.uint8)  # [super, half, quarter, q6_k's bytes a block]
+    # Quarter i is at 2 (i // 2) + i % 2: [.., low/high nibbles, first/second 32 bytes, ..]
+    quants[..., :16].unflatten(2, (2, 2)).copy_(pack_nibble_runs(low).transpose(2, 3))
+    quants[..., 16:].copy_(_q6_k_high_bits(_bytes(supers[:, 128:192])))
     blocks_per_row = columns // BLOCK
-    quants = pack_six_bits(q.reshape(rows, blocks_per_row, BLOCK))
+    quants = quants.view(rows, blocks_per_row, 24)
     supers_per_row = columns // SUPER_BLOCK
     sub_scales = _bytes(supers[:, 192:208]).view(torch.int8).reshape(rows, supers_per_row, 16)
     d = _float16(supers[:, 208:210]).reshape(rows, supers_per_row, 1)
     return BlockRows(BlockFormat.Q6_K, quants, [sub_scales, d])
+
+
+def _q6_k_high_bits(high: torch.Tensor) -> torch.Tensor:
+    """Q6_K's 64 bytes of high bits a super-block, uint8 [supers, 64], -> [supers, half, quarter, 8]:
+    each block's 8 bytes of them in q6_k's order (see unpack_six_bits), four bytes a step. In the
+    file, byte l of a half holds weight l of quarter i at bits 2i..2i+1: as 32-bit words, word
+    4h + g holds weight 16h + 4g + t of every quarter in its byte t."""
+    words = high.view(torch.int32).reshape(-1, 2, 1, 2, 4)  # [super, half, quarter (to broadcast), h, g]
+    fields = (words >> _QUARTER_SHIFTS) & 0x0303_0303  # [super, half, quarter, h, g]: 2 bits a byte
+    packed = fields[..., 0] | (fields[..., 1] << 2) | (fields[..., 2] << 4) | (fields[..., 3] << 6)
+    return packed.contiguous().view(torch.uint8).reshape(-1, 2, 4, 8)
+
+
+_QUARTER_SHIFTS: Final = torch.tensor([0, 2, 4, 6], dtype=torch.int32).view(4, 1, 1)  # a quarter's bits in a byte
 
 
 def _bytes(part: np.ndarray) -> torch.Tensor:

@@ -160,43 +160,56 @@ def quantized_projection(parts: list[BlockRows], ops: KernelOps) -> QuantizedPro
 
 
 def _interleave(quants: torch.Tensor, scales: list[torch.Tensor], row_group: int) -> torch.Tensor:
-    """uint8 [rows, blocks, quant_bytes] and float16 [rows, blocks] scales -> qgemm.c's layout."""
+    """uint8 [rows, blocks, quant_bytes] and float16 [rows, blocks] scales -> qgemm.c's layout. Each
+    part is copied once, into its place."""
     rows, blocks, quant_bytes = quants.shape
     padding = -rows % row_group
     groups = (rows + padding) // row_group
-    quants = torch.nn.functional.pad(quants, (0, 0, 0, 0, 0, padding))
-    # [group, row, block, word, byte] -> [group, block, word, row, byte]: 4 bytes of each row in turn.
-    parts = [
-        quants.view(groups, row_group, blocks, quant_bytes // 4, 4)
-        .permute(0, 2, 3, 1, 4)
-        .reshape(groups, blocks, row_group * quant_bytes)
-    ]
+    packed = torch.empty(groups, blocks, row_group * (quant_bytes + 2 * len(scales)), dtype=torch.uint8)
+    words = _padded_rows(quants, padding).view(torch.int32)  # moved a 4-byte word at a time
+    # [group, row, block, word] -> [group, block, word, row]: 4 bytes of each row in turn.
+    end = row_group * quant_bytes
+    packed.view(torch.int32)[..., : end // 4].unflatten(-1, (quant_bytes // 4, row_group)).copy_(
+        words.view(groups, row_group, blocks, quant_bytes // 4).permute(0, 2, 3, 1)
+    )
     for scale in scales:
-        padded = torch.nn.functional.pad(scale, (0, 0, 0, padding))
-        parts.append(
-            padded.view(groups, row_group, blocks)
-            .transpose(1, 2)
-            .contiguous()
-            .view(torch.uint8)
-            .view(groups, blocks, 2 * row_group)
+        start, end = end, end + 2 * row_group
+        packed[..., start:end].view(torch.float16).copy_(
+            _padded_rows(scale, padding).view(groups, row_group, blocks).transpose(1, 2)
         )
-    return torch.cat(parts, dim=-1).reshape(-1).contiguous()
+    return packed.view(-1)
 
 
 def _interleave_super_blocks(rows: BlockRows, row_group: int) -> torch.Tensor:
     """Super-block BlockRows (q6_k, q5_k, q4_k) -> qgemm.c's layout: per row group and super-block, eight blocks of
-    a row's quant bytes in 4-byte words, row after row, then each scale part [count][row]."""
+    a row's quant bytes in 4-byte words, row after row, then each scale part [count][row]. Each part is
+    copied once, into its place."""
     count, blocks, quant_bytes = rows.quants.shape
     padding = -count % row_group
     groups, supers = (count + padding) // row_group, blocks // 8
-    quants = torch.nn.functional.pad(rows.quants, (0, 0, 0, 0, 0, padding))
-    # [group, row, super, block, word, byte] -> [group, super, block, word, row, byte]
-    parts = [quants.view(groups, row_group, supers, 8, quant_bytes // 4, 4).permute(0, 2, 3, 4, 1, 5)]
-    for scale in rows.scales:
-        padded = torch.nn.functional.pad(scale, (0, 0, 0, 0, 0, padding))  # [rows, supers, count]
-        # [group, row, super, count] -> [group, super, count, row]: a row group's values side by side
-        parts.append(padded.view(groups, row_group, supers, -1).permute(0, 2, 3, 1).contiguous().view(torch.uint8))
-    return torch.cat([part.reshape(groups, supers, -1) for part in parts], dim=-1).reshape(-1).contiguous()
+    scale_bytes = [part.shape[-1] * part.dtype.itemsize for part in rows.scales]  # a row's, per super-block
+    packed = torch.empty(groups, supers, row_group * (8 * quant_bytes + sum(scale_bytes)), dtype=torch.uint8)
+    words = _padded_rows(rows.quants, padding).view(torch.int32)  # moved a 4-byte word at a time
+    # [group, row, super, block, word] -> [group, super, block, word, row]
+    end = row_group * 8 * quant_bytes
+    packed.view(torch.int32)[..., : end // 4].unflatten(-1, (8, quant_bytes // 4, row_group)).copy_(
+        words.view(groups, row_group, supers, 8, quant_bytes // 4).permute(0, 2, 3, 4, 1)
+    )
+    for scale, size in zip(rows.scales, scale_bytes, strict=True):
+        # [group, row, super, count, byte] -> [group, super, count, row, byte]: a row group's values side by side
+        as_bytes = _padded_rows(scale, padding).view(torch.uint8).view(groups, row_group, supers, scale.shape[-1], -1)
+        start, end = end, end + row_group * size
+        packed[..., start:end].unflatten(-1, (scale.shape[-1], row_group, scale.dtype.itemsize)).copy_(
+            as_bytes.permute(0, 2, 3, 1, 4)
+        )
+    return packed.view(-1)
+
+
+def _padded_rows(part: torch.Tensor, padding: int) -> torch.Tensor:
+    """`part` [rows, ...] with `padding` rows of zeros after its own (itself when none)."""
+    if not padding:
+        return part.contiguous()
+    return torch.cat((part, part.new_zeros(padding, *part.shape[1:])))
 
 
 def _super_block_rows(
