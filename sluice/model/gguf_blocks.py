@@ -26,6 +26,7 @@ import torch
 from sluice.kernels.contract import SUPER_BLOCK  # weights per K-quant super-block
 from sluice.model.block_rows import (
     BLOCK,
+    SUPER_QUANT_BYTES,
     BlockFormat,
     BlockRows,
     pack_five_bits,
@@ -139,12 +140,13 @@ def _q6_k_rows(supers: np.ndarray, rows: int, columns: int) -> BlockRows:
     # (weights 32i .. 32i + 31) takes the low (i = 0, 1) or high (2, 3) nibbles of bytes
     # 0..31 (i even) or 32..63 (i odd), and bits 2i..2i+1 of the 32 high bytes.
     low = _bytes(supers[:, :128]).reshape(-1, 2, 2, BLOCK)  # [super, half, first/second 32 bytes, byte]
-    quants = torch.empty(len(supers), 2, 4, 24, dtype=torch.uint8)  # [super, half, quarter, q6_k's bytes a block]
+    block_bytes = SUPER_QUANT_BYTES[BlockFormat.Q6_K]  # 16 of low nibbles, 8 of high bits
+    quants = torch.empty(len(supers), 2, 4, block_bytes, dtype=torch.uint8)  # [super, half, quarter, byte]
     # Quarter i is at 2 (i // 2) + i % 2: [.., low/high nibbles, first/second 32 bytes, ..]
-    quants[..., :16].unflatten(2, (2, 2)).copy_(pack_nibble_runs(low).transpose(2, 3))
-    quants[..., 16:].copy_(_q6_k_high_bits(_bytes(supers[:, 128:192])))
+    quants[..., : BLOCK // 2].unflatten(2, (2, 2)).copy_(pack_nibble_runs(low).transpose(2, 3))
+    quants[..., BLOCK // 2 :].copy_(_q6_k_high_bits(_bytes(supers[:, 128:192])))
     blocks_per_row = columns // BLOCK
-    quants = quants.view(rows, blocks_per_row, 24)
+    quants = quants.view(rows, blocks_per_row, block_bytes)
     supers_per_row = columns // SUPER_BLOCK
     sub_scales = _bytes(supers[:, 192:208]).view(torch.int8).reshape(rows, supers_per_row, 16)
     d = _float16(supers[:, 208:210]).reshape(rows, supers_per_row, 1)
