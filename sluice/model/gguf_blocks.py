@@ -26,6 +26,7 @@ import torch
 from sluice.kernels.contract import SUPER_BLOCK  # weights per K-quant super-block
 from sluice.model.block_rows import (
     BLOCK,
+    HIGH_BIT_SHIFTS,
     SUPER_QUANT_BYTES,
     BlockFormat,
     BlockRows,
@@ -105,7 +106,7 @@ def _k_quant_rows(supers: np.ndarray, rows: int, columns: int) -> BlockRows:
     scales = [sc, mn, d, dmin]
     if not five_bits:
         return BlockRows(BlockFormat.Q4_K, pack_nibble_runs(runs).reshape(rows, -1, BLOCK // 2), scales)
-    q = unpack_nibbles(pack_nibble_runs(runs)).reshape(-1, 8, BLOCK)  # [super, block, weight]
+    q = torch.stack((runs & 0x0F, runs >> 4), dim=2).reshape(-1, 8, BLOCK)  # [super, block, weight]
     # Bit b of byte l of the fifth bits is weight l's of block b.
     fifth = (_bytes(supers[:, 16:48]).reshape(-1, 1, BLOCK) >> _BLOCK_BITS) & 1
     return BlockRows(BlockFormat.Q5_K, pack_five_bits((q | fifth << 4).reshape(rows, -1, BLOCK)), scales)
@@ -164,7 +165,7 @@ def _q6_k_high_bits(high: torch.Tensor) -> torch.Tensor:
     return packed.contiguous().view(torch.uint8).reshape(-1, 2, 4, 8)
 
 
-_QUARTER_SHIFTS: Final = torch.tensor([0, 2, 4, 6], dtype=torch.int32).view(4, 1, 1)  # a quarter's bits in a byte
+_QUARTER_SHIFTS: Final = HIGH_BIT_SHIFTS.to(torch.int32).view(4, 1, 1)  # a quarter's bits in a byte
 
 
 def _bytes(part: np.ndarray) -> torch.Tensor:
