@@ -91,6 +91,36 @@ class TokenizerUnreadable(ValueError):
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model")
 
 
+# What transformers may read to build a folder's tokenizer (config.json names its class where
+# tokenizer_config.json does not).
+_TOKENIZER_INPUTS = (
+    *_TOKENIZER_FILES,
+    "merges.txt",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "config.json",
+)
+
+
+def tokenizer_source_digest(model_path: str) -> bytes | None:
+    """A digest of what `load_tokenizer` builds the tokenizer of `model_path` from: a GGUF
+    file's metadata, or the names and contents of a HF folder's tokenizer files. None for a
+    path it refuses."""
+    path = Path(model_path)
+    if path.is_dir():
+        digest = hashlib.sha256()
+        for name in _TOKENIZER_INPUTS:
+            if (file := path / name).is_file():
+                contents = file.read_bytes()
+                digest.update(f"{name} {len(contents)}\n".encode())
+                digest.update(contents)
+        return digest.digest()
+    if path.suffix == ".gguf" and path.is_file():
+        return hashlib.sha256(read_gguf(path).metadata).digest()
+    return None
+
+
 def check_folder_has_a_tokenizer(path: str | Path) -> None:
     """Refuse a HF folder without tokenizer files (a GGUF file always holds its vocabulary)."""
     path = Path(path)

@@ -17,6 +17,7 @@ import msgspec
 import zmq
 
 from sluice.config import PortArgs, ServerArgs
+from sluice.detokenizer.decoding_tokenizer import DecodingTokenizer, load_decoding_tokenizer
 from sluice.detokenizer.incremental import IncrementalDetokenizer
 from sluice.ipc import LAST_WORDS_MS, Receiver, Sender
 from sluice.messages import (
@@ -31,7 +32,7 @@ from sluice.messages import (
     TokenIDOutput,
 )
 from sluice.procutil import become_child_process
-from sluice.tokenizer_files import TokenizerUnreadable, keep_torch_out_where_the_tokenizer_allows, load_tokenizer
+from sluice.tokenizer_files import TokenizerUnreadable, keep_torch_out_where_the_tokenizer_allows
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -40,7 +41,7 @@ logger = logging.getLogger(__name__)
 
 
 class DetokenizerManager:
-    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+    def __init__(self, tokenizer: DecodingTokenizer | PreTrainedTokenizerBase) -> None:
         self.tokenizer = tokenizer
         self.decoders: dict[str, IncrementalDetokenizer] = {}
         # Requests finished by a stop string whose final scheduler output has not come yet.
@@ -115,7 +116,7 @@ def run_detokenizer_process(server_args_data: bytes, port_args_data: bytes) -> N
     context = zmq.Context(1)
     to_tokenizer = Sender(context, port_args.tokenizer_input)
     try:
-        manager = DetokenizerManager(load_tokenizer(args.resolved_model_path()))
+        manager = DetokenizerManager(load_decoding_tokenizer(args.resolved_model_path()))
         inbox = Receiver(context, port_args.detokenizer_input)
         to_scheduler = Sender(context, port_args.scheduler_input)
         to_tokenizer.send(DetokenizerReady())
