@@ -264,6 +264,15 @@ class ServerArgs:
         default=60.0,
         metadata={"help": "Seconds without output while requests are in flight before the stuck state is logged."},
     )
+    shutdown_timeout: int = field(
+        default=15,
+        metadata={
+            "help": (
+                "Seconds an HTTP worker may take after SIGTERM to finish the requests it serves; streams still open "
+                "then are closed and a worker still running is killed."
+            )
+        },
+    )
     max_request_body_bytes: int = field(
         default=16 * 1024 * 1024, metadata={"help": "Largest HTTP request body accepted (413 above)."}
     )
@@ -365,6 +374,7 @@ class ServerArgs:
                 "reasoning_parser must be none, qwen3 or deepseek-r1",
             ),
             (0 < self.soft_watchdog_timeout < math.inf, "soft_watchdog_timeout must be a number > 0"),
+            (self.shutdown_timeout >= 1, "shutdown_timeout must be >= 1"),
             (self.max_request_body_bytes >= 1024, "max_request_body_bytes must be >= 1024"),
             (
                 self.log_level in ("debug", "info", "warning", "error"),

@@ -285,7 +285,7 @@ def _report_dead_backend(backend: Backend) -> None:
     if name == ROUTER_PROCESS:
         # It owned the inbox a failure would be reported to, and every request and reply
         # passed through it: no worker can serve. Each is told in its own inbox, so that its
-        # requests fail now (they waited out the workers' 15 s stop, then were cut without an
+        # requests fail now (they waited out the workers' --shutdown-timeout, then were cut without an
         # error), and the server stops, for a supervisor to restart.
         logger.error("the HTTP workers cannot reach the Scheduler without the router: stopping the server")
         backend.router_died = True

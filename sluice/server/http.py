@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import multiprocessing
+import socket
 import sys
 import time
 
@@ -15,10 +16,6 @@ from uvicorn.supervisors import Multiprocess
 from sluice.config import ServerArgs
 
 logger = logging.getLogger(__name__)
-
-# How long a worker process may take to stop after SIGTERM (it finishes the requests it
-# serves) before it is killed.
-WORKER_STOP_GRACE_S = 15.0
 
 
 def serve_http(server_args: ServerArgs, app, workers: int = 1) -> None:
@@ -43,12 +40,12 @@ def serve_http(server_args: ServerArgs, app, workers: int = 1) -> None:
         http="httptools",
         # Streams still open then are closed: without a limit, one streaming near the context
         # length held a SIGTERM off for minutes (the multi-worker supervisor kills at the same time).
-        timeout_graceful_shutdown=int(WORKER_STOP_GRACE_S),
+        timeout_graceful_shutdown=server_args.shutdown_timeout,
     )
     # What uvicorn.run does, with a bounded wait for the workers to stop.
     if workers > 1:
         with contextlib.suppress(KeyboardInterrupt):
-            _BoundedWorkers(config, sockets=[config.bind_socket()]).run()
+            _BoundedWorkers(config, [config.bind_socket()], server_args.shutdown_timeout).run()
         return
     server = uvicorn.Server(config)
     with contextlib.suppress(KeyboardInterrupt):
@@ -76,7 +73,7 @@ def _serve_granian(server_args: ServerArgs, app_factory: str, workers: int) -> N
         workers=workers,
         factory=True,
         log_level=LogLevels.warning,
-        workers_kill_timeout=int(WORKER_STOP_GRACE_S),
+        workers_kill_timeout=server_args.shutdown_timeout,
         # As uvicorn's supervisor: a worker that dies is replaced (it registers with the router;
         # /health says one died), not the end of the whole server. One worker is the server.
         respawn_failed_workers=workers > 1,
@@ -86,13 +83,17 @@ def _serve_granian(server_args: ServerArgs, app_factory: str, workers: int) -> N
 class _BoundedWorkers(Multiprocess):
     """uvicorn's supervisor of worker processes, which on SIGTERM waits for each worker
     without a limit: one whose event loop a bug keeps busy would hold the server up for
-    ever. A worker still running WORKER_STOP_GRACE_S after the SIGTERM is killed."""
+    ever. A worker still running `stop_timeout_s` (--shutdown-timeout) after the SIGTERM is killed."""
+
+    def __init__(self, config: uvicorn.Config, sockets: list[socket.socket], stop_timeout_s: int) -> None:
+        super().__init__(config, sockets)
+        self.stop_timeout_s = stop_timeout_s
 
     def join_all(self) -> None:
-        deadline = time.monotonic() + WORKER_STOP_GRACE_S
+        deadline = time.monotonic() + self.stop_timeout_s
         for worker in self.processes:
             worker.process.join(max(deadline - time.monotonic(), 0.0))
             if worker.process.is_alive():
-                logger.error("HTTP worker %d did not stop within %.0f s: killed", worker.pid, WORKER_STOP_GRACE_S)
+                logger.error("HTTP worker %d did not stop within %d s: killed", worker.pid, self.stop_timeout_s)
                 worker.kill()
                 worker.process.join()

@@ -138,10 +138,8 @@ def test_only_the_scheduler_loads_torch(server):
 def test_sigterm_stops_the_server_while_a_long_stream_runs():
     """One HTTP process (the default): uvicorn waited for every open stream before it
     stopped, so a client streaming thousands of tokens held a SIGTERM off for minutes. Now
-    the streams still open WORKER_STOP_GRACE_S after it are closed, as with HTTP workers."""
-    from sluice.server.http import WORKER_STOP_GRACE_S
-
-    server = RunningServer("--max-total-tokens", "8000")
+    the streams still open --shutdown-timeout seconds after it are closed, as with HTTP workers."""
+    server = RunningServer("--max-total-tokens", "8000", "--shutdown-timeout", "2")
     try:
         children = psutil.Process(server.process.pid).children(recursive=True)
         body = {"max_new_tokens": 7000, "ignore_eos": True}
@@ -150,7 +148,7 @@ def test_sigterm_stops_the_server_while_a_long_stream_runs():
         reader.start()
         assert reader.first_event.wait(60)
         server.process.send_signal(signal.SIGTERM)
-        server.process.wait(WORKER_STOP_GRACE_S + 30)  # TimeoutExpired fails the test
+        server.process.wait(12)  # less than the default 15 s; TimeoutExpired fails the test
         _, alive = psutil.wait_procs([c for c in children if c.is_running()], timeout=10)
         assert not alive, [c.cmdline() for c in alive]
         reader.join(30)

@@ -13,7 +13,6 @@ import httpx
 import psutil
 import pytest
 
-from sluice.server.http import WORKER_STOP_GRACE_S
 from tests.helpers import RunningServer, generate, greedy, internal_states, scrape, wait_for_states
 
 API_KEY, ADMIN_KEY = "test-key-123", "admin-key-456"
@@ -216,7 +215,7 @@ def test_a_dead_router_stops_the_server():
         children = main.children(recursive=True)
         [router] = [c for c in children if c.name().startswith("sluice-router")]
         # A stream in flight ends with an error event at once: it waited out the workers'
-        # 15 s stop and was then cut without one.
+        # stop (--shutdown-timeout, 15 s) and was then cut without one.
         events: list[str] = []
         body = {"text": "Tell me a story.", "stream": True, "sampling_params": {**greedy(3000), "ignore_eos": True}}
 
@@ -230,7 +229,7 @@ def test_a_dead_router_stops_the_server():
         while not events and time.monotonic() < deadline:
             time.sleep(0.1)
         router.kill()
-        reader.join(WORKER_STOP_GRACE_S - 5)
+        reader.join(10)
         assert not reader.is_alive(), (events[-3:], server.read_log()[-3000:])
         assert '"error"' in events[-2] and "sluice-router" in events[-2], events[-3:]
         assert server.process.wait(60) == 1
@@ -244,8 +243,9 @@ def test_a_dead_router_stops_the_server():
 @pytest.mark.parametrize("http_server", ["uvicorn", "granian"])
 def test_sigterm_stops_the_server_though_a_worker_does_not_stop(http_server):
     """A worker that cannot stop (its event loop stuck in a bug; here stopped with SIGSTOP)
-    is killed WORKER_STOP_GRACE_S after the SIGTERM instead of holding the server up."""
-    server = RunningServer("--max-total-tokens", "4000", "--tokenizer-worker-num", "2", "--http-server", http_server)
+    is killed --shutdown-timeout seconds after the SIGTERM instead of holding the server up."""
+    flags = "--max-total-tokens 4000 --tokenizer-worker-num 2 --shutdown-timeout 2".split()
+    server = RunningServer(*flags, "--http-server", http_server)
     try:
         main = psutil.Process(server.process.pid)
         wait_for_log(server, "registered (2 workers)")
@@ -254,9 +254,11 @@ def test_sigterm_stops_the_server_though_a_worker_does_not_stop(http_server):
         children = main.children(recursive=True)
         workers[0].suspend()
         server.process.send_signal(signal.SIGTERM)
-        server.process.wait(WORKER_STOP_GRACE_S + 30)  # TimeoutExpired fails the test
+        server.process.wait(12)  # less than the default 15 s; TimeoutExpired fails the test
         _, alive = psutil.wait_procs(children, timeout=10)
         assert not [c for c in alive if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+        if http_server == "uvicorn":  # Granian kills it without a word
+            assert "did not stop within 2 s: killed" in server.read_log()
     finally:
         server.stop()
 

@@ -317,6 +317,12 @@ def test_sizes_the_server_cannot_serve_or_allocate_are_refused_in_a_line(flags, 
     assert message in result.stderr and "Traceback" not in result.stderr, result.stderr
 
 
+def test_a_shutdown_timeout_below_one_second_is_refused():
+    """uvicorn and Granian read 0 as no limit: a SIGTERM would wait for every stream."""
+    with pytest.raises(ValueError, match="shutdown_timeout must be >= 1"):
+        ServerArgs(shutdown_timeout=0)
+
+
 def test_every_replica_s_kv_cache_counts_against_the_memory(monkeypatch):
     """--dp-size replicas each allocate their own KV cache and token table: two that each fit
     alone but not together were let through (the kernel would kill one as they filled)."""
