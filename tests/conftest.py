@@ -33,14 +33,17 @@ class TransformersReference(NamedTuple):
 @pytest.fixture(scope="session")
 def transformers_default_model() -> TransformersReference:
     """transformers' own tokenizer and float32 model of the default GGUF, the reference the
-    parity and embedding tests hold sluice to. Loading them takes transformers half a minute
-    on a slow core (it parses the GGUF twice), so the whole session shares one."""
+    parity and embedding tests hold sluice to. Loading the model takes transformers half a
+    minute on a slow core, so the whole session shares one. The tokenizer is transformers'
+    conversion of the file's vocabulary as sluice caches it (test_tokenizer_files checks the
+    cached copy against a fresh conversion): converting it again took another 5-10 s."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     from sluice.model_files import default_model_path
+    from sluice.tokenizer_files import load_tokenizer
 
     path = Path(default_model_path())
-    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    tokenizer = load_tokenizer(str(path))
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
     return TransformersReference(tokenizer, model.eval())
