@@ -117,8 +117,14 @@ def tokenizer_source_digest(model_path: str) -> bytes | None:
                 digest.update(contents)
         return digest.digest()
     if path.suffix == ".gguf" and path.is_file():
-        return hashlib.sha256(read_gguf(path).metadata).digest()
+        return _gguf_metadata_digest(path)
     return None
+
+
+def _gguf_metadata_digest(path: Path) -> bytes:
+    """A GGUF file's tokenizer is built from its metadata alone (vocabulary, merges, special
+    token ids, chat template): files that share it share one tokenizer."""
+    return hashlib.sha256(read_gguf(path).metadata).digest()
 
 
 def check_folder_has_a_tokenizer(path: str | Path) -> None:
@@ -201,7 +207,7 @@ def _gguf_cache_key(path: Path) -> str:
     The transformers version is part of the key because its GGUF converter changes between
     releases; it is read from the package's metadata: importing transformers would decide,
     for this process, whether torch is there."""
-    digest = hashlib.sha256(read_gguf(path).metadata)
+    digest = hashlib.sha256(_gguf_metadata_digest(path))
     digest.update(importlib.metadata.version("transformers").encode())
     return f"gguf-{digest.hexdigest()[:16]}"
 
