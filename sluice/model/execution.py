@@ -7,7 +7,8 @@ and the kernels offer:
                       AVX2: the fastest path there is, and batch-invariant); elsewhere
                       bfloat16 torch ops where oneDNN has bf16 kernels, else float32 torch ops
     --dtype float32   the C kernels where they run, else float32 torch ops (with a warning)
-    --dtype bfloat16  torch ops in bfloat16 (the kernels take float32 activations)
+    --dtype bfloat16  torch ops in bfloat16 (the kernels take float32 activations); on a CPU
+                      without bf16 instructions torch emulates them (a warning says so)
 
     --kv-cache-dtype auto   float16 on the kernels (half the bytes attention reads, no
                             change in greedy output on the parity tests), the model dtype on torch
@@ -85,6 +86,12 @@ def choose_execution(dtype: str | torch.dtype = "auto", kv_cache_dtype: str = "a
     else:
         backend, activations = TorchBackend(), wanted
         why = f"torch ops in {_dtype_name(wanted)} (--dtype {_dtype_name(wanted)}; the C kernels take float32)"
+        if wanted == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+            emulated = (
+                "this CPU has no bf16 instructions: torch emulates bfloat16, several times slower than --dtype auto"
+            )
+            why = f"{why}; {emulated}"
+            logger.warning("--dtype bfloat16: %s", emulated)
 
     if kv_cache_dtype == "auto":
         kv_dtype = torch.float16 if isinstance(backend, KernelBackend) else activations

@@ -43,6 +43,24 @@ def test_server_info_reports_the_model_name_and_context_length_in_effect(server)
         assert "q4_1" in info["execution"]["gemm"]
 
 
+def test_bfloat16_runs_torch_ops_and_says_when_the_cpu_emulates_them():
+    """--dtype bfloat16 bypasses the kernels by request. On a CPU without bf16 instructions
+    torch emulates it, several times slower: the start-up log and /get_server_info say so."""
+    import torch
+
+    server = RunningServer("--dtype", "bfloat16", "--max-total-tokens", "2000", "--skip-warmup")
+    try:
+        execution = httpx.get(server.base_url + "/get_server_info", timeout=30).json()["execution"]
+        assert execution["backend"] == "torch" and execution["activations"] == "bfloat16"
+        emulated = "this CPU has no bf16 instructions: torch emulates bfloat16"
+        has_bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        assert (emulated in execution["why"]) == (emulated in server.read_log()) == (not has_bf16)
+        r = generate(server.base_url, text="The capital of France is", sampling_params=greedy(4))
+        assert r.status_code == 200 and "Paris" in r.json()["text"], r.text
+    finally:
+        server.stop()
+
+
 def test_an_fp8_kv_cache_holds_twice_the_tokens_in_the_same_memory_and_answers():
     """--kv-cache-dtype fp8_e5m2: a byte an element, so the same --kv-cache-memory-gb holds twice
     float16's tokens; the server says so and still answers (lossy: not the default's tokens)."""
