@@ -73,7 +73,7 @@ class RunningServer:
                     return
             except httpx.HTTPError:
                 pass
-            time.sleep(0.5)
+            time.sleep(0.1)
         raise RuntimeError(f"server not ready in {SERVER_START_TIMEOUT_S} s:\n{self.read_log()}")
 
     def _wait_for_warm_ups(self, workers: int, api_key: str) -> None:

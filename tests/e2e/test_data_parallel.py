@@ -27,8 +27,11 @@ def start(method: str) -> RunningServer:
     )
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def cache_aware():
+    """For the session, not the module: the greedy test below runs once for each topology of
+    the session's servers, in pytest's order far apart, and a module's server started again
+    for each (three starts of ~11 s)."""
     server = start("cache_aware")
     yield server
     server.stop()
